@@ -1,0 +1,77 @@
+"""Built-in accelerator catalog: datasheet figures (dense, no sparsity).
+
+Sources: ../shared/reference/devices.md where it lists the device, else the vendor datasheet.
+Memory is taken as GiB (what the driver reports for "80 GB" parts is ~80 GiB).
+Bandwidths are per device and per direction, in GB/s (1e9 bytes/s).
+`tflops_bf16` is the FP16/BF16 tensor-core peak (fp32 accumulate); devices without bf16 tensor
+cores (V100, T4, Turing boards) list their fp16 tensor peak there, since mixed-precision training
+on them runs in fp16.
+"""
+
+from __future__ import annotations
+
+PCIE3 = {"bandwidth_GBps": 16.0, "latency_us": 5.0, "kind": "PCIe3"}
+PCIE4 = {"bandwidth_GBps": 32.0, "latency_us": 5.0, "kind": "PCIe4"}
+PCIE5 = {"bandwidth_GBps": 64.0, "latency_us": 5.0, "kind": "PCIe5"}
+
+
+def _nvlink(gbps: float, gen: str) -> dict:
+    return {"bandwidth_GBps": gbps, "latency_us": 2.0, "kind": gen}
+
+
+# name: tflops (fp32, tf32, bf16), memory GiB, memory bandwidth GB/s, intra-node link, host link, kind
+CATALOG: dict[str, dict] = {
+    "H100-SXM": dict(tflops_fp32=67.0, tflops_tf32=494.5, tflops_bf16=989.0, memory_GiB=80,
+                     memory_bandwidth_GBps=3350, intra_node=_nvlink(450, "NVLink4"), host_link=PCIE5),
+    "H200": dict(tflops_fp32=67.0, tflops_tf32=494.5, tflops_bf16=989.0, memory_GiB=141,
+                 memory_bandwidth_GBps=4800, intra_node=_nvlink(450, "NVLink4"), host_link=PCIE5),
+    "A100-40GB": dict(tflops_fp32=19.5, tflops_tf32=156.0, tflops_bf16=312.0, memory_GiB=40,
+                      memory_bandwidth_GBps=1555, intra_node=_nvlink(300, "NVLink3"), host_link=PCIE4),
+    "A100-80GB": dict(tflops_fp32=19.5, tflops_tf32=156.0, tflops_bf16=312.0, memory_GiB=80,
+                      memory_bandwidth_GBps=2039, intra_node=_nvlink(300, "NVLink3"), host_link=PCIE4),
+    "V100-16GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_bf16=125.0, memory_GiB=16,
+                      memory_bandwidth_GBps=900, intra_node=_nvlink(150, "NVLink2"), host_link=PCIE3),
+    "V100-32GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_bf16=125.0, memory_GiB=32,
+                      memory_bandwidth_GBps=900, intra_node=_nvlink(150, "NVLink2"), host_link=PCIE3),
+    "T4": dict(tflops_fp32=8.1, tflops_tf32=8.1, tflops_bf16=65.0, memory_GiB=16,
+               memory_bandwidth_GBps=320, intra_node=PCIE3, host_link=PCIE3),
+    "A10": dict(tflops_fp32=31.2, tflops_tf32=62.5, tflops_bf16=125.0, memory_GiB=24,
+                memory_bandwidth_GBps=600, intra_node=PCIE4, host_link=PCIE4),
+    "A10G": dict(tflops_fp32=31.2, tflops_tf32=35.0, tflops_bf16=70.0, memory_GiB=24,
+                 memory_bandwidth_GBps=600, intra_node=PCIE4, host_link=PCIE4),
+    "L4": dict(tflops_fp32=30.3, tflops_tf32=60.0, tflops_bf16=121.0, memory_GiB=24,
+               memory_bandwidth_GBps=300, intra_node=PCIE4, host_link=PCIE4),
+    "L40S": dict(tflops_fp32=91.6, tflops_tf32=183.0, tflops_bf16=362.0, memory_GiB=48,
+                 memory_bandwidth_GBps=864, intra_node=PCIE4, host_link=PCIE4),
+    "RTX-3090": dict(tflops_fp32=35.6, tflops_tf32=35.6, tflops_bf16=71.0, memory_GiB=24,
+                     memory_bandwidth_GBps=936, intra_node=PCIE4, host_link=PCIE4),
+    "RTX-4090": dict(tflops_fp32=82.6, tflops_tf32=82.6, tflops_bf16=165.0, memory_GiB=24,
+                     memory_bandwidth_GBps=1008, intra_node=PCIE4, host_link=PCIE4),
+    "RTX-2080Ti": dict(tflops_fp32=13.4, tflops_tf32=13.4, tflops_bf16=53.8, memory_GiB=11,
+                       memory_bandwidth_GBps=616, intra_node=PCIE3, host_link=PCIE3),
+    "TITAN-RTX": dict(tflops_fp32=16.3, tflops_tf32=16.3, tflops_bf16=130.0, memory_GiB=24,
+                      memory_bandwidth_GBps=672, intra_node=PCIE3, host_link=PCIE3),
+    "MI250X": dict(tflops_fp32=47.9, tflops_tf32=95.7, tflops_bf16=383.0, memory_GiB=128,
+                   memory_bandwidth_GBps=3200, intra_node={"bandwidth_GBps": 200.0, "latency_us": 3.0,
+                                                           "kind": "InfinityFabric"}, host_link=PCIE4),
+    "MI300X": dict(tflops_fp32=163.4, tflops_tf32=653.7, tflops_bf16=1307.0, memory_GiB=192,
+                   memory_bandwidth_GBps=5300, intra_node={"bandwidth_GBps": 448.0, "latency_us": 3.0,
+                                                           "kind": "InfinityFabric"}, host_link=PCIE5),
+    # GPU part of the 32 GB module; memory is shared with the board's CPU.
+    "Jetson-AGX-Orin": dict(tflops_fp32=5.3, tflops_tf32=5.3, tflops_bf16=42.5, memory_GiB=32,
+                            memory_bandwidth_GBps=204.8, intra_node={"bandwidth_GBps": 100.0,
+                                                                     "latency_us": 1.0, "kind": "shared"},
+                            host_link={"bandwidth_GBps": 100.0, "latency_us": 1.0, "kind": "unified"},
+                            kind="edge"),
+}
+
+# Inter-node network defaults (per device, one direction) used when a cluster file gives none.
+DEFAULT_NETWORK = {"bandwidth_GBps": 25.0, "latency_us": 5.0}  # InfiniBand HDR, one port per GPU
+EDGE_NETWORK = {"bandwidth_GBps": 0.125, "latency_us": 100.0}  # 1 Gb/s Ethernet
+
+# Aliases users commonly type.
+ALIASES = {
+    "H100": "H100-SXM", "A100": "A100-80GB", "V100": "V100-32GB", "A100-SXM4-80GB": "A100-80GB",
+    "A100-SXM4-40GB": "A100-40GB", "RTX3090": "RTX-3090", "RTX4090": "RTX-4090",
+    "RTX2080TI": "RTX-2080Ti", "TITANRTX": "TITAN-RTX", "ORIN": "Jetson-AGX-Orin",
+}

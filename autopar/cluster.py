@@ -1,0 +1,400 @@
+"""Cluster descriptions: device specs, links, and the global device order used for ranks.
+
+A cluster is loaded from a YAML/JSON file, a dict of the same shape, or a shorthand string
+("2x8xA100-80GB+1x4xV100-16GB"). Device `i` of the cluster (file order: node groups, then nodes,
+then devices within a node) is rank `i` of every program autopar generates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .catalog import ALIASES, CATALOG, DEFAULT_NETWORK, EDGE_NETWORK
+from .errors import ClusterError, close_matches
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Link:
+    """A one-direction link: bandwidth in bytes/s, latency in seconds."""
+
+    bandwidth: float
+    latency: float
+    kind: str = ""
+
+    @property
+    def bandwidth_GBps(self) -> float:
+        return self.bandwidth / 1e9
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_GBps": self.bandwidth / 1e9, "latency_us": self.latency * 1e6, "kind": self.kind}
+
+
+@dataclass(frozen=True, eq=True)
+class DeviceSpec:
+    """Datasheet figures of one device type. FLOP/s and bytes/s are SI units."""
+
+    name: str
+    peak_flops: dict[str, float]  # keys: fp32, tf32, bf16, fp16
+    memory: int  # bytes
+    memory_bandwidth: float  # bytes/s
+    intra_node: Link
+    host_link: Link
+    kind: str = "gpu"  # gpu | cpu | edge
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype ('fp32', 'tf32', 'bf16', 'fp16')."""
+        return self.peak_flops.get(dtype, self.peak_flops["fp32"])
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "tflops_fp32": self.peak_flops["fp32"] / 1e12,
+            "tflops_tf32": self.peak_flops["tf32"] / 1e12,
+            "tflops_bf16": self.peak_flops["bf16"] / 1e12,
+            "memory_GiB": self.memory / GiB,
+            "memory_bandwidth_GBps": self.memory_bandwidth / 1e9,
+            "intra_node": self.intra_node.to_dict(),
+            "host_link": self.host_link.to_dict(),
+            "kind": self.kind,
+        }
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int  # global index = rank
+    node: int  # global node index
+    local_rank: int  # index within its node
+    spec: DeviceSpec
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    group: int  # node group in the file
+    devices: tuple[int, ...]
+    intra_node: Link
+
+
+@dataclass(frozen=True)
+class Cluster:
+    devices: tuple[Device, ...]
+    nodes: tuple[Node, ...]
+    network: Link
+    name: str = "cluster"
+    source: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- construction -------------------------------------------------------------------
+    @staticmethod
+    def load(x: str | os.PathLike | dict | Cluster) -> Cluster:
+        """Load from a YAML/JSON path, a dict of the file's shape, or a shorthand string."""
+        if isinstance(x, Cluster):
+            return x
+        if isinstance(x, dict):
+            return _from_dict(x, where="cluster")
+        if isinstance(x, os.PathLike) or (isinstance(x, str) and _looks_like_path(x)):
+            return _from_dict(_read_file(Path(x)), where=str(x))
+        if isinstance(x, str):
+            return _from_dict(parse_shorthand(x), where=f"shorthand {x!r}")
+        raise ClusterError(
+            f"Cluster.load() takes a file path, a dict or a shorthand string like '1x8xA100-80GB', "
+            f"not {type(x).__name__}."
+        )
+
+    @staticmethod
+    def local() -> Cluster:
+        """The machine this runs on: its CUDA GPUs, or the CPU as one device."""
+        import torch
+
+        if torch.cuda.is_available():
+            names = [_catalog_name_for_gpu(torch.cuda.get_device_name(i), i) for i in range(torch.cuda.device_count())]
+            groups: list[dict] = []
+            for n in names:
+                if groups and groups[-1]["device"] == n:
+                    groups[-1]["devices_per_node"] += 1
+                else:
+                    groups.append({"device": n, "devices_per_node": 1})
+            if len(groups) == 1:
+                return _from_dict({"name": "local", "nodes": groups}, where="local")
+            # Mixed GPUs in one box: one node, custom grouping is not expressible, so use the slowest link.
+            return _from_dict({"name": "local", "nodes": groups}, where="local")
+        return _from_dict({"name": "local", "nodes": [{"device": "cpu", "devices_per_node": 1}]}, where="local")
+
+    # ---- queries ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def device_types(self) -> list[str]:
+        """Distinct device type names, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for d in self.devices:
+            seen.setdefault(d.spec.name, None)
+        return list(seen)
+
+    def spec(self, type_name: str) -> DeviceSpec:
+        for d in self.devices:
+            if d.spec.name == type_name:
+                return d.spec
+        raise ClusterError(f"no device of type {type_name!r} in cluster {self.name!r}; it has {self.device_types()}")
+
+    def same_node(self, i: int, j: int) -> bool:
+        return self.devices[i].node == self.devices[j].node
+
+    def link(self, i: int, j: int) -> Link:
+        """The link data takes from device i to device j (intra-node or the network)."""
+        if self.same_node(i, j):
+            return self.nodes[self.devices[i].node].intra_node
+        return self.network
+
+    def subset(self, indices: list[int] | tuple[int, ...], name: str | None = None) -> Cluster:
+        """The cluster made of the given devices (re-indexed in the given order)."""
+        devices, nodes, node_map = [], [], {}
+        for new_i, old_i in enumerate(indices):
+            d = self.devices[old_i]
+            if d.node not in node_map:
+                old = self.nodes[d.node]
+                node_map[d.node] = len(nodes)
+                nodes.append(Node(len(nodes), old.group, (), old.intra_node))
+            n = node_map[d.node]
+            local = len(nodes[n].devices)
+            nodes[n] = replace(nodes[n], devices=nodes[n].devices + (new_i,))
+            devices.append(Device(new_i, n, local, d.spec))
+        return Cluster(tuple(devices), tuple(nodes), self.network, name or f"{self.name}-subset")
+
+    def to_dict(self) -> dict:
+        """A dict that `Cluster.load` turns back into an equal cluster (custom specs inlined)."""
+        groups: list[dict] = []
+        for node in self.nodes:
+            spec = self.devices[node.devices[0]].spec
+            types = {self.devices[i].spec.name for i in node.devices}
+            if len(types) != 1:
+                raise ClusterError("a node holding several device types cannot be written as a cluster file")
+            entry = {"device": spec.to_dict(), "devices_per_node": len(node.devices), "count": 1,
+                     "intra_node": node.intra_node.to_dict()}
+            last = groups[-1] if groups else None
+            if last and {k: v for k, v in last.items() if k != "count"} == {k: v for k, v in entry.items()
+                                                                             if k != "count"}:
+                last["count"] += 1
+            else:
+                groups.append(entry)
+        return {"name": self.name, "nodes": groups, "network": self.network.to_dict()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def describe(self) -> str:
+        parts = []
+        for node in self.nodes:
+            spec = self.devices[node.devices[0]].spec
+            parts.append(f"{len(node.devices)}x{spec.name}")
+        return f"{self.name}: {self.world_size} devices in {len(self.nodes)} nodes ({', '.join(parts)})"
+
+
+# ---- parsing ------------------------------------------------------------------------------
+
+_SHORTHAND_GROUP = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*x\s*([A-Za-z0-9_.\-]+)\s*$")
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.endswith((".yaml", ".yml", ".json")) or os.sep in s or Path(s).is_file()
+
+
+def parse_shorthand(s: str) -> dict:
+    """'2x8xA100-80GB+1x4xV100-16GB' -> the equivalent cluster dict."""
+    groups = []
+    for part in s.split("+"):
+        m = _SHORTHAND_GROUP.match(part)
+        if not m:
+            raise ClusterError(
+                f"cannot read cluster shorthand part {part.strip()!r} of {s!r}: expected "
+                f"NODESxDEVICESxTYPE groups joined by '+', e.g. '2x8xA100-80GB+1x4xV100-16GB'."
+            )
+        groups.append({"device": m.group(3), "devices_per_node": int(m.group(2)), "count": int(m.group(1))})
+    return {"name": s, "nodes": groups}
+
+
+def _read_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ClusterError(f"cluster file {str(path)!r} does not exist (pass a path, a dict or a shorthand "
+                           f"string like '1x8xA100-80GB').")
+    text = path.read_text()
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)  # JSON is YAML too
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ClusterError(f"malformed cluster file {str(path)!r}{at}: {e.problem or e}. "
+                           f"Fix the YAML there (indentation, ':' after keys, closing brackets).") from None
+    except yaml.YAMLError as e:
+        raise ClusterError(f"malformed cluster file {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ClusterError(f"cluster file {str(path)!r} must hold a mapping with a 'nodes' list, "
+                           f"got {type(data).__name__}.")
+    return data
+
+
+def _number(value: Any, where: str, *, positive: bool = True, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where} must be a number, got {value!r}.")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ClusterError(f"{where} must be finite, got {value!r}.")
+    if positive and (value < 0 or (value == 0 and not allow_zero)):
+        raise ClusterError(f"{where} must be {'non-negative' if allow_zero else 'positive'}, got {value!r}.")
+    return float(value)
+
+
+def _link(d: Any, where: str, default: dict | None) -> Link:
+    if d is None:
+        if default is None:
+            raise ClusterError(f"{where} is missing: give {{bandwidth_GBps: ..., latency_us: ...}}.")
+        d = default
+    if not isinstance(d, dict):
+        raise ClusterError(f"{where} must be a mapping like {{bandwidth_GBps: 25, latency_us: 5}}, got {d!r}.")
+    if "bandwidth_GBps" not in d:
+        if default is None or "latency_us" not in d:
+            raise ClusterError(f"{where}.bandwidth_GBps is missing: give the link's one-direction bandwidth in GB/s.")
+        d = {**default, **d}
+    bw = _number(d["bandwidth_GBps"], f"{where}.bandwidth_GBps")
+    lat = _number(d.get("latency_us", (default or {}).get("latency_us", 5.0)), f"{where}.latency_us",
+                  allow_zero=True)
+    return Link(bw * 1e9, lat * 1e-6, str(d.get("kind", "")))
+
+
+def resolve_device_name(name: str) -> str:
+    """Canonical catalog name for a user-typed device name, or a ClusterError listing close matches."""
+    if name in CATALOG or name == "cpu":
+        return name
+    canon = {k.lower(): k for k in CATALOG}
+    key = name.lower().replace("_", "-")
+    if key in canon:
+        return canon[key]
+    alias = {k.lower(): v for k, v in ALIASES.items()}
+    if key.replace("-", "") in {a.replace("-", "") for a in alias}:
+        for a, v in alias.items():
+            if a.replace("-", "") == key.replace("-", ""):
+                return v
+    if key == "cpu":
+        return "cpu"
+    known = sorted(CATALOG) + ["cpu"]
+    raise ClusterError(f"unknown device type {name!r}.{close_matches(name, known)} Known types: "
+                       f"{', '.join(known)}; or define a custom device as a mapping with name, tflops_fp32, "
+                       f"tflops_bf16, memory_GiB and memory_bandwidth_GBps.")
+
+
+def device_spec(entry: Any, where: str = "device") -> DeviceSpec:
+    """A DeviceSpec from a catalog name or a custom mapping (optionally `based_on` a catalog name)."""
+    if isinstance(entry, str):
+        name = resolve_device_name(entry)
+        if name == "cpu":
+            from .cost_models.host import cpu_spec
+
+            return cpu_spec()
+        return _spec_from_mapping({"name": name, **CATALOG[name]}, where)
+    if isinstance(entry, dict):
+        base: dict = {}
+        if "based_on" in entry:
+            bname = resolve_device_name(str(entry["based_on"]))
+            base = device_spec(bname).to_dict() if bname == "cpu" else {"name": bname, **CATALOG[bname]}
+        elif entry.get("name") and not ({"tflops_fp32", "memory_GiB"} & set(entry)):
+            bname = resolve_device_name(str(entry["name"]))
+            base = device_spec(bname).to_dict() if bname == "cpu" else {"name": bname, **CATALOG[bname]}
+        return _spec_from_mapping({**base, **entry}, where)
+    raise ClusterError(f"{where} must be a catalog name like 'A100-80GB' or a mapping defining a custom device, "
+                       f"got {entry!r}.")
+
+
+def _spec_from_mapping(m: dict, where: str) -> DeviceSpec:
+    for key in ("name", "tflops_fp32", "memory_GiB", "memory_bandwidth_GBps"):
+        if key not in m:
+            raise ClusterError(f"custom {where} is missing {key!r}; a custom device needs name, tflops_fp32, "
+                               f"tflops_bf16, memory_GiB, memory_bandwidth_GBps (or based_on: <catalog name>).")
+    fp32 = _number(m["tflops_fp32"], f"{where}.tflops_fp32")
+    tf32 = _number(m.get("tflops_tf32", fp32), f"{where}.tflops_tf32")
+    bf16 = _number(m.get("tflops_bf16", fp32), f"{where}.tflops_bf16")
+    fp16 = _number(m.get("tflops_fp16", bf16), f"{where}.tflops_fp16")
+    kind = str(m.get("kind", "gpu"))
+    return DeviceSpec(
+        name=str(m["name"]),
+        peak_flops={"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": fp16 * 1e12},
+        memory=int(_number(m["memory_GiB"], f"{where}.memory_GiB") * GiB),
+        memory_bandwidth=_number(m["memory_bandwidth_GBps"], f"{where}.memory_bandwidth_GBps") * 1e9,
+        intra_node=_link(m.get("intra_node"), f"{where}.intra_node", {"bandwidth_GBps": 16.0, "latency_us": 5.0}),
+        host_link=_link(m.get("host_link"), f"{where}.host_link", {"bandwidth_GBps": 16.0, "latency_us": 5.0}),
+        kind=kind,
+    )
+
+
+def _from_dict(d: dict, where: str) -> Cluster:
+    if not isinstance(d, dict):
+        raise ClusterError(f"{where}: a cluster must be a mapping with a 'nodes' list.")
+    groups = d.get("nodes")
+    if not isinstance(groups, list) or not groups:
+        raise ClusterError(f"{where}: 'nodes' must be a non-empty list of node groups, e.g. "
+                           f"[{{device: A100-80GB, devices_per_node: 8, count: 2}}].")
+    devices: list[Device] = []
+    nodes: list[Node] = []
+    for g_i, g in enumerate(groups):
+        gw = f"{where}: nodes[{g_i}]"
+        if not isinstance(g, dict):
+            raise ClusterError(f"{gw} must be a mapping with 'device' and 'devices_per_node', got {g!r}.")
+        if "device" not in g:
+            raise ClusterError(f"{gw} has no 'device': name a catalog type (see `autopar devices`) or define one.")
+        spec = device_spec(g["device"], f"{gw}.device")
+        per = g.get("devices_per_node", 1)
+        count = g.get("count", 1)
+        for key, val in (("devices_per_node", per), ("count", count)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ClusterError(f"{gw}.{key} must be a positive integer, got {val!r}.")
+        intra = _link(g.get("intra_node"), f"{gw}.intra_node", spec.intra_node.to_dict())
+        for _ in range(count):
+            idx = tuple(range(len(devices), len(devices) + per))
+            nodes.append(Node(len(nodes), g_i, idx, intra))
+            devices.extend(Device(i, len(nodes) - 1, k, spec) for k, i in enumerate(idx))
+    default_net = EDGE_NETWORK if all(dev.spec.kind == "edge" for dev in devices) else DEFAULT_NETWORK
+    network = _link(d.get("network"), f"{where}: network", default_net)
+    return Cluster(tuple(devices), tuple(nodes), network, str(d.get("name") or "cluster"), source=d)
+
+
+def _catalog_name_for_gpu(name: str, index: int) -> str | dict:
+    """Map a CUDA device name ('NVIDIA A100-SXM4-80GB') to a catalog entry, else a custom spec."""
+    import torch
+
+    n = name.upper().replace(" ", "-")
+    mem_gib = torch.cuda.get_device_properties(index).total_memory / GiB
+    for key in sorted(CATALOG, key=len, reverse=True):
+        base = key.split("-")[0].upper()
+        if base in n and (not key[-2:] == "GB" or key.split("-")[-1].upper() in n
+                          or abs(CATALOG[key]["memory_GiB"] - mem_gib) < 8):
+            return key
+    if "H100" in n:
+        return "H100-SXM"
+    return {"name": name, "based_on": "A100-80GB", "memory_GiB": round(mem_gib, 1)}
+
+
+def catalog_table() -> str:
+    """The device catalog as a text table (what `autopar devices` prints)."""
+    rows = [("device", "fp32 TF", "tf32 TF", "bf16 TF", "mem GiB", "mem GB/s", "intra-node link", "host link")]
+    for name in CATALOG:
+        s = _spec_from_mapping({"name": name, **CATALOG[name]}, name)
+        rows.append((name, f"{s.peak_flops['fp32'] / 1e12:g}", f"{s.peak_flops['tf32'] / 1e12:g}",
+                     f"{s.peak_flops['bf16'] / 1e12:g}", f"{s.memory / GiB:g}", f"{s.memory_bandwidth / 1e9:g}",
+                     f"{s.intra_node.kind} {s.intra_node.bandwidth / 1e9:g} GB/s",
+                     f"{s.host_link.kind} {s.host_link.bandwidth / 1e9:g} GB/s"))
+    rows.append(("cpu", "measured", "", "", "host RAM", "measured", "-", "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+__all__ = ["Cluster", "Device", "DeviceSpec", "Link", "Node", "device_spec", "parse_shorthand", "catalog_table",
+           "asdict"]

@@ -1,0 +1,1 @@
+"""Cost models: compute (roofline with calibrated efficiencies), memory and communication."""

@@ -1,0 +1,36 @@
+"""Errors autopar raises for bad input: each names what is wrong and what would fix it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class ClusterError(AutoparError, ValueError):
+    """A cluster description is malformed or names something unknown."""
+
+
+class CaptureError(AutoparError, RuntimeError):
+    """A model could not be captured into a graph."""
+
+
+class PlanError(AutoparError, ValueError):
+    """A plan or strategy is inconsistent with the model or the cluster."""
+
+
+class InfeasibleError(AutoparError, RuntimeError):
+    """No plan fits the cluster's memory (or other hard limits)."""
+
+
+def close_matches(word: str, choices: Iterable[str], n: int = 3) -> str:
+    """A ' Did you mean ...?' suffix, or '' when nothing is close."""
+    choices = list(choices)
+    lowered = {c.lower(): c for c in choices}
+    found = difflib.get_close_matches(word.lower(), list(lowered), n=n, cutoff=0.5)
+    if not found:
+        return ""
+    return " Did you mean " + " or ".join(repr(lowered[f]) for f in found) + "?"
