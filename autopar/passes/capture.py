@@ -1,0 +1,196 @@
+"""Capture: model + example batch -> TrainingGraph (forward and loss as aten ops, shapes on every node).
+
+torch.export (non-strict) traces real models (Hugging Face included) that torch.fx.symbolic_trace cannot,
+and works on meta tensors, so a 175B-parameter model is captured without allocating it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CaptureError
+from ..graph import OpNode, ParamInfo, TensorMeta, TrainingGraph
+from .blocks import group_layers
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class LossWrapper(nn.Module):
+    """forward(*inputs[, target]) -> scalar loss, the function autopar trains."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            return model_loss(self.model(*args))
+        *inputs, target = args
+        return self.loss_fn(self.model(*inputs), target)
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The scalar loss a model returns itself: a 0-d tensor or an output object with `.loss`."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor):
+        loss = out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise CaptureError(f"with loss_fn=None the model must return a scalar loss (or an object with .loss), "
+                           f"but it returned {shape}. Pass loss_fn=(output, target) -> loss and example_target=.")
+    return loss.reshape(())
+
+
+def capture(model: nn.Module, example_inputs: tuple | list | torch.Tensor, loss_fn: LossFn | None = None,
+            example_target: Any = None) -> TrainingGraph:
+    """Capture the training graph of `loss_fn(model(*example_inputs), example_target)`.
+
+    `example_inputs` is one global batch (the first dimension of the first tensor input is the batch);
+    meta tensors and a model on the meta device are fine.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture() needs a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise CaptureError("example_inputs must be a non-empty tuple of the model's inputs, e.g. (x,).")
+    if loss_fn is not None and example_target is None:
+        raise CaptureError("loss_fn was given without example_target: pass the target of the example batch.")
+    args = tuple(example_inputs) + ((example_target,) if loss_fn is not None else ())
+    wrapper = LossWrapper(model, loss_fn)
+    try:
+        ep = torch.export.export(wrapper, args, strict=False)
+    except CaptureError:
+        raise
+    except Exception as e:  # torch raises many types here; turn each into one clear message
+        raise CaptureError(explain_export_failure(e)) from e
+    return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
+
+
+def _batch_size(inputs: tuple | list) -> int:
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise CaptureError("no tensor input with a batch dimension among example_inputs.")
+
+
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
+
+
+def explain_export_failure(e: Exception) -> str:
+    """Name the op and the user's source line that broke capture, and suggest the fix."""
+    text = str(e)
+    frames = [m for m in _USER_FRAME.finditer(text) if "site-packages/torch" not in m.group(1)
+              and "/autopar/" not in m.group(1)]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" at {f.group(1)}:{f.group(2)} in {f.group(3)}(): `{f.group(4).strip()}`"
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    if "data-dependent" in text or "GuardOnDataDependentSymNode" in type(e).__name__ or "Could not guard" in text:
+        fix = ("the model branches on tensor values (data-dependent control flow). Rewrite the branch with "
+               "torch.where / torch.cond, or move it out of forward().")
+    elif "not implemented for 'Meta'" in text or "NotImplementedError" in type(e).__name__:
+        fix = ("an op has no meta/fake implementation. Capture with real tensors on CPU instead of meta, or "
+               "register a fake kernel for it (torch.library.register_fake).")
+    else:
+        fix = ("make forward() traceable by torch.export(strict=False): avoid Python side effects on tensor "
+               "values, .item()/.tolist() in forward, and unsupported ops.")
+    return f"cannot capture the model{where}: {type(e).__name__}: {first[:300]}. Fix: {fix}"
+
+
+def _meta(val: Any) -> list[TensorMeta]:
+    if isinstance(val, torch.Tensor):
+        return [TensorMeta(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."))]
+    if isinstance(val, (tuple, list)):
+        return [m for v in val for m in _meta(v)]
+    return []
+
+
+def _source(node: torch.fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    frames = [m for m in _USER_FRAME.finditer(trace)
+              if "/autopar/passes/" not in m.group(1) and "site-packages/torch/" not in m.group(1)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.group(1)}:{f.group(2)}"
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return path.removeprefix("model.").removeprefix("model") if path.startswith("model") else path
+
+
+def _is_view(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def graph_from_export(ep: torch.export.ExportedProgram, model_name: str, batch_size: int) -> TrainingGraph:
+    """Turn an ExportedProgram of a LossWrapper into a TrainingGraph with its coarse layer chain."""
+    sig = ep.graph_signature
+    param_names = {**sig.inputs_to_parameters}
+    buffer_names = {**sig.inputs_to_buffers}
+    user_inputs = list(sig.user_inputs)
+    params: dict[str, ParamInfo] = {}
+    nodes: dict[str, OpNode] = {}
+    input_meta: dict[str, TensorMeta] = {}
+    grad: dict[str, bool] = {}
+    loss_node = ""
+    first_owner: dict[int, str] = {}  # storage of a parameter -> first placeholder holding it
+    state = ep.state_dict
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            metas = _meta(node.meta.get("val"))
+            if node.name in param_names or node.name in buffer_names:
+                is_buffer = node.name in buffer_names
+                fqn = (buffer_names if is_buffer else param_names)[node.name].removeprefix("model.")
+                tensor = state.get((buffer_names if is_buffer else param_names)[node.name])
+                key = _storage_key(tensor) if tensor is not None else id(node)
+                tied = first_owner.setdefault(key, node.name)
+                params[node.name] = ParamInfo(fqn, node.name, metas[0], is_buffer=is_buffer,
+                                              tied_to="" if tied == node.name else tied)
+                grad[node.name] = not is_buffer
+            elif metas:
+                input_meta[node.name] = metas[0]
+                grad[node.name] = False
+            continue
+        if node.op == "output":
+            out = node.args[0]
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            loss_node = out.name
+            continue
+        if node.op != "call_function":
+            raise CaptureError(f"unexpected {node.op} node {node.name} in the exported graph.")
+        deps = [a.name for a in node.all_input_nodes]
+        outs = _meta(node.meta.get("val"))
+        floating = any(t.dtype.startswith(("float", "bfloat", "complex")) for t in outs)
+        rg = floating and any(grad.get(a, False) for a in deps)
+        grad[node.name] = rg
+        nodes[node.name] = OpNode(name=node.name, target=str(node.target), args=deps, outputs=outs,
+                                  module=_module_path(node), source=_source(node), requires_grad=rg,
+                                  is_view=_is_view(node.target))
+    inputs = [n for n in user_inputs if n in input_meta]
+    g = TrainingGraph(nodes=nodes, params=params, inputs=inputs, layers=[], batch_size=batch_size,
+                      loss_node=loss_node, model_name=model_name, input_meta=input_meta, gm=ep)
+    return group_layers(g)
