@@ -1,0 +1,96 @@
+"""The `autopar` command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from .errors import AutoparError
+
+
+def load_target(spec: str) -> tuple[Any, tuple, Any, Any]:
+    """Call `module:function`; it returns (model, example_inputs) or (model, inputs, loss_fn, target)."""
+    if ":" not in spec:
+        raise AutoparError(f"expected MODULE:FUNCTION (e.g. mymodels:build), got {spec!r}.")
+    mod_name, fn_name = spec.split(":", 1)
+    sys.path.insert(0, ".")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise AutoparError(f"cannot import module {mod_name!r}: {e}. Run from the directory that holds it "
+                           f"or install it.") from e
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        raise AutoparError(f"module {mod_name!r} has no function {fn_name!r}.")
+    out = fn()
+    if hasattr(out, "model") and hasattr(out, "example_inputs"):  # an autopar.models.ModelCase
+        return out.model, tuple(out.example_inputs), out.loss_fn, out.example_target
+    if not isinstance(out, tuple) or len(out) not in (2, 4):
+        raise AutoparError(f"{spec}() must return (model, example_inputs) or (model, example_inputs, loss_fn, "
+                           f"example_target); got {type(out).__name__}.")
+    model, inputs = out[0], out[1]
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    return (model, inputs, out[2], out[3]) if len(out) == 4 else (model, inputs, None, None)
+
+
+def cmd_devices(args: argparse.Namespace) -> None:
+    from .cluster import catalog_table
+
+    print(catalog_table())
+
+
+def cmd_analyze(args: argparse.Namespace) -> None:
+    from .api import analyze
+    from .report import layer_table
+
+    model, inputs, loss_fn, target = load_target(args.target)
+    g = analyze(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                precision=args.precision, dump_dir=args.dump)
+    print(g.table(max_rows=args.max_rows))
+    print()
+    print(layer_table(g))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from .cost_models.calibrate import calibrate
+
+    prof = calibrate(device=args.device, quick=args.quick, save=True)
+    print(f"saved profile for {prof.device}")
+    for kind, curve in sorted(prof.curves.items()):
+        print(f"  {kind:12s} {curve}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description="Auto-parallelize PyTorch training on "
+                                "heterogeneous clusters.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("devices", help="list the built-in device catalog")
+    s.set_defaults(func=cmd_devices)
+    s = sub.add_parser("analyze", help="capture a model and print its per-node cost table")
+    s.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, loss_fn, target])")
+    s.add_argument("--cluster", required=True, help="cluster file (YAML/JSON) or shorthand like 1x8xA100-80GB")
+    s.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
+    s.add_argument("--dump", default=None, help="directory for graph.txt/json/dot (default: $AUTOPAR_DUMP)")
+    s.add_argument("--max-rows", type=int, default=200)
+    s.set_defaults(func=cmd_analyze)
+    s = sub.add_parser("calibrate", help="time kernels on the local device and save a cost profile")
+    s.add_argument("--device", default="local")
+    s.add_argument("--quick", action="store_true", help="a shorter sweep (~20 s)")
+    s.set_defaults(func=cmd_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
