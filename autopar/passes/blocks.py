@@ -88,16 +88,23 @@ def group_layers(g: TrainingGraph) -> TrainingGraph:
             if key not in keys:
                 keys.append(key)
             assignment[n.name] = key
-        # ops after the last block that belong to no block form the epilogue
-        tail = []
-        for n in reversed(ordered):
+        # Un-owned ops between two blocks (an activation applied by the parent's loop) stay with the block
+        # before them. After the last block, the same pattern of un-owned ops stays with it too, so the
+        # last block looks like the others; everything after that is the epilogue (norm, pooling, head).
+        last = max(i for i, n in enumerate(ordered) if _block_of(n.module, container) is not None)
+        tail = ordered[last + 1:]
+        first_key = next(k for k in keys if k != "pre")
+        first_members = [n for n in ordered if assignment[n.name] == first_key]
+        suffix: list[str] = []
+        for n in reversed(first_members):
             if _block_of(n.module, container) is not None:
                 break
-            tail.append(n.name)
-        if tail:
+            suffix.insert(0, n.target)
+        keep = len(suffix) if [n.target for n in tail[:len(suffix)]] == suffix else 0
+        if keep < len(tail):
             keys.append("post")
-            for name in tail:
-                assignment[name] = "post"
+            for n in tail[keep:]:
+                assignment[n.name] = "post"
     index = {k: i for i, k in enumerate(keys)}
     nodes = {name: replace(n, layer=index[assignment[name]]) for name, n in g.nodes.items()}
     params = {}
