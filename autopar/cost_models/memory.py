@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
+from ..graph import TrainingGraph
 
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "momentum": 4, "adam": 8, "adamw": 8, "adagrad": 4,
                          "rmsprop": 4}
@@ -47,3 +48,16 @@ def state_bytes_per_param(optimizer: object = "adamw", precision: str = "fp32") 
     if precision in ("bf16", "fp16"):
         return StateBytes(weights=2, grads=2, optimizer=opt + 4)
     return StateBytes(weights=4, grads=4, optimizer=opt)
+
+
+def training_state_bytes(graph: TrainingGraph, optimizer: object = "adamw", precision: str = "fp32") -> dict:
+    """Bytes of weights, gradients and optimizer state for the whole model on one device, unsharded.
+
+    Matches torch.optim exactly in fp32: Adam/AdamW also keep a 4-byte `step` tensor per parameter tensor.
+    """
+    per = state_bytes_per_param(optimizer, precision)
+    counted = [p for p in graph.params.values() if p.counts]
+    numel = sum(p.meta.numel for p in counted)
+    step_bytes = 4 * len(counted) if optimizer_name(optimizer) in ("adam", "adamw") else 0
+    return {"weights": per.weights * numel, "grads": per.grads * numel,
+            "optimizer": per.optimizer * numel + step_bytes}

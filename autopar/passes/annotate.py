@@ -206,7 +206,9 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
             if fxn is not None else []
         if fxn is not None and fxn.target is operator.getitem:
             parent, idx = fxn.args[0].name, fxn.args[1]
-            roots[name] = roots.get(f"{parent}#{idx}", f"{parent}#{idx}")
+            # items of a view op's list (unbind, split) alias the parent's storage root
+            roots[name] = roots[parent] if graph.nodes[parent].is_view else roots.get(f"{parent}#{idx}",
+                                                                                      f"{parent}#{idx}")
             new_nodes[name] = node
             continue
         if node.is_view and tensor_arg_names:
@@ -266,7 +268,7 @@ def _layer_totals(graph: TrainingGraph, nodes: dict[str, OpNode], roots: dict[st
     for n in nodes.values():
         for a in n.args:
             r = roots.get(a, a)
-            if r in graph.params or r not in root_layer:
+            if r in graph.params or r in graph.inputs or r not in root_layer:  # every rank has the batch
                 continue
             for k in range(root_layer[r], n.layer):
                 boundary.setdefault(k, set()).add(r)
