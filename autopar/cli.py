@@ -15,7 +15,8 @@ def load_target(spec: str) -> tuple[Any, tuple, Any, Any]:
     if ":" not in spec:
         raise AutoparError(f"expected MODULE:FUNCTION (e.g. mymodels:build), got {spec!r}.")
     mod_name, fn_name = spec.split(":", 1)
-    sys.path.insert(0, ".")
+    if "." not in sys.path:
+        sys.path.insert(0, ".")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:

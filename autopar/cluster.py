@@ -7,6 +7,7 @@ then devices within a node) is rank `i` of every program autopar generates.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -113,18 +114,26 @@ class Cluster:
         import torch
 
         if torch.cuda.is_available():
-            names = [_catalog_name_for_gpu(torch.cuda.get_device_name(i), i) for i in range(torch.cuda.device_count())]
+            names = [_catalog_name_for_gpu(torch.cuda.get_device_name(i), i)
+                     for i in range(torch.cuda.device_count())]
             groups: list[dict] = []
             for n in names:
                 if groups and groups[-1]["device"] == n:
                     groups[-1]["devices_per_node"] += 1
                 else:
                     groups.append({"device": n, "devices_per_node": 1})
+            c = _from_dict({"name": "local", "nodes": groups}, where="local")
             if len(groups) == 1:
-                return _from_dict({"name": "local", "nodes": groups}, where="local")
-            # Mixed GPUs in one box: one node, custom grouping is not expressible, so use the slowest link.
-            return _from_dict({"name": "local", "nodes": groups}, where="local")
-        return _from_dict({"name": "local", "nodes": [{"device": "cpu", "devices_per_node": 1}]}, where="local")
+                return c
+            # Mixed GPUs in one box: still one node (a file cannot say so), linked at its slowest link.
+            links = [n.intra_node for n in c.nodes]
+            slow = Link(min(x.bandwidth for x in links), max(x.latency for x in links),
+                        min(links, key=lambda x: x.bandwidth).kind)
+            devices = tuple(Device(d.index, 0, d.index, d.spec) for d in c.devices)
+            node = Node(0, 0, tuple(range(len(devices))), slow)
+            return Cluster(devices, (node,), c.network, "local", source=c.source)
+        cpu = {"name": "local", "nodes": [{"device": "cpu", "devices_per_node": 1}]}
+        return _from_dict(cpu, where="local")
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -142,7 +151,8 @@ class Cluster:
         for d in self.devices:
             if d.spec.name == type_name:
                 return d.spec
-        raise ClusterError(f"no device of type {type_name!r} in cluster {self.name!r}; it has {self.device_types()}")
+        raise ClusterError(f"no device of type {type_name!r} in cluster {self.name!r}; "
+                           f"it has {self.device_types()}")
 
     def same_node(self, i: int, j: int) -> bool:
         return self.devices[i].node == self.devices[j].node
@@ -155,6 +165,15 @@ class Cluster:
 
     def subset(self, indices: list[int] | tuple[int, ...], name: str | None = None) -> Cluster:
         """The cluster made of the given devices (re-indexed in the given order)."""
+        indices = list(indices)
+        if not indices:
+            raise ClusterError("subset() needs at least one device index.")
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.world_size:
+                raise ClusterError(f"subset(): device index {i!r} is not in 0..{self.world_size - 1} "
+                                   f"of cluster {self.name!r}.")
+        if len(set(indices)) != len(indices):
+            raise ClusterError(f"subset(): device indices repeat in {indices}; give each device once.")
         devices, nodes, node_map = [], [], {}
         for new_i, old_i in enumerate(indices):
             d = self.devices[old_i]
@@ -166,24 +185,38 @@ class Cluster:
             local = len(nodes[n].devices)
             nodes[n] = replace(nodes[n], devices=nodes[n].devices + (new_i,))
             devices.append(Device(new_i, n, local, d.spec))
+        # Renumber node groups the way to_dict() + load() would: consecutive alike nodes of one old group.
+        prev, key, gid = None, None, -1
+        for k, node in enumerate(nodes):
+            key = (node.group, len(node.devices), devices[node.devices[0]].spec, node.intra_node)
+            if key != prev:
+                gid += 1
+            prev = key
+            nodes[k] = replace(node, group=gid)
         return Cluster(tuple(devices), tuple(nodes), self.network, name or f"{self.name}-subset")
 
     def to_dict(self) -> dict:
         """A dict that `Cluster.load` turns back into an equal cluster (custom specs inlined)."""
         groups: list[dict] = []
+        last_group, next_index = None, 0
         for node in self.nodes:
             spec = self.devices[node.devices[0]].spec
-            types = {self.devices[i].spec.name for i in node.devices}
-            if len(types) != 1:
+            if any(self.devices[i].spec != spec for i in node.devices):
                 raise ClusterError("a node holding several device types cannot be written as a cluster file")
+            if node.devices != tuple(range(next_index, next_index + len(node.devices))):
+                raise ClusterError(f"node {node.index}'s devices {node.devices} do not follow the previous "
+                                   f"node's; a cluster file numbers devices node by node, so this rank order "
+                                   f"cannot be written as one.")
+            next_index += len(node.devices)
             entry = {"device": spec.to_dict(), "devices_per_node": len(node.devices), "count": 1,
                      "intra_node": node.intra_node.to_dict()}
             last = groups[-1] if groups else None
-            if last and {k: v for k, v in last.items() if k != "count"} == {k: v for k, v in entry.items()
-                                                                             if k != "count"}:
+            if last and node.group == last_group and {k: v for k, v in last.items() if k != "count"} == {
+                    k: v for k, v in entry.items() if k != "count"}:
                 last["count"] += 1
             else:
                 groups.append(entry)
+            last_group = node.group
         return {"name": self.name, "nodes": groups, "network": self.network.to_dict()}
 
     def to_json(self) -> str:
@@ -203,7 +236,12 @@ _SHORTHAND_GROUP = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*x\s*([A-Za-z0-9_.\-]+)\s
 
 
 def _looks_like_path(s: str) -> bool:
-    return s.endswith((".yaml", ".yml", ".json")) or os.sep in s or Path(s).is_file()
+    if s.endswith((".yaml", ".yml", ".json")) or os.sep in s:
+        return True
+    try:
+        return Path(s).is_file()
+    except OSError:  # e.g. a shorthand longer than the file-name limit
+        return False
 
 
 def parse_shorthand(s: str) -> dict:
@@ -220,15 +258,45 @@ def parse_shorthand(s: str) -> dict:
     return {"name": s, "nodes": groups}
 
 
+_YAML_LOADER: Any = None
+
+
+def _yaml_loader() -> Any:
+    """yaml.SafeLoader that also reads exponent floats without a dot (1e2, 5E-3) as numbers (YAML 1.2)."""
+    global _YAML_LOADER
+    if _YAML_LOADER is None:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                     list("-+0123456789"))
+        _YAML_LOADER = Loader
+    return _YAML_LOADER
+
+
 def _read_file(path: Path) -> dict:
     if not path.is_file():
         raise ClusterError(f"cluster file {str(path)!r} does not exist (pass a path, a dict or a shorthand "
                            f"string like '1x8xA100-80GB').")
     text = path.read_text()
+    if path.suffix.lower() == ".json":
+        # json, not yaml: PyYAML (YAML 1.1) reads JSON numbers like 1e2 as strings and rejects tab indents.
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"malformed cluster file {str(path)!r} at line {e.lineno}, column {e.colno}: "
+                               f"{e.msg}. Fix the JSON there (commas, quotes, closing brackets).") from None
+        if not isinstance(data, dict):
+            raise ClusterError(f"cluster file {str(path)!r} must hold a mapping with a 'nodes' list, "
+                               f"got {type(data).__name__}.")
+        return data
     import yaml
 
     try:
-        data = yaml.safe_load(text)  # JSON is YAML too
+        data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -240,6 +308,28 @@ def _read_file(path: Path) -> dict:
         raise ClusterError(f"cluster file {str(path)!r} must hold a mapping with a 'nodes' list, "
                            f"got {type(data).__name__}.")
     return data
+
+
+_TOP_KEYS = ("name", "nodes", "network")
+_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node")
+_LINK_KEYS = ("bandwidth_GBps", "latency_us", "kind")
+_DEVICE_KEYS = ("name", "based_on", "tflops_fp32", "tflops_tf32", "tflops_bf16", "tflops_fp16", "memory_GiB",
+                "memory_bandwidth_GBps", "intra_node", "host_link", "kind")
+
+
+def _check_typos(m: dict, known: tuple[str, ...], where: str) -> None:
+    """Reject a key that looks like a misspelling of a known key the mapping lacks (it would be ignored).
+
+    Other extra keys are allowed (comments, site-specific fields)."""
+    missing = [k for k in known if k not in m]
+    for key in m:
+        if key in known or not isinstance(key, str):
+            continue
+        near = difflib.get_close_matches(key.lower(), [k.lower() for k in missing], n=1, cutoff=0.75)
+        if near:
+            fix = next(k for k in missing if k.lower() == near[0])
+            raise ClusterError(f"{where} has unknown key {key!r}; did you mean {fix!r}? Known keys here: "
+                               f"{', '.join(known)}.")
 
 
 def _number(value: Any, where: str, *, positive: bool = True, allow_zero: bool = False) -> float:
@@ -258,15 +348,19 @@ def _link(d: Any, where: str, default: dict | None) -> Link:
             raise ClusterError(f"{where} is missing: give {{bandwidth_GBps: ..., latency_us: ...}}.")
         d = default
     if not isinstance(d, dict):
-        raise ClusterError(f"{where} must be a mapping like {{bandwidth_GBps: 25, latency_us: 5}}, got {d!r}.")
+        raise ClusterError(f"{where} must be a mapping like {{bandwidth_GBps: 25, latency_us: 5}}, "
+                           f"got {d!r}.")
+    _check_typos(d, _LINK_KEYS, where)
     if "bandwidth_GBps" not in d:
         if default is None or "latency_us" not in d:
-            raise ClusterError(f"{where}.bandwidth_GBps is missing: give the link's one-direction bandwidth in GB/s.")
+            raise ClusterError(f"{where}.bandwidth_GBps is missing: give the link's one-direction "
+                               f"bandwidth in GB/s.")
         d = {**default, **d}
     bw = _number(d["bandwidth_GBps"], f"{where}.bandwidth_GBps")
     lat = _number(d.get("latency_us", (default or {}).get("latency_us", 5.0)), f"{where}.latency_us",
                   allow_zero=True)
-    return Link(bw * 1e9, lat * 1e-6, str(d.get("kind", "")))
+    # Divide, not multiply by 1e-6: then latency_us -> s -> us -> s is exact and to_dict() round-trips.
+    return Link(bw * 1e9, lat / 1e6, str(d.get("kind", "")))
 
 
 def resolve_device_name(name: str) -> str:
@@ -297,26 +391,38 @@ def device_spec(entry: Any, where: str = "device") -> DeviceSpec:
         if name == "cpu":
             from .cost_models.host import cpu_spec
 
-            return cpu_spec()
+            # Through the same unit conversions as a file, so Cluster.load(c.to_dict()) == c exactly.
+            return _spec_from_mapping(cpu_spec().to_dict(), where)
         return _spec_from_mapping({"name": name, **CATALOG[name]}, where)
     if isinstance(entry, dict):
+        _check_typos(entry, _DEVICE_KEYS, where)
         base: dict = {}
         if "based_on" in entry:
             bname = resolve_device_name(str(entry["based_on"]))
             base = device_spec(bname).to_dict() if bname == "cpu" else {"name": bname, **CATALOG[bname]}
         elif entry.get("name") and not ({"tflops_fp32", "memory_GiB"} & set(entry)):
-            bname = resolve_device_name(str(entry["name"]))
-            base = device_spec(bname).to_dict() if bname == "cpu" else {"name": bname, **CATALOG[bname]}
+            try:
+                bname = resolve_device_name(str(entry["name"]))
+            except ClusterError:
+                bname = None  # a custom device missing fields: _spec_from_mapping says which
+            if bname:
+                base = device_spec(bname).to_dict() if bname == "cpu" else {"name": bname, **CATALOG[bname]}
         return _spec_from_mapping({**base, **entry}, where)
-    raise ClusterError(f"{where} must be a catalog name like 'A100-80GB' or a mapping defining a custom device, "
-                       f"got {entry!r}.")
+    raise ClusterError(f"{where} must be a catalog name like 'A100-80GB' or a mapping defining a custom "
+                       f"device, got {entry!r}.")
+
+
+_PCIE3_DEFAULT = {"bandwidth_GBps": 16.0, "latency_us": 5.0}  # a custom device's links unless it gives them
 
 
 def _spec_from_mapping(m: dict, where: str) -> DeviceSpec:
     for key in ("name", "tflops_fp32", "memory_GiB", "memory_bandwidth_GBps"):
         if key not in m:
+            hint = close_matches(str(m["name"]), list(CATALOG) + ["cpu"]) if "name" in m else ""
             raise ClusterError(f"custom {where} is missing {key!r}; a custom device needs name, tflops_fp32, "
-                               f"tflops_bf16, memory_GiB, memory_bandwidth_GBps (or based_on: <catalog name>).")
+                               f"tflops_bf16, memory_GiB, memory_bandwidth_GBps (or based_on: <catalog "
+                               f"name>)." + (f" For a catalog device give its name as a string.{hint}"
+                                             if hint else ""))
     fp32 = _number(m["tflops_fp32"], f"{where}.tflops_fp32")
     tf32 = _number(m.get("tflops_tf32", fp32), f"{where}.tflops_tf32")
     bf16 = _number(m.get("tflops_bf16", fp32), f"{where}.tflops_bf16")
@@ -327,8 +433,8 @@ def _spec_from_mapping(m: dict, where: str) -> DeviceSpec:
         peak_flops={"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": fp16 * 1e12},
         memory=int(_number(m["memory_GiB"], f"{where}.memory_GiB") * GiB),
         memory_bandwidth=_number(m["memory_bandwidth_GBps"], f"{where}.memory_bandwidth_GBps") * 1e9,
-        intra_node=_link(m.get("intra_node"), f"{where}.intra_node", {"bandwidth_GBps": 16.0, "latency_us": 5.0}),
-        host_link=_link(m.get("host_link"), f"{where}.host_link", {"bandwidth_GBps": 16.0, "latency_us": 5.0}),
+        intra_node=_link(m.get("intra_node"), f"{where}.intra_node", _PCIE3_DEFAULT),
+        host_link=_link(m.get("host_link"), f"{where}.host_link", _PCIE3_DEFAULT),
         kind=kind,
     )
 
@@ -336,6 +442,7 @@ def _spec_from_mapping(m: dict, where: str) -> DeviceSpec:
 def _from_dict(d: dict, where: str) -> Cluster:
     if not isinstance(d, dict):
         raise ClusterError(f"{where}: a cluster must be a mapping with a 'nodes' list.")
+    _check_typos(d, _TOP_KEYS, where)
     groups = d.get("nodes")
     if not isinstance(groups, list) or not groups:
         raise ClusterError(f"{where}: 'nodes' must be a non-empty list of node groups, e.g. "
@@ -346,8 +453,10 @@ def _from_dict(d: dict, where: str) -> Cluster:
         gw = f"{where}: nodes[{g_i}]"
         if not isinstance(g, dict):
             raise ClusterError(f"{gw} must be a mapping with 'device' and 'devices_per_node', got {g!r}.")
+        _check_typos(g, _GROUP_KEYS, gw)
         if "device" not in g:
-            raise ClusterError(f"{gw} has no 'device': name a catalog type (see `autopar devices`) or define one.")
+            raise ClusterError(f"{gw} has no 'device': name a catalog type (see `autopar devices`) "
+                               f"or define one.")
         spec = device_spec(g["device"], f"{gw}.device")
         per = g.get("devices_per_node", 1)
         count = g.get("count", 1)
@@ -365,28 +474,36 @@ def _from_dict(d: dict, where: str) -> Cluster:
 
 
 def _catalog_name_for_gpu(name: str, index: int) -> str | dict:
-    """Map a CUDA device name ('NVIDIA A100-SXM4-80GB') to a catalog entry, else a custom spec."""
+    """Map a CUDA device name ('NVIDIA A100-SXM4-80GB') to a catalog entry, else a custom spec.
+
+    Every word of a catalog name (or alias) but its memory size and 'SXM' must be a word of the CUDA
+    name ('RTX-2080Ti' matches 'NVIDIA GeForce RTX 2080 Ti', not 'RTX 4090'); memory picks the variant."""
     import torch
 
-    n = name.upper().replace(" ", "-")
     mem_gib = torch.cuda.get_device_properties(index).total_memory / GiB
-    for key in sorted(CATALOG, key=len, reverse=True):
-        base = key.split("-")[0].upper()
-        if base in n and (not key[-2:] == "GB" or key.split("-")[-1].upper() in n
-                          or abs(CATALOG[key]["memory_GiB"] - mem_gib) < 8):
-            return key
-    if "H100" in n:
-        return "H100-SXM"
+    words = [w for w in re.split(r"[^A-Z0-9]+", name.upper()) if w]
+    have = set(words) | {a + b for a, b in zip(words, words[1:], strict=False)}
+
+    def matches(key: str) -> bool:
+        need = [w for w in key.upper().split("-") if w != "SXM" and not re.fullmatch(r"\d+GB", w)]
+        return bool(need) and all(w in have for w in need)
+
+    found = [k for k in CATALOG if matches(k)]
+    found += [v for a, v in ALIASES.items() if matches(a) and v not in found]
+    if found:
+        return min(found, key=lambda k: abs(CATALOG[k]["memory_GiB"] - mem_gib))
     return {"name": name, "based_on": "A100-80GB", "memory_GiB": round(mem_gib, 1)}
 
 
 def catalog_table() -> str:
     """The device catalog as a text table (what `autopar devices` prints)."""
-    rows = [("device", "fp32 TF", "tf32 TF", "bf16 TF", "mem GiB", "mem GB/s", "intra-node link", "host link")]
+    rows = [("device", "fp32 TF", "tf32 TF", "bf16 TF", "mem GiB", "mem GB/s", "intra-node link",
+             "host link")]
     for name in CATALOG:
         s = _spec_from_mapping({"name": name, **CATALOG[name]}, name)
         rows.append((name, f"{s.peak_flops['fp32'] / 1e12:g}", f"{s.peak_flops['tf32'] / 1e12:g}",
-                     f"{s.peak_flops['bf16'] / 1e12:g}", f"{s.memory / GiB:g}", f"{s.memory_bandwidth / 1e9:g}",
+                     f"{s.peak_flops['bf16'] / 1e12:g}", f"{s.memory / GiB:g}",
+                     f"{s.memory_bandwidth / 1e9:g}",
                      f"{s.intra_node.kind} {s.intra_node.bandwidth / 1e9:g} GB/s",
                      f"{s.host_link.kind} {s.host_link.bandwidth / 1e9:g} GB/s"))
     rows.append(("cpu", "measured", "", "", "host RAM", "measured", "-", "-"))
@@ -396,5 +513,5 @@ def catalog_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Cluster", "Device", "DeviceSpec", "Link", "Node", "device_spec", "parse_shorthand", "catalog_table",
-           "asdict"]
+__all__ = ["Cluster", "Device", "DeviceSpec", "Link", "Node", "device_spec", "parse_shorthand",
+           "catalog_table", "asdict"]

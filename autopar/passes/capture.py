@@ -150,7 +150,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model_name: str, batch_s
     """Turn an ExportedProgram of a LossWrapper into a TrainingGraph with its coarse layer chain."""
     sig = ep.graph_signature
     param_names = {**sig.inputs_to_parameters}
-    buffer_names = {**sig.inputs_to_buffers}
+    buffer_names = {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
     user_inputs = list(sig.user_inputs)
     params: dict[str, ParamInfo] = {}
     nodes: dict[str, OpNode] = {}
@@ -158,7 +158,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model_name: str, batch_s
     grad: dict[str, bool] = {}
     loss_node = ""
     first_owner: dict[int, str] = {}  # storage of a parameter -> first placeholder holding it
-    state = ep.state_dict
+    state = {**ep.state_dict, **ep.constants}
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             metas = _meta(node.meta.get("val"))

@@ -1,0 +1,123 @@
+"""Split a captured training graph into per-stage forward programs along the coarse layer chain.
+
+Stage s runs layers [start, end). Its program takes, in this order, its parameters (by fully qualified
+name), the user inputs it reads, and the values it receives from stage s-1; it returns the values that
+stage s+1 needs (values that later stages read are relayed through every stage in between), or the loss
+on the last stage. Backward is autograd's: the runtime calls backward on the outputs with the gradients
+it receives, and sends the gradients of its received inputs back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..errors import PlanError
+from ..graph import TensorMeta, TrainingGraph
+
+
+@dataclass
+class StageProgram:
+    index: int
+    layers: tuple[int, int]
+    gm: fx.GraphModule
+    params: list[str]  # canonical parameter names (tied duplicates map to the parameter they share)
+    buffers: list[str]
+    inputs: list[int]  # indices into the user's (inputs..., target) tuple
+    recv: list[str]  # value names received from the previous stage, in placeholder order
+    send: list[str]  # value names sent to the next stage, in output order (empty on the last stage)
+    value_meta: dict[str, TensorMeta]  # shape/dtype of every received or sent value
+    is_last: bool
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def _canonical(graph: TrainingGraph, placeholder: str) -> str:
+    info = graph.params[placeholder]
+    return graph.params[info.tied_to].name if info.tied_to else info.name
+
+
+def split_stages(graph: TrainingGraph, bounds: list[tuple[int, int]]) -> list[StageProgram]:
+    """One StageProgram per [start, end) layer range; the ranges must tile the chain in order."""
+    n_layers = len(graph.layers)
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != n_layers or any(
+            a[1] != b[0] or a[0] >= a[1] for a, b in zip(bounds, bounds[1:] + [(n_layers, n_layers + 1)],
+                                                         strict=True)):
+        raise PlanError(f"stage layer ranges {bounds} must tile the {n_layers} layers [0, {n_layers}) in order.")
+    ep = graph.gm
+    if ep is None:
+        raise PlanError("this graph has no captured program (it was loaded from JSON); capture the model again.")
+    fx_nodes = {n.name: n for n in ep.graph.nodes}
+    stage_of = {}
+    for s, (a, b) in enumerate(bounds):
+        for layer in graph.layers[a:b]:
+            for name in layer.nodes:
+                stage_of[name] = s
+    user_inputs = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name not in graph.params]
+    # values crossing each boundary: produced at stage <= s (op nodes), read at a stage > s
+    crossing: list[list[str]] = [[] for _ in bounds]
+    for name in graph.nodes:
+        consumers = {stage_of[u.name] for u in fx_nodes[name].users if u.op == "call_function"}
+        last_use = max(consumers, default=stage_of[name])
+        for s in range(stage_of[name], last_use):
+            crossing[s].append(name)
+    stages = []
+    for s, (a, b) in enumerate(bounds):
+        recv = crossing[s - 1] if s > 0 else []
+        send = crossing[s] if s < len(bounds) - 1 else []
+        stages.append(_build_stage(graph, ep, s, (a, b), stage_of, user_inputs, recv, send,
+                                   is_last=s == len(bounds) - 1))
+    return stages
+
+
+def _build_stage(graph: TrainingGraph, ep: torch.export.ExportedProgram, s: int, layers: tuple[int, int],
+                 stage_of: dict[str, int], user_inputs: list[str], recv: list[str], send: list[str],
+                 is_last: bool) -> StageProgram:
+    mine = [n for n in ep.graph.nodes if n.op == "call_function" and stage_of.get(n.name) == s]
+    needed = {a.name for n in mine for a in n.all_input_nodes}
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    params, buffers, inputs = [], [], []
+    for n in ep.graph.nodes:
+        if n.op != "placeholder" or n.name not in needed:
+            continue
+        if n.name in graph.params:
+            info = graph.params[n.name]
+            (buffers if info.is_buffer else params).append(_canonical(graph, n.name))
+    # placeholders: parameters, buffers, user inputs, received values (deterministic order)
+    for name in dict.fromkeys(params + buffers):
+        env_key = [p for p, i in graph.params.items() if _canonical(graph, p) == name and p in needed]
+        ph = g.placeholder(_safe(name))
+        for k in env_key:
+            env[k] = ph
+    for i, name in enumerate(user_inputs):
+        if name in needed:
+            env[name] = g.placeholder(name)
+            inputs.append(i)
+    for name in recv:
+        env[name] = g.placeholder(f"recv_{name}")
+    for n in mine:
+        env[n.name] = g.node_copy(n, lambda a: env[a.name])
+    if is_last:
+        out_node = next(n for n in ep.graph.nodes if n.op == "output").args[0]
+        out_node = out_node[0] if isinstance(out_node, (tuple, list)) else out_node
+        g.output(env[out_node.name])
+    else:
+        g.output(tuple(env[name] for name in send))
+    g.lint()
+    gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Stage{s}")
+    meta = {}
+    for name in recv + send:
+        outs = graph.nodes[name].outputs
+        meta[name] = outs[0]
+    return StageProgram(index=s, layers=layers, gm=gm, params=list(dict.fromkeys(params)),
+                        buffers=list(dict.fromkeys(buffers)), inputs=inputs, recv=list(recv), send=list(send),
+                        value_meta=meta, is_last=is_last)
+
+
+def _safe(fqn: str) -> str:
+    return "p_" + fqn.replace(".", "_")
