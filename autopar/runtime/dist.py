@@ -1,0 +1,81 @@
+"""torch.distributed plumbing: process-group setup with timeouts, groups, p2p that names a lost peer."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AutoparError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOPAR_TIMEOUT_S", "120"))
+
+
+class PeerLostError(AutoparError, RuntimeError):
+    """A collective or transfer did not complete in time: a rank died or hangs."""
+
+
+def ensure_initialized(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join the process group torchrun / `autopar run` set up (gloo on CPU, NCCL on GPUs).
+
+    Without a launcher environment this is a single process (rank 0 of 1).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("AUTOPAR_BACKEND") != "gloo" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank(), dist.get_world_size()
+
+
+class Groups:
+    """Process groups for rank sets, created collectively in a deterministic order on every rank."""
+
+    def __init__(self, rank_sets: Iterable[tuple[int, ...]], world_size: int) -> None:
+        self.world_size = world_size
+        self._groups: dict[tuple[int, ...], object] = {}
+        if world_size == 1:
+            return
+        for ranks in sorted(set(tuple(sorted(r)) for r in rank_sets)):
+            if len(ranks) > 1 and len(ranks) < world_size:
+                self._groups[ranks] = dist.new_group(list(ranks))
+
+    def get(self, ranks: tuple[int, ...]) -> object | None:
+        ranks = tuple(sorted(ranks))
+        if len(ranks) == self.world_size:
+            return dist.group.WORLD
+        return self._groups[ranks]
+
+
+def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wait for a transfer or collective, turning a timeout or a broken connection into a named error."""
+    try:
+        ok = work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise PeerLostError(f"{what} failed: rank {peer} is lost or stopped responding ({_first_line(e)}). "
+                            f"Check that process; every rank must run the same script.") from e
+    if ok is False:
+        raise PeerLostError(f"{what} timed out after {timeout_s:.0f} s waiting for rank {peer}.")
+
+
+def all_reduce(t: torch.Tensor, group: object | None, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    if group is None:
+        return
+    wait(dist.all_reduce(t, group=group, async_op=True), what, "in its group", timeout_s)
+
+
+def broadcast(t: torch.Tensor, src: int, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    wait(dist.broadcast(t, src=src, async_op=True), what, src, timeout_s)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__

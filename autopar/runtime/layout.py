@@ -1,0 +1,122 @@
+"""Who does what: the rank-level view of a plan that the runtime executes.
+
+A layout is a list of pipelines (data-parallel replicas). Pipeline i takes samples
+[offset, offset + batch) of every global batch, cut into micro-batches, and runs its stages on groups of
+ranks (one tensor-parallel group per stage). Replicas may differ in device type, layer split and batch
+share; gradients are weighted by share, so training equals single-device training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import PlanError
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    layers: tuple[int, int]
+    ranks: tuple[int, ...]  # the stage's tensor-parallel group
+    zero: int = 0
+    recompute: bool = False
+    offload: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    index: int
+    stages: tuple[StageLayout, ...]
+    batch_offset: int
+    batch_size: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+
+    @property
+    def microbatch_sizes(self) -> list[int]:
+        """Sizes of the micro-batches, as even as possible (larger ones first, like torch.tensor_split)."""
+        q, r = divmod(self.batch_size, self.num_microbatches)
+        return [q + 1 if i < r else q for i in range(self.num_microbatches)]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        return [s.layers for s in self.stages]
+
+
+@dataclass(frozen=True)
+class Position:
+    pipeline: int
+    stage: int
+    tp_index: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    pipelines: tuple[PipelineLayout, ...]
+    world_size: int
+    global_batch: int
+    positions: dict[int, Position] = field(default_factory=dict, compare=False)
+
+    def position(self, rank: int) -> Position | None:
+        return self.positions.get(rank)
+
+
+def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: int,
+                num_layers: int) -> Layout:
+    """Check a layout for consistency and index rank positions."""
+    positions: dict[int, Position] = {}
+    covered = 0
+    for p in sorted(pipelines, key=lambda p: p.batch_offset):
+        if p.batch_offset != covered:
+            raise PlanError(f"pipeline {p.index} takes samples from {p.batch_offset}, expected {covered}: batch "
+                            f"shares must tile the global batch.")
+        covered += p.batch_size
+        if p.num_microbatches < 1 or p.num_microbatches > p.batch_size:
+            raise PlanError(f"pipeline {p.index}: {p.num_microbatches} micro-batches for {p.batch_size} samples.")
+        if p.stages[0].layers[0] != 0 or p.stages[-1].layers[1] != num_layers:
+            raise PlanError(f"pipeline {p.index} must cover layers [0, {num_layers}), got {p.bounds()}.")
+        for s, st in enumerate(p.stages):
+            if s and st.layers[0] != p.stages[s - 1].layers[1]:
+                raise PlanError(f"pipeline {p.index}: stage {s} starts at layer {st.layers[0]}, expected "
+                                f"{p.stages[s - 1].layers[1]}.")
+            for k, r in enumerate(st.ranks):
+                if not 0 <= r < world_size:
+                    raise PlanError(f"rank {r} in pipeline {p.index} stage {s} is outside the world of "
+                                    f"{world_size} ranks.")
+                if r in positions:
+                    raise PlanError(f"rank {r} is used twice (pipeline {p.index} stage {s} and {positions[r]}).")
+                positions[r] = Position(p.index, s, k)
+    if covered != global_batch:
+        raise PlanError(f"pipelines take {covered} samples but the global batch has {global_batch}.")
+    return Layout(tuple(pipelines), world_size, global_batch, positions)
+
+
+def megatron_layout(dp: int, tp: int, pp: int, global_batch: int, num_layers: int, num_blocks: int,
+                    num_microbatches: int, schedule: str = "1f1b", layer_split: list[int] | None = None,
+                    batch_split: list[int] | None = None, first_block: int = 1, zero: int = 0,
+                    recompute: bool = False) -> Layout:
+    """Megatron's rank order: tensor-parallel fastest, then data-parallel, then pipeline stage.
+
+    `layer_split` counts repeated blocks per stage (pre layers go to the first stage, post to the last).
+    """
+    split = layer_split or even_split(num_blocks, pp)
+    if len(split) != pp or sum(split) != num_blocks or min(split) < 0:
+        raise PlanError(f"layer_split {split} must have {pp} entries summing to {num_blocks} blocks.")
+    shares = batch_split or even_split(global_batch, dp)
+    if len(shares) != dp or sum(shares) != global_batch:
+        raise PlanError(f"batch_split {shares} must have {dp} entries summing to the global batch {global_batch}.")
+    edges = [0]
+    for k, n in enumerate(split):
+        edges.append((first_block if k == 0 else edges[-1]) + n)
+    edges[-1] = num_layers
+    pipelines = []
+    offset = 0
+    for d in range(dp):
+        stages = tuple(StageLayout((edges[s], edges[s + 1]), tuple(s * dp * tp + d * tp + t for t in range(tp)),
+                                   zero=zero, recompute=recompute) for s in range(pp))
+        pipelines.append(PipelineLayout(d, stages, offset, shares[d], min(num_microbatches, shares[d]), schedule))
+        offset += shares[d]
+    return make_layout(pipelines, dp * tp * pp, global_batch, num_layers)
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    q, r = divmod(total, parts)
+    return [q + 1 if i < r else q for i in range(parts)]

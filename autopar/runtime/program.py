@@ -1,0 +1,291 @@
+"""The per-rank training program: pipeline schedule execution, p2p, gradient sync, optimizer.
+
+Every rank runs the same script. A rank finds its (pipeline, stage) in the layout, captures the model at
+its pipeline's micro-batch sizes, keeps the stage program for its layers, and executes the schedule's
+actions for its stage: forward, send activations, receive gradients, backward. Micro-batch losses are
+weighted by size / global batch and replica gradients summed, so one step equals one single-device
+step on the whole global batch (for losses that average over the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..codegen.split import StageProgram, split_stages
+from ..errors import PlanError
+from ..graph import TrainingGraph
+from ..passes.capture import LossFn, capture
+from ..schedule import make_schedule
+from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, all_reduce, wait
+from .layout import Layout, PipelineLayout
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def make_optimizer(optimizer: str | OptimizerFactory, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if callable(optimizer):
+        return optimizer(params)
+    table = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if optimizer not in table:
+        raise PlanError(f"unknown optimizer {optimizer!r}: pass one of {sorted(table)} or a factory "
+                        f"`lambda params: torch.optim.X(params, ...)`.")
+    return table[optimizer](params, lr=1e-3) if optimizer != "sgd" else table[optimizer](params, lr=1e-2)
+
+
+def param_holders(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name -> the ranks holding a copy of it (any pipeline, any stage)."""
+    by_layer: dict[int, set[str]] = {}
+    for n in graph.nodes.values():
+        for a in n.args:
+            if a in graph.params and not graph.params[a].is_buffer:
+                info = graph.params[a]
+                by_layer.setdefault(n.layer, set()).add(graph.params[info.tied_to].name if info.tied_to
+                                                        else info.name)
+    holders: dict[str, set[int]] = {}
+    for p in layout.pipelines:
+        for st in p.stages:
+            for layer in range(*st.layers):
+                for name in by_layer.get(layer, ()):
+                    holders.setdefault(name, set()).update(st.ranks)
+    return {k: tuple(sorted(v)) for k, v in sorted(holders.items())}
+
+
+class Program:
+    """A compiled training program; `step()` trains on one global batch across the whole cluster."""
+
+    def __init__(self, model: nn.Module, layout: Layout, example_inputs: tuple, example_target: Any,
+                 loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
+                 plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if world_size != layout.world_size:
+            raise PlanError(f"the plan is for {layout.world_size} ranks but {world_size} processes were started; "
+                            f"launch one process per device (e.g. torchrun --nproc-per-node {layout.world_size}).")
+        self.plan = plan
+        self.layout = layout
+        self.rank, self.world_size = rank, world_size
+        self.loss_fn = loss_fn
+        self.timeout_s = timeout_s
+        self.step_count = 0
+        self._model = model
+        self._has_target = loss_fn is not None
+        self.graph = capture(model, example_inputs, loss_fn, example_target)
+        self.holders = param_holders(self.graph, layout)
+        self.groups = Groups(list(self.holders.values()) + [tuple(range(world_size))], world_size)
+        self.position = layout.position(rank)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._stages: dict[int, StageProgram] = {}  # micro-batch size -> this rank's stage program
+        self.params: dict[str, nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        if self.position is not None:
+            pipe = self.pipeline
+            for size in sorted(set(pipe.microbatch_sizes)):
+                self._stages[size] = self._capture_stage(model, example_inputs, example_target, pipe, size)
+            st = next(iter(self._stages.values()))
+            for name in st.params:
+                self.params[name] = nn.Parameter(named[name].detach().clone())
+            for name in st.buffers:
+                self.buffers[name] = named[name].detach().clone()
+        self.optimizer = make_optimizer(optimizer, list(self.params.values())) if self.params else None
+
+    # ---- construction helpers --------------------------------------------------------------------
+    @property
+    def pipeline(self) -> PipelineLayout:
+        assert self.position is not None
+        return self.layout.pipelines[self.position.pipeline]
+
+    def _capture_stage(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
+                       size: int) -> StageProgram:
+        mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
+        mb_target = self._slice(target, 0, size) if target is not None else None
+        g = self.graph if size == self.layout.global_batch else capture(model, mb_inputs, self.loss_fn, mb_target)
+        if len(g.layers) != len(self.graph.layers):
+            raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
+                            f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
+        stage = split_stages(g, pipe.bounds())[self.position.stage]
+        stage.grad_values = {n for n in stage.recv + stage.send if g.nodes[n].requires_grad}  # type: ignore
+        return stage
+
+    def _slice(self, x: Any, start: int, size: int) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.layout.global_batch:
+            return x[start:start + size]
+        return x
+
+    # ---- one training step ------------------------------------------------------------------------
+    def step(self, *inputs: Any, target: Any = None) -> float:
+        """Forward, backward and optimizer step on one global batch; returns the global mean loss."""
+        if self._has_target and target is None:
+            raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
+        local_loss = torch.zeros((), dtype=torch.float64)
+        if self.position is not None:
+            local_loss += self._run_schedule(inputs, target)
+            self._sync_gradients()
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        if self.world_size > 1:
+            all_reduce(local_loss, dist.group.WORLD, "loss all-reduce", self.timeout_s)
+        self.step_count += 1
+        return float(local_loss)
+
+    def _run_schedule(self, inputs: tuple, target: Any) -> float:
+        pipe, pos = self.pipeline, self.position
+        sizes = pipe.microbatch_sizes
+        starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(len(sizes))]
+        args = tuple(inputs) + ((target,) if self._has_target else ())
+        sched = make_schedule(pipe.schedule, len(pipe.stages), len(sizes))
+        prev_rank = pipe.stages[pos.stage - 1].ranks[pos.tp_index] if pos.stage > 0 else None
+        next_rank = pipe.stages[pos.stage + 1].ranks[pos.tp_index] if pos.stage + 1 < len(pipe.stages) else None
+        recv_in: dict[int, list[torch.Tensor]] = {}
+        outputs: dict[int, Any] = {}
+        grads_out: dict[int, list[torch.Tensor]] = {}
+        sends: list[tuple[dist.Work, int, list[torch.Tensor]]] = []
+        loss_sum = 0.0
+        for action in sched.actions[pos.stage]:
+            m, kind = action.microbatch, action.kind
+            st = self._stages[sizes[m]] if m >= 0 else None
+            if kind == "RECV_F":
+                recv_in[m] = self._recv(st, st.recv, prev_rank, m, "activations", grad=True)
+            elif kind == "F":
+                mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
+                vals = ([self.params[p] for p in st.params] + [self.buffers[b] for b in st.buffers] + mb_args
+                        + recv_in.get(m, []))
+                if self.pipeline.stages[pos.stage].recompute:
+                    outputs[m] = torch.utils.checkpoint.checkpoint(st.gm, *vals, use_reentrant=False)
+                else:
+                    outputs[m] = st.gm(*vals)
+            elif kind == "SEND_F":
+                sends.append(self._send([o.detach() for o in outputs[m]], next_rank, m))
+            elif kind == "RECV_B":
+                grads_out[m] = self._recv(st, [n for n in st.send if n in st.grad_values], next_rank, m,
+                                          "gradients", grad=False)
+            elif kind == "B":
+                weight = sizes[m] / self.layout.global_batch
+                if st.is_last:
+                    loss = outputs.pop(m)
+                    (loss * weight).backward()
+                    loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
+                else:
+                    outs = [o for o, n in zip(outputs.pop(m), st.send, strict=True) if n in st.grad_values]
+                    torch.autograd.backward(outs, grads_out.pop(m))
+            elif kind == "SEND_B":
+                ins = [x for x, n in zip(recv_in.pop(m), st.recv, strict=True) if n in st.grad_values]
+                grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
+                sends.append(self._send(grads, prev_rank, m))
+        for work, peer, _keep in sends:
+            wait(work, "send", peer, self.timeout_s)
+        return loss_sum
+
+    def _send(self, tensors: list[torch.Tensor], peer: int, m: int) -> tuple[Any, int, list[torch.Tensor]]:
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+        return dist.isend(flat, dst=peer, tag=m), peer, [flat]
+
+    def _recv(self, st: StageProgram, names: list[str], peer: int, m: int, what: str,
+              grad: bool) -> list[torch.Tensor]:
+        metas = [st.value_meta[n] for n in names]
+        flat = torch.empty(sum(meta.numel for meta in metas), dtype=torch.float64)
+        wait(dist.irecv(flat, src=peer, tag=m), f"receiving {what} of micro-batch {m}", peer, self.timeout_s)
+        out, offset = [], 0
+        for n, meta in zip(names, metas, strict=True):
+            t = flat[offset:offset + meta.numel].view(meta.shape).to(getattr(torch, meta.dtype)).clone()
+            offset += meta.numel
+            if grad and n in st.grad_values:
+                t.requires_grad_(True)
+            out.append(t)
+        return out
+
+    def _sync_gradients(self) -> None:
+        """Sum gradient copies across every rank that holds a parameter (replicas, tied weights)."""
+        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for name, p in self.params.items():
+            ranks = self.holders[name]
+            if len(ranks) > 1:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                buckets.setdefault(ranks, []).append(p)
+        for ranks, params in sorted(buckets.items()):
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            all_reduce(flat, self.groups.get(ranks), f"gradient all-reduce over ranks {list(ranks)}", self.timeout_s)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    # ---- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Full, unsharded state on every rank: {"model": <original model's state_dict>, "optimizer":
+        {param name: state}, "step": n}. `model.load_state_dict(sd["model"])` restores the original model."""
+        owned = {name: p for name, p in self.params.items() if self.holders[name][0] == self.rank}
+        mine = {"params": {n: p.detach().clone() for n, p in owned.items()},
+                "optimizer": {n: self._opt_state(p) for n, p in owned.items()},
+                "buffers": {n: b.clone() for n, b in self.buffers.items()}}
+        parts = [mine]
+        if self.world_size > 1:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+        params, opt, buffers = {}, {}, {}
+        for part in parts:
+            params.update(part["params"])
+            opt.update(part["optimizer"])
+            buffers.update(part["buffers"])
+        model_sd = {}
+        for fqn, t in self._model.state_dict(keep_vars=False).items():
+            canon = self._canonical.get(fqn, fqn)
+            model_sd[fqn] = params.get(canon, buffers.get(fqn, t)).clone()
+        return {"model": model_sd, "optimizer": opt, "step": self.step_count}
+
+    @property
+    def _canonical(self) -> dict[str, str]:
+        out = {}
+        for info in self.graph.params.values():
+            out[info.name] = self.graph.params[info.tied_to].name if info.tied_to else info.name
+        return out
+
+    def _opt_state(self, p: nn.Parameter) -> dict:
+        if self.optimizer is None:
+            return {}
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.optimizer.state.get(p, {}).items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        model_sd = sd["model"]
+        canon = self._canonical
+        by_canon = {canon.get(k, k): v for k, v in model_sd.items()}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(by_canon[name])
+            for name, b in self.buffers.items():
+                b.copy_(model_sd[name])
+        if self.optimizer is not None:
+            for name, p in self.params.items():
+                state = sd.get("optimizer", {}).get(name)
+                if state:
+                    self.optimizer.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                               for k, v in state.items()}
+        self.step_count = int(sd.get("step", self.step_count))
+
+    def dump(self, directory: str) -> None:
+        """Write this rank's generated program as rank{r}.py."""
+        from pathlib import Path
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        lines = [f"# autopar generated program for rank {self.rank} of {self.world_size}"]
+        if self.position is None:
+            lines.append("# idle rank: takes part in collectives only")
+        else:
+            pipe = self.pipeline
+            lines.append(f"# pipeline {pipe.index}, stage {self.position.stage} of {len(pipe.stages)}, layers "
+                         f"{pipe.stages[self.position.stage].layers}, tensor-parallel index {self.position.tp_index}")
+            lines.append(f"# batch share {pipe.batch_size} samples from offset {pipe.batch_offset}, micro-batches "
+                         f"{pipe.microbatch_sizes}, schedule {pipe.schedule}")
+            for size, st in sorted(self._stages.items()):
+                lines.append(f"# --- micro-batch size {size}: receives {st.recv}, sends {st.send}")
+                lines.append(st.code)
+        (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
+
+
+__all__ = ["Program", "PeerLostError", "make_optimizer", "param_holders"]
