@@ -43,7 +43,7 @@ def layout_for(case: models.ModelCase, graph_layers: int, blocks: int, world: in
     return megatron_layout(spec.get("dp", 1), spec.get("tp", 1), spec.get("pp", 1), batch, graph_layers, blocks,
                            spec.get("m", 1), spec.get("schedule", "1f1b"), layer_split=spec.get("layer_split"),
                            batch_split=spec.get("batch_split"), zero=spec.get("zero", 0),
-                           recompute=spec.get("recompute", False))
+                           recompute=spec.get("recompute", False), chunks=spec.get("chunks", 1))
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple[list[float], dict]]:

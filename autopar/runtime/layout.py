@@ -24,12 +24,20 @@ class StageLayout:
 
 @dataclass(frozen=True)
 class PipelineLayout:
+    """A data-parallel replica. With `chunks` > 1 (interleaved 1F1B), stage s runs on device group
+    s % (len(stages) // chunks), so each group holds `chunks` stages."""
+
     index: int
     stages: tuple[StageLayout, ...]
     batch_offset: int
     batch_size: int
     num_microbatches: int
     schedule: str = "1f1b"
+    chunks: int = 1
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.stages) // self.chunks
 
     @property
     def microbatch_sizes(self) -> list[int]:
@@ -44,8 +52,9 @@ class PipelineLayout:
 @dataclass(frozen=True)
 class Position:
     pipeline: int
-    stage: int
+    group: int  # pipeline rank (device group) index within the pipeline
     tp_index: int
+    stages: tuple[int, ...]  # the stages this rank runs (several with interleaving)
 
 
 @dataclass(frozen=True)
@@ -73,17 +82,24 @@ def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: 
             raise PlanError(f"pipeline {p.index}: {p.num_microbatches} micro-batches for {p.batch_size} samples.")
         if p.stages[0].layers[0] != 0 or p.stages[-1].layers[1] != num_layers:
             raise PlanError(f"pipeline {p.index} must cover layers [0, {num_layers}), got {p.bounds()}.")
+        if p.chunks < 1 or len(p.stages) % p.chunks:
+            raise PlanError(f"pipeline {p.index}: {len(p.stages)} stages cannot be {p.chunks} chunks per group.")
         for s, st in enumerate(p.stages):
             if s and st.layers[0] != p.stages[s - 1].layers[1]:
                 raise PlanError(f"pipeline {p.index}: stage {s} starts at layer {st.layers[0]}, expected "
                                 f"{p.stages[s - 1].layers[1]}.")
+            group = s % p.num_groups
+            if st.ranks != p.stages[group].ranks:
+                raise PlanError(f"pipeline {p.index}: stage {s} must run on the devices of stage {group} "
+                                f"({list(p.stages[group].ranks)}) with {p.chunks} chunks per device group.")
             for k, r in enumerate(st.ranks):
                 if not 0 <= r < world_size:
                     raise PlanError(f"rank {r} in pipeline {p.index} stage {s} is outside the world of "
                                     f"{world_size} ranks.")
-                if r in positions:
+                if r in positions and s < p.num_groups:
                     raise PlanError(f"rank {r} is used twice (pipeline {p.index} stage {s} and {positions[r]}).")
-                positions[r] = Position(p.index, s, k)
+                old = positions.get(r)
+                positions[r] = Position(p.index, group, k, (old.stages if old else ()) + (s,))
     if covered != global_batch:
         raise PlanError(f"pipelines take {covered} samples but the global batch has {global_batch}.")
     return Layout(tuple(pipelines), world_size, global_batch, positions)
@@ -92,14 +108,16 @@ def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: 
 def megatron_layout(dp: int, tp: int, pp: int, global_batch: int, num_layers: int, num_blocks: int,
                     num_microbatches: int, schedule: str = "1f1b", layer_split: list[int] | None = None,
                     batch_split: list[int] | None = None, first_block: int = 1, zero: int = 0,
-                    recompute: bool = False) -> Layout:
+                    recompute: bool = False, chunks: int = 1) -> Layout:
     """Megatron's rank order: tensor-parallel fastest, then data-parallel, then pipeline stage.
 
-    `layer_split` counts repeated blocks per stage (pre layers go to the first stage, post to the last).
+    `layer_split` counts repeated blocks per stage (pre layers go to the first stage, post to the last);
+    with `chunks` > 1 (interleaved 1F1B) there are pp * chunks stages, stage s on device group s % pp.
     """
-    split = layer_split or even_split(num_blocks, pp)
-    if len(split) != pp or sum(split) != num_blocks or min(split) < 0:
-        raise PlanError(f"layer_split {split} must have {pp} entries summing to {num_blocks} blocks.")
+    n_stages = pp * chunks
+    split = layer_split or even_split(num_blocks, n_stages)
+    if len(split) != n_stages or sum(split) != num_blocks or min(split) < 0:
+        raise PlanError(f"layer_split {split} must have {n_stages} entries summing to {num_blocks} blocks.")
     shares = batch_split or even_split(global_batch, dp)
     if len(shares) != dp or sum(shares) != global_batch:
         raise PlanError(f"batch_split {shares} must have {dp} entries summing to the global batch {global_batch}.")
@@ -110,9 +128,11 @@ def megatron_layout(dp: int, tp: int, pp: int, global_batch: int, num_layers: in
     pipelines = []
     offset = 0
     for d in range(dp):
-        stages = tuple(StageLayout((edges[s], edges[s + 1]), tuple(s * dp * tp + d * tp + t for t in range(tp)),
-                                   zero=zero, recompute=recompute) for s in range(pp))
-        pipelines.append(PipelineLayout(d, stages, offset, shares[d], min(num_microbatches, shares[d]), schedule))
+        stages = tuple(StageLayout((edges[s], edges[s + 1]),
+                                   tuple((s % pp) * dp * tp + d * tp + t for t in range(tp)),
+                                   zero=zero, recompute=recompute) for s in range(n_stages))
+        pipelines.append(PipelineLayout(d, stages, offset, shares[d], min(num_microbatches, shares[d]), schedule,
+                                        chunks))
         offset += shares[d]
     return make_layout(pipelines, dp * tp * pp, global_batch, num_layers)
 

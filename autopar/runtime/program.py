@@ -78,18 +78,21 @@ class Program:
         self.position = layout.position(rank)
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(dict(model.named_buffers(remove_duplicate=False)))
-        self._stages: dict[int, StageProgram] = {}  # micro-batch size -> this rank's stage program
+        self._stages: dict[tuple[int, int], StageProgram] = {}  # (stage, micro-batch size) -> program
         self.params: dict[str, nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         if self.position is not None:
             pipe = self.pipeline
             for size in sorted(set(pipe.microbatch_sizes)):
-                self._stages[size] = self._capture_stage(model, example_inputs, example_target, pipe, size)
-            st = next(iter(self._stages.values()))
-            for name in st.params:
-                self.params[name] = nn.Parameter(named[name].detach().clone())
-            for name in st.buffers:
-                self.buffers[name] = named[name].detach().clone()
+                programs = self._capture_stages(model, example_inputs, example_target, pipe, size)
+                for s in self.position.stages:
+                    self._stages[(s, size)] = programs[s]
+            for st in self._stages.values():
+                for name in st.params:
+                    if name not in self.params:
+                        self.params[name] = nn.Parameter(named[name].detach().clone())
+                for name in st.buffers:
+                    self.buffers.setdefault(name, named[name].detach().clone())
         self.optimizer = make_optimizer(optimizer, list(self.params.values())) if self.params else None
 
     # ---- construction helpers --------------------------------------------------------------------
@@ -98,17 +101,18 @@ class Program:
         assert self.position is not None
         return self.layout.pipelines[self.position.pipeline]
 
-    def _capture_stage(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
-                       size: int) -> StageProgram:
+    def _capture_stages(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
+                        size: int) -> list[StageProgram]:
         mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
         mb_target = self._slice(target, 0, size) if target is not None else None
         g = self.graph if size == self.layout.global_batch else capture(model, mb_inputs, self.loss_fn, mb_target)
         if len(g.layers) != len(self.graph.layers):
             raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                             f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
-        stage = split_stages(g, pipe.bounds())[self.position.stage]
-        stage.grad_values = {n for n in stage.recv + stage.send if g.nodes[n].requires_grad}  # type: ignore
-        return stage
+        programs = split_stages(g, pipe.bounds())
+        for st in programs:
+            st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
+        return programs
 
     def _slice(self, x: Any, start: int, size: int) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.layout.global_batch:
@@ -132,63 +136,74 @@ class Program:
         self.step_count += 1
         return float(local_loss)
 
+    def _peer(self, stage: int) -> int | None:
+        """The rank running `stage` of this rank's pipeline at the same tensor-parallel index."""
+        pipe = self.pipeline
+        if not 0 <= stage < len(pipe.stages):
+            return None
+        return pipe.stages[stage].ranks[self.position.tp_index]
+
     def _run_schedule(self, inputs: tuple, target: Any) -> float:
         pipe, pos = self.pipeline, self.position
         sizes = pipe.microbatch_sizes
-        starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(len(sizes))]
+        n_mb = len(sizes)
+        starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(n_mb)]
         args = tuple(inputs) + ((target,) if self._has_target else ())
-        sched = make_schedule(pipe.schedule, len(pipe.stages), len(sizes))
-        prev_rank = pipe.stages[pos.stage - 1].ranks[pos.tp_index] if pos.stage > 0 else None
-        next_rank = pipe.stages[pos.stage + 1].ranks[pos.tp_index] if pos.stage + 1 < len(pipe.stages) else None
-        recv_in: dict[int, list[torch.Tensor]] = {}
-        outputs: dict[int, Any] = {}
-        grads_out: dict[int, list[torch.Tensor]] = {}
+        sched = make_schedule(pipe.schedule, pipe.num_groups, n_mb, chunks=pipe.chunks)
+        tag = lambda stage, m, backward: (stage * n_mb + m) * 2 + backward  # receiver's stage
+        recv_in: dict[tuple[int, int], list[torch.Tensor]] = {}
+        outputs: dict[tuple[int, int], Any] = {}
+        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         sends: list[tuple[dist.Work, int, list[torch.Tensor]]] = []
         loss_sum = 0.0
-        for action in sched.actions[pos.stage]:
-            m, kind = action.microbatch, action.kind
-            st = self._stages[sizes[m]] if m >= 0 else None
+        for action in sched.actions[pos.group]:
+            s, m, kind = action.stage, action.microbatch, action.kind
+            if kind == "ALLREDUCE":
+                continue  # gradients are synchronized once after the schedule
+            key = (s, m)
+            st = self._stages[(s, sizes[m])]
             if kind == "RECV_F":
-                recv_in[m] = self._recv(st, st.recv, prev_rank, m, "activations", grad=True)
+                recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations", grad=True)
             elif kind == "F":
                 mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
                 vals = ([self.params[p] for p in st.params] + [self.buffers[b] for b in st.buffers] + mb_args
-                        + recv_in.get(m, []))
-                if self.pipeline.stages[pos.stage].recompute:
-                    outputs[m] = torch.utils.checkpoint.checkpoint(st.gm, *vals, use_reentrant=False)
+                        + recv_in.get(key, []))
+                if pipe.stages[s].recompute:
+                    outputs[key] = torch.utils.checkpoint.checkpoint(st.gm, *vals, use_reentrant=False)
                 else:
-                    outputs[m] = st.gm(*vals)
+                    outputs[key] = st.gm(*vals)
             elif kind == "SEND_F":
-                sends.append(self._send([o.detach() for o in outputs[m]], next_rank, m))
+                sends.append(self._send([o.detach() for o in outputs[key]], self._peer(s + 1), tag(s + 1, m, 0)))
             elif kind == "RECV_B":
-                grads_out[m] = self._recv(st, [n for n in st.send if n in st.grad_values], next_rank, m,
-                                          "gradients", grad=False)
+                names = [n for n in st.send if n in st.grad_values]
+                grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients", grad=False)
             elif kind == "B":
                 weight = sizes[m] / self.layout.global_batch
                 if st.is_last:
-                    loss = outputs.pop(m)
+                    loss = outputs.pop(key)
                     (loss * weight).backward()
                     loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
                 else:
-                    outs = [o for o, n in zip(outputs.pop(m), st.send, strict=True) if n in st.grad_values]
-                    torch.autograd.backward(outs, grads_out.pop(m))
+                    outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True) if n in st.grad_values]
+                    torch.autograd.backward(outs, grads_out.pop(key))
             elif kind == "SEND_B":
-                ins = [x for x, n in zip(recv_in.pop(m), st.recv, strict=True) if n in st.grad_values]
+                ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
-                sends.append(self._send(grads, prev_rank, m))
+                sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, m, 1)))
         for work, peer, _keep in sends:
             wait(work, "send", peer, self.timeout_s)
         return loss_sum
 
-    def _send(self, tensors: list[torch.Tensor], peer: int, m: int) -> tuple[Any, int, list[torch.Tensor]]:
+    def _send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> tuple[Any, int, list[torch.Tensor]]:
+        # one message per transfer; float64 carries fp32 values and integer ids exactly
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
-        return dist.isend(flat, dst=peer, tag=m), peer, [flat]
+        return dist.isend(flat, dst=peer, tag=tag), peer, [flat]
 
-    def _recv(self, st: StageProgram, names: list[str], peer: int, m: int, what: str,
+    def _recv(self, st: StageProgram, names: list[str], peer: int, tag: int, what: str,
               grad: bool) -> list[torch.Tensor]:
         metas = [st.value_meta[n] for n in names]
         flat = torch.empty(sum(meta.numel for meta in metas), dtype=torch.float64)
-        wait(dist.irecv(flat, src=peer, tag=m), f"receiving {what} of micro-batch {m}", peer, self.timeout_s)
+        wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer, self.timeout_s)
         out, offset = [], 0
         for n, meta in zip(names, metas, strict=True):
             t = flat[offset:offset + meta.numel].view(meta.shape).to(getattr(torch, meta.dtype)).clone()
@@ -278,12 +293,14 @@ class Program:
             lines.append("# idle rank: takes part in collectives only")
         else:
             pipe = self.pipeline
-            lines.append(f"# pipeline {pipe.index}, stage {self.position.stage} of {len(pipe.stages)}, layers "
-                         f"{pipe.stages[self.position.stage].layers}, tensor-parallel index {self.position.tp_index}")
+            lines.append(f"# pipeline {pipe.index}, device group {self.position.group}, stages "
+                         f"{list(self.position.stages)} of {len(pipe.stages)}, tensor-parallel index "
+                         f"{self.position.tp_index}")
             lines.append(f"# batch share {pipe.batch_size} samples from offset {pipe.batch_offset}, micro-batches "
                          f"{pipe.microbatch_sizes}, schedule {pipe.schedule}")
-            for size, st in sorted(self._stages.items()):
-                lines.append(f"# --- micro-batch size {size}: receives {st.recv}, sends {st.send}")
+            for (s, size), st in sorted(self._stages.items()):
+                lines.append(f"# --- stage {s} (layers {st.layers}), micro-batch size {size}: receives {st.recv}, "
+                             f"sends {st.send}")
                 lines.append(st.code)
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 
