@@ -22,6 +22,9 @@ CASES_4 = [
     ("hf_llama", {"layers": 3, "batch": 4}, {"pp": 4, "m": 4, "layer_split": [1, 1, 1, 0]}),
     ("cnn", {"batch": 8}, {"pp": 2, "dp": 2, "m": 2, "schedule": "gpipe"}),
     ("gpt", {"layers": 4, "batch": 8}, {"pp": 2, "dp": 2, "m": 2, "schedule": "interleaved_1f1b", "chunks": 2}),
+    ("gpt", {"layers": 2, "batch": 4}, {"tp": 2, "dp": 2}),
+    ("hf_gpt2", {"layers": 2, "batch": 4}, {"tp": 2, "pp": 2, "m": 2}),
+    ("hf_llama", {"layers": 2, "batch": 4}, {"tp": 4}),
 ]
 
 

@@ -9,12 +9,16 @@ step on the whole global batch (for losses that average over the batch).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from ..codegen.split import StageProgram, split_stages
 from ..errors import PlanError
@@ -23,6 +27,7 @@ from ..passes.capture import LossFn, capture
 from ..schedule import make_schedule
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, all_reduce, wait
 from .layout import Layout, PipelineLayout
+from .tensor_parallel import TPSpec, TPStage, megatron_spec
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -37,8 +42,8 @@ def make_optimizer(optimizer: str | OptimizerFactory, params: list[nn.Parameter]
     return table[optimizer](params, lr=1e-3) if optimizer != "sgd" else table[optimizer](params, lr=1e-2)
 
 
-def param_holders(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[int, ...]]:
-    """Canonical parameter name -> the ranks holding a copy of it (any pipeline, any stage)."""
+def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Canonical parameter name -> the tensor-parallel groups (stages, any pipeline) holding a copy."""
     by_layer: dict[int, set[str]] = {}
     for n in graph.nodes.values():
         for a in n.args:
@@ -46,12 +51,12 @@ def param_holders(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[int, 
                 info = graph.params[a]
                 by_layer.setdefault(n.layer, set()).add(graph.params[info.tied_to].name if info.tied_to
                                                         else info.name)
-    holders: dict[str, set[int]] = {}
+    holders: dict[str, set[tuple[int, ...]]] = {}
     for p in layout.pipelines:
         for st in p.stages:
             for layer in range(*st.layers):
                 for name in by_layer.get(layer, ()):
-                    holders.setdefault(name, set()).update(st.ranks)
+                    holders.setdefault(name, set()).add(tuple(st.ranks))
     return {k: tuple(sorted(v)) for k, v in sorted(holders.items())}
 
 
@@ -73,9 +78,23 @@ class Program:
         self._model = model
         self._has_target = loss_fn is not None
         self.graph = capture(model, example_inputs, loss_fn, example_target)
-        self.holders = param_holders(self.graph, layout)
-        self.groups = Groups(list(self.holders.values()) + [tuple(range(world_size))], world_size)
+        self.holders = param_groups(self.graph, layout)
+        tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
+        reps = {tuple(g[0] for g in groups) for groups in self.holders.values()}
+        self.groups = Groups(sorted(tp_groups | reps), world_size)
         self.position = layout.position(rank)
+        self.tp: TPStage | None = None
+        if self.position is not None:
+            my_group = tuple(self.pipeline.stages[self.position.stages[0]].ranks)
+            if len(my_group) > 1:
+                mesh = DeviceMesh.from_group(self.groups.get(my_group), "cuda" if torch.cuda.is_available()
+                                             else "cpu")
+                spec = TPSpec()
+                for s in self.position.stages:
+                    part = megatron_spec(self.graph, self.pipeline.stages[s].layers)
+                    spec.params.update(part.params)
+                    spec.relayout.update(part.relayout)
+                self.tp = TPStage(mesh, spec)
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(dict(model.named_buffers(remove_duplicate=False)))
         self._stages: dict[tuple[int, int], StageProgram] = {}  # (stage, micro-batch size) -> program
@@ -90,7 +109,8 @@ class Program:
             for st in self._stages.values():
                 for name in st.params:
                     if name not in self.params:
-                        self.params[name] = nn.Parameter(named[name].detach().clone())
+                        full = named[name].detach().clone()
+                        self.params[name] = nn.Parameter(self.tp.shard(name, full) if self.tp else full)
                 for name in st.buffers:
                     self.buffers.setdefault(name, named[name].detach().clone())
         self.optimizer = make_optimizer(optimizer, list(self.params.values())) if self.params else None
@@ -168,10 +188,13 @@ class Program:
                 mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
                 vals = ([self.params[p] for p in st.params] + [self.buffers[b] for b in st.buffers] + mb_args
                         + recv_in.get(key, []))
+                n_p = len(st.params)
+                run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) if self.tp \
+                    else st.gm
                 if pipe.stages[s].recompute:
-                    outputs[key] = torch.utils.checkpoint.checkpoint(st.gm, *vals, use_reentrant=False)
+                    outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                 else:
-                    outputs[key] = st.gm(*vals)
+                    outputs[key] = run(*vals)
             elif kind == "SEND_F":
                 sends.append(self._send([o.detach() for o in outputs[key]], self._peer(s + 1), tag(s + 1, m, 0)))
             elif kind == "RECV_B":
@@ -179,13 +202,14 @@ class Program:
                 grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients", grad=False)
             elif kind == "B":
                 weight = sizes[m] / self.layout.global_batch
-                if st.is_last:
-                    loss = outputs.pop(key)
-                    (loss * weight).backward()
-                    loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
-                else:
-                    outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True) if n in st.grad_values]
-                    torch.autograd.backward(outs, grads_out.pop(key))
+                with implicit_replication() if self.tp else contextlib.nullcontext():
+                    if st.is_last:
+                        loss = outputs.pop(key)
+                        (loss * weight).backward()
+                        loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
+                    else:
+                        outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True) if n in st.grad_values]
+                        torch.autograd.backward(outs, grads_out.pop(key))
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
@@ -214,29 +238,48 @@ class Program:
         return out
 
     def _sync_gradients(self) -> None:
-        """Sum gradient copies across every rank that holds a parameter (replicas, tied weights)."""
-        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for name, p in self.params.items():
-            ranks = self.holders[name]
-            if len(ranks) > 1:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                buckets.setdefault(ranks, []).append(p)
-        for ranks, params in sorted(buckets.items()):
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            all_reduce(flat, self.groups.get(ranks), f"gradient all-reduce over ranks {list(ranks)}", self.timeout_s)
+        """Sum each parameter's gradient over every stage copy holding it (data-parallel replicas, tied
+        weights): full gradients are all-reduced among one representative per tensor-parallel group, then
+        broadcast inside each group and re-sharded."""
+        my_group = tuple(self.pipeline.stages[self.position.stages[0]].ranks)
+        buckets: dict[tuple[int, ...], list[str]] = {}
+        for name in sorted(self.params):
+            groups = self.holders[name]
+            if len(groups) > 1:
+                buckets.setdefault(tuple(g[0] for g in groups), []).append(name)
+        for reps, names in sorted(buckets.items()):
+            fulls = [self._full_grad(self.params[n]) for n in names]
+            flat = torch.cat([g.reshape(-1) for g in fulls])
+            if self.rank in reps:
+                all_reduce(flat, self.groups.get(reps), f"gradient all-reduce over ranks {list(reps)}",
+                           self.timeout_s)
+            if len(my_group) > 1:
+                wait(dist.broadcast(flat, src=my_group[0], group=self.groups.get(my_group), async_op=True),
+                     "gradient broadcast in the tensor-parallel group", my_group[0], self.timeout_s)
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for n, g in zip(names, fulls, strict=True):
+                full = flat[offset:offset + g.numel()].view_as(g)
+                offset += g.numel()
+                p = self.params[n]
+                p.grad = self.tp.shard(n, full) if self.tp else full.clone()
+
+    def _full_grad(self, p: nn.Parameter) -> torch.Tensor:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        return g.full_tensor() if isinstance(g, DTensor) else g
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Full, unsharded state on every rank: {"model": <original model's state_dict>, "optimizer":
         {param name: state}, "step": n}. `model.load_state_dict(sd["model"])` restores the original model."""
-        owned = {name: p for name, p in self.params.items() if self.holders[name][0] == self.rank}
-        mine = {"params": {n: p.detach().clone() for n, p in owned.items()},
-                "optimizer": {n: self._opt_state(p) for n, p in owned.items()},
+        full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.clone()
+        mine_p, mine_o = {}, {}
+        for name in sorted(self.params):  # same order on every member of a tensor-parallel group
+            p = self.params[name]
+            value, state = full(p.detach()), {k: full(v) if isinstance(v, torch.Tensor) else v
+                                              for k, v in self._opt_state(p).items()}
+            if self.holders[name][0][0] == self.rank:
+                mine_p[name], mine_o[name] = value, state
+        mine = {"params": mine_p, "optimizer": mine_o,
                 "buffers": {n: b.clone() for n, b in self.buffers.items()}}
         parts = [mine]
         if self.world_size > 1:
@@ -271,15 +314,16 @@ class Program:
         by_canon = {canon.get(k, k): v for k, v in model_sd.items()}
         with torch.no_grad():
             for name, p in self.params.items():
-                p.copy_(by_canon[name])
+                p.copy_(self.tp.shard(name, by_canon[name]) if self.tp else by_canon[name])
             for name, b in self.buffers.items():
                 b.copy_(model_sd[name])
         if self.optimizer is not None:
             for name, p in self.params.items():
                 state = sd.get("optimizer", {}).get(name)
                 if state:
-                    self.optimizer.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                               for k, v in state.items()}
+                    self.optimizer.state[p] = {
+                        k: (self.tp.shard(name, v) if self.tp and isinstance(v, torch.Tensor) and v.dim() > 0
+                            else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
         self.step_count = int(sd.get("step", self.step_count))
 
     def dump(self, directory: str) -> None:
@@ -305,4 +349,4 @@ class Program:
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 
 
-__all__ = ["Program", "PeerLostError", "make_optimizer", "param_holders"]
+__all__ = ["Program", "PeerLostError", "make_optimizer", "param_groups"]

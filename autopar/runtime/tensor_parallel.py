@@ -1,0 +1,220 @@
+"""Tensor parallelism inside a stage, lowered onto DTensor.
+
+A stage program is the captured aten graph with its global shapes. Running it with parameters that are
+DTensors keeps those global semantics while each rank holds and computes only its shard: DTensor's
+sharding propagation inserts the collectives (the all-reduce after a row-parallel linear, the slice
+before a head-parallel attention). The plan decides placements: which weights are sharded on which
+dimension (column- or row-parallel) and which activations to re-layout (attention heads). An op that
+DTensor has no sharding rule for runs replicated on every rank of the group, and the dump says so.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+
+from ..graph import TrainingGraph
+
+aten = torch.ops.aten
+_ELEMENTWISE_FOLLOW = {"aten.gelu.default", "aten.relu.default", "aten.silu.default", "aten.dropout.default",
+                       "aten.mul.Tensor", "aten.tanh.default", "aten.add.Tensor", "aten.pow.Tensor_Scalar",
+                       "aten.sigmoid.default", "aten.clone.default", "aten.contiguous.default"}
+_VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default",
+          "aten._unsafe_view.default", "aten.contiguous.default", "aten.clone.default", "aten.flatten.using_ints"}
+
+
+@dataclass
+class TPSpec:
+    """Placements for one stage: parameter name -> placement, node name -> re-layout of its output."""
+
+    params: dict[str, Placement] = field(default_factory=dict)
+    relayout: dict[str, Placement] = field(default_factory=dict)
+
+    def describe(self) -> list[str]:
+        lines = [f"#   param {k}: {v}" for k, v in sorted(self.params.items()) if not isinstance(v, Replicate)]
+        lines += [f"#   relayout {k} -> {v}" for k, v in sorted(self.relayout.items())]
+        return lines
+
+
+def _weight_of(graph: TrainingGraph, node_name: str) -> tuple[str, int] | None:
+    """(parameter placeholder, index of its output-feature dim) for a linear-like node with a weight param."""
+    n = graph.nodes[node_name]
+    if n.target == "aten.linear.default" and len(n.args) >= 2 and n.args[1] in graph.params:
+        return n.args[1], 0  # weight (out, in)
+    if n.target in ("aten.addmm.default", "aten.mm.default"):
+        w = n.args[-1]
+        if w in graph.params and len(graph.params[w].meta.shape) == 2:
+            return w, 1  # Conv1D-style weight (in, out) used as mat2
+    return None
+
+
+def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
+    """Megatron-style placements derived from the graph: an MLP's first linear column-parallel and its
+    second row-parallel; attention head-parallel with its output projection row-parallel. Fused QKV
+    projections stay replicated (their output is split by a view DTensor cannot shard evenly)."""
+    spec = TPSpec()
+    names = [n for layer in graph.layers[layers[0]:layers[1]] for n in layer.nodes]
+    users: dict[str, list[str]] = {}
+    for name in names:
+        for a in graph.nodes[name].args:
+            users.setdefault(a, []).append(name)
+
+    def canonical(p: str) -> str:
+        info = graph.params[p]
+        return graph.params[info.tied_to].name if info.tied_to else info.name
+
+    def bias_of(node_name: str) -> str | None:
+        n = graph.nodes[node_name]
+        if n.target == "aten.linear.default" and len(n.args) == 3 and n.args[2] in graph.params:
+            return n.args[2]
+        if n.target == "aten.addmm.default" and n.args[0] in graph.params:
+            return n.args[0]
+        return None
+
+    def next_linear(start: str, through: set[str]) -> str | None:
+        frontier, seen = [start], set()
+        while frontier:
+            cur = frontier.pop()
+            for u in users.get(cur, []):
+                if u in seen:
+                    continue
+                seen.add(u)
+                if _weight_of(graph, u) and graph.nodes[u].args[0 if graph.nodes[u].target != "aten.addmm.default"
+                                                                 else 1] in ({cur} | seen | {start}):
+                    return u
+                if graph.nodes[u].target in through:
+                    frontier.append(u)
+        return None
+
+    row_done: set[str] = set()
+    for name in names:
+        n = graph.nodes[name]
+        if n.target == "aten.scaled_dot_product_attention.default":
+            for qkv in n.args[:3]:
+                if qkv in graph.nodes:
+                    spec.relayout[qkv] = Shard(1)
+            proj = next_linear(name, _VIEWS)
+            if proj:
+                w, out_dim = _weight_of(graph, proj)
+                spec.params[canonical(w)] = Shard(1 - out_dim)
+                row_done.add(proj)
+    for name in names:
+        if name in row_done or not _weight_of(graph, name):
+            continue
+        second = next_linear(name, _ELEMENTWISE_FOLLOW | _VIEWS)
+        if second is None or second in row_done or len(users.get(name, [])) != 1:
+            continue
+        w1, d1 = _weight_of(graph, name)
+        w2, d2 = _weight_of(graph, second)
+        if canonical(w1) in spec.params or canonical(w2) in spec.params:
+            continue
+        spec.params[canonical(w1)] = Shard(d1)
+        b1 = bias_of(name)
+        if b1:
+            spec.params[canonical(b1)] = Shard(0)
+        spec.params[canonical(w2)] = Shard(1 - d2)
+        row_done.update({name, second})
+    return spec
+
+
+def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # The math formulation decomposes into ops DTensor can shard over heads; the fused CPU kernel has no rule.
+    # Like the public op, turn a boolean mask (True = attend) into an additive one first.
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            attn_mask.logical_not(), float("-inf"))
+    return aten._scaled_dot_product_attention_math.default(q, k, v, attn_mask, dropout_p, is_causal,
+                                                           scale=scale, enable_gqa=enable_gqa)[0]
+
+
+# Shards and their gradients can have other strides than the captured global tensors: reshape where the
+# capture said view (same values, copies only when a view is impossible).
+_SUBSTITUTE = {aten.scaled_dot_product_attention.default: _sdpa_math, aten.view.default: aten.reshape.default,
+               aten._unsafe_view.default: aten.reshape.default}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: DTensor rebuilds gradients of `to_local`
+    with the forward tensor's strides, which a transposed gradient cannot view."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g.contiguous()
+
+
+def full_tensor(x: Any) -> Any:
+    """The full value of a DTensor as a plain tensor (differentiable); other values unchanged."""
+    return _ContiguousGrad.apply(x.full_tensor()) if isinstance(x, DTensor) else x
+
+
+class _TPInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, spec: TPSpec, replicated: set[str]) -> None:
+        super().__init__(gm)
+        self.mesh, self.spec, self.replicated = mesh, spec, replicated
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        target = _SUBSTITUTE.get(n.target, n.target)
+        if n.name in self.replicated:
+            out = self._replicated(target, args, kwargs)
+        else:
+            try:
+                out = target(*args, **kwargs)
+            except (NotImplementedError, RuntimeError, AssertionError) as e:
+                if "DTensor" not in repr(e) and "sharding" not in str(e).lower() and "shard" not in str(e):
+                    raise
+                self.replicated.add(n.name)
+                out = self._replicated(target, args, kwargs)
+        placement = self.spec.relayout.get(n.name)
+        if placement is not None and isinstance(out, DTensor):
+            out = out.redistribute(self.mesh, [placement])
+        if isinstance(out, DTensor) and out.requires_grad:
+            # redistributed gradients can come back with strides a later view cannot take
+            out.register_hook(lambda g: g.contiguous())
+        return out
+
+    def _replicated(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = torch.utils._pytree.tree_map(full_tensor, (args, kwargs))
+        out = target(*args, **kwargs)
+        if target is operator.getitem:
+            return out
+        wrap = lambda x: DTensor.from_local(x, self.mesh, [Replicate()], run_check=False) \
+            if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return torch.utils._pytree.tree_map(wrap, out)
+
+
+class TPStage:
+    """Runs one stage program over a tensor-parallel group; inputs and outputs are plain full tensors."""
+
+    def __init__(self, mesh: DeviceMesh, spec: TPSpec) -> None:
+        self.mesh, self.spec = mesh, spec
+        self.replicated: set[str] = set()
+
+    def placement(self, param: str) -> Placement:
+        return self.spec.params.get(param, Replicate())
+
+    def shard(self, param: str, full: torch.Tensor) -> DTensor:
+        """This rank's shard of a full tensor every rank holds (a local slice, no communication)."""
+        return DTensor.from_local(full.detach(), self.mesh, [Replicate()], run_check=False).redistribute(
+            self.mesh, [self.placement(param)])
+
+    def run(self, gm: fx.GraphModule, param_vals: list[torch.Tensor], other: list[Any]) -> Any:
+        wrap = lambda x: DTensor.from_local(x, self.mesh, [Replicate()], run_check=False) \
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+        with implicit_replication():
+            out = _TPInterpreter(gm, self.mesh, self.spec, self.replicated).run(*param_vals,
+                                                                                *[wrap(x) for x in other])
+        return tuple(full_tensor(x) for x in out) if isinstance(out, tuple) else full_tensor(out)
