@@ -63,14 +63,11 @@ def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[tuple[
 class Program:
     """A compiled training program; `step()` trains on one global batch across the whole cluster."""
 
-    def __init__(self, model: nn.Module, layout: Layout, example_inputs: tuple, example_target: Any,
+    def __init__(self, model: nn.Module, layout: Layout | None, example_inputs: tuple, example_target: Any,
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
-                 plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if world_size != layout.world_size:
-            raise PlanError(f"the plan is for {layout.world_size} ranks but {world_size} processes were started; "
-                            f"launch one process per device (e.g. torchrun --nproc-per-node {layout.world_size}).")
+                 plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 layout_fn: Callable[[int], Layout] | None = None) -> None:
         self.plan = plan
-        self.layout = layout
         self.rank, self.world_size = rank, world_size
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
@@ -78,6 +75,13 @@ class Program:
         self._model = model
         self._has_target = loss_fn is not None
         self.graph = capture(model, example_inputs, loss_fn, example_target)
+        if layout is None:
+            assert layout_fn is not None
+            layout = layout_fn(len(self.graph.layers))
+        if world_size != layout.world_size:
+            raise PlanError(f"the plan is for {layout.world_size} ranks but {world_size} processes were started; "
+                            f"launch one process per device (e.g. torchrun --nproc-per-node {layout.world_size}).")
+        self.layout = layout
         self.holders = param_groups(self.graph, layout)
         tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
         reps = {tuple(g[0] for g in groups) for groups in self.holders.values()}
