@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from autopar import models
-from autopar.runtime.layout import Layout, megatron_layout
+from autopar.runtime.layout import Layout, make_layout, megatron_layout
 from autopar.runtime.program import Program
 
 STEPS = 3
@@ -40,10 +41,16 @@ def reference(name: str, kwargs: dict, steps: int = STEPS) -> tuple[list[float],
 
 def layout_for(case: models.ModelCase, graph_layers: int, blocks: int, world: int, spec: dict) -> Layout:
     batch = case.example_inputs[0].shape[0]
-    return megatron_layout(spec.get("dp", 1), spec.get("tp", 1), spec.get("pp", 1), batch, graph_layers, blocks,
-                           spec.get("m", 1), spec.get("schedule", "1f1b"), layer_split=spec.get("layer_split"),
-                           batch_split=spec.get("batch_split"), zero=spec.get("zero", 0),
-                           recompute=spec.get("recompute", False), chunks=spec.get("chunks", 1))
+    lay = megatron_layout(spec.get("dp", 1), spec.get("tp", 1), spec.get("pp", 1), batch, graph_layers,
+                          blocks, spec.get("m", 1), spec.get("schedule", "1f1b"),
+                          layer_split=spec.get("layer_split"), batch_split=spec.get("batch_split"),
+                          zero=spec.get("zero", 0),
+                          recompute=spec.get("recompute", False), chunks=spec.get("chunks", 1))
+    if spec.get("offload"):  # CPU offload kinds for every stage
+        pipes = [replace(p, stages=tuple(replace(st, offload=tuple(spec["offload"])) for st in p.stages))
+                 for p in lay.pipelines]
+        lay = make_layout(pipes, lay.world_size, lay.global_batch, graph_layers)
+    return lay
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple[list[float], dict]]:

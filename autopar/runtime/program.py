@@ -4,7 +4,9 @@ Every rank runs the same script. A rank finds its (pipeline, stage) in the layou
 its pipeline's micro-batch sizes, keeps the stage program for its layers, and executes the schedule's
 actions for its stage: forward, send activations, receive gradients, backward. Micro-batch losses are
 weighted by size / global batch and replica gradients summed, so one step equals one single-device
-step on the whole global batch (for losses that average over the batch).
+step on the whole global batch (for losses that average over the batch). Each stage's ZeRO level and
+CPU offload (`StageLayout.zero`, `.offload`) are carried out by `zero.ZeroRuntime`; see zero.py for what
+each level partitions and at which granularity.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..codegen.split import StageProgram, split_stages
@@ -28,6 +29,7 @@ from ..schedule import make_schedule
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, all_reduce, wait
 from .layout import Layout, PipelineLayout
 from .tensor_parallel import TPSpec, TPStage, megatron_spec
+from .zero import ZeroRuntime, check_stage_options, offload_activations, params_by_layer, zero_levels
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -44,13 +46,7 @@ def make_optimizer(optimizer: str | OptimizerFactory, params: list[nn.Parameter]
 
 def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Canonical parameter name -> the tensor-parallel groups (stages, any pipeline) holding a copy."""
-    by_layer: dict[int, set[str]] = {}
-    for n in graph.nodes.values():
-        for a in n.args:
-            if a in graph.params and not graph.params[a].is_buffer:
-                info = graph.params[a]
-                by_layer.setdefault(n.layer, set()).add(graph.params[info.tied_to].name if info.tied_to
-                                                        else info.name)
+    by_layer = params_by_layer(graph)
     holders: dict[str, set[tuple[int, ...]]] = {}
     for p in layout.pipelines:
         for st in p.stages:
@@ -61,7 +57,14 @@ def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[tuple[
 
 
 class Program:
-    """A compiled training program; `step()` trains on one global batch across the whole cluster."""
+    """A compiled training program; `step()` trains on one global batch across the whole cluster.
+
+    `params` maps canonical names to this rank's parameters (tensor-parallel shards as DTensors). Between
+    steps, those a rank does not keep under ZeRO-3 or keeps on the host ("params" offload) have their
+    storage freed (`untyped_storage().nbytes() == 0`); read values through `state_dict()`. `optimizer` is
+    the user's optimizer over the parameters this rank updates (their CPU copies with "optimizer"
+    offload), or None when it updates none.
+    """
 
     def __init__(self, model: nn.Module, layout: Layout | None, example_inputs: tuple, example_target: Any,
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
@@ -79,8 +82,10 @@ class Program:
             assert layout_fn is not None
             layout = layout_fn(len(self.graph.layers))
         if world_size != layout.world_size:
-            raise PlanError(f"the plan is for {layout.world_size} ranks but {world_size} processes were started; "
-                            f"launch one process per device (e.g. torchrun --nproc-per-node {layout.world_size}).")
+            raise PlanError(f"the plan is for {layout.world_size} ranks but {world_size} processes were "
+                            f"started; launch one process per device (e.g. torchrun --nproc-per-node "
+                            f"{layout.world_size}).")
+        check_stage_options(layout)
         self.layout = layout
         self.holders = param_groups(self.graph, layout)
         tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
@@ -117,7 +122,8 @@ class Program:
                         self.params[name] = nn.Parameter(self.tp.shard(name, full) if self.tp else full)
                 for name in st.buffers:
                     self.buffers.setdefault(name, named[name].detach().clone())
-        self.optimizer = make_optimizer(optimizer, list(self.params.values())) if self.params else None
+        self.zero = self._zero_runtime()
+        self.optimizer = self.zero.build_optimizer(lambda params: make_optimizer(optimizer, params))
 
     # ---- construction helpers --------------------------------------------------------------------
     @property
@@ -125,11 +131,24 @@ class Program:
         assert self.position is not None
         return self.layout.pipelines[self.position.pipeline]
 
+    def _zero_runtime(self) -> ZeroRuntime:
+        offload: dict[str, set[str]] = {}
+        my_group: tuple[int, ...] = (self.rank,)
+        if self.position is not None:
+            my_group = tuple(self.pipeline.stages[self.position.stages[0]].ranks)
+            for (s, _), st in self._stages.items():
+                for name in st.params:
+                    offload.setdefault(name, set()).update(self.pipeline.stages[s].offload)
+        sizes = {info.name: info.meta.numel for info in self.graph.params.values() if not info.is_buffer}
+        return ZeroRuntime(self.params, self.holders, zero_levels(self.graph, self.layout), sizes, offload,
+                           self.rank, my_group, self.groups, self.tp, self.timeout_s)
+
     def _capture_stages(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
                         size: int) -> list[StageProgram]:
         mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
         mb_target = self._slice(target, 0, size) if target is not None else None
-        g = self.graph if size == self.layout.global_batch else capture(model, mb_inputs, self.loss_fn, mb_target)
+        g = self.graph if size == self.layout.global_batch \
+            else capture(model, mb_inputs, self.loss_fn, mb_target)
         if len(g.layers) != len(self.graph.layers):
             raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                             f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
@@ -150,11 +169,10 @@ class Program:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
         local_loss = torch.zeros((), dtype=torch.float64)
         if self.position is not None:
+            self.zero.prepare()
             local_loss += self._run_schedule(inputs, target)
             self._sync_gradients()
-            if self.optimizer is not None:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+            self.zero.step(self.optimizer)
         if self.world_size > 1:
             all_reduce(local_loss, dist.group.WORLD, "loss all-reduce", self.timeout_s)
         self.step_count += 1
@@ -187,23 +205,27 @@ class Program:
             key = (s, m)
             st = self._stages[(s, sizes[m])]
             if kind == "RECV_F":
-                recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations", grad=True)
+                recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations",
+                                          grad=True)
             elif kind == "F":
                 mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
                 vals = ([self.params[p] for p in st.params] + [self.buffers[b] for b in st.buffers] + mb_args
                         + recv_in.get(key, []))
                 n_p = len(st.params)
-                run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) if self.tp \
-                    else st.gm
-                if pipe.stages[s].recompute:
-                    outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
-                else:
-                    outputs[key] = run(*vals)
+                run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
+                    if self.tp else st.gm
+                with offload_activations("activations" in pipe.stages[s].offload):
+                    if pipe.stages[s].recompute:
+                        outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
+                    else:
+                        outputs[key] = run(*vals)
             elif kind == "SEND_F":
-                sends.append(self._send([o.detach() for o in outputs[key]], self._peer(s + 1), tag(s + 1, m, 0)))
+                sends.append(self._send([o.detach() for o in outputs[key]], self._peer(s + 1),
+                                        tag(s + 1, m, 0)))
             elif kind == "RECV_B":
                 names = [n for n in st.send if n in st.grad_values]
-                grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients", grad=False)
+                grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients",
+                                            grad=False)
             elif kind == "B":
                 weight = sizes[m] / self.layout.global_batch
                 with implicit_replication() if self.tp else contextlib.nullcontext():
@@ -212,7 +234,8 @@ class Program:
                         (loss * weight).backward()
                         loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
                     else:
-                        outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True) if n in st.grad_values]
+                        outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True)
+                                if n in st.grad_values]
                         torch.autograd.backward(outs, grads_out.pop(key))
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
@@ -231,7 +254,8 @@ class Program:
               grad: bool) -> list[torch.Tensor]:
         metas = [st.value_meta[n] for n in names]
         flat = torch.empty(sum(meta.numel for meta in metas), dtype=torch.float64)
-        wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer, self.timeout_s)
+        wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer,
+             self.timeout_s)
         out, offset = [], 0
         for n, meta in zip(names, metas, strict=True):
             t = flat[offset:offset + meta.numel].view(meta.shape).to(getattr(torch, meta.dtype)).clone()
@@ -243,45 +267,20 @@ class Program:
 
     def _sync_gradients(self) -> None:
         """Sum each parameter's gradient over every stage copy holding it (data-parallel replicas, tied
-        weights): full gradients are all-reduced among one representative per tensor-parallel group, then
-        broadcast inside each group and re-sharded."""
-        my_group = tuple(self.pipeline.stages[self.position.stages[0]].ranks)
-        buckets: dict[tuple[int, ...], list[str]] = {}
-        for name in sorted(self.params):
-            groups = self.holders[name]
-            if len(groups) > 1:
-                buckets.setdefault(tuple(g[0] for g in groups), []).append(name)
-        for reps, names in sorted(buckets.items()):
-            fulls = [self._full_grad(self.params[n]) for n in names]
-            flat = torch.cat([g.reshape(-1) for g in fulls])
-            if self.rank in reps:
-                all_reduce(flat, self.groups.get(reps), f"gradient all-reduce over ranks {list(reps)}",
-                           self.timeout_s)
-            if len(my_group) > 1:
-                wait(dist.broadcast(flat, src=my_group[0], group=self.groups.get(my_group), async_op=True),
-                     "gradient broadcast in the tensor-parallel group", my_group[0], self.timeout_s)
-            offset = 0
-            for n, g in zip(names, fulls, strict=True):
-                full = flat[offset:offset + g.numel()].view_as(g)
-                offset += g.numel()
-                p = self.params[n]
-                p.grad = self.tp.shard(n, full) if self.tp else full.clone()
-
-    def _full_grad(self, p: nn.Parameter) -> torch.Tensor:
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        return g.full_tensor() if isinstance(g, DTensor) else g
+        weights); under ZeRO-2/3 only the owner keeps the sum (see `zero.ZeroRuntime.sync_gradients`)."""
+        self.zero.sync_gradients()
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Full, unsharded state on every rank: {"model": <original model's state_dict>, "optimizer":
-        {param name: state}, "step": n}. `model.load_state_dict(sd["model"])` restores the original model."""
-        full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.clone()
+        """Full, unsharded state on every rank, under every ZeRO level and offload: {"model": <original
+        model's state_dict>, "optimizer": {param name: state}, "step": n}. Each parameter's owner (its first
+        holder without ZeRO) supplies it. `model.load_state_dict(sd["model"])` restores the original model."""
         mine_p, mine_o = {}, {}
         for name in sorted(self.params):  # same order on every member of a tensor-parallel group
-            p = self.params[name]
-            value, state = full(p.detach()), {k: full(v) if isinstance(v, torch.Tensor) else v
-                                              for k, v in self._opt_state(p).items()}
-            if self.holders[name][0][0] == self.rank:
+            if not self.zero.is_source(name):
+                continue
+            value, state = self.zero.full_param(name), self.zero.full_opt_state(name, self.optimizer)
+            if self.zero.state[name].owner[0] == self.rank:
                 mine_p[name], mine_o[name] = value, state
         mine = {"params": mine_p, "optimizer": mine_o,
                 "buffers": {n: b.clone() for n, b in self.buffers.items()}}
@@ -307,27 +306,18 @@ class Program:
             out[info.name] = self.graph.params[info.tied_to].name if info.tied_to else info.name
         return out
 
-    def _opt_state(self, p: nn.Parameter) -> dict:
-        if self.optimizer is None:
-            return {}
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.optimizer.state.get(p, {}).items()}
-
     def load_state_dict(self, sd: dict) -> None:
+        """Load a full state (from `state_dict`, any layout): each rank keeps its shards and, under ZeRO,
+        only the parameters and optimizer state it holds."""
         model_sd = sd["model"]
         canon = self._canonical
         by_canon = {canon.get(k, k): v for k, v in model_sd.items()}
+        for name in self.params:
+            self.zero.load_param(name, by_canon[name])
+            self.zero.load_opt_state(name, self.optimizer, sd.get("optimizer", {}).get(name) or {})
         with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(self.tp.shard(name, by_canon[name]) if self.tp else by_canon[name])
             for name, b in self.buffers.items():
                 b.copy_(model_sd[name])
-        if self.optimizer is not None:
-            for name, p in self.params.items():
-                state = sd.get("optimizer", {}).get(name)
-                if state:
-                    self.optimizer.state[p] = {
-                        k: (self.tp.shard(name, v) if self.tp and isinstance(v, torch.Tensor) and v.dim() > 0
-                            else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
         self.step_count = int(sd.get("step", self.step_count))
 
     def dump(self, directory: str) -> None:
@@ -344,11 +334,15 @@ class Program:
             lines.append(f"# pipeline {pipe.index}, device group {self.position.group}, stages "
                          f"{list(self.position.stages)} of {len(pipe.stages)}, tensor-parallel index "
                          f"{self.position.tp_index}")
-            lines.append(f"# batch share {pipe.batch_size} samples from offset {pipe.batch_offset}, micro-batches "
-                         f"{pipe.microbatch_sizes}, schedule {pipe.schedule}")
+            lines.append(f"# batch share {pipe.batch_size} samples from offset {pipe.batch_offset}, "
+                         f"micro-batches {pipe.microbatch_sizes}, schedule {pipe.schedule}")
+            memory = self.zero.describe()
+            if memory:
+                lines.append("# ZeRO / offload per parameter:")
+                lines.extend(memory)
             for (s, size), st in sorted(self._stages.items()):
-                lines.append(f"# --- stage {s} (layers {st.layers}), micro-batch size {size}: receives {st.recv}, "
-                             f"sends {st.send}")
+                lines.append(f"# --- stage {s} (layers {st.layers}), micro-batch size {size}: receives "
+                             f"{st.recv}, sends {st.send}")
                 lines.append(st.code)
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 

@@ -1,0 +1,453 @@
+"""ZeRO stages 1-3 and CPU offload for the per-rank program.
+
+Peers. A parameter is held by one or more tensor-parallel groups (`Program.holders`: data-parallel
+replicas, and stages sharing a tied weight). Its peers are those groups; each group is represented by
+its first rank, exactly like the ZeRO-0 gradient all-reduce. Full (unsharded) tensors travel between
+representatives and are broadcast and re-sharded inside each group, so ZeRO also works with tensor
+parallelism, even when the holding groups have different tensor-parallel degrees: within the owning
+group each rank owns its own shard, so the partition is across data-parallel peers at the same
+tensor-parallel index.
+
+Ownership. Each parameter with ZeRO level >= 1 and more than one holder gets one owning group,
+chosen greedily (largest parameters first, to the holder with the fewest owned elements so far;
+deterministic, identical on every rank). Its level is the highest `zero` of the stages holding it
+(a tied weight on stages with different levels gets the strongest partitioning any of them asked
+for, which never uses more memory than any of those stages planned for). With a single holder there is
+nothing to partition across and ZeRO changes nothing for that parameter (as the planner assumes).
+
+What each level does, per parameter:
+
+* ZeRO-1: gradients are all-reduced as in ZeRO-0; only the owner holds optimizer state (the local
+  optimizer is built over owned parameters only) and updates; then the owner broadcasts the updated
+  value to its peers. Non-owners drop their gradient after the all-reduce.
+* ZeRO-2: gradients are reduced to the owner (`dist.reduce`, not all-reduce); non-owners drop theirs.
+* ZeRO-3: additionally non-owners hold no copy between steps (the storage is freed, the parameter
+  keeps its shape: `untyped_storage().resize_(0)`). Granularity is the whole step, not the layer:
+  every ZeRO-3 parameter of the rank is gathered (broadcast from its owner) at the start of `step()`,
+  stays resident through all micro-batches' forward and backward (and recomputation), and is freed
+  right after the gradient reduction. Peak parameter memory inside a step is therefore that of
+  ZeRO-0; the saving holds between steps and during the optimizer step. Per-layer gathering is not
+  done because gathers are collectives across pipelines whose schedules differ (uneven batch splits
+  give different micro-batch counts; tied weights span first and last stages), so gathers placed
+  inside a schedule could deadlock; gathering once per step keeps one global collective order.
+
+Gradient reduction runs once after the pipeline schedule, not overlapped with backward, so peak
+gradient memory during backward is that of ZeRO-0 on every level; ZeRO-2/3 free non-owned gradients
+before the optimizer step.
+
+Communication is per bucket (the parameters sharing a peer set and owner, cut at BUCKET_BYTES): one
+reduce or all-reduce and one broadcast from the owner, blocking, in one sorted order on every rank.
+That moves the same bytes as the reduce-scatter / all-gather of flat shards that DeepSpeed uses, but
+each owner sends its parameters itself instead of the traffic being spread over a ring, and with
+tensor parallelism the owner group first gathers the full tensor and receivers re-shard it.
+
+Offload (per rank, the union over its stages holding a parameter):
+
+* "optimizer": the optimizer is built over fp32 CPU copies of the owned parameters; gradients are
+  copied to CPU before `optimizer.step()` and the updated values copied back. With tensor
+  parallelism the CPU copies are the local shards as plain tensors, so the optimizer must be
+  elementwise (Adam, AdamW, SGD are).
+* "params": a CPU copy is kept and the device storage freed between steps; the copy is moved back at
+  the start of the step.
+* "activations": the stage's forward runs under `torch.autograd.graph.save_on_cpu`.
+All copies are synchronous (no overlap with compute). On a CPU-only machine the copies are CPU to CPU:
+the code paths run, nothing is saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..errors import PlanError
+from ..graph import TrainingGraph
+from .dist import Groups, all_reduce, wait
+from .layout import Layout
+from .tensor_parallel import TPStage
+
+OFFLOAD_KINDS = ("optimizer", "activations", "params")
+BUCKET_BYTES = 64 << 20  # bounds the flat copy one collective makes of its parameters or gradients
+Group = tuple[int, ...]
+
+
+def check_stage_options(layout: Layout) -> None:
+    """Every stage's zero level and offload kinds must be ones the runtime implements."""
+    for p in layout.pipelines:
+        for s, st in enumerate(p.stages):
+            if isinstance(st.zero, bool) or not isinstance(st.zero, int) or not 0 <= st.zero <= 3:
+                raise PlanError(f"pipeline {p.index} stage {s}: zero must be an integer 0-3, got "
+                                f"{st.zero!r}.")
+            if isinstance(st.offload, str):
+                raise PlanError(f"pipeline {p.index} stage {s}: offload must be a tuple of kinds, got the "
+                                f"string {st.offload!r}; write ({st.offload!r},).")
+            unknown = sorted(set(st.offload) - set(OFFLOAD_KINDS))
+            if unknown:
+                raise PlanError(f"pipeline {p.index} stage {s}: unknown offload kind(s) {unknown}; "
+                                f"offload is a subset of {list(OFFLOAD_KINDS)}.")
+
+
+def params_by_layer(graph: TrainingGraph) -> dict[int, set[str]]:
+    """Layer index -> canonical names of the (non-buffer) parameters its ops read."""
+    by_layer: dict[int, set[str]] = {}
+    for n in graph.nodes.values():
+        for a in n.args:
+            if a in graph.params and not graph.params[a].is_buffer:
+                info = graph.params[a]
+                by_layer.setdefault(n.layer, set()).add(graph.params[info.tied_to].name if info.tied_to
+                                                        else info.name)
+    return by_layer
+
+
+def zero_levels(graph: TrainingGraph, layout: Layout) -> dict[str, int]:
+    """Canonical parameter name -> the highest ZeRO level among the stages (any pipeline) holding it."""
+    by_layer = params_by_layer(graph)
+    levels: dict[str, int] = {}
+    for p in layout.pipelines:
+        for st in p.stages:
+            for layer in range(*st.layers):
+                for name in by_layer.get(layer, ()):
+                    levels[name] = max(levels.get(name, 0), st.zero)
+    return levels
+
+
+def assign_owners(holders: dict[str, tuple[Group, ...]], levels: dict[str, int],
+                  sizes: dict[str, int]) -> dict[str, Group]:
+    """The owning tensor-parallel group of every parameter: greedy balancing of owned elements per group
+    over partitioned parameters, the first holder otherwise. Deterministic: equal on every rank."""
+    load: dict[Group, int] = {}
+    owners: dict[str, Group] = {}
+    for name in sorted(holders, key=lambda n: (-sizes.get(n, 0), n)):
+        groups = holders[name]
+        if levels.get(name, 0) == 0 or len(groups) == 1:
+            owners[name] = groups[0]
+            continue
+        best = min(groups, key=lambda g: (load.get(g, 0), g))
+        owners[name] = best
+        load[best] = load.get(best, 0) + sizes.get(name, 0)
+    return owners
+
+
+def offload_activations(enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for a stage's forward: saved activations go to (pinned, with CUDA) CPU memory."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns this rank's storage of a parameter (a DTensor's local shard)."""
+    return p._local_tensor if isinstance(p, DTensor) else p  # type: ignore[attr-defined]
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class ParamState:
+    """How this rank keeps one parameter."""
+
+    level: int  # effective ZeRO level: 0 when the parameter has a single holder
+    reps: Group  # first rank of each holding tensor-parallel group
+    owner: Group  # the group holding its optimizer state (and its value between steps under ZeRO-3)
+    owned: bool  # this rank updates it: always under ZeRO-0, else when its group is the owner
+    offload_params: bool
+    offload_optimizer: bool
+    host: torch.Tensor | None = None  # CPU copy (the optimizer's fp32 master with optimizer offload)
+    master: bool = False  # `host` is the optimizer's parameter
+    released: bool = False  # device storage currently freed
+
+    @property
+    def keeps_value(self) -> bool:
+        """Holds the value between steps (ZeRO-3 non-owners do not)."""
+        return self.owned or self.level < 3
+
+
+class ZeroRuntime:
+    """Partitions gradients, optimizer state and parameters of one rank and offloads them to CPU.
+
+    Per step, on every rank of the step's stages: `prepare()` (parameters back on the device, ZeRO-3
+    gathers), the pipeline schedule, `sync_gradients()`, `step(optimizer)` (update, owners' broadcasts,
+    release). Buffers are not partitioned. Each phase's collectives follow one sorted bucket order that
+    every rank shares, so they cannot deadlock across groups.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], holders: dict[str, tuple[Group, ...]],
+                 levels: dict[str, int], sizes: dict[str, int], offload: dict[str, set[str]], rank: int,
+                 my_group: Group, groups: Groups, tp: TPStage | None, timeout_s: float) -> None:
+        self.params, self.rank, self.my_group = params, rank, my_group
+        self.groups, self.tp, self.timeout_s = groups, tp, timeout_s
+        owners = assign_owners(holders, levels, sizes)
+        self.state: dict[str, ParamState] = {}
+        for name in params:
+            groups_of = holders[name]
+            level = levels.get(name, 0) if len(groups_of) > 1 else 0
+            kinds = offload.get(name, set())
+            owned = level == 0 or owners[name] == my_group
+            self.state[name] = ParamState(level, tuple(g[0] for g in groups_of), owners[name], owned,
+                                          "params" in kinds, "optimizer" in kinds)
+        with torch.no_grad():
+            for name, st in self.state.items():
+                if not st.keeps_value or st.offload_params:
+                    self._compact(name)
+                local = _local(self.params[name])
+                if st.owned and st.offload_optimizer:
+                    st.host, st.master = nn.Parameter(self._host_copy(local, torch.float32)), True
+                elif st.offload_params and st.keeps_value:
+                    st.host = self._host_copy(local, None)
+        self.release()
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _compact(self, name: str) -> None:
+        """Give the parameter's local tensor a storage of its own, so that freeing it frees exactly it."""
+        p = self.params[name]
+        t = _local(p)
+        if t.is_contiguous() and t.storage_offset() == 0 and _storage_bytes(t) == _nbytes(t):
+            return
+        if isinstance(p, DTensor):
+            local = t.detach().clone(memory_format=torch.contiguous_format)
+            self.params[name] = nn.Parameter(DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()))
+        else:
+            p.data = t.detach().clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def _host_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu",
+                          pin_memory=torch.cuda.is_available() and t.device.type == "cuda")
+        return out.copy_(t.detach())
+
+    def build_optimizer(self, make: Callable[[list[Any]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer | None:
+        """The user's optimizer over the parameters this rank updates (their CPU copies when offloaded)."""
+        owned = [self.opt_param(n) for n, st in self.state.items() if st.owned]
+        return make(owned) if owned else None
+
+    def opt_param(self, name: str) -> torch.Tensor:
+        st = self.state[name]
+        return st.host if st.master else self.params[name]  # type: ignore[return-value]
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Before the schedule: bring offloaded parameters back and gather ZeRO-3 parameters."""
+        with torch.no_grad():
+            for name, st in self.state.items():
+                if st.released:
+                    t = _local(self.params[name])
+                    t.untyped_storage().resize_(_nbytes(t))
+                    st.released = False
+                    if st.host is not None:
+                        t.copy_(st.host)
+        self._broadcast_from_owners([n for n, st in self.state.items() if st.level == 3])
+
+    def sync_gradients(self) -> None:
+        """Sum each parameter's gradient over its holders: all-reduce under ZeRO-0/1, reduce to the owner
+        under ZeRO-2/3, as full gradients among group representatives, then broadcast inside the
+        receiving tensor-parallel groups and re-sharded. Gradients a rank does not update are dropped."""
+        buckets: dict[tuple[Group, Group], list[str]] = {}
+        for name in sorted(self.params):
+            st = self.state[name]
+            if len(st.reps) > 1:
+                buckets.setdefault((st.reps, st.owner if st.level >= 2 else ()), []).append(name)
+        for (reps, dst), bucket in sorted(buckets.items()):
+            for names in self._chunks(bucket):
+                self._reduce_grads(reps, dst, names)
+        for name, st in self.state.items():
+            if not st.owned:
+                self.params[name].grad = None
+
+    def _reduce_grads(self, reps: Group, dst: Group, names: list[str]) -> None:
+        fulls = [self._full_grad(self.params[n]) for n in names]
+        flat = torch.cat([g.reshape(-1) for g in fulls])
+        if self.rank in reps:
+            group = self.groups.get(reps)
+            if dst:
+                wait(dist.reduce(flat, dst=dst[0], group=group, async_op=True),
+                     f"gradient reduce to rank {dst[0]} over ranks {list(reps)}", "in its group",
+                     self.timeout_s)
+            else:
+                all_reduce(flat, group, f"gradient all-reduce over ranks {list(reps)}", self.timeout_s)
+        receives = not dst or dst == self.my_group
+        if receives and len(self.my_group) > 1:
+            self._group_broadcast(flat, "gradient broadcast in the tensor-parallel group")
+        offset = 0
+        for n, g in zip(names, fulls, strict=True):
+            full = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+            p = self.params[n]
+            keep = receives and self.state[n].owned
+            p.grad = (self.tp.shard(n, full) if self.tp else full.clone()) if keep else None
+
+    def step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Optimizer step on owned parameters, owners broadcast the update (ZeRO-1/2), then free what is
+        not kept between steps (ZeRO-3 non-owners, offloaded parameters)."""
+        with torch.no_grad():
+            masters = [(self.params[n], st.host) for n, st in self.state.items() if st.master]
+            for p, host in masters:
+                g = p.grad
+                if g is not None:
+                    if isinstance(g, DTensor):
+                        g = g.redistribute(p.device_mesh, p.placements).to_local()
+                    host.grad = g.to("cpu", torch.float32, copy=True)
+                p.grad = None
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            for p, host in masters:
+                _local(p).copy_(host)
+        self._broadcast_from_owners([n for n, st in self.state.items() if st.level in (1, 2)])
+        self.release()
+
+    def release(self) -> None:
+        """Free the device storage of parameters not kept there between steps (saving offloaded ones)."""
+        with torch.no_grad():
+            for name, st in self.state.items():
+                if st.released or (st.keeps_value and not st.offload_params):
+                    continue
+                t = _local(self.params[name])
+                if st.host is not None and not st.master:
+                    st.host.copy_(t)
+                t.untyped_storage().resize_(0)
+                st.released = True
+
+    # ---- collectives ---------------------------------------------------------------------------------
+    def _group_broadcast(self, flat: torch.Tensor, what: str) -> None:
+        src = self.my_group[0]
+        wait(dist.broadcast(flat, src=src, group=self.groups.get(self.my_group), async_op=True), what, src,
+             self.timeout_s)
+
+    def _broadcast_from_owners(self, names: list[str]) -> None:
+        """Every holder of `names` gets the owner's current value. Buckets are processed in one sorted
+        order on every rank, so the collectives of different groups cannot wait on each other in a cycle."""
+        buckets: dict[tuple[Group, Group, str], list[str]] = {}
+        for name in sorted(names):
+            st = self.state[name]
+            if len(st.reps) > 1:
+                buckets.setdefault((st.reps, st.owner, str(self.params[name].dtype)), []).append(name)
+        with torch.no_grad():
+            for (reps, owner, _), bucket in sorted(buckets.items()):
+                for names in self._chunks(bucket):
+                    self._broadcast_params(reps, owner, names)
+
+    def _broadcast_params(self, reps: Group, owner: Group, names: list[str]) -> None:
+        ps = [self.params[n] for n in names]
+        if owner == self.my_group:
+            flat = torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).reshape(-1) for p in ps])
+        else:
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=_local(ps[0]).device)
+        if self.rank in reps:
+            wait(dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True),
+                 f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s)
+        if owner == self.my_group:
+            return
+        if len(self.my_group) > 1:
+            self._group_broadcast(flat, "parameter broadcast in the tensor-parallel group")
+        offset = 0
+        for n, p in zip(names, ps, strict=True):
+            full = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            _local(p).copy_(self._shard(n, full))
+
+    def _chunks(self, names: list[str]) -> list[list[str]]:
+        """Consecutive runs of at most BUCKET_BYTES (of full tensors; one parameter may exceed it)."""
+        out: list[list[str]] = [[]]
+        size = 0
+        for n in names:
+            p = self.params[n]
+            nbytes = p.numel() * p.element_size()
+            if out[-1] and size + nbytes > BUCKET_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(n)
+            size += nbytes
+        return out if out[-1] else []
+
+    def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return _local(self.tp.shard(name, full)) if isinstance(self.params[name], DTensor) else full
+
+    @staticmethod
+    def _full_grad(p: nn.Parameter) -> torch.Tensor:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        return g.full_tensor() if isinstance(g, DTensor) else g
+
+    # ---- full state --------------------------------------------------------------------------------------
+    def is_source(self, name: str) -> bool:
+        """This rank's group supplies the parameter's full state (the owner; the first holder at ZeRO-0)."""
+        return self.state[name].owner == self.my_group
+
+    def full_param(self, name: str) -> torch.Tensor:
+        """The full value; a collective inside the tensor-parallel group for DTensor parameters."""
+        p, st = self.params[name], self.state[name]
+        local = st.host if st.released else _local(p)
+        if local is None:
+            raise RuntimeError(f"rank {self.rank} holds no value of {name} (ZeRO-3 non-owner).")
+        return self._full(name, local.detach())
+
+    def full_opt_state(self, name: str, optimizer: torch.optim.Optimizer | None) -> dict:
+        if optimizer is None or not self.state[name].owned:
+            return {}
+        state = optimizer.state.get(self.opt_param(name), {})
+        return {k: self._full(name, v) if isinstance(v, torch.Tensor) and v.dim() > 0
+                else v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+        p = self.params[name]
+        if isinstance(p, DTensor):  # a plain local shard (CPU copy): lay it out like the parameter
+            d = DTensor.from_local(t.to(_local(p).device), p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride())
+            return d.full_tensor()
+        return t.clone()
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        st = self.state[name]
+        if not st.keeps_value:
+            return
+        shard = self._shard(name, full)
+        with torch.no_grad():
+            if not st.released:
+                _local(self.params[name]).copy_(shard)
+            if st.host is not None:
+                st.host.copy_(shard)
+
+    def load_opt_state(self, name: str, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+        st = self.state[name]
+        if optimizer is None or not st.owned or not state:
+            return
+
+        def convert(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if v.dim() == 0:
+                return v.clone()
+            if st.master:
+                return self._shard(name, v).to("cpu", torch.float32, copy=True)
+            return self.tp.shard(name, v) if self.tp else v.clone()
+
+        optimizer.state[self.opt_param(name)] = {k: convert(v) for k, v in state.items()}
+
+    # ---- introspection ---------------------------------------------------------------------------------
+    def describe(self) -> list[str]:
+        lines = []
+        for name, st in sorted(self.state.items()):
+            parts = []
+            if st.level:
+                here = " (this rank)" if st.owned else ""
+                parts.append(f"ZeRO-{st.level}, owned by ranks {list(st.owner)}{here}")
+            parts += [f"{kind} offloaded" for kind, on in (("params", st.offload_params),
+                                                            ("optimizer", st.offload_optimizer)) if on]
+            if parts:
+                lines.append(f"#   {name}: {', '.join(parts)}")
+        return lines
