@@ -1,0 +1,458 @@
+"""autopar's runtime against the torch baselines, side by side in one run (ratios, not absolute seconds).
+
+1. data parallel, 2 gloo ranks: autopar's dp=2 Program vs torch DDP (samples/s ratio, target >= 0.95)
+2. pipeline, 2 ranks, 4 micro-batches, 1F1B and GPipe: autopar pp=2 vs torch.distributed.pipelining with
+   the same layer split (samples/s ratio, target >= 1.0)
+3. one rank: autopar's Program vs plain eager training in the same process (overhead, target <= 5 %)
+4. per-rank peak of params + grads + optimizer state + live saved activations during a step of the
+   program compiled from autopar.plan on "1x2xcpu", vs the plan's prediction (within 15 %)
+
+Contenders run in the same processes, alternating block by block (ABBA order) after a warm-up; ratios are
+medians of the per-repetition paired ratios, so slow drift of a noisy machine cancels.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import print_table, write_results
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+
+import autopar
+from autopar import models
+from autopar.cost_models.memory import state_bytes_per_param
+from autopar.plan import Plan
+from autopar.runtime.compile import compile as compile_program
+from autopar.runtime.launch import spawn_local
+from autopar.runtime.layout import Layout, megatron_layout
+from autopar.runtime.program import Program
+
+CFG = dict(hidden=256, layers=4, seq=64, batch=16)
+CLUSTER = "1x2xcpu"
+MICROBATCHES = 4
+WARMUP = 2  # steps per contender before timing
+STEPS = 4  # steps per timed block
+REPS = 10  # timed blocks per contender
+REPS_1RANK = 12
+LR = 1e-3
+TARGETS = {"dp": 0.95, "pp": 1.0, "overhead_pct": 5.0, "memory_tol": 0.15}
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def build() -> models.ModelCase:
+    return models.gpt(**CFG, seed=0)
+
+
+def graph_shape(case: models.ModelCase) -> tuple[int, int, list[str]]:
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    kinds = [layer.kind for layer in g.layers]
+    return len(kinds), kinds.count("block"), kinds
+
+
+def make_layout(case: models.ModelCase, dp: int, pp: int, m: int, schedule: str = "1f1b") -> Layout:
+    n_layers, n_blocks, _ = graph_shape(case)
+    return megatron_layout(dp, 1, pp, CFG["batch"], n_layers, n_blocks, m, schedule)
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+
+
+def alternate(contenders: dict[str, Callable[[], Any]], reps: int, world: int) -> dict[str, list[float]]:
+    """Seconds per step of each contender, one entry per repetition; blocks alternate ABBA..."""
+
+    def sync() -> None:
+        if world > 1:
+            dist.barrier()
+
+    for fn in contenders.values():
+        for _ in range(WARMUP):
+            fn()
+    names = list(contenders)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                contenders[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) / STEPS)
+    return times
+
+
+# ---- 1. data parallel ------------------------------------------------------------------------------------
+
+
+def data_parallel(rank: int, world: int) -> dict[str, list[float]]:
+    case = build()
+    x, y = case.example_inputs[0], case.example_target
+    prog = Program(case.model, make_layout(case, dp=world, pp=1, m=1), case.example_inputs, y, case.loss_fn,
+                   adamw, rank, world)
+    ref = build()
+    ddp = DistributedDataParallel(ref.model)
+    opt = adamw(list(ddp.parameters()))
+    share = CFG["batch"] // world
+    x_mine, y_mine = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+    def ddp_step() -> float:
+        loss = ref.loss_fn(ddp(x_mine), y_mine)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return alternate({"autopar": lambda: prog.step(x, target=y), "torch": ddp_step}, REPS, world)
+
+
+# ---- 2. pipeline -----------------------------------------------------------------------------------------
+
+
+class Front(nn.Module):
+    """Stage 0 of the hand-split GPT: embeddings + the first blocks."""
+
+    def __init__(self, gpt: models.GPT, blocks: int) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[:blocks])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Back(nn.Module):
+    """Last stage: the remaining blocks, final norm and head."""
+
+    def __init__(self, gpt: models.GPT, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(gpt.blocks[blocks:])
+        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def pipeline(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    case = build()
+    x, y = case.example_inputs[0], case.example_target
+    layout = make_layout(case, dp=1, pp=world, m=MICROBATCHES, schedule=schedule)
+    prog = Program(case.model, layout, case.example_inputs, y, case.loss_fn, adamw, rank, world)
+    _, _, kinds = graph_shape(case)
+    # the same split as autopar's layout: stage 0 holds the blocks inside its layer range
+    first = layout.pipelines[0].stages[0].layers
+    front_blocks = kinds[first[0]:first[1]].count("block")
+    ref = build()
+    module = Front(ref.model, front_blocks) if rank == 0 else Back(ref.model, front_blocks)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    sched_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    sched = sched_cls(stage, MICROBATCHES, loss_fn=ref.loss_fn)
+    opt = adamw(list(module.parameters()))
+
+    def torch_step() -> None:
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, return_outputs=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = alternate({"autopar": lambda: prog.step(x, target=y), "torch": torch_step}, REPS, world)
+    split = [kinds[a:e].count("block") for a, e in (st.layers for st in layout.pipelines[0].stages)]
+    return {"times": times, "split": split}
+
+
+# ---- 3. one rank (in this process, no torch.distributed) ------------------------------------------------
+
+
+def one_rank() -> dict[str, list[float]]:
+    case = build()
+    x, y = case.example_inputs[0], case.example_target
+    prog = Program(case.model, make_layout(case, dp=1, pp=1, m=1), case.example_inputs, y, case.loss_fn,
+                   adamw, 0, 1)
+    ref = build()
+    opt = adamw(list(ref.model.parameters()))
+
+    def eager_step() -> float:
+        loss = ref.loss_fn(ref.model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return alternate({"autopar": lambda: prog.step(x, target=y), "eager": eager_step}, REPS_1RANK, 1)
+
+
+# ---- 4. memory -------------------------------------------------------------------------------------------
+
+
+class SavedBytes:
+    """Live bytes of tensors autograd saved for backward (parameter storages excluded, each storage once)."""
+
+    def __init__(self, params: list[torch.Tensor], grads: dict[str, int]) -> None:
+        self.params = params
+        self.exclude: set[int] | None = None
+        self.grads = grads
+        self.refs: dict[int, int] = {}
+        self.live = 0
+        self.peak_act = 0
+        self.peak_total = 0  # activations + gradients alive at the same moment
+
+    def update(self) -> None:
+        self.peak_act = max(self.peak_act, self.live)
+        self.peak_total = max(self.peak_total, self.live + sum(self.grads.values()))
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.exclude is None:
+            # parameter storages are only final once the step has started (ZeRO-3 / offload re-allocate them)
+            self.exclude = {p.untyped_storage().data_ptr() for p in self.params}
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or storage.nbytes() == 0:
+            return t
+        if self.refs.get(key, 0) == 0:
+            self.live += storage.nbytes()
+            self.update()
+        self.refs[key] = self.refs.get(key, 0) + 1
+        box = _Box(t)
+        # autograd drops the packed object when the node's backward has run: that is when the bytes go
+        weakref.finalize(box, self._release, key, storage.nbytes())
+        return box
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= nbytes
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Box) else packed
+
+
+class _Box:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory(rank: int, world: int, plan_json: str) -> dict[str, int]:
+    case = build()
+    x, y = case.example_inputs[0], case.example_target
+    prog = compile_program(case.model, CLUSTER, case.example_inputs, y, case.loss_fn, "adamw", plan=plan_json)
+    prog.step(x, target=y)  # creates the optimizer state
+    grads: dict[str, int] = {}
+    params = list(prog.params.values()) + list(prog.buffers.values())
+    saved = SavedBytes(params, grads)
+
+    def on_grad(name: str) -> Callable[[nn.Parameter], None]:
+        def hook(p: nn.Parameter) -> None:
+            grads[name] = nbytes(p.grad)
+            saved.update()
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad(n)) for n, p in prog.params.items()]
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        prog.step(x, target=y)
+    for h in handles:
+        h.remove()
+    opt = prog.optimizer
+    # tensors the optimizer updates that are not the program's parameters: fp32 masters under optimizer
+    # offload, which on a CPU device live in the same memory
+    opt_params = [q for g in opt.param_groups for q in g["params"]] if opt is not None else []
+    masters = sum(nbytes(q) for q in opt_params if not any(q is p for p in params))
+    opt_state = sum(nbytes(v) for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)) if opt is not None else 0
+    # sizes as resident during the step, also for storages released between steps
+    param_bytes = sum(nbytes(p) for p in params)
+    return {"params": param_bytes, "grads": sum(grads.values()), "masters": masters, "optimizer": opt_state,
+            "act_peak": saved.peak_act, "act_plus_grads_peak": saved.peak_total,
+            "measured": param_bytes + masters + opt_state + saved.peak_total}
+
+
+def planned_components(plan: Plan, n_params: int) -> dict[str, float] | None:
+    """The planner's terms of a pure data-parallel plan's peak, per the formula in solver/pricing.py;
+    activations are what remains of the prediction. None for layouts this does not decompose."""
+    st = plan.pipelines[0].stages[0]
+    if any(len(p.stages) != 1 or len(p.stages[0].devices) != 1 for p in plan.pipelines) \
+            or "params" in st.offload or st.zero == 3:
+        return None
+    per = state_bytes_per_param(plan.optimizer, plan.precision)
+    dp = len(plan.pipelines)
+    zero = st.zero if dp > 1 else 0
+    opt = 0.0 if "optimizer" in st.offload else n_params * per.optimizer / (dp if zero >= 1 else 1)
+    out = {"params": float(n_params * per.weights), "grads": n_params * per.grads / (dp if zero >= 2 else 1),
+           "optimizer": opt}
+    out["act"] = plan.predicted["peak_memory_bytes"][0] - sum(out.values())
+    return out
+
+
+# ---- driver ----------------------------------------------------------------------------------------------
+
+
+def two_ranks(rank: int, world: int, plan_json: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"dp": data_parallel(rank, world)}
+    for schedule in ("1f1b", "gpipe"):
+        out[schedule] = pipeline(rank, world, schedule)
+    out["memory"] = memory(rank, world, plan_json)
+    return out
+
+
+def spread(ratios: list[float]) -> str:
+    q = statistics.quantiles(ratios, n=4)
+    return f"{q[0]:.3f}-{q[2]:.3f}"
+
+
+def throughput_row(name: str, a: str, b: str, times: dict[str, list[float]], target: float) -> dict:
+    sps = {k: CFG["batch"] / statistics.median(v) for k, v in times.items()}
+    # samples/s ratio = inverse ratio of seconds per step
+    ratios = [t / a for t, a in zip(times["torch"], times["autopar"], strict=True)]
+    ratio = statistics.median(ratios)
+    # interference from other processes only ever adds time, so the fastest blocks are a second, robust view
+    best = min(times["torch"]) / min(times["autopar"])
+    return {"comparison": name, "A": a, "B": b, "A_value": sps["autopar"], "B_value": sps["torch"],
+            "unit": "samples/s", "ratio": ratio, "IQR": spread(ratios), "best": best,
+            "target": f">= {target}", "met": "yes" if ratio >= target else "NO"}
+
+
+def memory_notes(plan: Plan, n_params: int, ranks: list[dict]) -> list[str]:
+    mib = lambda b: f"{b / 2**20:.2f}"
+    st = plan.pipelines[0].stages[0]
+    m = ranks[0]["memory"]
+    lines = [
+        f"plan: {len(plan.pipelines)} pipeline(s) x {len(plan.pipelines[0].stages)} stage(s), "
+        f"ZeRO {st.zero}, recompute {st.recompute}, offload {list(st.offload) or 'none'}, {plan.precision}, "
+        f"{plan.optimizer}; predicted peak {mib(plan.predicted['peak_memory_bytes'][0])} MiB per device "
+        f"(the {100 * plan.memory_reserve:.0f}% memory reserve only limits capacity, it is not in the "
+        f"prediction).",
+        f"measured, rank 0 (MiB): params {mib(m['params'])}, optimizer state {mib(m['optimizer'])}, "
+        f"optimizer-held parameter copies {mib(m['masters'])}, gradients {mib(m['grads'])} (all, at the end "
+        f"of backward), saved activations peak {mib(m['act_peak'])}, activations + live gradients peak "
+        f"{mib(m['act_plus_grads_peak'])} -> measured peak = params + optimizer state + copies + that "
+        f"= {mib(m['measured'])}."]
+    comp = planned_components(plan, n_params)
+    if comp is None:
+        lines.append("planner terms: not decomposed for this layout (see solver/pricing.py stage_memory).")
+        return lines
+    lines.append(f"planner terms (solver/pricing.py stage_memory) (MiB): params {mib(comp['params'])}, "
+                 f"gradients {mib(comp['grads'])}, optimizer state {mib(comp['optimizer'])}, activations "
+                 f"(the rest) {mib(comp['act'])}.")
+    measured_opt = m["optimizer"] + m["masters"]
+    if "optimizer" in st.offload:
+        lines.append(f"difference by design: the plan offloads the optimizer, so its prediction has no "
+                     f"optimizer term; on a CPU device the 'host' is the same memory, and the program keeps "
+                     f"{mib(measured_opt)} MiB of optimizer state and fp32 copies there.")
+    if m["act_plus_grads_peak"] < m["act_peak"] + m["grads"]:
+        lines.append(f"difference by design: the planner adds a full gradient to the activation peak; in "
+                     f"this step the activations peak at the end of forward, before any gradient exists "
+                     f"(gradients are set to None after each step), so the measured peak has "
+                     f"{mib(m['act_plus_grads_peak'] - m['act_peak'])} MiB of gradients at that moment, not "
+                     f"{mib(comp['grads'])}.")
+    total = m["params"] + m["grads"] + measured_opt + m["act_peak"]
+    lines.append(f"component check: measured params + gradients + optimizer (+copies) + activation peak "
+                 f"= {mib(total)} MiB; planner's activation term / measured activation peak = "
+                 f"{comp['act'] / m['act_peak']:.3f}.")
+    lines.append("not counted on either side: the transient gradient buckets of the gradient sync (a flat "
+                 "copy plus per-parameter clones after backward), p2p buffers, allocator overhead, the "
+                 "interpreter.")
+    return lines
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    threads = torch.get_num_threads()
+    load_before = os.getloadavg()
+    case = build()
+    # one thread in this process too, like each spawned rank; the idle core absorbs OS noise
+    torch.set_num_threads(1)
+    one = one_rank()
+    torch.set_num_threads(threads)
+
+    plan = autopar.plan(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
+                        optimizer="adamw", time_limit_s=30)
+    ranks = spawn_local(two_ranks, 2, plan.to_json(), timeout_s=270)
+    r0 = ranks[0]
+
+    rows = [throughput_row("data parallel, 2 ranks", "autopar dp=2", "torch DDP", r0["dp"], TARGETS["dp"])]
+    for schedule, label in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
+        rows.append(throughput_row(f"pipeline pp=2 {label}, {MICROBATCHES} mb", f"autopar {label}",
+                                   f"torch.pipelining {label}", r0[schedule]["times"], TARGETS["pp"]))
+    ratios = [100 * (a / e - 1) for a, e in zip(one["autopar"], one["eager"], strict=True)]
+    overhead = statistics.median(ratios)
+    rows.append({"comparison": "1 rank, overhead %", "A": "autopar 1 rank", "B": "eager",
+                 "A_value": CFG["batch"] / statistics.median(one["autopar"]),
+                 "B_value": CFG["batch"] / statistics.median(one["eager"]), "unit": "samples/s",
+                 "ratio": overhead, "IQR": spread(ratios),
+                 "best": 100 * (min(one["autopar"]) / min(one["eager"]) - 1),
+                 "target": f"<= {TARGETS['overhead_pct']}%",
+                 "met": "yes" if overhead <= TARGETS["overhead_pct"] else "NO"})
+    predicted = plan.predicted["peak_memory_bytes"]
+    for rank, r in enumerate(ranks):
+        ratio = r["memory"]["measured"] / predicted[rank]
+        rows.append({"comparison": f"peak memory, rank {rank}", "A": "measured", "B": "plan prediction",
+                     "A_value": r["memory"]["measured"] / 2**20, "B_value": predicted[rank] / 2**20,
+                     "unit": "MiB", "ratio": ratio, "target": f"1 +- {TARGETS['memory_tol']}",
+                     "met": "yes" if abs(ratio - 1) <= TARGETS["memory_tol"] else "NO"})
+    wall = time.perf_counter() - t_start
+    load_after = os.getloadavg()
+    n_params = sum(p.numel() for p in case.model.parameters())
+
+    cfg = ", ".join(f"{k}={v}" for k, v in CFG.items())
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {threads} intra-op threads; each gloo "
+          f"rank and the 1-rank comparison use 1 thread. Load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after (above ~2 means other work shares the cores: ratios stay paired, "
+          f"absolute samples/s do not).")
+    print(f"model: models.gpt({cfg}), {n_params / 1e6:.2f}M params, AdamW lr={LR}. {REPS} ABBA-alternated "
+          f"blocks of {STEPS} steps per contender after {WARMUP} warm-up steps ({REPS_1RANK} blocks for 1 "
+          f"rank); ratio = median of the per-block paired ratios (IQR beside it; 'best' = the same from each "
+          f"contender's fastest block); met judges the median; A_value/B_value = median samples/s.\n")
+    print_table(rows, ["comparison", "A", "B", "A_value", "B_value", "unit", "ratio", "IQR", "best", "target",
+                       "met"])
+    print(f"\npipeline layer split (blocks per stage), the same for both contenders: {r0['1f1b']['split']}")
+    print("\nmemory:")
+    for line in memory_notes(plan, n_params, ranks):
+        print("  " + line)
+    missed = [r["comparison"] for r in rows if r["met"] != "yes"]
+    print("\nTARGETS MISSED: " + "; ".join(missed) if missed else "\nall targets met")
+    print(f"total wall time {wall:.0f} s")
+
+    stage = plan.pipelines[0].stages[0]
+    summary = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": threads,
+                           "rank_threads": 1, "loadavg_before": load_before[0],
+                           "loadavg_after": load_after[0]},
+               "config": {**CFG, "microbatches": MICROBATCHES, "reps": REPS, "steps_per_block": STEPS},
+               "dp_ratio": rows[0]["ratio"], "pp_1f1b_ratio": rows[1]["ratio"],
+               "pp_gpipe_ratio": rows[2]["ratio"],
+               "one_rank_overhead_pct": overhead, "pp_layer_split": r0["1f1b"]["split"],
+               "memory": [r["memory"] for r in ranks], "plan_peak_bytes": predicted,
+               "plan_components": planned_components(plan, n_params),
+               "plan_options": {"pipelines": len(plan.pipelines), "zero": stage.zero,
+                                "recompute": stage.recompute, "offload": list(stage.offload)},
+               "targets": TARGETS, "missed": missed, "wall_s": wall,
+               "raw_times_s": {"dp": r0["dp"], "1f1b": r0["1f1b"]["times"], "gpipe": r0["gpipe"]["times"],
+                               "one_rank": one}}
+    print("wrote", write_results("runtime", rows, summary))
+
+
+if __name__ == "__main__":
+    main()
