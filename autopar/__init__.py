@@ -1,12 +1,20 @@
 """autopar: auto-parallelizing compiler for PyTorch training on heterogeneous clusters."""
 
-from .api import analyze
+# `autopar.plan` is the function: importing .api loads the submodule autopar.plan first, and binding the
+# function afterwards shadows it (the submodule stays reachable as `from autopar.plan import ...`).
+from .api import analyze, estimate, plan
 from .cluster import Cluster, DeviceSpec, Link
 from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, PlanError
 from .passes.capture import capture
+from .plan import Estimate, Plan, Strategy
 
 __all__ = [
     "analyze",
+    "plan",
+    "estimate",
+    "Plan",
+    "Strategy",
+    "Estimate",
     "capture",
     "Cluster",
     "DeviceSpec",

@@ -1,8 +1,10 @@
-"""Public entry points: analyze (and, as they land, plan / estimate / compile)."""
+"""Public entry points: analyze, plan, estimate (and, as it lands, compile)."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -11,6 +13,8 @@ from .cluster import Cluster
 from .graph import TrainingGraph
 from .passes.annotate import annotate
 from .passes.capture import LossFn, capture
+from .plan import Estimate, Plan, Strategy, plan_from_strategy
+from .report import dump_dir as _dump_dir
 from .report import dump_graph
 
 
@@ -26,3 +30,66 @@ def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
     graph = annotate(capture(model, example_inputs, loss_fn, example_target), cluster, precision=precision)
     dump_graph(graph, dump_dir)
     return graph
+
+
+def default_precision(cluster: Cluster) -> str:
+    """fp32 on CPU-only clusters, else bf16 mixed precision."""
+    return "fp32" if all(d.spec.kind == "cpu" for d in cluster.devices) else "bf16"
+
+
+def _cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple,
+                example_target: Any, loss_fn: LossFn | None, optimizer: object, precision: str | None,
+                memory_reserve: float) -> Any:
+    from .solver.pricing import CostModel
+
+    cluster = Cluster.load(cluster)
+    precision = precision or default_precision(cluster)
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    graph = annotate(capture(model, tuple(inputs), loss_fn, example_target), cluster, precision=precision)
+    return CostModel(graph, cluster, precision, optimizer, memory_reserve)
+
+
+def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
+         example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
+         time_limit_s: float = 60, precision: str | None = None, *, memory_reserve: float = 0.1,
+         progress: Callable[[int, int, float | None], None] | None = None) -> Plan:
+    """The fastest plan the cost model finds for training `model` on `cluster`.
+
+    `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
+    predicted peak memory stays under (1 - memory_reserve) of its capacity. Stops at `time_limit_s`
+    (capture included) with the best plan so far and a warning; raises InfeasibleError when nothing fits.
+    `progress(done, total, best_step_time)` is called as configurations are evaluated. With
+    AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt and timeline.json there.
+    """
+    from .solver.search import search
+
+    start = time.perf_counter()
+    cm = _cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
+                     memory_reserve)
+    remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
+    result = search(cm, time_limit_s=remaining, progress=progress)
+    d = _dump_dir()
+    if d is not None:
+        (d / "plan.json").write_text(result.to_json())
+        (d / "plan.txt").write_text(result.explain() + "\n")
+        result.timeline()
+    return result
+
+
+def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy,
+             example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
+             optimizer: object = "adamw", precision: str | None = None, *,
+             memory_reserve: float = 0.1) -> Estimate:
+    """Price a hand-written Strategy with the planner's cost model (Megatron rank order)."""
+    from .solver.pricing import model_summary, price
+
+    cm = _cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
+                     memory_reserve)
+    skeleton = plan_from_strategy(
+        strategy, world_size=cm.cluster.world_size, global_batch=cm.B, num_layers=cm.L,
+        first_block=cm.first_block if cm.num_blocks else cm.L, num_blocks=cm.num_blocks,
+        precision=cm.precision, optimizer=cm.optimizer, cluster=cm.cluster.to_dict(),
+        model=model_summary(cm.graph), memory_reserve=cm.reserve)
+    priced = price(cm, skeleton)
+    assert priced is not None
+    return Estimate(priced.plan, priced.fits, priced.problems)

@@ -29,7 +29,8 @@ def load_target(spec: str) -> tuple[Any, tuple, Any, Any]:
     if hasattr(out, "model") and hasattr(out, "example_inputs"):  # an autopar.models.ModelCase
         return out.model, tuple(out.example_inputs), out.loss_fn, out.example_target
     if not isinstance(out, tuple) or len(out) not in (2, 4):
-        raise AutoparError(f"{spec}() must return (model, example_inputs) or (model, example_inputs, loss_fn, "
+        raise AutoparError(f"{spec}() must return (model, example_inputs) or "
+                           f"(model, example_inputs, loss_fn, "
                            f"example_target); got {type(out).__name__}.")
     model, inputs = out[0], out[1]
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -54,6 +55,35 @@ def cmd_analyze(args: argparse.Namespace) -> None:
     print(layer_table(g))
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    import time
+
+    from .api import plan
+
+    model, inputs, loss_fn, target = load_target(args.target)
+    start = time.perf_counter()
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int, best: float | None) -> None:
+        if not tty and done not in (1, total) and done % 100:
+            return
+        best_txt = f"best {best:.4g} s/step" if best is not None else "no plan fits yet"
+        line = f"planning: {done}/{total} configurations, {best_txt}, {time.perf_counter() - start:.1f} s"
+        # on a terminal, redraw one status line; in logs, print a line now and then
+        print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                  optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
+                  memory_reserve=args.memory_reserve, progress=progress)
+    if tty:
+        print(file=sys.stderr)
+    print(result.explain())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+        print(f"plan written to {args.json}", file=sys.stderr)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from .cost_models.calibrate import calibrate
 
@@ -61,6 +91,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     print(f"saved profile for {prof.device}")
     for kind, curve in sorted(prof.curves.items()):
         print(f"  {kind:12s} {curve}")
+
+
+CLUSTER_HELP = "cluster file (YAML/JSON) or shorthand like 1x8xA100-80GB"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,11 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_devices)
     s = sub.add_parser("analyze", help="capture a model and print its per-node cost table")
     s.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, loss_fn, target])")
-    s.add_argument("--cluster", required=True, help="cluster file (YAML/JSON) or shorthand like 1x8xA100-80GB")
+    s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     s.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
     s.add_argument("--dump", default=None, help="directory for graph.txt/json/dot (default: $AUTOPAR_DUMP)")
     s.add_argument("--max-rows", type=int, default=200)
     s.set_defaults(func=cmd_analyze)
+    s = sub.add_parser("plan", help="find the fastest parallel plan for a model on a cluster")
+    s.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, loss_fn, target])")
+    s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    s.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+    s.add_argument("--time-limit", type=float, default=60.0, help="seconds to search (default 60)")
+    s.add_argument("--precision", default=None, choices=["fp32", "tf32", "bf16", "fp16"],
+                   help="default: bf16 mixed precision, fp32 on CPU-only clusters")
+    s.add_argument("--optimizer", default="adamw")
+    s.add_argument("--memory-reserve", type=float, default=0.1,
+                   help="fraction of each device's memory kept free (default 0.1)")
+    s.set_defaults(func=cmd_plan)
     s = sub.add_parser("calibrate", help="time kernels on the local device and save a cost profile")
     s.add_argument("--device", default="local")
     s.add_argument("--quick", action="store_true", help="a shorter sweep (~20 s)")

@@ -1,0 +1,395 @@
+"""Execution plans: what runs where, as plain data the runtime executes and the planner predicts.
+
+A `Plan` is a list of `Pipeline`s (data-parallel replicas). Pipeline i takes `batch_share` samples of
+every global batch (shares are integers summing to the global batch; replicas of different device types
+get uneven shares, and gradients are weighted by share so the step equals single-device training) and
+cuts them into `num_microbatches` micro-batches as evenly as possible, larger ones first (like
+`torch.tensor_split`), so `microbatch_size` is the largest. Its `stages` tile the coarse layer chain of the
+captured graph: stage j runs layers [start, end) on `devices` (the tensor-parallel group, tp =
+len(devices)). With the interleaved schedule a pipeline has `chunks` stages per device group: stage j
+runs on the device group of stage j % (len(stages) // chunks).
+
+Every stage carries its predicted per-micro-batch times, so a plan read back from JSON can still be
+explained and simulated (`timeline`) without the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import PlanError
+from .report import dump_dir, fmt_bytes, fmt_count, fmt_time, render_table
+from .schedule import Schedule, make_schedule
+from .simulate import SimResult, simulate
+
+OFFLOAD_KINDS = ("optimizer", "activations", "params")
+
+
+@dataclass
+class Stage:
+    """Layers [layers[0], layers[1]) of the coarse chain on one tensor-parallel device group."""
+
+    layers: list[int]
+    devices: list[int]
+    zero: int = 0
+    recompute: bool = False
+    offload: list[str] = field(default_factory=list)
+    # fwd_s/bwd_s: one full micro-batch; fwd_small_s/bwd_small_s: one of microbatch_size - 1 samples;
+    # send_s: activation transfer to the next stage; sync_s: end-of-step gradient sync and optimizer step;
+    # compute_s, comm_s, bubble_s: per step. Seconds throughout.
+    predicted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+
+@dataclass
+class Pipeline:
+    batch_share: int
+    microbatch_size: int
+    num_microbatches: int
+    stages: list[Stage]
+
+    def microbatch_sizes(self) -> list[int]:
+        """Sizes of the micro-batches, larger ones first."""
+        q, r = divmod(self.batch_share, self.num_microbatches)
+        return [q + 1 if i < r else q for i in range(self.num_microbatches)]
+
+    def device_groups(self) -> list[list[int]]:
+        """The distinct device groups (pipeline ranks), in stage order."""
+        seen: list[list[int]] = []
+        for s in self.stages:
+            if s.devices not in seen:
+                seen.append(s.devices)
+        return seen
+
+
+@dataclass
+class Plan:
+    global_batch: int
+    precision: str
+    optimizer: str
+    schedule: str  # "gpipe" | "1f1b" | "interleaved_1f1b"
+    chunks: int  # stages per device group (1 unless interleaved)
+    cluster: dict  # Cluster.to_dict()
+    model: dict  # name, num_layers (coarse chain), params, layer_names
+    pipelines: list[Pipeline]
+    # step_time_s, samples_per_s, tflops_per_device, mfu, peak_memory_bytes and memory_capacity_bytes
+    # (device index -> bytes), bubble_fraction
+    predicted: dict[str, Any] = field(default_factory=dict)
+    memory_reserve: float = 0.1
+
+    # ---- serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(d: dict) -> Plan:
+        try:
+            pipelines = [Pipeline(p["batch_share"], p["microbatch_size"], p["num_microbatches"],
+                                  [Stage(**s) for s in p["stages"]]) for p in d["pipelines"]]
+            predicted = dict(d.get("predicted", {}))
+            for key in ("peak_memory_bytes", "memory_capacity_bytes"):
+                if key in predicted:  # JSON object keys are strings; device indices are ints
+                    predicted[key] = {int(k): v for k, v in predicted[key].items()}
+            return Plan(d["global_batch"], d["precision"], d["optimizer"], d["schedule"], d["chunks"],
+                        d["cluster"], d["model"], pipelines, predicted, d.get("memory_reserve", 0.1))
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"not a valid autopar plan: {e!r} (expected the output of Plan.to_json()).") \
+                from None
+
+    @staticmethod
+    def from_json(s: str | bytes) -> Plan:
+        return Plan.from_dict(json.loads(s))
+
+    # ---- views ----------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return sum(len(g) for p in self.pipelines for g in p.device_groups())
+
+    def device_names(self) -> dict[int, str]:
+        """Device index -> device type name, from the embedded cluster description."""
+        names: dict[int, str] = {}
+        for group in self.cluster["nodes"]:
+            dev = group["device"]
+            name = dev["name"] if isinstance(dev, dict) else str(dev)
+            for _ in range(group.get("count", 1) * group.get("devices_per_node", 1)):
+                names[len(names)] = name
+        return names
+
+    def explain(self) -> str:
+        """A table of stages x device groups with the predicted time and memory of each."""
+        return explain(self)
+
+    def simulate(self) -> list[SimResult]:
+        """Re-simulate every pipeline from the stage times stored in the plan."""
+        return [simulate_pipeline(self, p) for p in self.pipelines]
+
+    def timeline(self, path: str | Path | None = None) -> dict:
+        """A Chrome/Perfetto trace (open in ui.perfetto.dev) of one simulated step of every pipeline.
+
+        Written to `path` when given, and to timeline.json in the dump directory when AUTOPAR_DUMP is
+        set. Process ids are the first device of each device group; returns the trace dict.
+        """
+        trace = timeline_trace(self)
+        text = json.dumps(trace)
+        if path is not None:
+            Path(path).write_text(text)
+        d = dump_dir()
+        if d is not None:
+            (d / "timeline.json").write_text(text)
+        return trace
+
+
+@functools.lru_cache(maxsize=64)
+def cached_schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """`make_schedule`, memoised: the planner simulates many replicas of few shapes. Do not mutate."""
+    return make_schedule(name, ranks, microbatches, chunks)
+
+
+def simulate_stages(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
+                    times: list[tuple[float, float, float, float, float, float]]) -> SimResult:
+    """Simulate one step of a pipeline whose stage j takes times[j] = (fwd, fwd_small, bwd, bwd_small,
+    send, sync): fwd/bwd of a full micro-batch, of a one-sample-smaller one, the activation transfer to
+    stage j + 1 and the end-of-step gradient sync."""
+    sched = cached_schedule(schedule, len(times) // chunks, num_microbatches, chunks)
+    r = batch_share % num_microbatches  # micro-batches 0..r-1 are the full ones (all when r == 0)
+    full = [r == 0 or i < r for i in range(num_microbatches)]
+    return simulate(
+        sched,
+        lambda s, m: times[s][0] if full[m] else times[s][1],
+        lambda s, m: times[s][2] if full[m] else times[s][3],
+        # the gradient going back from stage s to s-1 has the size of the activation s-1 sent forward
+        lambda src, dst: times[min(src, dst)][4],
+        [t[5] for t in times],
+    )
+
+
+def stage_times(stage: Stage) -> tuple[float, float, float, float, float, float]:
+    """The `simulate_stages` times of a stage, from its predictions."""
+    p = stage.predicted
+    return (p["fwd_s"], p.get("fwd_small_s", 0.0), p["bwd_s"], p.get("bwd_small_s", 0.0),
+            p.get("send_s", 0.0), p.get("sync_s", 0.0))
+
+
+def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
+    """Simulate one step of `pipeline` with the stage times stored in `plan`."""
+    return simulate_stages(plan.schedule, plan.chunks, pipeline.batch_share, pipeline.num_microbatches,
+                           [stage_times(s) for s in pipeline.stages])
+
+
+def timeline_trace(plan: Plan) -> dict:
+    events: list[dict] = []
+    names = plan.device_names()
+    for i, pipe in enumerate(plan.pipelines):
+        sim = simulate_pipeline(plan, pipe)
+        groups = pipe.device_groups()
+        pid_of = {r: groups[r][0] for r in range(len(groups))}
+        for ev in sim.to_chrome_trace()["traceEvents"]:
+            ev = dict(ev, pid=pid_of[ev["pid"]])
+            if ev.get("name") == "process_name":
+                r = next(k for k, v in pid_of.items() if v == ev["pid"])
+                ev["args"] = {"name": f"pipeline {i} rank {r}: devices {_ranges(groups[r])} "
+                                      f"({names.get(groups[r][0], '?')})"}
+            events.append(ev)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+# ---- explain ---------------------------------------------------------------------------------------
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out: list[str] = []
+    xs = sorted(xs)
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _pipeline_key(p: Pipeline) -> tuple:
+    """What makes two replicas look the same in the table: everything but their devices."""
+    return (p.batch_share, p.microbatch_size, p.num_microbatches,
+            tuple((tuple(s.layers), len(s.devices), s.zero, s.recompute, tuple(s.offload),
+                   tuple(sorted(s.predicted.items()))) for s in p.stages))
+
+
+def _layer_label(plan: Plan, start: int, end: int) -> str:
+    names = plan.model.get("layer_names") or []
+    if len(names) < end:
+        return f"{start}-{end - 1}" if end - start > 1 else str(start)
+    return names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]} ({end - start})"
+
+
+def explain(plan: Plan) -> str:
+    pr = plan.predicted
+    names = plan.device_names()
+    peak = pr.get("peak_memory_bytes", {})
+    cap = pr.get("memory_capacity_bytes", {})
+    n_dp = len(plan.pipelines)
+    sched = plan.schedule + (f" x{plan.chunks} chunks" if plan.chunks > 1 else "")
+    lines = [
+        f"model {plan.model.get('name', '?')}: {fmt_count(plan.model.get('params', 0))} params, "
+        f"{plan.model.get('num_layers', '?')} layers in the coarse chain",
+        f"cluster {plan.cluster.get('name', '?')}: {plan.world_size} devices; "
+        f"global batch {plan.global_batch}, {plan.precision}, optimizer {plan.optimizer}, schedule {sched}, "
+        f"{n_dp} data-parallel "
+        f"pipeline(s)",
+    ]
+    if "step_time_s" in pr:
+        lines.append(f"predicted: {fmt_time(pr['step_time_s'])}/step, {pr['samples_per_s']:.4g} samples/s, "
+                     f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
+                     f"bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%")
+    head = ["pipeline", "stage", "layers", "devices", "type", "tp", "dp", "batch", "micro-batches", "ZeRO",
+            "recompute", "offload", "compute", "comm", "bubble", "peak mem / capacity"]
+    rows = [head]
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plan.pipelines):
+        groups.setdefault(_pipeline_key(p) if n_dp > 8 else (i,), []).append(i)
+    for members in groups.values():
+        p = plan.pipelines[members[0]]
+        label = _ranges(members)
+        for j, s in enumerate(p.stages):
+            devs = [d for i in members for d in plan.pipelines[i].stages[j].devices]
+            mem = max((peak.get(d, 0) for d in devs), default=0)
+            capacity = min((cap.get(d, 0) for d in devs), default=0)
+            sp = s.predicted
+            rows.append([
+                label, str(j), _layer_label(plan, *s.layers), _ranges(devs), names.get(s.devices[0], "?"),
+                str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
+                f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), "yes" if s.recompute else "no",
+                "+".join(s.offload) or "-", fmt_time(sp.get("compute_s", 0.0)),
+                fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
+                f"{fmt_bytes(mem)} / {fmt_bytes(capacity)}"
+                + (f" ({100 * mem / capacity:.0f}%)" if capacity else ""),
+            ])
+    lines += ["", render_table(rows, right={5, 6, 7, 12, 13, 14})]
+    lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
+                 f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
+                 f"gradient sync")
+    return "\n".join(lines)
+
+
+@dataclass
+class Strategy:
+    """A hand-written configuration for `autopar.estimate` (Megatron rank order: tp, then dp, then pp).
+
+    `layer_split` counts repeated blocks per stage (the layers before the first block go on the first
+    stage, those after the last on the last stage); `batch_split` gives each replica's samples per step.
+    `chunks` (model chunks per device group) only applies to the interleaved schedule (default 2);
+    `offload` is a subset of {"optimizer", "activations", "params"} applied to every stage.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatch_size: int | None = None
+    schedule: str = "1f1b"
+    zero: int = 0
+    recompute: bool = False
+    layer_split: list[int] | tuple[int, ...] | None = None
+    batch_split: list[int] | tuple[int, ...] | None = None
+    chunks: int | None = None
+    offload: tuple[str, ...] = ()
+
+
+def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int, num_layers: int,
+                       first_block: int, num_blocks: int, **plan_fields: Any) -> Plan:
+    """The Plan (without predictions) a Strategy describes; PlanError when it is inconsistent."""
+    st = strategy
+    for name in ("dp", "tp", "pp"):
+        v = getattr(st, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"Strategy.{name} must be a positive integer, got {v!r}.")
+    if st.dp * st.tp * st.pp != world_size:
+        raise PlanError(f"dp * tp * pp = {st.dp} * {st.tp} * {st.pp} = {st.dp * st.tp * st.pp}, but the "
+                        f"cluster has {world_size} devices; every device must get one tensor-parallel "
+                        f"rank of one stage.")
+    if st.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise PlanError(f"unknown schedule {st.schedule!r}; choose gpipe, 1f1b or interleaved_1f1b.")
+    chunks = (st.chunks or 2) if st.schedule == "interleaved_1f1b" else 1
+    if st.chunks not in (None, chunks):
+        raise PlanError(f"chunks={st.chunks} only applies to the interleaved_1f1b schedule.")
+    if not 0 <= st.zero <= 3 or set(st.offload) - set(OFFLOAD_KINDS):
+        raise PlanError(f"zero must be 0-3 and offload a subset of {list(OFFLOAD_KINDS)}; "
+                        f"got zero={st.zero}, offload={st.offload!r}.")
+    if st.batch_split is None:
+        if global_batch % st.dp:
+            raise PlanError(f"the global batch ({global_batch}) is not divisible by dp={st.dp}; "
+                            f"pass batch_split= with {st.dp} per-replica shares summing to {global_batch}.")
+        shares = [global_batch // st.dp] * st.dp
+    else:
+        shares = list(st.batch_split)
+        if len(shares) != st.dp or sum(shares) != global_batch or min(shares) < 1:
+            raise PlanError(f"batch_split {shares} must have dp={st.dp} positive entries summing to the "
+                            f"global batch {global_batch}.")
+    stages_per_pipe = st.pp * chunks
+    if st.layer_split is None:
+        if num_blocks % stages_per_pipe:
+            raise PlanError(f"{num_blocks} repeated blocks do not divide into {stages_per_pipe} stages; pass "
+                            f"layer_split= with {stages_per_pipe} block counts summing to {num_blocks}.")
+        split = [num_blocks // stages_per_pipe] * stages_per_pipe
+    else:
+        split = list(st.layer_split)
+        if len(split) != stages_per_pipe or sum(split) != num_blocks or min(split) < 0:
+            raise PlanError(f"layer_split {split} must have {stages_per_pipe} non-negative block counts "
+                            f"(pp * chunks) summing to the model's {num_blocks} repeated blocks.")
+    edges = [0]
+    for k, count in enumerate(split):
+        edges.append((first_block if k == 0 else edges[-1]) + count)
+    edges[-1] = num_layers
+    if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise PlanError(f"layer_split {split} leaves a stage without layers; only the first and last stages "
+                        f"(which hold the layers before/after the blocks) may have 0 blocks.")
+    pipelines = []
+    for d, share in enumerate(shares):
+        mbs = st.microbatch_size or (1 if st.pp > 1 else share)
+        if share % mbs:
+            raise PlanError(f"replica {d}'s batch share {share} is not divisible by microbatch_size={mbs}.")
+        m = share // mbs
+        if chunks > 1 and m % st.pp:
+            raise PlanError(f"interleaved_1f1b needs the micro-batch count ({m} for replica {d}) to be a "
+                            f"multiple of pp={st.pp}; change microbatch_size or the batch split.")
+        stages = [Stage([edges[j], edges[j + 1]],
+                        [(j % st.pp) * st.dp * st.tp + d * st.tp + k for k in range(st.tp)],
+                        st.zero, st.recompute, [k for k in OFFLOAD_KINDS if k in st.offload])
+                  for j in range(stages_per_pipe)]
+        pipelines.append(Pipeline(share, mbs, m, stages))
+    return Plan(global_batch=global_batch, schedule=st.schedule, chunks=chunks, pipelines=pipelines,
+                **plan_fields)
+
+
+@dataclass
+class Estimate:
+    """The priced form of a Strategy: the same figures as Plan.predicted, and whether it fits."""
+
+    plan: Plan
+    fits: bool
+    memory_problems: list[str]
+
+    @property
+    def predicted(self) -> dict[str, Any]:
+        return self.plan.predicted
+
+    def explain(self) -> str:
+        text = self.plan.explain()
+        if self.memory_problems:
+            text += "\nDOES NOT FIT:\n  " + "\n  ".join(self.memory_problems)
+        return text
+
+
+__all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule", "explain",
+           "plan_from_strategy", "simulate_pipeline", "simulate_stages", "stage_times", "timeline_trace"]

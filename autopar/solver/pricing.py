@@ -1,0 +1,558 @@
+"""Price one concrete configuration: per-stage times and per-device memory, then simulate the step.
+
+Units: seconds and bytes. ``B`` is the captured global batch, ``n`` a micro-batch's samples, ``t`` the
+stage's tensor-parallel degree, ``D`` its data-parallel degree (the number of pipelines), ``w, g, o`` the
+bytes per parameter of weights, gradients and optimizer state (`state_bytes_per_param`), ``N`` the
+stage's parameters per tensor-parallel rank (shared parameters, like tied embeddings, count on every
+stage that uses them).
+
+Per micro-batch, stage [a, e) on device type T (`tp_layer_cost`, summed by `CostModel.base`):
+
+    compute      layer kernels re-priced at n/(B t) of the captured batch (FLOPs and bytes scaled), so
+                 small micro-batches pay launch overhead and lower efficiency; at n = B, t = 1 this is
+                 the annotated layer time
+    tensor par.  Megatron: 2 all-reduces of the block's output activation in forward, 2 in backward
+                 (1 + 1 for the layers before/after the blocks) over the tp group's link
+
+`stage_times` adds the per-stage option costs (AR/RS/AG = all-reduce/reduce-scatter/all-gather over
+the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
+
+    fwd  = compute_f + tp_f + [zero 3] AG(N w) + [offload params] h2d(N w) + [offload act.] h2d(act)
+    bwd  = compute_b + tp_b + [recompute] (compute_f + tp_f of the blocks) + [zero 3] AG(N w)
+           + [zero >= 2] RS(N g) + [offload params] h2d(N w) + h2d(N g) + [offload act.] h2d(act)
+    sync = AR(N g) | RS(N g) + AG(N w) | AG(N w) | 0          for zero 0 | 1 | 2 | 3  (per step)
+           + optimizer step: 2 (w + g + o) N' / memory bandwidth, or with the optimizer offloaded
+           h2d(N' g) + h2d(N' w) (the CPU's own update time is not modelled); N' = N / D for zero >= 1
+
+`stage_memory` (per device; peak = static + in-flight x act + work):
+
+    weights  N w / D if zero 3 else N w            (0 with params offloaded)
+    grads    N g / D if zero >= 2 else N g         (0 with params offloaded)
+    optim.   N o / D if zero >= 1 else N o         (0 with the optimizer offloaded)
+    buffers  2 w P / t (+ g P / t) for zero 3 (params offloaded): gathered/streamed layer, P = largest layer
+    act      per micro-batch: saved activations x n / B / t; with recompute only each block's input
+             (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
+             while it is recomputed; with activations offloaded only one micro-batch stays on the device
+
+The in-flight count per device is `schedule.peak_inflight` (for interleaved schedules, the most
+micro-batch chunks held at once times the largest chunk's activations). A device fits when its peak is
+at most (1 - memory_reserve) of its capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from ..cluster import Cluster
+from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
+from ..cost_models.compute import ComputeModel
+from ..cost_models.memory import optimizer_name, state_bytes_per_param
+from ..errors import PlanError
+from ..graph import TrainingGraph
+from ..plan import OFFLOAD_KINDS, Pipeline, Plan, Stage, cached_schedule, simulate_pipeline, stage_times
+from ..report import fmt_bytes
+from ..schedule import SCHEDULES, peak_inflight
+
+
+class Option(NamedTuple):
+    """Per-stage memory/time trade-offs."""
+
+    zero: int = 0
+    recompute: bool = False
+    offload: tuple[str, ...] = ()
+
+
+class LayerCost(NamedTuple):
+    fwd: float  # compute seconds, one micro-batch
+    bwd: float
+    fwd_comm: float  # tensor-parallel communication seconds
+    bwd_comm: float
+
+
+@dataclass(frozen=True)
+class StageBase:
+    """Option-independent sums over a layer range, for one micro-batch size and tp group."""
+
+    fwd: float
+    bwd: float
+    fwd_comm: float
+    bwd_comm: float
+    recompute: float  # forward compute + comm of the blocks, paid again in backward with recompute
+    params: int  # parameters of the range, shared ones included
+    max_layer_params: int
+    act: float  # saved activation bytes per micro-batch per device
+    act_recompute: float  # the same with recompute
+    act_work: float  # one block's activations, live while it is recomputed
+    out_bytes: float  # activation bytes sent to the next stage
+    has_blocks: bool
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    fwd: float  # per micro-batch, communication included
+    bwd: float
+    comm: float  # the communication part of fwd + bwd
+    sync: float  # per step
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    static: float  # weights + grads + optimizer state + buffers
+    act: float  # per in-flight micro-batch
+    work: float
+    offload_act: bool
+
+    def peak(self, inflight: int) -> float:
+        return self.static + (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
+
+
+def inflight_closed_form(schedule: str, ranks: int, microbatches: int, chunks: int = 1) -> list[int]:
+    """`peak_inflight` of the generated schedule, per rank, without generating it (the search's hot path)."""
+    p, m = ranks, microbatches
+    if schedule == "gpipe":
+        return [m] * p
+    if schedule == "1f1b":
+        return [min(p - r, m) for r in range(p)]
+    return [min(min(2 * (p - r - 1) + (chunks - 1) * p, m * chunks) + 1, m * chunks) for r in range(p)]
+
+
+class CostModel:
+    """Costs of layer ranges of one annotated graph on one cluster; everything is memoised.
+
+    Identical blocks share one cost class, and on a uniform chain (prologue, identical blocks, epilogue)
+    a range is keyed by how many blocks it holds, so a 96-block model costs as few ranges as a 2-block one.
+    """
+
+    def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
+                 optimizer: object = "adamw", memory_reserve: float = 0.1) -> None:
+        if not 0 <= memory_reserve < 1:
+            raise PlanError(f"memory_reserve must be in [0, 1), got {memory_reserve!r}.")
+        if not graph.layers:
+            raise PlanError("the graph has no layers; annotate it first.")
+        self.graph, self.cluster, self.precision = graph, cluster, precision
+        self.optimizer = optimizer_name(optimizer)
+        self.state = state_bytes_per_param(self.optimizer, precision)
+        self.reserve = memory_reserve
+        self.B = graph.batch_size
+        self.L = len(graph.layers)
+        self.models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in cluster.device_types()}
+        self._init_layers()
+        self._memo: dict[tuple, object] = {}
+        self._sigs: dict[tuple, int] = {}
+        self._sig_of_group: dict[tuple[int, ...], int] = {}
+
+    # ---- layer data ---------------------------------------------------------------------------
+    def _init_layers(self) -> None:
+        g, L = self.graph, self.L
+        self.is_block = [layer.kind == "block" for layer in g.layers]
+        users: dict[str, set[int]] = {}
+        for node in g.nodes.values():
+            for a in node.args:
+                if a in g.params:
+                    users.setdefault(a, set()).add(node.layer)
+        self.own_params = [0] * L
+        self.shared: list[tuple[int, int, frozenset[int]]] = []  # (numel, owner layer, user layers)
+        for name, info in g.params.items():
+            if info.tied_to:  # a second placeholder of a tied parameter: its users use the original
+                users.setdefault(info.tied_to, set()).update(users.get(name, set()))
+        for name, info in g.params.items():
+            if not info.counts:
+                continue
+            used = users.get(name, set())
+            owner = min(used | {max(info.layer, 0)})
+            self.own_params[owner] += info.meta.numel
+            if used - {owner}:
+                self.shared.append((info.meta.numel, owner, frozenset(used)))
+        inputs = sum(g.input_meta[n].nbytes for n in g.inputs[:1])
+        self.saved = [float(layer.saved_bytes) for layer in g.layers]
+        self.boundary = [float(layer.boundary_bytes) for layer in g.layers]
+        self.in_bytes = [float(inputs)] + self.boundary[:-1]
+        classes: dict[tuple, int] = {}
+        self.cls: list[int] = []
+        self.kernels: list[tuple[tuple, tuple]] = []
+        for i, layer in enumerate(g.layers):
+            key = (layer.kind, layer.signature if layer.kind == "block" else i, layer.flops_fwd,
+                   layer.flops_bwd, self.saved[i], self.boundary[i], self.in_bytes[i], self.own_params[i],
+                   tuple(sorted(layer.time_fwd.items())), tuple(sorted(layer.time_bwd.items())))
+            if key not in classes:
+                classes[key] = len(classes)
+                nodes = [g.nodes[n] for n in layer.nodes]
+                fwd = Counter((k.kind, k.flops, k.nbytes) for node in nodes for k in node.kernels_fwd)
+                bwd = Counter((k.kind, k.flops, k.nbytes) for node in nodes for k in node.kernels_bwd)
+                self.kernels.append((tuple(sorted(fwd.items())), tuple(sorted(bwd.items()))))
+            self.cls.append(classes[key])
+        blocks = [i for i in range(L) if self.is_block[i]]
+        self.first_block = blocks[0] if blocks else L
+        self.num_blocks = len(blocks)
+        end = self.first_block + self.num_blocks
+        self.uniform = (bool(blocks) and blocks == list(range(self.first_block, end))
+                        and len({self.cls[i] for i in blocks}) == 1
+                        and not any(self.is_block[u] for _, _, us in self.shared for u in us))
+
+    def range_key(self, a: int, e: int) -> tuple:
+        """Ranges with equal keys have equal costs (blocks of a uniform chain are interchangeable): the
+        part before the blocks, the block count, the part after."""
+        if not self.uniform:
+            return (a, e)
+        p0, p1 = self.first_block, self.first_block + self.num_blocks
+        blocks = max(0, (e if e < p1 else p1) - (a if a > p0 else p0))
+        return (a if a < p0 else p0, e if e < p0 else p0, blocks, a if a > p1 else p1, e if e > p1 else p1)
+
+    def range_params(self, a: int, e: int) -> tuple[int, int]:
+        """(parameters a stage holding layers [a, e) stores, its largest layer's parameters)."""
+        own = self.own_params[a:e]
+        extra = sum(n for n, owner, us in self.shared if not a <= owner < e and any(a <= u < e for u in us))
+        return sum(own) + extra, max(own)
+
+    # ---- communication ------------------------------------------------------------------------
+    def group_sig(self, group: tuple[int, ...]) -> int:
+        """A small int naming what a collective's time over `group` depends on (group size, members per
+        node and node links, ring bottleneck), so equivalent groups share cache entries."""
+        sig = self._sig_of_group.get(group)
+        if sig is None:
+            nodes: dict[int, int] = {}
+            for d in group:
+                node = self.cluster.devices[d].node
+                nodes[node] = nodes.get(node, 0) + 1
+            full = (len(group), tuple((self.cluster.nodes[k].intra_node, c) for k, c in nodes.items()),
+                    group_bandwidth(group, self.cluster))
+            sig = self._sig_of_group[group] = self._sigs.setdefault(full, len(self._sigs))
+        return sig
+
+    def collective(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+        if len(group) < 2 or nbytes <= 0:
+            return 0.0
+        key = (kind, nbytes, self.group_sig(group))
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = float(collective_time(kind, nbytes, group, self.cluster))
+        return t  # type: ignore[return-value]
+
+    def host_transfer(self, dtype: str, nbytes: float) -> float:
+        link = self.cluster.spec(dtype).host_link
+        return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+    def send_time(self, nbytes: float, src: int, dst: int) -> float:
+        """Point-to-point seconds for one activation (or its gradient) between two stages."""
+        if src == dst:
+            return 0.0
+        link = self.cluster.link(src, dst)
+        key = ("p2p", nbytes, link)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = float(p2p_time(nbytes, src, dst, self.cluster))
+        return t  # type: ignore[return-value]
+
+    def peak_inflight(self, schedule: str, ranks: int, microbatches: int, chunks: int) -> dict[int, int]:
+        """`schedule.peak_inflight` of the generated schedule (memoised: replicas share it)."""
+        key = ("inflight", schedule, ranks, microbatches, chunks)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = peak_inflight(cached_schedule(schedule, ranks, microbatches, chunks))
+        return hit  # type: ignore[return-value]
+
+    def usable(self, device: int) -> float:
+        return self.cluster.devices[device].spec.memory * (1 - self.reserve)
+
+    # ---- compute ------------------------------------------------------------------------------
+    def layer_compute(self, layer: int, dtype: str, n: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer for n samples split tp ways."""
+        key = ("c", self.cls[layer], dtype, n, tp)
+        hit = self._memo.get(key)
+        if hit is None:
+            scale = n / (self.B * tp)
+            op_time = self.models[dtype].op_time
+            fwd, bwd = self.kernels[self.cls[layer]]
+            hit = self._memo[key] = (sum(c * op_time(k, f * scale, b * scale) for (k, f, b), c in fwd),
+                                     sum(c * op_time(k, f * scale, b * scale) for (k, f, b), c in bwd))
+        return hit  # type: ignore[return-value]
+
+    def base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
+        key = ("b", self.range_key(a, e), dtype, n, self.group_sig(tp_group))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._base(a, e, dtype, n, tp_group)
+        return hit  # type: ignore[return-value]
+
+    def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
+        t, frac = len(tp_group), n / self.B
+        f = b = fc = bc = rc = act = act_rc = work = 0.0
+        for i in range(a, e):
+            c = tp_layer_cost(self, i, dtype, n, tp_group)
+            f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
+            act += self.saved[i] * frac / t
+            if self.is_block[i]:
+                rc += c.fwd + c.fwd_comm
+                act_rc += self.in_bytes[i] * frac
+                work = max(work, self.saved[i] * frac / t)
+            else:
+                act_rc += self.saved[i] * frac / t
+        params, biggest = self.range_params(a, e)
+        return StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
+                         any(self.is_block[a:e]))
+
+    # ---- options ------------------------------------------------------------------------------
+    def stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
+                    dp_group: tuple[int, ...]) -> StageTimes:
+        w, g, o = self.state.weights, self.state.grads, self.state.optimizer
+        t, D = len(tp_group), len(dp_group)
+        N = base.params / t
+        z = opt.zero if D > 1 else 0
+        ag = self.collective("all_gather", N * w, dp_group)
+        rs = self.collective("reduce_scatter", N * g, dp_group)
+        h2d = lambda x: self.host_transfer(dtype, x)
+        act = base.act_recompute if opt.recompute else base.act
+        fc, bc = base.fwd_comm, base.bwd_comm
+        if z == 3:
+            fc, bc = fc + ag, bc + ag
+        if z >= 2:
+            bc += rs
+        if "params" in opt.offload:
+            fc, bc = fc + h2d(N * w), bc + h2d(N * w) + h2d(N * g)
+        if "activations" in opt.offload:
+            fc, bc = fc + h2d(act), bc + h2d(act)
+        sync = (self.collective("all_reduce", N * g, dp_group), rs + ag, ag, 0.0)[z]
+        local = N / D if z >= 1 else N
+        if "optimizer" in opt.offload:
+            sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
+        else:
+            sync += 2 * (w + g + o) * local / self.models[dtype].bandwidth
+        fwd = base.fwd + fc
+        bwd = base.bwd + bc + (base.recompute if opt.recompute else 0.0)
+        return StageTimes(fwd, bwd, fc + bc, sync)
+
+    def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int) -> StageMemory:
+        w, g, o = self.state.weights, self.state.grads, self.state.optimizer
+        N, P = base.params / tp, base.max_layer_params / tp
+        z = opt.zero if dp > 1 else 0
+        on_host = "params" in opt.offload
+        static = 0.0 if on_host else N * w / (dp if z == 3 else 1) + N * g / (dp if z >= 2 else 1)
+        static += 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
+        if z == 3 or on_host:
+            static += 2 * P * w + (P * g if on_host else 0.0)
+        if opt.recompute and base.has_blocks:
+            return StageMemory(static, base.act_recompute, base.act_work, "activations" in opt.offload)
+        return StageMemory(static, base.act, 0.0, "activations" in opt.offload)
+
+
+def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost:
+    """One layer on a tensor-parallel group, Megatron closed form: compute / t plus all-reduces.
+
+    The single place where tensor parallelism is priced; the intra-op sharding ILP plugs in here.
+    """
+    tp = len(tp_group)
+    fwd, bwd = cm.layer_compute(layer, dtype, n, tp)
+    if tp == 1:
+        return LayerCost(fwd, bwd, 0.0, 0.0)
+    nbytes = (cm.boundary[layer] or cm.in_bytes[layer]) * n / cm.B
+    ar = (2 if cm.is_block[layer] else 1) * cm.collective("all_reduce", nbytes, tp_group)
+    return LayerCost(fwd, bwd, ar, ar)
+
+
+# ---- pricing a plan ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Priced:
+    """A plan with its predictions filled in, and whether every device fits."""
+
+    plan: Plan
+    fits: bool
+    problems: list[str]
+    lower_bound: float
+
+
+def model_summary(graph: TrainingGraph) -> dict:
+    return {"name": graph.model_name, "num_layers": len(graph.layers), "params": graph.num_params(),
+            "blocks": sum(layer.kind == "block" for layer in graph.layers),
+            "layer_names": [layer.name for layer in graph.layers]}
+
+
+def stage_option(stage: Stage) -> Option:
+    return Option(stage.zero, stage.recompute, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
+
+
+def check_plan(cm: CostModel, plan: Plan) -> None:
+    """Raise PlanError unless `plan` places every layer once per pipeline and every device at most once."""
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    if sum(p.batch_share for p in plan.pipelines) != cm.B:
+        raise PlanError(f"batch shares {[p.batch_share for p in plan.pipelines]} sum to "
+                        f"{sum(p.batch_share for p in plan.pipelines)}, not the global batch {cm.B}.")
+    used: dict[int, str] = {}
+    for i, p in enumerate(plan.pipelines):
+        if not 1 <= p.num_microbatches <= p.batch_share:
+            raise PlanError(f"pipeline {i}: {p.num_microbatches} micro-batches for a batch share of "
+                            f"{p.batch_share}; need 1 <= micro-batches <= share.")
+        if p.microbatch_size != -(-p.batch_share // p.num_microbatches):
+            raise PlanError(f"pipeline {i}: microbatch_size {p.microbatch_size} should be "
+                            f"ceil({p.batch_share} / {p.num_microbatches}).")
+        ranks = len(p.stages) // plan.chunks
+        if ranks < 1 or len(p.stages) % plan.chunks:
+            raise PlanError(f"pipeline {i} has {len(p.stages)} stages, not a multiple of "
+                            f"chunks={plan.chunks}.")
+        if plan.schedule == "interleaved_1f1b" and p.num_microbatches % ranks:
+            raise PlanError(f"pipeline {i}: interleaved_1f1b needs the micro-batch count "
+                            f"({p.num_microbatches}) to be a multiple of the pipeline depth ({ranks}).")
+        edge = 0
+        for j, st in enumerate(p.stages):
+            a, e = st.layers
+            if a != edge or e <= a or e > cm.L:
+                raise PlanError(f"pipeline {i} stage {j} covers layers [{a}, {e}); expected [{edge}, ...) "
+                                f"with at least one layer, within the {cm.L} layers of the model.")
+            edge = e
+            if st.devices != p.stages[j % ranks].devices:
+                raise PlanError(f"pipeline {i} stage {j} must run on the devices of stage {j % ranks} "
+                                f"(chunks={plan.chunks}).")
+            if not st.devices or any(not 0 <= d < cm.cluster.world_size for d in st.devices):
+                raise PlanError(f"pipeline {i} stage {j} names devices {st.devices}; the cluster has "
+                                f"0..{cm.cluster.world_size - 1}.")
+            if len({cm.cluster.devices[d].spec.name for d in st.devices}) > 1:
+                raise PlanError(f"pipeline {i} stage {j}: a tensor-parallel group must hold one device type.")
+            if not 0 <= st.zero <= 3 or set(st.offload) - set(OFFLOAD_KINDS):
+                raise PlanError(f"pipeline {i} stage {j}: zero must be 0-3 and offload a subset of "
+                                f"{list(OFFLOAD_KINDS)}, got zero={st.zero}, offload={st.offload}.")
+            if j < ranks:
+                for d in st.devices:
+                    if d in used:
+                        raise PlanError(f"device {d} is used twice ({used[d]} and pipeline {i} stage {j}).")
+                    used[d] = f"pipeline {i} stage {j}"
+        if edge != cm.L:
+            raise PlanError(f"pipeline {i} stops at layer {edge}; the model has {cm.L} layers.")
+
+
+def lower_bound(stages: list[tuple[float, float, float, float, float, float]], sizes: list[int],
+                ranks: int) -> float:
+    """A bound no simulated step of this pipeline beats; stages[j] = (fwd, fwd_small, bwd, bwd_small,
+    send, sync) with sizes[0] the largest micro-batch.
+
+    Device r first computes F(stage r, 0), which waits for the forward of stages < r; its last compute is
+    B(stage r, last), followed on its comm stream by the gradient send to stage r - 1 and stage r's sync,
+    and by the backward chain back to stage 0, which stage 0's sync follows.
+    """
+    full = sizes[0]
+    n_full = sum(s == full for s in sizes)
+    last_small = sizes[-1] != full
+    best = 0.0
+    pre_f = pre_b = 0.0
+    for r in range(ranks):
+        work = sum(n_full * (st[0] + st[2]) + (len(sizes) - n_full) * (st[1] + st[3])
+                   for st in stages[r::ranks])
+        send_back = stages[r - 1][4] if r else 0.0
+        best = max(best, pre_f + work + max(pre_b + stages[0][5], send_back + stages[r][5]))
+        pre_f += stages[r][0] + stages[r][4]
+        pre_b += (stages[r][3] if last_small else stages[r][2]) + stages[r][4]
+    return best
+
+
+def rank_peak(mems: list[StageMemory], inflight: int) -> float:
+    """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches."""
+    act = max((min(inflight, 1) if m.offload_act else inflight) * m.act for m in mems)
+    return sum(m.static for m in mems) + act + max(m.work for m in mems)
+
+
+def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]]
+                  ) -> tuple[list[dict], list[tuple], list[StageMemory]]:
+    """Per stage of one pipeline: its predictions, the (fwd, fwd_small, bwd, bwd_small, send, sync) times
+    for `lower_bound`, and its memory."""
+    devices = cm.cluster.devices
+    sizes, full = pipe.microbatch_sizes(), pipe.microbatch_size
+    n_small = sum(s != full for s in sizes)
+    preds, vals, mems = [], [], []
+    for j, st in enumerate(pipe.stages):
+        dtype = devices[st.devices[0]].spec.name
+        tp_group, dp_group = tuple(st.devices), dp_groups[j]
+        opt = stage_option(st)
+        base = cm.base(st.layers[0], st.layers[1], dtype, full, tp_group)
+        tf = cm.stage_times(base, opt, dtype, tp_group, dp_group)
+        ts = cm.stage_times(cm.base(st.layers[0], st.layers[1], dtype, full - 1, tp_group), opt, dtype,
+                            tp_group, dp_group) if n_small else StageTimes(0.0, 0.0, 0.0, tf.sync)
+        send = (cm.send_time(base.out_bytes, st.devices[0], pipe.stages[j + 1].devices[0])
+                if j + 1 < len(pipe.stages) else 0.0)
+        vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, tf.sync))
+        mems.append(cm.stage_memory(base, opt, len(tp_group), len(dp_group)))
+        m_full = len(sizes) - n_small
+        preds.append({"fwd_s": tf.fwd, "bwd_s": tf.bwd, "fwd_small_s": ts.fwd, "bwd_small_s": ts.bwd,
+                      "send_s": send, "sync_s": tf.sync,
+                      "compute_s": m_full * (tf.fwd + tf.bwd - tf.comm)
+                      + n_small * (ts.fwd + ts.bwd - ts.comm),
+                      "comm_s": m_full * tf.comm + n_small * ts.comm + tf.sync
+                      + len(sizes) * (send + (vals[j - 1][4] if j else 0.0))})
+    return preds, vals, mems
+
+
+def price(cm: CostModel, plan: Plan, cutoff: float | None = None) -> Priced | None:
+    """Fill in `plan`'s predictions. With `cutoff`, returns None when the plan cannot beat it."""
+    check_plan(cm, plan)
+    devices = cm.cluster.devices
+    pipes: list[Pipeline] = []
+    peak: dict[int, int] = {}
+    problems: list[str] = []
+    bound = 0.0
+    dp_groups = [tuple(p.stages[j].devices[0] for p in plan.pipelines if j < len(p.stages))
+                 for j in range(max(len(p.stages) for p in plan.pipelines))]
+    seen: dict[tuple, tuple[list[dict], list[tuple], list[StageMemory]]] = {}
+    for i, pipe in enumerate(plan.pipelines):
+        ranks = len(pipe.stages) // plan.chunks
+        # replicas that differ only in which (equivalent) devices they use are priced once
+        key = (pipe.batch_share, pipe.num_microbatches, tuple(
+            (tuple(st.layers), devices[st.devices[0]].spec.name, cm.group_sig(tuple(st.devices)),
+             cm.group_sig(dp_groups[j]), stage_option(st),
+             cm.group_sig((st.devices[0], pipe.stages[j + 1].devices[0])) if j + 1 < len(pipe.stages) else -1)
+            for j, st in enumerate(pipe.stages)))
+        if key not in seen:
+            seen[key] = _stage_values(cm, pipe, dp_groups)
+        preds, vals, mems = seen[key]
+        stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr))
+                  for st, pr in zip(pipe.stages, preds, strict=True)]
+        sizes = pipe.microbatch_sizes()
+        inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
+        for r in range(ranks):
+            need = rank_peak(mems[r::ranks], inflight[r])
+            for d in pipe.stages[r].devices:
+                peak[d] = math.ceil(need)
+                if need > cm.usable(d):
+                    problems.append(_memory_problem(cm, d, i, r, need, mems[r::ranks], inflight[r]))
+        bound = max(bound, lower_bound(vals, sizes, ranks))
+        if cutoff is not None and (problems or bound >= cutoff):
+            return None
+        pipes.append(replace(pipe, stages=stages))
+    out = replace(plan, pipelines=pipes)
+    sims: dict[tuple, object] = {}
+    results = []
+    for pipe in pipes:
+        key = (pipe.batch_share, pipe.num_microbatches, tuple(stage_times(s) for s in pipe.stages))
+        if key not in sims:
+            sims[key] = simulate_pipeline(out, pipe)
+        results.append(sims[key])
+    step = max(r.step_time for r in results)  # type: ignore[attr-defined]
+    idle = []
+    for pipe, res in zip(pipes, results, strict=True):
+        ranks = len(pipe.stages) // plan.chunks
+        for j, st in enumerate(pipe.stages):
+            st.predicted["bubble_s"] = step - res.per_rank_busy[j % ranks]  # type: ignore[attr-defined]
+        idle += [step - res.per_rank_busy[r] for r in range(ranks)]  # type: ignore[attr-defined]
+    flops = sum(layer.flops_fwd + layer.flops_bwd for layer in cm.graph.layers)
+    peak_flops = sum(devices[d].spec.flops(cm.precision) for d in peak)
+    out.predicted = {
+        "step_time_s": step, "samples_per_s": cm.B / step,
+        "tflops_per_device": flops / step / len(peak) / 1e12, "mfu": flops / step / peak_flops,
+        "bubble_fraction": sum(idle) / len(idle) / step,
+        "peak_memory_bytes": dict(sorted(peak.items())),
+        "memory_capacity_bytes": {d: devices[d].spec.memory for d in sorted(peak)},
+    }
+    return Priced(out, not problems, problems, bound)
+
+
+def _memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,
+                    mems: list[StageMemory], inflight: int) -> str:
+    spec = cm.cluster.devices[device].spec
+    static = sum(m.static for m in mems)
+    act = need - static
+    return (f"device {device} ({spec.name}, pipeline {pipeline} stage {rank}) needs {fmt_bytes(need)} "
+            f"(parameters, gradients and optimizer state {fmt_bytes(static)}, activations of {inflight} "
+            f"in-flight micro-batch(es) {fmt_bytes(act)}) but has {fmt_bytes(cm.usable(device))} usable of "
+            f"{fmt_bytes(spec.memory)} ({100 * cm.reserve:.0f}% reserve).")
