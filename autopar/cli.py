@@ -96,6 +96,26 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 CLUSTER_HELP = "cluster file (YAML/JSON) or shorthand like 1x8xA100-80GB"
 
 
+def cmd_run(args: argparse.Namespace) -> None:
+    from .runtime.run import run
+
+    if not args.script:
+        raise AutoparError("autopar run needs a script: autopar run --cluster CLUSTER train.py [args...]")
+    code = run(args.script, args.cluster, nproc=args.nproc, node_rank=args.node_rank, master=args.master,
+               max_restarts=args.max_restarts, dry_run=args.dry_run)
+    if code:
+        raise SystemExit(code)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .demo import DEMO_CLUSTER
+    from .demo import main as demo_main
+
+    code = demo_main(args.cluster or DEMO_CLUSTER, args.steps)
+    if code:
+        raise SystemExit(code)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description="Auto-parallelize PyTorch training on "
                                 "heterogeneous clusters.")
@@ -120,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-reserve", type=float, default=0.1,
                    help="fraction of each device's memory kept free (default 0.1)")
     s.set_defaults(func=cmd_plan)
+    s = sub.add_parser("run", help="start one process per device of the cluster (torchrun) running a script")
+    s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    s.add_argument("--nproc", type=int, default=None, help="local processes (default: one per device)")
+    s.add_argument("--node-rank", type=int, default=None, help="on a GPU cluster: run this node's share")
+    s.add_argument("--master", default=None, help="HOST:PORT of the rendezvous (multi-node)")
+    s.add_argument("--max-restarts", type=int, default=0, help="torchrun elastic restarts after a failure")
+    s.add_argument("--dry-run", action="store_true", help="print the torchrun command(s) only")
+    s.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (or -m module [args...])")
+    s.set_defaults(func=cmd_run)
+    s = sub.add_parser("demo", help="plan a small GPT for a mixed cluster, train it on local processes, "
+                       "check it against single-process training")
+    s.add_argument("--cluster", default=None, help="default: 1x2xA100-80GB+1x2xT4")
+    s.add_argument("--steps", type=int, default=5)
+    s.set_defaults(func=cmd_demo)
     s = sub.add_parser("calibrate", help="time kernels on the local device and save a cost profile")
     s.add_argument("--device", default="local")
     s.add_argument("--quick", action="store_true", help="a shorter sweep (~20 s)")
