@@ -15,6 +15,7 @@ from ..report import dump_dir as _dump_dir
 from .dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .layout import Layout, PipelineLayout, StageLayout, make_layout
 from .program import OptimizerFactory, Program
+from .straggler import AdaptiveProgram, AdaptPolicy
 
 
 def layout_from_plan(plan: Any, num_layers: int) -> Layout:
@@ -37,12 +38,17 @@ def compile(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
             example_target: Any = None, loss_fn: LossFn | None = None,
             optimizer: str | OptimizerFactory = "adamw", plan: Any = None, *,
             dump_dir: str | os.PathLike | None = None, time_limit_s: float = 60,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> Program:
+            timeout_s: float = DEFAULT_TIMEOUT_S,
+            adapt: bool | AdaptPolicy = False) -> Program | AdaptiveProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
     Every rank calls it with the same arguments. Under torchrun / `autopar run` each process is one device
     of the cluster (rank r = device r); without a launcher it runs as a single process, which the cluster
     must then match (one device). `prog.step(*inputs, target=y)` trains on one global batch.
+
+    With `adapt=True` (or an AdaptPolicy) the program measures each rank's compute against the plan after a
+    few steps and, when a rank straggles, re-plans with that device's measured speed and continues on the
+    new plan with the same weights and optimizer state (see straggler.py).
     """
     from ..api import plan as make_plan
     from ..plan import Plan
@@ -73,4 +79,9 @@ def compile(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
         prog.dump(str(d))
         if rank == 0:
             (d / "plan.json").write_text(plan.to_json())
+    if adapt:
+        rebuild = lambda c: compile(model, c, inputs, example_target, loss_fn, optimizer, dump_dir=dump_dir,
+                                    time_limit_s=time_limit_s, timeout_s=timeout_s)
+        policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
+        return AdaptiveProgram(prog, rebuild, cluster, policy)
     return prog

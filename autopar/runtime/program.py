@@ -27,7 +27,9 @@ from ..graph import TrainingGraph
 from ..passes.capture import LossFn, capture
 from ..schedule import make_schedule
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, all_reduce, wait
+from .elastic import naming_lost_ranks, start_heartbeat
 from .layout import Layout, PipelineLayout
+from .straggler import StageTimer, StragglerReport
 from .tensor_parallel import TPSpec, TPStage, megatron_spec
 from .zero import ZeroRuntime, check_stage_options, offload_activations, params_by_layer, zero_levels
 
@@ -75,6 +77,7 @@ class Program:
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
         self.step_count = 0
+        self.timer = StageTimer(rank)  # forward/backward seconds per step, for straggler_report()
         self._model = model
         self._has_target = loss_fn is not None
         self.graph = capture(model, example_inputs, loss_fn, example_target)
@@ -124,6 +127,8 @@ class Program:
                     self.buffers.setdefault(name, named[name].detach().clone())
         self.zero = self._zero_runtime()
         self.optimizer = self.zero.build_optimizer(lambda params: make_optimizer(optimizer, params))
+        if world_size > 1:
+            start_heartbeat()  # lets a failed rank's peers name it (elastic.peer_lost)
 
     # ---- construction helpers --------------------------------------------------------------------
     @property
@@ -168,13 +173,15 @@ class Program:
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
         local_loss = torch.zeros((), dtype=torch.float64)
-        if self.position is not None:
-            self.zero.prepare()
-            local_loss += self._run_schedule(inputs, target)
-            self._sync_gradients()
-            self.zero.step(self.optimizer)
-        if self.world_size > 1:
-            all_reduce(local_loss, dist.group.WORLD, "loss all-reduce", self.timeout_s)
+        with naming_lost_ranks(self.rank, f"step {self.step_count + 1}"):
+            if self.position is not None:
+                self.zero.prepare()
+                local_loss += self._run_schedule(inputs, target)
+                self._sync_gradients()
+                self.zero.step(self.optimizer)
+            if self.world_size > 1:
+                all_reduce(local_loss, dist.group.WORLD, "loss all-reduce", self.timeout_s)
+        self.timer.end_step()
         self.step_count += 1
         return float(local_loss)
 
@@ -214,7 +221,7 @@ class Program:
                 n_p = len(st.params)
                 run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
                     if self.tp else st.gm
-                with offload_activations("activations" in pipe.stages[s].offload):
+                with offload_activations("activations" in pipe.stages[s].offload), self.timer.compute():
                     if pipe.stages[s].recompute:
                         outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                     else:
@@ -228,7 +235,7 @@ class Program:
                                             grad=False)
             elif kind == "B":
                 weight = sizes[m] / self.layout.global_batch
-                with implicit_replication() if self.tp else contextlib.nullcontext():
+                with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
                     if st.is_last:
                         loss = outputs.pop(key)
                         (loss * weight).backward()
@@ -319,6 +326,27 @@ class Program:
             for name, b in self.buffers.items():
                 b.copy_(model_sd[name])
         self.step_count = int(sd.get("step", self.step_count))
+
+    def save(self, path: str) -> None:
+        """Write a sharded DCP checkpoint (model, optimizer state, step) to directory `path`: each entry
+        by one rank. Collective. Loads under any plan or world size; see checkpoint.py."""
+        from . import checkpoint
+
+        with naming_lost_ranks(self.rank, f"saving checkpoint {path}"):
+            checkpoint.save(self, path)
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by `save` under any plan (resharding to this one). Collective."""
+        from . import checkpoint
+
+        with naming_lost_ranks(self.rank, f"loading checkpoint {path}"):
+            checkpoint.load(self, path)
+
+    def straggler_report(self, window: int | None = None, threshold: float = 1.5) -> StragglerReport:
+        """Measured vs predicted compute per rank over the last `window` steps. Collective."""
+        from . import straggler
+
+        return straggler.report(self, window, threshold)
 
     def dump(self, directory: str) -> None:
         """Write this rank's generated program as rank{r}.py."""

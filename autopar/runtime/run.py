@@ -19,8 +19,12 @@ from .launch import free_port
 
 
 def torchrun_command(script: list[str], nproc: int, *, nnodes: int = 1, node_rank: int = 0,
-                     master: str = "127.0.0.1:29500", max_restarts: int = 0) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
+                     master: str = "127.0.0.1:29500", max_restarts: int = 0,
+                     min_nodes: int | None = None) -> list[str]:
+    """With restarts the job is elastic (--nnodes=MIN:MAX, MIN = `min_nodes`, default 1): a node that is
+    gone does not hold the restart up, and one that comes back joins at the next restart."""
+    nodes = f"{min_nodes or 1}:{nnodes}" if max_restarts > 0 else str(nnodes)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes}",
            f"--max-restarts={max_restarts}"]
     if nnodes == 1 and max_restarts == 0:
         cmd.append("--standalone")
@@ -34,6 +38,9 @@ def run(script: list[str], cluster: str, nproc: int | None = None, node_rank: in
     """Launch `script` (path and its arguments) on the cluster; returns the exit code."""
     c = Cluster.load(cluster)
     env = dict(os.environ, AUTOPAR_CLUSTER=cluster)
+    if max_restarts > 0:
+        # restarted workers must not share torchrun's store with the previous attempt (pytorch#135712)
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     gpus = torch.cuda.device_count()
     if gpus == 0 or nproc is not None:
         n = nproc if nproc is not None else c.world_size

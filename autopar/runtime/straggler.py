@@ -1,0 +1,304 @@
+"""Stragglers: measured per-rank compute against the plan's prediction, and re-planning around them.
+
+Every Program times its forward and backward actions (`StageTimer`; waits for transfers and collectives
+are not counted) and keeps the compute seconds of each step. `Program.straggler_report()` all-gathers the
+median over recent steps and sets it against the plan's `compute_s` of the rank's stages: `ratio` =
+measured / predicted. Cost models are off by some constant on any machine, so a straggler is a rank
+whose ratio stands out from the others: `relative` = ratio / median ratio, a straggler when >= threshold.
+
+`autopar.compile(..., adapt=True)` returns an `AdaptiveProgram`: after a warm-up and a measurement
+window it checks the report and, when a rank straggles, plans again on a cluster in which that device
+is `relative` times slower (its own device type: FLOP/s and memory bandwidth divided by the factor, its
+per-kernel overhead multiplied by it through a compute profile), builds the new program and moves the
+full training state into it (`state_dict` / `load_state_dict`), so training continues exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..cluster import Cluster
+from ..errors import AutoparError
+from .dist import wait
+
+SLOWDOWN_ENV = "AUTOPAR_EMULATE_SLOWDOWN"
+
+
+def emulated_slowdown(rank: int) -> float:
+    """The factor by which this rank emulates a slower device: AUTOPAR_EMULATE_SLOWDOWN="1:4,3:2" makes
+    rank 1 four times and rank 3 twice slower (each forward and backward sleeps (f - 1) x its duration)."""
+    spec = os.environ.get(SLOWDOWN_ENV, "").strip()
+    if not spec:
+        return 1.0
+    for part in spec.split(","):
+        try:
+            r, f = part.split(":")
+            if int(r) == rank:
+                return max(1.0, float(f))
+        except ValueError:
+            raise AutoparError(f"{SLOWDOWN_ENV}={spec!r}: write rank:factor pairs separated by commas, e.g. "
+                               f"'1:4'.") from None
+    return 1.0
+
+
+class StageTimer:
+    """Compute seconds of this rank's forward and backward actions, per step."""
+
+    def __init__(self, rank: int, history: int = 64) -> None:
+        self.slowdown = emulated_slowdown(rank)
+        self.current = 0.0
+        self.steps: deque[float] = deque(maxlen=history)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.slowdown > 1.0:
+            time.sleep((time.perf_counter() - start) * (self.slowdown - 1.0))
+        self.current += time.perf_counter() - start
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = 0.0
+
+
+# ---- the report -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankTiming:
+    rank: int
+    device: str  # device type name from the plan's cluster ("" without a plan)
+    measured_s: float  # median forward + backward seconds per step
+    predicted_s: float | None  # the plan's compute_s of the rank's stages (None: idle, or no plan)
+    ratio: float | None  # measured / predicted
+    relative: float | None  # ratio / median ratio over the ranks (measured / median without predictions)
+
+
+@dataclass
+class StragglerReport:
+    ranks: list[RankTiming]
+    steps: int  # steps averaged
+    threshold: float
+
+    def stragglers(self) -> list[int]:
+        return [t.rank for t in self.ranks if t.relative is not None and t.relative >= self.threshold]
+
+    def table(self) -> str:
+        from ..report import render_table
+
+        fmt = lambda x, unit="": "-" if x is None else f"{x * 1e3:.3g}ms" if unit == "s" else f"{x:.2f}"
+        rows = [["rank", "device", "measured", "predicted", "measured/predicted", "vs median", ""]]
+        slow = set(self.stragglers())
+        for t in self.ranks:
+            rows.append([str(t.rank), t.device, fmt(t.measured_s, "s"), fmt(t.predicted_s, "s"), fmt(t.ratio),
+                         fmt(t.relative), "straggler" if t.rank in slow else ""])
+        return render_table(rows, right={2, 3, 4, 5}) + \
+            f"\n(forward + backward compute per step, median of the last {self.steps} steps)"
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def predicted_compute(plan: Any, rank: int) -> float | None:
+    """The plan's predicted compute seconds per step of `rank` (sum over its stages), None when idle."""
+    if plan is None:
+        return None
+    total, found = 0.0, False
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            if rank in st.devices and "compute_s" in st.predicted:
+                total += float(st.predicted["compute_s"])
+                found = True
+    return total if found else None
+
+
+def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> StragglerReport:
+    """Collective: every rank calls it and gets the same report. `window`: steps to take the median of
+    (default: all recorded but the first, which includes warm-up)."""
+    steps = list(prog.timer.steps)
+    if window is None:
+        window = max(1, len(steps) - 1)
+    recent = steps[-window:] if steps else []
+    measured = statistics.median(recent) if recent else 0.0  # one step stalled by the host is not a trend
+    predicted = predicted_compute(prog.plan, prog.rank)
+    mine = torch.tensor([measured, -1.0 if predicted is None else predicted,
+                         1.0 if prog.position is not None else 0.0], dtype=torch.float64)
+    parts = [mine]
+    if prog.world_size > 1:
+        if dist.get_backend() == "nccl":  # NCCL collectives take device tensors only
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        parts = [torch.zeros_like(mine) for _ in range(prog.world_size)]
+        wait(dist.all_gather(parts, mine, async_op=True), "straggler report all-gather", "in the job",
+             prog.timeout_s)
+    names = prog.plan.device_names() if prog.plan is not None else {}
+    rows = []
+    for r, t in enumerate(parts):
+        m, p, has_stages = (float(x) for x in t.cpu())
+        pred = p if p > 0 else None
+        rows.append(RankTiming(r, names.get(r, ""), m, pred, m / pred if pred and has_stages else None, None))
+    active = [t for t in rows if t.measured_s > 0]
+    if active and all(t.ratio is not None for t in active):
+        med = statistics.median(t.ratio for t in active)  # type: ignore[misc]
+        for t in active:
+            t.relative = t.ratio / med if med > 0 else None  # type: ignore[operator]
+    elif active:
+        med = statistics.median(t.measured_s for t in active)
+        for t in active:
+            t.relative = t.measured_s / med if med > 0 else None
+    return StragglerReport(rows, len(recent), threshold)
+
+
+# ---- re-planning around stragglers -------------------------------------------------------------------------
+
+
+def scaled_cluster(cluster: Cluster, slowdown: dict[int, float]) -> Cluster:
+    """`cluster` with device i `slowdown[i]` times slower, as its own device type.
+
+    A cluster file gives each node one device type, so a node holding a scaled device is split into runs
+    of alike devices; on a single-node cluster the network between the pieces is set to the node's own
+    link so that communication is priced as before (with several nodes, traffic between the pieces of a
+    split node is priced at the network's speed: the planner then avoids tensor parallelism across it).
+    """
+    specs = []
+    for d in cluster.devices:
+        f = slowdown.get(d.index, 1.0)
+        if f <= 1.0:
+            specs.append(d.spec)
+            continue
+        specs.append(replace(d.spec, name=scaled_name(d.spec.name, f),
+                             peak_flops={k: v / f for k, v in d.spec.peak_flops.items()},
+                             memory_bandwidth=d.spec.memory_bandwidth / f))
+    groups: list[dict] = []
+    for node in cluster.nodes:
+        run: list[int] = []
+        for i in node.devices + (-1,):
+            if run and (i < 0 or specs[i] != specs[run[0]]):
+                groups.append({"device": specs[run[0]].to_dict(), "devices_per_node": len(run), "count": 1,
+                               "intra_node": node.intra_node.to_dict()})
+                run = []
+            if i >= 0:
+                run.append(i)
+    network = cluster.nodes[0].intra_node if len(cluster.nodes) == 1 else cluster.network
+    return Cluster.load({"name": f"{cluster.name}-measured", "nodes": groups, "network": network.to_dict()})
+
+
+def scaled_name(base: str, factor: float) -> str:
+    return f"{base}~{factor:.2g}x-slower"
+
+
+@contextlib.contextmanager
+def scaled_profiles(base: Cluster, slowdown: dict[int, float]) -> Iterator[None]:
+    """Compute profiles for the scaled device types of `scaled_cluster(base, slowdown)`, visible to the
+    planner while the block runs: the base type's profile (or its kind's defaults) with peak and
+    bandwidth divided and per-kernel overheads multiplied by the factor, so that small, overhead-bound
+    ops slow down too. Other types keep their profiles."""
+    from ..cost_models.compute import Profile, default_curves, load_profile, profile_path
+
+    old = os.environ.get("AUTOPAR_PROFILE_DIR")
+    with tempfile.TemporaryDirectory(prefix="autopar-profiles-") as tmp:
+        for name in base.device_types():
+            p = load_profile(name)
+            if p is not None:
+                (Path(tmp) / profile_path(name).name).write_text(p.to_json())
+        for i, f in slowdown.items():
+            if f <= 1.0:
+                continue
+            spec = base.devices[i].spec
+            prof = load_profile(spec.name)
+            if prof is None:
+                _, overhead = default_curves(spec.kind)
+                prof = Profile(device=spec.name, overhead_s=overhead)
+            curves = {k: {**c, "overhead_s": c["overhead_s"] * f} if "overhead_s" in c else c
+                      for k, c in prof.curves.items()}
+            scaled = replace(prof, device=scaled_name(spec.name, f), curves=curves,
+                             overhead_s=prof.overhead_s * f,
+                             peak_flops=prof.peak_flops / f if prof.peak_flops else None,
+                             memory_bandwidth=prof.memory_bandwidth / f if prof.memory_bandwidth else None,
+                             meta={**prof.meta, "scaled_from": spec.name, "slowdown": f})
+            os.environ["AUTOPAR_PROFILE_DIR"] = tmp
+            scaled.save(profile_path(scaled.device))
+        os.environ["AUTOPAR_PROFILE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("AUTOPAR_PROFILE_DIR", None)
+            else:
+                os.environ["AUTOPAR_PROFILE_DIR"] = old
+
+
+@dataclass
+class AdaptPolicy:
+    """When `AdaptiveProgram` measures and re-plans."""
+
+    warmup: int = 1  # steps not measured (first-step allocation and caching)
+    window: int = 3  # steps measured per check (their median)
+    threshold: float = 1.5  # relative slowdown that counts as a straggler
+    max_replans: int = 1
+
+
+@dataclass
+class AdaptiveProgram:
+    """A Program that re-plans around stragglers (see the module docstring); otherwise it behaves like the
+    Program it wraps (`program`), whose attributes it forwards. Collective like `step()`."""
+
+    program: Any
+    rebuild: Callable[[Cluster], Any]  # compiles a new Program for a cluster
+    cluster: Cluster
+    policy: AdaptPolicy = field(default_factory=AdaptPolicy)
+    slowdown: dict[int, float] = field(default_factory=dict)  # device -> factor applied so far
+    reports: list[StragglerReport] = field(default_factory=list)
+    replans: int = 0
+    _since: int = 0
+
+    def step(self, *inputs: Any, target: Any = None) -> float:
+        loss = self.program.step(*inputs, target=target)
+        self._since += 1
+        p = self.policy
+        if self.replans < p.max_replans and self._since >= p.warmup + p.window:
+            rep = report(self.program, window=p.window, threshold=p.threshold)
+            self.reports.append(rep)
+            self._since = p.warmup  # the next check measures a fresh window
+            slow = rep.stragglers()
+            if slow:
+                for r in slow:
+                    t = rep.ranks[r]
+                    self.slowdown[r] = self.slowdown.get(r, 1.0) * float(t.relative)  # type: ignore[arg-type]
+                self._replan()
+        return loss
+
+    def _replan(self) -> None:
+        state = self.program.state_dict()
+        cluster = scaled_cluster(self.cluster, self.slowdown)
+        with scaled_profiles(self.cluster, self.slowdown):
+            new = self.rebuild(cluster)
+        new.load_state_dict(state)
+        self.program = new
+        self.replans += 1
+        self._since = 0
+
+    def straggler_report(self, window: int | None = None, threshold: float | None = None) -> StragglerReport:
+        return report(self.program, window, self.policy.threshold if threshold is None else threshold)
+
+    def __getattr__(self, name: str) -> Any:
+        program = self.__dict__.get("program")
+        if program is None:
+            raise AttributeError(name)
+        return getattr(program, name)
+
+
+__all__ = ["AdaptPolicy", "AdaptiveProgram", "RankTiming", "StageTimer", "StragglerReport",
+           "emulated_slowdown", "predicted_compute", "report", "scaled_cluster", "scaled_profiles"]

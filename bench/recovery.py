@@ -1,0 +1,115 @@
+"""Recovery from a lost device: time from a killed rank to training resumed, and steps lost.
+
+Each scenario runs what `autopar run --cluster 1x4xcpu --max-restarts 1 recovery.py --worker ...` runs: 4
+local gloo processes under torchrun's elastic agent train a small GPT with `autopar.runtime.elastic.train`,
+checkpointing every `every` steps. Device 3 records itself lost and exits (os._exit(1)) right after step
+`die_after` on the first attempt; the agent stops the others and restarts the group, the worker of device 3
+stands down and the other three re-plan, load the newest checkpoint (resharding it) and continue.
+
+Columns (seconds, wall clock): restart = kill -> new worker processes running (agent noticing the exit,
+stopping the survivors, rendezvous, spawn); startup = interpreter + torch + autopar imports; join = the
+smaller process group; plan = capture + plan on rank 0 + broadcast + building the program; load = the DCP
+checkpoint; step = the first step after resuming; total = kill -> first step done. Steps lost = steps
+completed before the kill that had to be trained again (those after the last checkpoint).
+
+Run: cd bench && python recovery.py
+"""
+
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.time()  # before the imports, so startup time is measured
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+CLUSTER = "1x4xcpu"
+GPT = {"layers": 4, "batch": 8, "hidden": 128, "seq": 64}
+STEPS = 6
+DYING_DEVICE = 3
+# (checkpoint every, the dying device exits after this step)
+SCENARIOS = [(1, 3), (2, 3), (4, 3)]
+
+
+def _worker(root: str, every: int, die_after: int) -> int:
+    import torch
+
+    from autopar import models
+    from autopar.runtime import elastic
+
+    def on_step(info: elastic.StepInfo) -> None:
+        if info.attempt == 0 and info.device == DYING_DEVICE and info.step == die_after:
+            elastic.mark_lost(info.checkpoint_dir, info.device, "bench: emulated device failure")
+            Path(root, "kill.json").write_text(json.dumps({"t_kill": time.time(), "step": info.step}))
+            os._exit(1)
+
+    res = elastic.train(lambda: models.gpt(**GPT, seed=0), CLUSTER, STEPS, root, every=every,
+                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), on_step=on_step, keep=2,
+                        timeout_s=60)
+    if res is not None and res.program.rank == 0:
+        Path(root, f"attempt{res.attempt}.json").write_text(json.dumps(
+            {"t_process": T_PROCESS, **res.times, "devices": res.devices, "resumed_from": res.resumed_from,
+             "world": res.program.world_size}))
+    return 0
+
+
+def scenario(every: int, die_after: int) -> dict[str, Any]:
+    from autopar.runtime.run import run
+
+    with tempfile.TemporaryDirectory(prefix="autopar-recovery-") as root:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        start = time.time()
+        rc = run([__file__, "--worker", root, str(every), str(die_after)], CLUSTER, max_restarts=1)
+        wall = time.time() - start
+        if rc != 0:
+            raise SystemExit(f"scenario every={every} die_after={die_after}: the job failed (exit code {rc})")
+        kill = json.loads(Path(root, "kill.json").read_text())
+        a = json.loads(Path(root, "attempt1.json").read_text())
+    resumed = a["resumed_from"] or 0
+    return {
+        "every": every, "killed_after_step": kill["step"], "resumed_from": resumed,
+        "steps_lost": kill["step"] - resumed, "devices_after": len(a["devices"]),
+        "restart_s": a["t_process"] - kill["t_kill"], "startup_s": a["start"] - a["t_process"],
+        "join_s": a["joined"] - a["start"], "plan_s": a["planned"] - a["joined"],
+        "load_s": a["loaded"] - a["planned"], "step_s": a["first_step"] - a["loaded"],
+        "total_s": a["first_step"] - kill["t_kill"], "job_wall_s": wall,
+    }
+
+
+def main() -> None:
+    from common import print_table, write_results
+
+    rows = []
+    for every, die_after in SCENARIOS:
+        print(f"scenario: checkpoint every {every} step(s), device {DYING_DEVICE} dies after step "
+              f"{die_after}", file=sys.stderr)
+        rows.append(scenario(every, die_after))
+    cols = ["every", "killed_after_step", "resumed_from", "steps_lost", "devices_after", "restart_s",
+            "startup_s", "join_s", "plan_s", "load_s", "step_s", "total_s"]
+    print_table(rows, cols)
+    totals = [r["total_s"] for r in rows]
+    summary = {"cluster": CLUSTER, "model": GPT, "steps": STEPS,
+               "median_kill_to_resumed_s": statistics.median(totals), "max_kill_to_resumed_s": max(totals),
+               "median_restart_s": statistics.median(r["restart_s"] for r in rows),
+               "median_plan_s": statistics.median(r["plan_s"] for r in rows),
+               "median_load_s": statistics.median(r["load_s"] for r in rows),
+               "steps_lost": {str(r["every"]): r["steps_lost"] for r in rows}}
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {write_results('recovery', rows, summary)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=3, metavar=("DIR", "EVERY", "DIE_AFTER"),
+                        help="(internal) run as one torchrun worker")
+    args = parser.parse_args()
+    if args.worker:
+        sys.exit(_worker(args.worker[0], int(args.worker[1]), int(args.worker[2])))
+    main()
