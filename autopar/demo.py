@@ -32,9 +32,15 @@ def worker(out_dir: str, cluster: str, steps: int) -> None:
 
     case = _case()
     plan = (Path(out_dir) / "plan.json").read_text()
-    prog = compile_program(case.model, cluster, example_inputs=case.example_inputs,
-                           example_target=case.example_target, loss_fn=case.loss_fn, optimizer=_optimizer,
-                           plan=plan)
+    prog = compile_program(
+        case.model,
+        cluster,
+        example_inputs=case.example_inputs,
+        example_target=case.example_target,
+        loss_fn=case.loss_fn,
+        optimizer=_optimizer,
+        plan=plan,
+    )
     losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(steps)]
     state = prog.state_dict()["model"]
     if prog.rank == 0:
@@ -48,14 +54,24 @@ def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:
     from .runtime.run import run
 
     case = _case()
-    print(f"autopar demo: a {sum(p.numel() for p in case.model.parameters()) / 1e3:.0f}K-parameter GPT on "
-          f"{cluster}, emulated by local CPU processes\n")
-    plan = autopar.plan(case.model, cluster, example_inputs=case.example_inputs,
-                        example_target=case.example_target, loss_fn=case.loss_fn, time_limit_s=30)
+    print(
+        f"autopar demo: a {sum(p.numel() for p in case.model.parameters()) / 1e3:.0f}K-parameter GPT on "
+        f"{cluster}, emulated by local CPU processes\n"
+    )
+    plan = autopar.plan(
+        case.model,
+        cluster,
+        example_inputs=case.example_inputs,
+        example_target=case.example_target,
+        loss_fn=case.loss_fn,
+        time_limit_s=30,
+    )
     print(plan.explain())
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "plan.json").write_text(plan.to_json())
-        code = run(["-m", "autopar.demo", "--worker", d, "--cluster", cluster, "--steps", str(steps)], cluster)
+        code = run(
+            ["-m", "autopar.demo", "--worker", d, "--cluster", cluster, "--steps", str(steps)], cluster
+        )
         if code != 0:
             print(f"autopar demo: the training processes failed (exit code {code})", file=sys.stderr)
             return code
@@ -69,7 +85,9 @@ def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:
     ok = ok and all(torch.allclose(result["state"][k], v, rtol=1e-4, atol=1e-5) for k, v in ref_state.items())
     falling = result["losses"][-1] < result["losses"][0]
     print(f"\nlargest parameter difference after {steps} steps: {worst:.2e}")
-    print(f"loss falling: {'yes' if falling else 'NO'}; matches single-process training: {'yes' if ok else 'NO'}")
+    print(
+        f"loss falling: {'yes' if falling else 'NO'}; matches single-process training: {'yes' if ok else 'NO'}"
+    )
     print(json.dumps({"predicted_samples_per_s": plan.predicted.get("samples_per_s"), "match": ok}))
     return 0 if ok and falling else 1
 

@@ -37,8 +37,9 @@ def render_table(rows: list[list[str]], right: set[int] | None = None) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
     def line(r: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                                  strict=True)))
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
 
     out = [line(rows[0]), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in rows[1:]]
@@ -57,19 +58,36 @@ def graph_table(g: TrainingGraph, max_rows: int | None = None) -> str:
     for n in shown:
         shape = "x".join(str(s) for s in n.outputs[0].shape) if n.outputs else "-"
         saved = n.saved_internal_bytes + sum(g.nodes[r].out_bytes for r in n.saved if r == n.name)
-        row = [n.name, str(n.layer), n.target.removeprefix("aten."), shape or "scalar", fmt_count(n.flops_fwd),
-               fmt_count(n.flops_bwd), fmt_bytes(n.bytes_fwd), fmt_bytes(saved)]
+        row = [
+            n.name,
+            str(n.layer),
+            n.target.removeprefix("aten."),
+            shape or "scalar",
+            fmt_count(n.flops_fwd),
+            fmt_count(n.flops_bwd),
+            fmt_bytes(n.bytes_fwd),
+            fmt_bytes(saved),
+        ]
         for t in types:
             row += [fmt_time(n.time_fwd.get(t, 0.0)), fmt_time(n.time_bwd.get(t, 0.0))]
         rows.append(row)
     if len(shown) < len(nodes):
         rows.append([f"... {len(nodes) - len(shown)} more nodes"] + [""] * (len(head) - 1))
-    total = ["TOTAL", "", f"{len(nodes)} ops", f"{fmt_count(g.num_params())} params",
-             fmt_count(g.total("flops_fwd")), fmt_count(g.total("flops_bwd")), fmt_bytes(g.total("bytes_fwd")),
-             fmt_bytes(g.saved_activation_bytes())]
+    total = [
+        "TOTAL",
+        "",
+        f"{len(nodes)} ops",
+        f"{fmt_count(g.num_params())} params",
+        fmt_count(g.total("flops_fwd")),
+        fmt_count(g.total("flops_bwd")),
+        fmt_bytes(g.total("bytes_fwd")),
+        fmt_bytes(g.saved_activation_bytes()),
+    ]
     for t in types:
-        total += [fmt_time(sum(n.time_fwd.get(t, 0.0) for n in nodes)),
-                  fmt_time(sum(n.time_bwd.get(t, 0.0) for n in nodes))]
+        total += [
+            fmt_time(sum(n.time_fwd.get(t, 0.0) for n in nodes)),
+            fmt_time(sum(n.time_bwd.get(t, 0.0) for n in nodes)),
+        ]
     rows.append(total)
     return render_table(rows, right=set(range(4, len(head))))
 
@@ -81,9 +99,18 @@ def layer_table(g: TrainingGraph) -> str:
     head += [f"fwd+bwd {t}" for t in types]
     rows = [head]
     for layer in g.layers:
-        rows.append([layer.name, layer.kind, str(len(layer.nodes)), fmt_bytes(layer.param_bytes),
-                     fmt_count(layer.flops_fwd), fmt_bytes(layer.saved_bytes), fmt_bytes(layer.boundary_bytes)]
-                    + [fmt_time(layer.time_fwd.get(t, 0) + layer.time_bwd.get(t, 0)) for t in types])
+        rows.append(
+            [
+                layer.name,
+                layer.kind,
+                str(len(layer.nodes)),
+                fmt_bytes(layer.param_bytes),
+                fmt_count(layer.flops_fwd),
+                fmt_bytes(layer.saved_bytes),
+                fmt_bytes(layer.boundary_bytes),
+            ]
+            + [fmt_time(layer.time_fwd.get(t, 0) + layer.time_bwd.get(t, 0)) for t in types]
+        )
     groups = g.repeated_groups()
     note = f"\nrepeated blocks: {', '.join(f'{len(x)}x {g.layers[x[0]].name}..' for x in groups) or 'none'}"
     return render_table(rows, right=set(range(2, len(head)))) + note
@@ -96,8 +123,10 @@ def to_dot(g: TrainingGraph) -> str:
         for name in layer.nodes:
             n = g.nodes[name]
             shape = "x".join(str(s) for s in n.outputs[0].shape) if n.outputs else ""
-            lines.append(f'    "{name}" [label="{name}\\n{n.target.removeprefix("aten.")}\\n{shape}'
-                         f'\\n{fmt_count(n.flops_fwd)} FLOP"];')
+            lines.append(
+                f'    "{name}" [label="{name}\\n{n.target.removeprefix("aten.")}\\n{shape}'
+                f'\\n{fmt_count(n.flops_fwd)} FLOP"];'
+            )
         lines.append("  }")
     for n in g.nodes.values():
         for a in n.args:
@@ -126,6 +155,10 @@ def dump_graph(g: TrainingGraph, directory: str | os.PathLike | None = None) -> 
     (d / "graph.json").write_text(g.to_json())
     (d / "graph.dot").write_text(to_dot(g))
     if shutil.which("dot"):
-        subprocess.run(["dot", "-Tsvg", str(d / "graph.dot"), "-o", str(d / "graph.svg")], check=False,
-                       timeout=120, capture_output=True)
+        subprocess.run(
+            ["dot", "-Tsvg", str(d / "graph.dot"), "-o", str(d / "graph.svg")],
+            check=False,
+            timeout=120,
+            capture_output=True,
+        )
     return d

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
+from common import print_table, write_results
+
 import autopar
 from autopar import models
 from autopar.passes.annotate import annotate
-
-from common import print_table, write_results
 
 
 def main() -> None:
@@ -23,14 +23,25 @@ def main() -> None:
         t2 = time.perf_counter()
         annotate(g, autopar.Cluster.load("128x8xA100-80GB+1x4xV100-16GB"), precision="bf16")
         t3 = time.perf_counter()
-        rows.append({"model": name, "params_B": g.num_params() / 1e9, "ops": len(g.nodes),
-                     "layers": len(g.layers), "build_s": t1 - t0, "capture_s": t2 - t1, "annotate_s": t3 - t2,
-                     "total_s": t3 - t0})
+        rows.append(
+            {
+                "model": name,
+                "params_B": g.num_params() / 1e9,
+                "ops": len(g.nodes),
+                "layers": len(g.layers),
+                "build_s": t1 - t0,
+                "capture_s": t2 - t1,
+                "annotate_s": t3 - t2,
+                "total_s": t3 - t0,
+            }
+        )
     print_table(rows, ["model", "params_B", "ops", "layers", "build_s", "capture_s", "annotate_s", "total_s"])
     big = rows[-1]
     summary = {"gpt3_175b_total_s": big["total_s"], "target_s": 20.0, "met": big["total_s"] <= 20.0}
-    print(f"\nGPT-3 175B capture+annotate: {big['total_s']:.1f} s (target <= 20 s): "
-          f"{'met' if summary['met'] else 'NOT met'}")
+    print(
+        f"\nGPT-3 175B capture+annotate: {big['total_s']:.1f} s (target <= 20 s): "
+        f"{'met' if summary['met'] else 'NOT met'}"
+    )
     print("wrote", write_results("capture", rows, summary))
 
 

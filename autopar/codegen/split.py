@@ -44,13 +44,23 @@ def _canonical(graph: TrainingGraph, placeholder: str) -> str:
 def split_stages(graph: TrainingGraph, bounds: list[tuple[int, int]]) -> list[StageProgram]:
     """One StageProgram per [start, end) layer range; the ranges must tile the chain in order."""
     n_layers = len(graph.layers)
-    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != n_layers or any(
-            a[1] != b[0] or a[0] >= a[1] for a, b in zip(bounds, bounds[1:] + [(n_layers, n_layers + 1)],
-                                                         strict=True)):
-        raise PlanError(f"stage layer ranges {bounds} must tile the {n_layers} layers [0, {n_layers}) in order.")
+    if (
+        not bounds
+        or bounds[0][0] != 0
+        or bounds[-1][1] != n_layers
+        or any(
+            a[1] != b[0] or a[0] >= a[1]
+            for a, b in zip(bounds, bounds[1:] + [(n_layers, n_layers + 1)], strict=True)
+        )
+    ):
+        raise PlanError(
+            f"stage layer ranges {bounds} must tile the {n_layers} layers [0, {n_layers}) in order."
+        )
     ep = graph.gm
     if ep is None:
-        raise PlanError("this graph has no captured program (it was loaded from JSON); capture the model again.")
+        raise PlanError(
+            "this graph has no captured program (it was loaded from JSON); capture the model again."
+        )
     fx_nodes = {n.name: n for n in ep.graph.nodes}
     stage_of = {}
     for s, (a, b) in enumerate(bounds):
@@ -69,14 +79,25 @@ def split_stages(graph: TrainingGraph, bounds: list[tuple[int, int]]) -> list[St
     for s, (a, b) in enumerate(bounds):
         recv = crossing[s - 1] if s > 0 else []
         send = crossing[s] if s < len(bounds) - 1 else []
-        stages.append(_build_stage(graph, ep, s, (a, b), stage_of, user_inputs, recv, send,
-                                   is_last=s == len(bounds) - 1))
+        stages.append(
+            _build_stage(
+                graph, ep, s, (a, b), stage_of, user_inputs, recv, send, is_last=s == len(bounds) - 1
+            )
+        )
     return stages
 
 
-def _build_stage(graph: TrainingGraph, ep: torch.export.ExportedProgram, s: int, layers: tuple[int, int],
-                 stage_of: dict[str, int], user_inputs: list[str], recv: list[str], send: list[str],
-                 is_last: bool) -> StageProgram:
+def _build_stage(
+    graph: TrainingGraph,
+    ep: torch.export.ExportedProgram,
+    s: int,
+    layers: tuple[int, int],
+    stage_of: dict[str, int],
+    user_inputs: list[str],
+    recv: list[str],
+    send: list[str],
+    is_last: bool,
+) -> StageProgram:
     mine = [n for n in ep.graph.nodes if n.op == "call_function" and stage_of.get(n.name) == s]
     needed = {a.name for n in mine for a in n.all_input_nodes}
     g = fx.Graph()
@@ -114,9 +135,18 @@ def _build_stage(graph: TrainingGraph, ep: torch.export.ExportedProgram, s: int,
     for name in recv + send:
         outs = graph.nodes[name].outputs
         meta[name] = outs[0]
-    return StageProgram(index=s, layers=layers, gm=gm, params=list(dict.fromkeys(params)),
-                        buffers=list(dict.fromkeys(buffers)), inputs=inputs, recv=list(recv), send=list(send),
-                        value_meta=meta, is_last=is_last)
+    return StageProgram(
+        index=s,
+        layers=layers,
+        gm=gm,
+        params=list(dict.fromkeys(params)),
+        buffers=list(dict.fromkeys(buffers)),
+        inputs=inputs,
+        recv=list(recv),
+        send=list(send),
+        value_meta=meta,
+        is_last=is_last,
+    )
 
 
 def _safe(fqn: str) -> str:

@@ -29,9 +29,11 @@ aten = torch.ops.aten
 # flop_counter has no formula for the CPU flash-attention kernels; use its generic sdpa formulas.
 _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_val=None, **kw: sdpa_flop_count(
-        q.shape, k.shape, v.shape),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda go, q, k, v, *a, out_val=None, **kw:
-        sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape),
+        q.shape, k.shape, v.shape
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda go, q, k, v, *a, out_val=None, **kw: (
+        sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape)
+    ),
 }
 
 
@@ -51,8 +53,9 @@ def _sdpa_as_flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
-    return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, dropout_p, is_causal,
-                                                                     attn_mask=attn_mask, scale=scale)[0]
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
 
 
 class _KernelRecorder(TorchDispatchMode):
@@ -162,11 +165,13 @@ def _measure(target: Any, arg_specs: tuple, kwarg_specs: tuple) -> _NodeCost:
     if diff_out and diff_in:
         rec_b = _KernelRecorder()
         with rec_b:
-            torch.autograd.grad(diff_out, diff_in, grad_outputs=[torch.empty_like(o) for o in diff_out],
-                                allow_unused=True)
+            torch.autograd.grad(
+                diff_out, diff_in, grad_outputs=[torch.empty_like(o) for o in diff_out], allow_unused=True
+            )
         bwd = rec_b.kernels
-    return _NodeCost(tuple(rec.kernels), tuple(bwd), tuple(sorted(saved_args)), tuple(sorted(saved_outs)),
-                     internal)
+    return _NodeCost(
+        tuple(rec.kernels), tuple(bwd), tuple(sorted(saved_args)), tuple(sorted(saved_outs)), internal
+    )
 
 
 def _fallback_cost(node: OpNode, arg_bytes: float) -> _NodeCost:
@@ -193,7 +198,7 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
     scale = PRECISIONS[precision] / 4
     roots: dict[str, str] = {}  # value name -> storage root name
     root_bytes: dict[str, int] = {}
-    for name, info in graph.params.items():
+    for name in graph.params:
         roots[name] = name
     for name in graph.inputs:
         roots[name] = name
@@ -201,14 +206,23 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
     new_nodes: dict[str, OpNode] = {}
     for name, node in graph.nodes.items():
         fxn = fx_nodes.get(name)
-        tensor_arg_names = [a.name for a in tree_flatten((fxn.args, fxn.kwargs))[0]
-                            if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)] \
-            if fxn is not None else []
+        tensor_arg_names = (
+            [
+                a.name
+                for a in tree_flatten((fxn.args, fxn.kwargs))[0]
+                if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+            ]
+            if fxn is not None
+            else []
+        )
         if fxn is not None and fxn.target is operator.getitem:
             parent, idx = fxn.args[0].name, fxn.args[1]
             # items of a view op's list (unbind, split) alias the parent's storage root
-            roots[name] = roots[parent] if graph.nodes[parent].is_view else roots.get(f"{parent}#{idx}",
-                                                                                      f"{parent}#{idx}")
+            roots[name] = (
+                roots[parent]
+                if graph.nodes[parent].is_view
+                else roots.get(f"{parent}#{idx}", f"{parent}#{idx}")
+            )
             new_nodes[name] = node
             continue
         if node.is_view and tensor_arg_names:
@@ -229,29 +243,45 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
         except Exception:  # an op with no meta kernel: price it by its bytes, note it, keep going
             arg_bytes = sum(new_nodes[a].out_bytes for a in node.args if a in new_nodes)
             cost = _fallback_cost(node, arg_bytes)
-        saved = [roots.get(tensor_arg_names[i], tensor_arg_names[i]) for i in cost.saved_args
-                 if i < len(tensor_arg_names)]
+        saved = [
+            roots.get(tensor_arg_names[i], tensor_arg_names[i])
+            for i in cost.saved_args
+            if i < len(tensor_arg_names)
+        ]
         saved += [(f"{name}#{i}" if len(node.outputs) > 1 else roots[name]) for i in cost.saved_outputs]
         kf = [replace(k, nbytes=k.nbytes * scale) for k in cost.kernels_fwd]
         kb = [replace(k, nbytes=k.nbytes * scale) for k in cost.kernels_bwd]
         new_nodes[name] = replace(
-            node, kernels_fwd=kf, kernels_bwd=kb, flops_fwd=sum(k.flops for k in kf),
-            flops_bwd=sum(k.flops for k in kb), bytes_fwd=sum(k.nbytes for k in kf),
-            bytes_bwd=sum(k.nbytes for k in kb), saved=sorted(set(saved)),
-            saved_internal_bytes=int(cost.saved_internal_bytes * scale))
+            node,
+            kernels_fwd=kf,
+            kernels_bwd=kb,
+            flops_fwd=sum(k.flops for k in kf),
+            flops_bwd=sum(k.flops for k in kb),
+            bytes_fwd=sum(k.nbytes for k in kf),
+            bytes_bwd=sum(k.nbytes for k in kb),
+            saved=sorted(set(saved)),
+            saved_internal_bytes=int(cost.saved_internal_bytes * scale),
+        )
     device_types = cluster.device_types() if cluster is not None else []
     models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in device_types} if cluster else {}
     for node in new_nodes.values():
-        node.time_fwd = {t: sum(m.op_time(k.kind, k.flops, k.nbytes) for k in node.kernels_fwd)
-                         for t, m in models.items()}
-        node.time_bwd = {t: sum(m.op_time(k.kind, k.flops, k.nbytes) for k in node.kernels_bwd)
-                         for t, m in models.items()}
+        node.time_fwd = {
+            t: sum(m.op_time(k.kind, k.flops, k.nbytes) for k in node.kernels_fwd) for t, m in models.items()
+        }
+        node.time_bwd = {
+            t: sum(m.op_time(k.kind, k.flops, k.nbytes) for k in node.kernels_bwd) for t, m in models.items()
+        }
     layers = _layer_totals(graph, new_nodes, roots, root_bytes, scale)
     return replace(graph, nodes=new_nodes, layers=layers, device_types=device_types, dtype=precision)
 
 
-def _layer_totals(graph: TrainingGraph, nodes: dict[str, OpNode], roots: dict[str, str],
-                  root_bytes: dict[str, int], scale: float) -> list[Layer]:
+def _layer_totals(
+    graph: TrainingGraph,
+    nodes: dict[str, OpNode],
+    roots: dict[str, str],
+    root_bytes: dict[str, int],
+    scale: float,
+) -> list[Layer]:
     root_layer = {r: nodes[r].layer for r in root_bytes if r in nodes}
     for r in root_bytes:
         if "#" in r:
@@ -278,14 +308,18 @@ def _layer_totals(graph: TrainingGraph, nodes: dict[str, OpNode], roots: dict[st
         floating = lambda r: int(root_bytes.get(r, 0) * (scale if _is_float_root(r, nodes, graph) else 1))
         saved = sum(floating(r) for r in saved_roots.get(layer.index, ()))
         saved += sum(n.saved_internal_bytes for n in members)
-        layers.append(replace(
-            layer,
-            flops_fwd=sum(n.flops_fwd for n in members), flops_bwd=sum(n.flops_bwd for n in members),
-            param_bytes=sum(graph.params[p].meta.nbytes for p in layer.params if graph.params[p].counts),
-            saved_bytes=saved, boundary_bytes=sum(floating(r) for r in boundary.get(layer.index, ())),
-            time_fwd={t: sum(n.time_fwd.get(t, 0.0) for n in members) for t in _types(members)},
-            time_bwd={t: sum(n.time_bwd.get(t, 0.0) for n in members) for t in _types(members)},
-        ))
+        layers.append(
+            replace(
+                layer,
+                flops_fwd=sum(n.flops_fwd for n in members),
+                flops_bwd=sum(n.flops_bwd for n in members),
+                param_bytes=sum(graph.params[p].meta.nbytes for p in layer.params if graph.params[p].counts),
+                saved_bytes=saved,
+                boundary_bytes=sum(floating(r) for r in boundary.get(layer.index, ())),
+                time_fwd={t: sum(n.time_fwd.get(t, 0.0) for n in members) for t in _types(members)},
+                time_bwd={t: sum(n.time_bwd.get(t, 0.0) for n in members) for t in _types(members)},
+            )
+        )
     return layers
 
 

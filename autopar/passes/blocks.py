@@ -46,7 +46,7 @@ def _block_of(path: str, container: str) -> int | None:
     prefix = container + "." if container else ""
     if not path.startswith(prefix):
         return None
-    rest = path[len(prefix):].split(".", 1)[0]
+    rest = path[len(prefix) :].split(".", 1)[0]
     return int(rest) if rest.isdigit() else None
 
 
@@ -92,7 +92,7 @@ def group_layers(g: TrainingGraph) -> TrainingGraph:
         # before them. After the last block, the same pattern of un-owned ops stays with it too, so the
         # last block looks like the others; everything after that is the epilogue (norm, pooling, head).
         last = max(i for i, n in enumerate(ordered) if _block_of(n.module, container) is not None)
-        tail = ordered[last + 1:]
+        tail = ordered[last + 1 :]
         first_key = next(k for k in keys if k != "pre")
         first_members = [n for n in ordered if assignment[n.name] == first_key]
         suffix: list[str] = []
@@ -100,7 +100,7 @@ def group_layers(g: TrainingGraph) -> TrainingGraph:
             if _block_of(n.module, container) is not None:
                 break
             suffix.insert(0, n.target)
-        keep = len(suffix) if [n.target for n in tail[:len(suffix)]] == suffix else 0
+        keep = len(suffix) if [n.target for n in tail[: len(suffix)]] == suffix else 0
         if keep < len(tail):
             keys.append("post")
             for n in tail[keep:]:
@@ -115,10 +115,19 @@ def group_layers(g: TrainingGraph) -> TrainingGraph:
     for k, key in enumerate(keys):
         members = [n for n in nodes.values() if n.layer == k]
         lparams = [p for p, info in params.items() if info.layer == k]
-        kind = "pre" if key == "pre" else "post" if key == "post" else ("block" if container is not None else "pre")
+        kind = (
+            "pre"
+            if key == "pre"
+            else "post"
+            if key == "post"
+            else ("block" if container is not None else "pre")
+        )
         if container is None:
             kind = "block"
         sig = _signature(members, [params[p].meta.shape for p in lparams])
-        layers.append(Layer(index=k, name=key, kind=kind, nodes=[n.name for n in members], params=lparams,
-                            signature=sig))
+        layers.append(
+            Layer(
+                index=k, name=key, kind=kind, nodes=[n.name for n in members], params=lparams, signature=sig
+            )
+        )
     return replace(g, nodes=nodes, params=params, layers=layers)

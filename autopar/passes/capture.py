@@ -44,13 +44,19 @@ def model_loss(out: Any) -> torch.Tensor:
         loss = out
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise CaptureError(f"with loss_fn=None the model must return a scalar loss (or an object with .loss), "
-                           f"but it returned {shape}. Pass loss_fn=(output, target) -> loss and example_target=.")
+        raise CaptureError(
+            f"with loss_fn=None the model must return a scalar loss (or an object with .loss), "
+            f"but it returned {shape}. Pass loss_fn=(output, target) -> loss and example_target=."
+        )
     return loss.reshape(())
 
 
-def capture(model: nn.Module, example_inputs: tuple | list | torch.Tensor, loss_fn: LossFn | None = None,
-            example_target: Any = None) -> TrainingGraph:
+def capture(
+    model: nn.Module,
+    example_inputs: tuple | list | torch.Tensor,
+    loss_fn: LossFn | None = None,
+    example_target: Any = None,
+) -> TrainingGraph:
     """Capture the training graph of `loss_fn(model(*example_inputs), example_target)`.
 
     `example_inputs` is one global batch (the first dimension of the first tensor input is the batch);
@@ -88,22 +94,35 @@ _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
 def explain_export_failure(e: Exception) -> str:
     """Name the op and the user's source line that broke capture, and suggest the fix."""
     text = str(e)
-    frames = [m for m in _USER_FRAME.finditer(text) if "site-packages/torch" not in m.group(1)
-              and "/autopar/" not in m.group(1)]
+    frames = [
+        m
+        for m in _USER_FRAME.finditer(text)
+        if "site-packages/torch" not in m.group(1) and "/autopar/" not in m.group(1)
+    ]
     where = ""
     if frames:
         f = frames[-1]
         where = f" at {f.group(1)}:{f.group(2)} in {f.group(3)}(): `{f.group(4).strip()}`"
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    if "data-dependent" in text or "GuardOnDataDependentSymNode" in type(e).__name__ or "Could not guard" in text:
-        fix = ("the model branches on tensor values (data-dependent control flow). Rewrite the branch with "
-               "torch.where / torch.cond, or move it out of forward().")
+    if (
+        "data-dependent" in text
+        or "GuardOnDataDependentSymNode" in type(e).__name__
+        or "Could not guard" in text
+    ):
+        fix = (
+            "the model branches on tensor values (data-dependent control flow). Rewrite the branch with "
+            "torch.where / torch.cond, or move it out of forward()."
+        )
     elif "not implemented for 'Meta'" in text or "NotImplementedError" in type(e).__name__:
-        fix = ("an op has no meta/fake implementation. Capture with real tensors on CPU instead of meta, or "
-               "register a fake kernel for it (torch.library.register_fake).")
+        fix = (
+            "an op has no meta/fake implementation. Capture with real tensors on CPU instead of meta, or "
+            "register a fake kernel for it (torch.library.register_fake)."
+        )
     else:
-        fix = ("make forward() traceable by torch.export(strict=False): avoid Python side effects on tensor "
-               "values, .item()/.tolist() in forward, and unsupported ops.")
+        fix = (
+            "make forward() traceable by torch.export(strict=False): avoid Python side effects on tensor "
+            "values, .item()/.tolist() in forward, and unsupported ops."
+        )
     return f"cannot capture the model{where}: {type(e).__name__}: {first[:300]}. Fix: {fix}"
 
 
@@ -117,8 +136,11 @@ def _meta(val: Any) -> list[TensorMeta]:
 
 def _source(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
-    frames = [m for m in _USER_FRAME.finditer(trace)
-              if "/autopar/passes/" not in m.group(1) and "site-packages/torch/" not in m.group(1)]
+    frames = [
+        m
+        for m in _USER_FRAME.finditer(trace)
+        if "/autopar/passes/" not in m.group(1) and "site-packages/torch/" not in m.group(1)
+    ]
     if not frames:
         return ""
     f = frames[-1]
@@ -168,8 +190,9 @@ def graph_from_export(ep: torch.export.ExportedProgram, model_name: str, batch_s
                 tensor = state.get((buffer_names if is_buffer else param_names)[node.name])
                 key = _storage_key(tensor) if tensor is not None else id(node)
                 tied = first_owner.setdefault(key, node.name)
-                params[node.name] = ParamInfo(fqn, node.name, metas[0], is_buffer=is_buffer,
-                                              tied_to="" if tied == node.name else tied)
+                params[node.name] = ParamInfo(
+                    fqn, node.name, metas[0], is_buffer=is_buffer, tied_to="" if tied == node.name else tied
+                )
                 grad[node.name] = not is_buffer
             elif metas:
                 input_meta[node.name] = metas[0]
@@ -187,10 +210,26 @@ def graph_from_export(ep: torch.export.ExportedProgram, model_name: str, batch_s
         floating = any(t.dtype.startswith(("float", "bfloat", "complex")) for t in outs)
         rg = floating and any(grad.get(a, False) for a in deps)
         grad[node.name] = rg
-        nodes[node.name] = OpNode(name=node.name, target=str(node.target), args=deps, outputs=outs,
-                                  module=_module_path(node), source=_source(node), requires_grad=rg,
-                                  is_view=_is_view(node.target))
+        nodes[node.name] = OpNode(
+            name=node.name,
+            target=str(node.target),
+            args=deps,
+            outputs=outs,
+            module=_module_path(node),
+            source=_source(node),
+            requires_grad=rg,
+            is_view=_is_view(node.target),
+        )
     inputs = [n for n in user_inputs if n in input_meta]
-    g = TrainingGraph(nodes=nodes, params=params, inputs=inputs, layers=[], batch_size=batch_size,
-                      loss_node=loss_node, model_name=model_name, input_meta=input_meta, gm=ep)
+    g = TrainingGraph(
+        nodes=nodes,
+        params=params,
+        inputs=inputs,
+        layers=[],
+        batch_size=batch_size,
+        loss_node=loss_node,
+        model_name=model_name,
+        input_meta=input_meta,
+        gm=ep,
+    )
     return group_layers(g)

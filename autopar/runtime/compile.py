@@ -21,25 +21,40 @@ from .straggler import AdaptiveProgram, AdaptPolicy
 def layout_from_plan(plan: Any, num_layers: int) -> Layout:
     """The rank-level layout of a Plan (pipelines in order take consecutive slices of the batch)."""
     if plan.model.get("num_layers") not in (None, num_layers):
-        raise PlanError(f"the plan was made for a model with {plan.model['num_layers']} layers in its chain, but "
-                        f"this model has {num_layers}: plan again for this model.")
+        raise PlanError(
+            f"the plan was made for a model with {plan.model['num_layers']} layers in its chain, but "
+            f"this model has {num_layers}: plan again for this model."
+        )
     pipelines, offset = [], 0
     for i, p in enumerate(plan.pipelines):
-        stages = tuple(StageLayout((int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute,
-                                   tuple(s.offload)) for s in p.stages)
-        pipelines.append(PipelineLayout(i, stages, offset, p.batch_share, p.num_microbatches, plan.schedule,
-                                        plan.chunks))
+        stages = tuple(
+            StageLayout(
+                (int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute, tuple(s.offload)
+            )
+            for s in p.stages
+        )
+        pipelines.append(
+            PipelineLayout(i, stages, offset, p.batch_share, p.num_microbatches, plan.schedule, plan.chunks)
+        )
         offset += p.batch_share
     world = Cluster.load(plan.cluster).world_size
     return make_layout(pipelines, world, plan.global_batch, num_layers)
 
 
-def compile(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
-            example_target: Any = None, loss_fn: LossFn | None = None,
-            optimizer: str | OptimizerFactory = "adamw", plan: Any = None, *,
-            dump_dir: str | os.PathLike | None = None, time_limit_s: float = 60,
-            timeout_s: float = DEFAULT_TIMEOUT_S,
-            adapt: bool | AdaptPolicy = False) -> Program | AdaptiveProgram:
+def compile(
+    model: nn.Module,
+    cluster: Cluster | str | dict | os.PathLike,
+    example_inputs: tuple = (),
+    example_target: Any = None,
+    loss_fn: LossFn | None = None,
+    optimizer: str | OptimizerFactory = "adamw",
+    plan: Any = None,
+    *,
+    dump_dir: str | os.PathLike | None = None,
+    time_limit_s: float = 60,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    adapt: bool | AdaptPolicy = False,
+) -> Program | AdaptiveProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
     Every rank calls it with the same arguments. Under torchrun / `autopar run` each process is one device
@@ -56,32 +71,60 @@ def compile(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
     rank, world = ensure_initialized(timeout_s)
     cluster = Cluster.load(cluster)
     if world != cluster.world_size:
-        raise PlanError(f"the cluster has {cluster.world_size} devices but {world} process(es) are running: start "
-                        f"one process per device (`autopar run script.py --cluster ...` or torchrun "
-                        f"--nproc-per-node {cluster.world_size}).")
+        raise PlanError(
+            f"the cluster has {cluster.world_size} devices but {world} process(es) are running: start "
+            f"one process per device (`autopar run script.py --cluster ...` or torchrun "
+            f"--nproc-per-node {cluster.world_size})."
+        )
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if plan is None:
         # one rank plans and the others take its plan, so every rank runs the same one
         box = [None]
         if rank == 0:
-            box[0] = make_plan(model, cluster, example_inputs=inputs, example_target=example_target, loss_fn=loss_fn,
-                               optimizer=optimizer if isinstance(optimizer, str) else "adamw",
-                               time_limit_s=time_limit_s).to_json()
+            box[0] = make_plan(
+                model,
+                cluster,
+                example_inputs=inputs,
+                example_target=example_target,
+                loss_fn=loss_fn,
+                optimizer=optimizer if isinstance(optimizer, str) else "adamw",
+                time_limit_s=time_limit_s,
+            ).to_json()
         if world > 1:
             dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(box[0])
     elif isinstance(plan, (str, bytes)):
         plan = Plan.from_json(plan)
-    prog = Program(model, None, inputs, example_target, loss_fn, optimizer, rank, world, plan=plan,
-                   timeout_s=timeout_s, layout_fn=lambda n_layers: layout_from_plan(plan, n_layers))
+    prog = Program(
+        model,
+        None,
+        inputs,
+        example_target,
+        loss_fn,
+        optimizer,
+        rank,
+        world,
+        plan=plan,
+        timeout_s=timeout_s,
+        layout_fn=lambda n_layers: layout_from_plan(plan, n_layers),
+    )
     d = _dump_dir(dump_dir)
     if d is not None:
         prog.dump(str(d))
         if rank == 0:
             (d / "plan.json").write_text(plan.to_json())
     if adapt:
-        rebuild = lambda c: compile(model, c, inputs, example_target, loss_fn, optimizer, dump_dir=dump_dir,
-                                    time_limit_s=time_limit_s, timeout_s=timeout_s)
+        rebuild = lambda c: compile(
+            model,
+            c,
+            inputs,
+            example_target,
+            loss_fn,
+            optimizer,
+            dump_dir=dump_dir,
+            time_limit_s=time_limit_s,
+            timeout_s=timeout_s,
+        )
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
         return AdaptiveProgram(prog, rebuild, cluster, policy)
     return prog

@@ -25,7 +25,11 @@ def ensure_initialized(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1 and "MASTER_ADDR" not in os.environ:
+    if (
+        "WORLD_SIZE" not in os.environ
+        or int(os.environ["WORLD_SIZE"]) == 1
+        and "MASTER_ADDR" not in os.environ
+    ):
         return 0, 1
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("AUTOPAR_BACKEND") != "gloo" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -58,13 +62,17 @@ def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT
     try:
         ok = work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise PeerLostError(f"{what} failed: rank {peer} is lost or stopped responding ({_first_line(e)}). "
-                            f"Check that process; every rank must run the same script.") from e
+        raise PeerLostError(
+            f"{what} failed: rank {peer} is lost or stopped responding ({_first_line(e)}). "
+            f"Check that process; every rank must run the same script."
+        ) from e
     if ok is False:
         raise PeerLostError(f"{what} timed out after {timeout_s:.0f} s waiting for rank {peer}.")
 
 
-def all_reduce(t: torch.Tensor, group: object | None, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def all_reduce(
+    t: torch.Tensor, group: object | None, what: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
     if group is None:
         return
     wait(dist.all_reduce(t, group=group, async_op=True), what, "in its group", timeout_s)

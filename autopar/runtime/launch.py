@@ -25,13 +25,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, out_dir: str,
-            timeout_s: float) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "AUTOPAR_BACKEND": "gloo"})
+def _worker(
+    rank: int, fn: Callable, world_size: int, port: int, args: tuple, out_dir: str, timeout_s: float
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "AUTOPAR_BACKEND": "gloo",
+        }
+    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -49,13 +59,20 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
     `fn` must be importable (a module-level function).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(fn, world_size, free_port(), args, out_dir, timeout_s),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, world_size, free_port(), args, out_dir, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout_s + 60
         try:
             while not ctx.join(timeout=1):
                 if time.monotonic() > deadline:
-                    raise AutoparError(f"local run of {world_size} ranks did not finish in {timeout_s + 60:.0f} s")
+                    raise AutoparError(
+                        f"local run of {world_size} ranks did not finish in {timeout_s + 60:.0f} s"
+                    )
         except mp.ProcessRaisedException as e:
             raise AutoparError(f"rank {e.error_index} failed:\n{e.msg}") from None
         except mp.ProcessExitedException as e:

@@ -68,36 +68,51 @@ class Layout:
         return self.positions.get(rank)
 
 
-def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: int,
-                num_layers: int) -> Layout:
+def make_layout(
+    pipelines: list[PipelineLayout], world_size: int, global_batch: int, num_layers: int
+) -> Layout:
     """Check a layout for consistency and index rank positions."""
     positions: dict[int, Position] = {}
     covered = 0
     for p in sorted(pipelines, key=lambda p: p.batch_offset):
         if p.batch_offset != covered:
-            raise PlanError(f"pipeline {p.index} takes samples from {p.batch_offset}, expected {covered}: batch "
-                            f"shares must tile the global batch.")
+            raise PlanError(
+                f"pipeline {p.index} takes samples from {p.batch_offset}, expected {covered}: batch "
+                f"shares must tile the global batch."
+            )
         covered += p.batch_size
         if p.num_microbatches < 1 or p.num_microbatches > p.batch_size:
-            raise PlanError(f"pipeline {p.index}: {p.num_microbatches} micro-batches for {p.batch_size} samples.")
+            raise PlanError(
+                f"pipeline {p.index}: {p.num_microbatches} micro-batches for {p.batch_size} samples."
+            )
         if p.stages[0].layers[0] != 0 or p.stages[-1].layers[1] != num_layers:
             raise PlanError(f"pipeline {p.index} must cover layers [0, {num_layers}), got {p.bounds()}.")
         if p.chunks < 1 or len(p.stages) % p.chunks:
-            raise PlanError(f"pipeline {p.index}: {len(p.stages)} stages cannot be {p.chunks} chunks per group.")
+            raise PlanError(
+                f"pipeline {p.index}: {len(p.stages)} stages cannot be {p.chunks} chunks per group."
+            )
         for s, st in enumerate(p.stages):
             if s and st.layers[0] != p.stages[s - 1].layers[1]:
-                raise PlanError(f"pipeline {p.index}: stage {s} starts at layer {st.layers[0]}, expected "
-                                f"{p.stages[s - 1].layers[1]}.")
+                raise PlanError(
+                    f"pipeline {p.index}: stage {s} starts at layer {st.layers[0]}, expected "
+                    f"{p.stages[s - 1].layers[1]}."
+                )
             group = s % p.num_groups
             if st.ranks != p.stages[group].ranks:
-                raise PlanError(f"pipeline {p.index}: stage {s} must run on the devices of stage {group} "
-                                f"({list(p.stages[group].ranks)}) with {p.chunks} chunks per device group.")
+                raise PlanError(
+                    f"pipeline {p.index}: stage {s} must run on the devices of stage {group} "
+                    f"({list(p.stages[group].ranks)}) with {p.chunks} chunks per device group."
+                )
             for k, r in enumerate(st.ranks):
                 if not 0 <= r < world_size:
-                    raise PlanError(f"rank {r} in pipeline {p.index} stage {s} is outside the world of "
-                                    f"{world_size} ranks.")
+                    raise PlanError(
+                        f"rank {r} in pipeline {p.index} stage {s} is outside the world of "
+                        f"{world_size} ranks."
+                    )
                 if r in positions and s < p.num_groups:
-                    raise PlanError(f"rank {r} is used twice (pipeline {p.index} stage {s} and {positions[r]}).")
+                    raise PlanError(
+                        f"rank {r} is used twice (pipeline {p.index} stage {s} and {positions[r]})."
+                    )
                 old = positions.get(r)
                 positions[r] = Position(p.index, group, k, (old.stages if old else ()) + (s,))
     if covered != global_batch:
@@ -105,10 +120,22 @@ def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: 
     return Layout(tuple(pipelines), world_size, global_batch, positions)
 
 
-def megatron_layout(dp: int, tp: int, pp: int, global_batch: int, num_layers: int, num_blocks: int,
-                    num_microbatches: int, schedule: str = "1f1b", layer_split: list[int] | None = None,
-                    batch_split: list[int] | None = None, first_block: int = 1, zero: int = 0,
-                    recompute: bool = False, chunks: int = 1) -> Layout:
+def megatron_layout(
+    dp: int,
+    tp: int,
+    pp: int,
+    global_batch: int,
+    num_layers: int,
+    num_blocks: int,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    layer_split: list[int] | None = None,
+    batch_split: list[int] | None = None,
+    first_block: int = 1,
+    zero: int = 0,
+    recompute: bool = False,
+    chunks: int = 1,
+) -> Layout:
     """Megatron's rank order: tensor-parallel fastest, then data-parallel, then pipeline stage.
 
     `layer_split` counts repeated blocks per stage (pre layers go to the first stage, post to the last);
@@ -120,7 +147,9 @@ def megatron_layout(dp: int, tp: int, pp: int, global_batch: int, num_layers: in
         raise PlanError(f"layer_split {split} must have {n_stages} entries summing to {num_blocks} blocks.")
     shares = batch_split or even_split(global_batch, dp)
     if len(shares) != dp or sum(shares) != global_batch:
-        raise PlanError(f"batch_split {shares} must have {dp} entries summing to the global batch {global_batch}.")
+        raise PlanError(
+            f"batch_split {shares} must have {dp} entries summing to the global batch {global_batch}."
+        )
     edges = [0]
     for k, n in enumerate(split):
         edges.append((first_block if k == 0 else edges[-1]) + n)
@@ -128,11 +157,18 @@ def megatron_layout(dp: int, tp: int, pp: int, global_batch: int, num_layers: in
     pipelines = []
     offset = 0
     for d in range(dp):
-        stages = tuple(StageLayout((edges[s], edges[s + 1]),
-                                   tuple((s % pp) * dp * tp + d * tp + t for t in range(tp)),
-                                   zero=zero, recompute=recompute) for s in range(n_stages))
-        pipelines.append(PipelineLayout(d, stages, offset, shares[d], min(num_microbatches, shares[d]), schedule,
-                                        chunks))
+        stages = tuple(
+            StageLayout(
+                (edges[s], edges[s + 1]),
+                tuple((s % pp) * dp * tp + d * tp + t for t in range(tp)),
+                zero=zero,
+                recompute=recompute,
+            )
+            for s in range(n_stages)
+        )
+        pipelines.append(
+            PipelineLayout(d, stages, offset, shares[d], min(num_microbatches, shares[d]), schedule, chunks)
+        )
         offset += shares[d]
     return make_layout(pipelines, dp * tp * pp, global_batch, num_layers)
 

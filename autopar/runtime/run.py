@@ -18,14 +18,27 @@ from ..cluster import Cluster
 from .launch import free_port
 
 
-def torchrun_command(script: list[str], nproc: int, *, nnodes: int = 1, node_rank: int = 0,
-                     master: str = "127.0.0.1:29500", max_restarts: int = 0,
-                     min_nodes: int | None = None) -> list[str]:
+def torchrun_command(
+    script: list[str],
+    nproc: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: str = "127.0.0.1:29500",
+    max_restarts: int = 0,
+    min_nodes: int | None = None,
+) -> list[str]:
     """With restarts the job is elastic (--nnodes=MIN:MAX, MIN = `min_nodes`, default 1): a node that is
     gone does not hold the restart up, and one that comes back joins at the next restart."""
     nodes = f"{min_nodes or 1}:{nnodes}" if max_restarts > 0 else str(nnodes)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes}",
-           f"--max-restarts={max_restarts}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nodes}",
+        f"--max-restarts={max_restarts}",
+    ]
     if nnodes == 1 and max_restarts == 0:
         cmd.append("--standalone")
     else:
@@ -33,8 +46,15 @@ def torchrun_command(script: list[str], nproc: int, *, nnodes: int = 1, node_ran
     return cmd + script
 
 
-def run(script: list[str], cluster: str, nproc: int | None = None, node_rank: int | None = None,
-        master: str | None = None, max_restarts: int = 0, dry_run: bool = False) -> int:
+def run(
+    script: list[str],
+    cluster: str,
+    nproc: int | None = None,
+    node_rank: int | None = None,
+    master: str | None = None,
+    max_restarts: int = 0,
+    dry_run: bool = False,
+) -> int:
     """Launch `script` (path and its arguments) on the cluster; returns the exit code."""
     c = Cluster.load(cluster)
     env = dict(os.environ, AUTOPAR_CLUSTER=cluster)
@@ -45,7 +65,9 @@ def run(script: list[str], cluster: str, nproc: int | None = None, node_rank: in
     if gpus == 0 or nproc is not None:
         n = nproc if nproc is not None else c.world_size
         env["AUTOPAR_BACKEND"] = "gloo"
-        cmd = torchrun_command(script, n, master=master or f"127.0.0.1:{free_port()}", max_restarts=max_restarts)
+        cmd = torchrun_command(
+            script, n, master=master or f"127.0.0.1:{free_port()}", max_restarts=max_restarts
+        )
         print(f"autopar run: {n} local gloo process(es) standing in for {c.describe()}", file=sys.stderr)
         if dry_run:
             print(shlex.join(cmd))
@@ -53,14 +75,20 @@ def run(script: list[str], cluster: str, nproc: int | None = None, node_rank: in
         return subprocess.call(cmd, env=env)
     sizes = {len(n.devices) for n in c.nodes}
     master = master or "<host-of-node-0>:29500"
-    cmds = [torchrun_command(script, len(n.devices), nnodes=len(c.nodes), node_rank=i, master=master,
-                             max_restarts=max_restarts) for i, n in enumerate(c.nodes)]
+    cmds = [
+        torchrun_command(
+            script, len(n.devices), nnodes=len(c.nodes), node_rank=i, master=master, max_restarts=max_restarts
+        )
+        for i, n in enumerate(c.nodes)
+    ]
     if node_rank is None or dry_run:
         print("start on each node (rank r of the job is device r of the cluster file):")
         for i, cmd in enumerate(cmds):
             print(f"  node {i}: AUTOPAR_CLUSTER={shlex.quote(cluster)} {shlex.join(cmd)}")
         if len(sizes) > 1:
-            print("note: nodes have different device counts; torchrun assigns global ranks node by node in "
-                  "--node-rank order, which matches the cluster file when node i runs with --node-rank i.")
+            print(
+                "note: nodes have different device counts; torchrun assigns global ranks node by node in "
+                "--node-rank order, which matches the cluster file when node i runs with --node-rank i."
+            )
         return 0
     return subprocess.call(cmds[node_rank], env=env)

@@ -23,11 +23,29 @@ from torch.distributed.tensor.experimental import implicit_replication
 from ..graph import TrainingGraph
 
 aten = torch.ops.aten
-_ELEMENTWISE_FOLLOW = {"aten.gelu.default", "aten.relu.default", "aten.silu.default", "aten.dropout.default",
-                       "aten.mul.Tensor", "aten.tanh.default", "aten.add.Tensor", "aten.pow.Tensor_Scalar",
-                       "aten.sigmoid.default", "aten.clone.default", "aten.contiguous.default"}
-_VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default",
-          "aten._unsafe_view.default", "aten.contiguous.default", "aten.clone.default", "aten.flatten.using_ints"}
+_ELEMENTWISE_FOLLOW = {
+    "aten.gelu.default",
+    "aten.relu.default",
+    "aten.silu.default",
+    "aten.dropout.default",
+    "aten.mul.Tensor",
+    "aten.tanh.default",
+    "aten.add.Tensor",
+    "aten.pow.Tensor_Scalar",
+    "aten.sigmoid.default",
+    "aten.clone.default",
+    "aten.contiguous.default",
+}
+_VIEWS = {
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten._unsafe_view.default",
+    "aten.contiguous.default",
+    "aten.clone.default",
+    "aten.flatten.using_ints",
+}
 
 
 @dataclass
@@ -38,7 +56,9 @@ class TPSpec:
     relayout: dict[str, Placement] = field(default_factory=dict)
 
     def describe(self) -> list[str]:
-        lines = [f"#   param {k}: {v}" for k, v in sorted(self.params.items()) if not isinstance(v, Replicate)]
+        lines = [
+            f"#   param {k}: {v}" for k, v in sorted(self.params.items()) if not isinstance(v, Replicate)
+        ]
         lines += [f"#   relayout {k} -> {v}" for k, v in sorted(self.relayout.items())]
         return lines
 
@@ -60,7 +80,7 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
     second row-parallel; attention head-parallel with its output projection row-parallel. Fused QKV
     projections stay replicated (their output is split by a view DTensor cannot shard evenly)."""
     spec = TPSpec()
-    names = [n for layer in graph.layers[layers[0]:layers[1]] for n in layer.nodes]
+    names = [n for layer in graph.layers[layers[0] : layers[1]] for n in layer.nodes]
     users: dict[str, list[str]] = {}
     for name in names:
         for a in graph.nodes[name].args:
@@ -86,8 +106,9 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
                 if u in seen:
                     continue
                 seen.add(u)
-                if _weight_of(graph, u) and graph.nodes[u].args[0 if graph.nodes[u].target != "aten.addmm.default"
-                                                                 else 1] in ({cur} | seen | {start}):
+                if _weight_of(graph, u) and graph.nodes[u].args[
+                    0 if graph.nodes[u].target != "aten.addmm.default" else 1
+                ] in ({cur} | seen | {start}):
                     return u
                 if graph.nodes[u].target in through:
                     frontier.append(u)
@@ -129,15 +150,20 @@ def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     # Like the public op, turn a boolean mask (True = attend) into an additive one first.
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            attn_mask.logical_not(), float("-inf"))
-    return aten._scaled_dot_product_attention_math.default(q, k, v, attn_mask, dropout_p, is_causal,
-                                                           scale=scale, enable_gqa=enable_gqa)[0]
+            attn_mask.logical_not(), float("-inf")
+        )
+    return aten._scaled_dot_product_attention_math.default(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
 
 
 # Shards and their gradients can have other strides than the captured global tensors: reshape where the
 # capture said view (same values, copies only when a view is impossible).
-_SUBSTITUTE = {aten.scaled_dot_product_attention.default: _sdpa_math, aten.view.default: aten.reshape.default,
-               aten._unsafe_view.default: aten.reshape.default}
+_SUBSTITUTE = {
+    aten.scaled_dot_product_attention.default: _sdpa_math,
+    aten.view.default: aten.reshape.default,
+    aten._unsafe_view.default: aten.reshape.default,
+}
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -191,8 +217,11 @@ class _TPInterpreter(fx.Interpreter):
         out = target(*args, **kwargs)
         if target is operator.getitem:
             return out
-        wrap = lambda x: DTensor.from_local(x, self.mesh, [Replicate()], run_check=False) \
-            if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        wrap = lambda x: (
+            DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()
+            else x
+        )
         return torch.utils._pytree.tree_map(wrap, out)
 
 
@@ -209,12 +238,17 @@ class TPStage:
     def shard(self, param: str, full: torch.Tensor) -> DTensor:
         """This rank's shard of a full tensor every rank holds (a local slice, no communication)."""
         return DTensor.from_local(full.detach(), self.mesh, [Replicate()], run_check=False).redistribute(
-            self.mesh, [self.placement(param)])
+            self.mesh, [self.placement(param)]
+        )
 
     def run(self, gm: fx.GraphModule, param_vals: list[torch.Tensor], other: list[Any]) -> Any:
-        wrap = lambda x: DTensor.from_local(x, self.mesh, [Replicate()], run_check=False) \
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+        wrap = lambda x: (
+            DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+        )
         with implicit_replication():
-            out = _TPInterpreter(gm, self.mesh, self.spec, self.replicated).run(*param_vals,
-                                                                                *[wrap(x) for x in other])
+            out = _TPInterpreter(gm, self.mesh, self.spec, self.replicated).run(
+                *param_vals, *[wrap(x) for x in other]
+            )
         return tuple(full_tensor(x) for x in out) if isinstance(out, tuple) else full_tensor(out)
