@@ -64,7 +64,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> lis
         blocks = sum(1 for layer in g.layers if layer.kind == "block")
         lay = layout_for(case, len(g.layers), blocks, world, spec)
         prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                       rank, world, timeout_s=60)
+                       rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"))
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((losses, prog.state_dict()["model"]))
     return out

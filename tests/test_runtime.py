@@ -33,6 +33,8 @@ CASES_4 = [
     ("gpt", {"layers": 2, "batch": 4}, {"tp": 2, "dp": 2}),
     ("hf_gpt2", {"layers": 2, "batch": 4}, {"tp": 2, "pp": 2, "m": 2}),
     ("hf_llama", {"layers": 2, "batch": 4}, {"tp": 4}),
+    # generated Triton kernels (the interpreter on CPU) inside a pipelined, data-parallel program
+    ("gpt", {"layers": 2, "batch": 4, "hidden": 32, "seq": 8}, {"pp": 2, "dp": 2, "m": 1, "kernels": "triton"}),
 ]
 
 

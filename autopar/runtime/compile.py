@@ -54,6 +54,7 @@ def compile(
     time_limit_s: float = 60,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     adapt: bool | AdaptPolicy = False,
+    kernels: str = "auto",
 ) -> Program | AdaptiveProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -107,6 +108,7 @@ def compile(
         plan=plan,
         timeout_s=timeout_s,
         layout_fn=lambda n_layers: layout_from_plan(plan, n_layers),
+        kernels=kernels,
     )
     d = _dump_dir(dump_dir)
     if d is not None:
@@ -124,6 +126,7 @@ def compile(
             dump_dir=dump_dir,
             time_limit_s=time_limit_s,
             timeout_s=timeout_s,
+            kernels=kernels,
         )
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
         return AdaptiveProgram(prog, rebuild, cluster, policy)

@@ -71,8 +71,10 @@ class Program:
     def __init__(self, model: nn.Module, layout: Layout | None, example_inputs: tuple, example_target: Any,
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
                  plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 layout_fn: Callable[[int], Layout] | None = None) -> None:
+                 layout_fn: Callable[[int], Layout] | None = None, kernels: str = "auto") -> None:
         self.plan = plan
+        self.kernels = kernels
+        self.kernel_reports: dict[tuple[int, int], Any] = {}
         self.rank, self.world_size = rank, world_size
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
@@ -117,7 +119,7 @@ class Program:
             for size in sorted(set(pipe.microbatch_sizes)):
                 programs = self._capture_stages(model, example_inputs, example_target, pipe, size)
                 for s in self.position.stages:
-                    self._stages[(s, size)] = programs[s]
+                    self._stages[(s, size)] = self._with_kernels(programs[s], s, size)
             for st in self._stages.values():
                 for name in st.params:
                     if name not in self.params:
@@ -161,6 +163,17 @@ class Program:
         for st in programs:
             st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
         return programs
+
+    def _with_kernels(self, st: StageProgram, stage: int, size: int) -> StageProgram:
+        """Swap fusible regions of a stage program for generated Triton kernels (see codegen/kernels.py)."""
+        from ..codegen.kernels import MODES, apply_kernels
+
+        if self.kernels not in MODES:
+            raise PlanError(f"kernels={self.kernels!r}: choose one of {sorted(MODES)}.")
+        if self.kernels == "torch" or self.tp is not None:  # DTensor stages keep torch ops
+            return st
+        st.gm, self.kernel_reports[(stage, size)] = apply_kernels(st.gm, self.kernels)
+        return st
 
     def _slice(self, x: Any, start: int, size: int) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.layout.global_batch:
@@ -372,6 +385,9 @@ class Program:
                 lines.append(f"# --- stage {s} (layers {st.layers}), micro-batch size {size}: receives "
                              f"{st.recv}, sends {st.send}")
                 lines.append(st.code)
+        for (stage, size), report in sorted(self.kernel_reports.items()):
+            lines.append(f"# --- kernels of stage {stage}, micro-batch size {size}")
+            lines += ["# " + line for line in report.text().splitlines()]
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 
 
