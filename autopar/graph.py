@@ -39,8 +39,9 @@ class Kernel:
 
     op: str
     kind: str
-    flops: float
+    flops: float  # as torch.utils.flop_counter counts them (0 for elementwise ops)
     nbytes: float
+    elems: int = 0  # output elements: elementwise/softmax ops are priced by their per-element work
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .compute import OP_KINDS, ComputeModel, Profile, classify, pointwise_flops, profile_path
+from .compute import OP_KINDS, ComputeModel, Profile, classify, load_profile, pointwise_flops, profile_path
 from .host import FAULT_THRESHOLD, OtherLoad, Timer, measure_cpu_peaks, page_fault_bandwidth
 
 Sample = tuple[str, float, float, float, str]  # kind, flops, nbytes, seconds, op name
@@ -404,7 +404,8 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
     """Time an op sweep on `device` ('local': the first CUDA GPU if any, else the CPU; or 'cpu',
     'cuda:N'), fit the curves and (with `save`) write them to profile_dir()/<device name>.json.
     quick: ~12 s on 2 idle CPU cores (fewer sizes and repeats), full: ~45 s; budgets 18 s / 85 s
-    (a busy host stretches them: it takes the CPUs the timings wait for)."""
+    (a busy host stretches them: it takes the CPUs the timings wait for). A run during which other
+    processes held over half a CPU is marked unreliable and does not replace a reliable profile."""
     import torch
 
     t_start = time.perf_counter()
@@ -487,11 +488,16 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
         "other_load_cpus": round(others, 2), "seconds": round(seconds, 2),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "kinds": [k for k in OP_KINDS if k in profile.curves],
     }
-    if dev.type == "cpu" and others > 0.5:
-        warnings.warn(f"other processes kept {others:.1f} CPUs busy during calibration; timings may be "
-                      f"pessimistic. Calibrate on an idle host for a faithful profile.", stacklevel=2)
-    if save:
-        profile.save(profile_path(name))
+    profile.meta["reliable"] = reliable = others <= 0.5
+    path = profile_path(name)
+    old = load_profile(name) if save and path.is_file() else None
+    keep_old = not reliable and old is not None and old.meta.get("reliable", True)
+    if not reliable:
+        warnings.warn(f"other processes kept {others:.1f} CPUs busy during calibration, so its timings are "
+                      f"pessimistic{'; kept the existing profile' if keep_old else ''}. Calibrate on an "
+                      f"idle host for a faithful profile.", stacklevel=2)
+    if save and not keep_old:
+        profile.save(path)
         if name == "cpu":
             from . import host
 

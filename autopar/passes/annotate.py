@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..cluster import Cluster
-from ..cost_models.compute import ComputeModel, classify
+from ..cost_models.compute import ComputeModel, classify, pointwise_flops
 from ..graph import Kernel, Layer, OpNode, TrainingGraph
 
 PRECISIONS = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -70,10 +70,14 @@ class _KernelRecorder(TorchDispatchMode):
         kind = classify(name)
         flops = _flops(func, args, kwargs, out)
         nbytes = 0.0
-        if kind != "view":
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func is aten.embedding.default:
+            # a gather touches the rows it reads, not the whole table (as calibration measures it)
+            nbytes = float(2 * sum(t.numel() * t.element_size() for t in outs) + args[1].numel() * 8)
+        elif kind != "view":
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
-        self.kernels.append(Kernel(name, kind, flops, nbytes))
+        self.kernels.append(Kernel(name, kind, flops, nbytes, elems=outs[0].numel() if outs else 0))
         return out
 
 
@@ -174,6 +178,11 @@ def _measure(target: Any, arg_specs: tuple, kwarg_specs: tuple) -> _NodeCost:
     )
 
 
+def _kernel_time(model: ComputeModel, k: Kernel) -> float:
+    flops = pointwise_flops(k.op, k.elems) if k.kind in ("elementwise", "softmax") and not k.flops else k.flops
+    return model.op_time(k.kind, flops, k.nbytes)
+
+
 def _fallback_cost(node: OpNode, arg_bytes: float) -> _NodeCost:
     kind = classify(node.target)
     nbytes = 0.0 if kind == "view" else arg_bytes + node.out_bytes
@@ -266,10 +275,10 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
     models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in device_types} if cluster else {}
     for node in new_nodes.values():
         node.time_fwd = {
-            t: sum(m.op_time(k.kind, k.flops, k.nbytes) for k in node.kernels_fwd) for t, m in models.items()
+            t: sum(_kernel_time(m, k) for k in node.kernels_fwd) for t, m in models.items()
         }
         node.time_bwd = {
-            t: sum(m.op_time(k.kind, k.flops, k.nbytes) for k in node.kernels_bwd) for t, m in models.items()
+            t: sum(_kernel_time(m, k) for k in node.kernels_bwd) for t, m in models.items()
         }
     layers = _layer_totals(graph, new_nodes, roots, root_bytes, scale)
     return replace(graph, nodes=new_nodes, layers=layers, device_types=device_types, dtype=precision)
