@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..cluster import Cluster
-from ..errors import PlanError
-from ..passes.capture import LossFn
+from ..errors import CaptureError, PlanError
+from ..passes.capture import LossFn, capture
 from ..report import dump_dir as _dump_dir
 from .dist import DEFAULT_TIMEOUT_S, ensure_initialized
+from .fallback import ReplicatedProgram
 from .layout import Layout, PipelineLayout, StageLayout, make_layout
 from .program import OptimizerFactory, Program
 from .straggler import AdaptiveProgram, AdaptPolicy
@@ -55,12 +57,17 @@ def compile(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     adapt: bool | AdaptPolicy = False,
     kernels: str = "auto",
-) -> Program | AdaptiveProgram:
+    fallback: bool = True,
+) -> Program | AdaptiveProgram | ReplicatedProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
     Every rank calls it with the same arguments. Under torchrun / `autopar run` each process is one device
     of the cluster (rank r = device r); without a launcher it runs as a single process, which the cluster
     must then match (one device). `prog.step(*inputs, target=y)` trains on one global batch.
+
+    A model that cannot be captured (data-dependent control flow, unsupported ops) gets the CaptureError
+    naming the op and source line as a warning and, unless `fallback=False`, trains replicated: eager data
+    parallelism with speed-proportional batch shares (fallback.py).
 
     With `adapt=True` (or an AdaptPolicy) the program measures each rank's compute against the plan after a
     few steps and, when a rank straggles, re-plans with that device's measured speed and continues on the
@@ -78,6 +85,14 @@ def compile(
             f"--nproc-per-node {cluster.world_size})."
         )
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    try:
+        capture(model, inputs, loss_fn, example_target)
+    except CaptureError as e:
+        # the error names the op and source line; with fallback the model still trains, replicated
+        if not fallback:
+            raise
+        batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0)
+        return ReplicatedProgram(model, cluster, batch, loss_fn, optimizer, rank, world, e, timeout_s)
     if plan is None:
         # one rank plans and the others take its plan, so every rank runs the same one
         box = [None]

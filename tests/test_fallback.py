@@ -1,0 +1,43 @@
+"""Models that cannot be captured name the line and still train, replicated, exactly like one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.errors import CaptureError
+from autopar.runtime.compile import compile
+from autopar.runtime.launch import spawn_local
+
+from .fallback_model import build, train
+
+
+def _reference() -> tuple[list[float], dict]:
+    model, x, y = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses, model.state_dict()
+
+
+def test_uncapturable_model_trains_replicated_on_mixed_devices() -> None:
+    results = spawn_local(train, 2, "1x1xA100-80GB+1x1xT4", timeout_s=120)
+    ref_losses, ref_params = _reference()
+    for losses, params, shares in results:
+        assert shares[0] > shares[1] and sum(shares) == 12  # the faster device takes more samples
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_fallback_can_be_refused() -> None:
+    model, x, y = build()
+    with pytest.raises(CaptureError, match="if h.mean"):
+        compile(model, "1x1xcpu", example_inputs=(x,), example_target=y, loss_fn=nn.functional.cross_entropy,
+                fallback=False)
