@@ -13,9 +13,11 @@ from .cluster import Cluster
 from .graph import TrainingGraph
 from .passes.annotate import annotate
 from .passes.capture import LossFn, capture
-from .plan import Estimate, Plan, Strategy, plan_from_strategy
+from .plan import Estimate, Plan, Strategy
 from .report import dump_dir as _dump_dir
 from .report import dump_graph
+from .solver.pricing import CostModel, price_strategy
+from .solver.search import search
 
 
 def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
@@ -37,11 +39,10 @@ def default_precision(cluster: Cluster) -> str:
     return "fp32" if all(d.spec.kind == "cpu" for d in cluster.devices) else "bf16"
 
 
-def _cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple,
-                example_target: Any, loss_fn: LossFn | None, optimizer: object, precision: str | None,
-                memory_reserve: float) -> Any:
-    from .solver.pricing import CostModel
-
+def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
+               example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
+               precision: str | None = None, memory_reserve: float = 0.1) -> CostModel:
+    """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use)."""
     cluster = Cluster.load(cluster)
     precision = precision or default_precision(cluster)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -61,11 +62,9 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     `progress(done, total, best_step_time)` is called as configurations are evaluated. With
     AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt and timeline.json there.
     """
-    from .solver.search import search
-
     start = time.perf_counter()
-    cm = _cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                     memory_reserve)
+    cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
+                    memory_reserve)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress)
     d = _dump_dir()
@@ -81,15 +80,6 @@ def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, stra
              optimizer: object = "adamw", precision: str | None = None, *,
              memory_reserve: float = 0.1) -> Estimate:
     """Price a hand-written Strategy with the planner's cost model (Megatron rank order)."""
-    from .solver.pricing import model_summary, price
-
-    cm = _cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                     memory_reserve)
-    skeleton = plan_from_strategy(
-        strategy, world_size=cm.cluster.world_size, global_batch=cm.B, num_layers=cm.L,
-        first_block=cm.first_block if cm.num_blocks else cm.L, num_blocks=cm.num_blocks,
-        precision=cm.precision, optimizer=cm.optimizer, cluster=cm.cluster.to_dict(),
-        model=model_summary(cm.graph), memory_reserve=cm.reserve)
-    priced = price(cm, skeleton)
-    assert priced is not None
-    return Estimate(priced.plan, priced.fits, priced.problems)
+    cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
+                    memory_reserve)
+    return price_strategy(cm, strategy)

@@ -130,8 +130,16 @@ class Plan:
         return explain(self)
 
     def simulate(self) -> list[SimResult]:
-        """Re-simulate every pipeline from the stage times stored in the plan."""
-        return [simulate_pipeline(self, p) for p in self.pipelines]
+        """Re-simulate every pipeline from the stage times stored in the plan (replicas with equal times
+        share one result)."""
+        sims: dict[tuple, SimResult] = {}
+        out = []
+        for p in self.pipelines:
+            key = (p.batch_share, p.num_microbatches, tuple(stage_times(s) for s in p.stages))
+            if key not in sims:
+                sims[key] = simulate_pipeline(self, p)
+            out.append(sims[key])
+        return out
 
     def timeline(self, path: str | Path | None = None) -> dict:
         """A Chrome/Perfetto trace (open in ui.perfetto.dev) of one simulated step of every pipeline.
@@ -189,8 +197,7 @@ def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
 def timeline_trace(plan: Plan) -> dict:
     events: list[dict] = []
     names = plan.device_names()
-    for i, pipe in enumerate(plan.pipelines):
-        sim = simulate_pipeline(plan, pipe)
+    for i, (pipe, sim) in enumerate(zip(plan.pipelines, plan.simulate(), strict=True)):
         groups = pipe.device_groups()
         pid_of = {r: groups[r][0] for r in range(len(groups))}
         for ev in sim.to_chrome_trace()["traceEvents"]:

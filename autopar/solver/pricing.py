@@ -52,7 +52,16 @@ from ..cost_models.compute import ComputeModel
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from ..errors import PlanError
 from ..graph import TrainingGraph
-from ..plan import OFFLOAD_KINDS, Pipeline, Plan, Stage, cached_schedule, simulate_pipeline, stage_times
+from ..plan import (
+    OFFLOAD_KINDS,
+    Estimate,
+    Pipeline,
+    Plan,
+    Stage,
+    Strategy,
+    cached_schedule,
+    plan_from_strategy,
+)
 from ..report import fmt_bytes
 from ..schedule import SCHEDULES, peak_inflight
 
@@ -138,7 +147,8 @@ class CostModel:
         self.reserve = memory_reserve
         self.B = graph.batch_size
         self.L = len(graph.layers)
-        self.models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in cluster.device_types()}
+        self.specs = {t: cluster.spec(t) for t in cluster.device_types()}
+        self.models = {t: ComputeModel(spec, dtype=precision) for t, spec in self.specs.items()}
         self._init_layers()
         self._memo: dict[tuple, object] = {}
         self._sigs: dict[tuple, int] = {}
@@ -232,7 +242,7 @@ class CostModel:
         return t  # type: ignore[return-value]
 
     def host_transfer(self, dtype: str, nbytes: float) -> float:
-        link = self.cluster.spec(dtype).host_link
+        link = self.specs[dtype].host_link
         return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
 
     def send_time(self, nbytes: float, src: int, dst: int) -> float:
@@ -296,13 +306,20 @@ class CostModel:
 
     # ---- options ------------------------------------------------------------------------------
     def stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
-                    dp_group: tuple[int, ...]) -> StageTimes:
+                    dp_group: tuple[int, ...], dp_sig: int | None = None) -> StageTimes:
+        """Per-micro-batch times and the per-step sync of a stage with option `opt` (module docstring).
+        `dp_sig` is `group_sig(dp_group)` when the caller has it."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         t, D = len(tp_group), len(dp_group)
         N = base.params / t
         z = opt.zero if D > 1 else 0
-        ag = self.collective("all_gather", N * w, dp_group)
-        rs = self.collective("reduce_scatter", N * g, dp_group)
+        key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig)  # same for every option
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (self.collective("all_gather", N * w, dp_group),
+                                     self.collective("reduce_scatter", N * g, dp_group),
+                                     self.collective("all_reduce", N * g, dp_group))
+        ag, rs, ar = hit  # type: ignore[misc]
         h2d = lambda x: self.host_transfer(dtype, x)
         act = base.act_recompute if opt.recompute else base.act
         fc, bc = base.fwd_comm, base.bwd_comm
@@ -314,7 +331,7 @@ class CostModel:
             fc, bc = fc + h2d(N * w), bc + h2d(N * w) + h2d(N * g)
         if "activations" in opt.offload:
             fc, bc = fc + h2d(act), bc + h2d(act)
-        sync = (self.collective("all_reduce", N * g, dp_group), rs + ag, ag, 0.0)[z]
+        sync = (ar, rs + ag, ag, 0.0)[z]
         local = N / D if z >= 1 else N
         if "optimizer" in opt.offload:
             sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
@@ -521,20 +538,14 @@ def price(cm: CostModel, plan: Plan, cutoff: float | None = None) -> Priced | No
             return None
         pipes.append(replace(pipe, stages=stages))
     out = replace(plan, pipelines=pipes)
-    sims: dict[tuple, object] = {}
-    results = []
-    for pipe in pipes:
-        key = (pipe.batch_share, pipe.num_microbatches, tuple(stage_times(s) for s in pipe.stages))
-        if key not in sims:
-            sims[key] = simulate_pipeline(out, pipe)
-        results.append(sims[key])
-    step = max(r.step_time for r in results)  # type: ignore[attr-defined]
+    results = out.simulate()
+    step = max(r.step_time for r in results)
     idle = []
     for pipe, res in zip(pipes, results, strict=True):
         ranks = len(pipe.stages) // plan.chunks
         for j, st in enumerate(pipe.stages):
-            st.predicted["bubble_s"] = step - res.per_rank_busy[j % ranks]  # type: ignore[attr-defined]
-        idle += [step - res.per_rank_busy[r] for r in range(ranks)]  # type: ignore[attr-defined]
+            st.predicted["bubble_s"] = step - res.per_rank_busy[j % ranks]
+        idle += [step - res.per_rank_busy[r] for r in range(ranks)]
     flops = sum(layer.flops_fwd + layer.flops_bwd for layer in cm.graph.layers)
     peak_flops = sum(devices[d].spec.flops(cm.precision) for d in peak)
     out.predicted = {
@@ -545,6 +556,18 @@ def price(cm: CostModel, plan: Plan, cutoff: float | None = None) -> Priced | No
         "memory_capacity_bytes": {d: devices[d].spec.memory for d in sorted(peak)},
     }
     return Priced(out, not problems, problems, bound)
+
+
+def price_strategy(cm: CostModel, strategy: Strategy) -> Estimate:
+    """`autopar.estimate` on an existing cost model."""
+    skeleton = plan_from_strategy(
+        strategy, world_size=cm.cluster.world_size, global_batch=cm.B, num_layers=cm.L,
+        first_block=cm.first_block if cm.num_blocks else cm.L, num_blocks=cm.num_blocks,
+        precision=cm.precision, optimizer=cm.optimizer, cluster=cm.cluster.to_dict(),
+        model=model_summary(cm.graph), memory_reserve=cm.reserve)
+    priced = price(cm, skeleton)
+    assert priced is not None  # no cutoff given
+    return Estimate(priced.plan, priced.fits, priced.problems)
 
 
 def _memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,

@@ -15,9 +15,9 @@ batch B, choose
 
 to minimise the simulated step time  max_d simulate(schedule(sigma, p, m_d, v), stage times)  subject to
 
-    (C1) every pipeline's stages tile [0, L), one layer at least each            `_split`, `check_plan`
+    (C1) every pipeline's stages tile [0, L), one layer at least each     `Splitter.split`, `check_plan`
     (C2) every device's peak memory (static state of its stages + peak in-flight micro-batches x
-         activations + recompute workspace) <= (1 - reserve) x capacity          `_stage`, `price`
+         activations + recompute workspace) <= (1 - reserve) x capacity   `Splitter.stage`, `price`
     (C3) sum_d s_d = B, 1 <= m_d <= s_d, m_d % p == 0 for interleaved            `_batch_split`, `_solve`
     (C4) every device in exactly one tp group of one pipeline rank              `_groupings`
 
@@ -35,15 +35,20 @@ throughput bound B / sum_d (p_d / w_d) for several classes. Configs are visited 
 order and the search stops when the bound reaches the best simulated step (branch and bound).
 
 Inner, per config and pipeline class:
-  * layer split and stage options (`_split`): minimise the surrogate
-        E = max_j [ F_j + m c_j + max(Q_j, sync_j) ]
-    (F_j, Q_j: forward/backward prefix of the stages before j with sends; c_j = fwd_j + bwd_j per
-    micro-batch; the bound `pricing.lower_bound` uses the same terms) by bisection on E with a greedy
-    feasibility test: each stage takes the most layers that keep its term under the threshold and its
-    memory under budget (C2). Stage costs are monotone in the range, so each stage is a binary search.
-    `_stage` picks the option o_j minimising m c_j + sync_j among those that fit (offload and ZeRO only
-    enter when memory requires them: they only add time). On a uniform chain a range is costed by its
-    block count, so deep models cost as few evaluations as shallow ones.
+  * stage options (`split.Splitter.stage`): for a layer range, the option o_j minimising m c_j + sync_j
+    (c_j = fwd_j + bwd_j per micro-batch) among those whose memory fits (C2); offload and ZeRO only add
+    time, so they enter only when memory requires them. On a uniform chain a range is costed by its
+    block count, so a 96-block model costs as few ranges as a 2-block one.
+  * layer split (`split.Splitter.split`): with at most 64 possible splits, every split is scored by its
+    lower bound and simulated in bound order (exact under the simulator, given the options). Otherwise
+    it minimises the surrogate (`split.surrogate`, `pricing.lower_bound` with full micro-batches)
+        E = max over stages j on rank r of  F_r + max(W_r, v m c_j) + max(Q_r + sync_0, send + sync_j)
+    (F_r, Q_r: forward/backward prefix of the stages before rank r's first one, sends included; W_r: the
+    rank's work): exactly by dynamic programming over (stage, first free layer) with Pareto fronts of
+    the prefix sums on non-interleaved chains of moderate size, else by bisection on E between the
+    config's bound and the memory-only split with a greedy test (each stage takes the most layers that
+    keep its term under the threshold and its memory under budget; costs grow with the range, so each
+    stage is a binary search).
   * batch split (`_batch_split`, CP-SAT) when replicas differ (by-type groupings): integer s_c
     (per-replica share of class c with k_c replicas), r_c replicas taking one more sample,
         min Z  s.t.  sum_c k_c s_c + r_c = B,   Z >= E_c(s_c + [r_c > 0])  (AddElement on a table of
@@ -59,37 +64,27 @@ equal plans. A time limit returns the best plan found so far with a warning.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..errors import InfeasibleError
 from ..plan import Pipeline, Plan, Stage, simulate_stages
 from ..report import fmt_bytes, fmt_time
-from .pricing import (
-    CostModel,
-    Option,
-    StageMemory,
-    StageTimes,
-    inflight_closed_form,
-    lower_bound,
-    model_summary,
-    price,
-)
+from .pricing import CostModel, inflight_closed_form, lower_bound, model_summary, price
+from .split import Slot, Split, Splitter, Unit, surrogate
 
 Progress = Callable[[int, int, float | None], None]
-OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
-                  ("optimizer", "activations", "params"))
 CHUNKS = (2, 4)
-EXACT_SPLIT_LIMIT = 40_000  # stages x layers^2 up to which the layer split is solved exactly
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
-Unit = tuple[int, ...]  # a tensor-parallel group
 
 
 class Config(NamedTuple):
+    """One outer choice; configs sort by their lower bound (then enumeration order)."""
+
     bound: float
     index: int
     tp: int
@@ -98,30 +93,6 @@ class Config(NamedTuple):
     schedule: str
     chunks: int
     b: int
-
-
-class Slot(NamedTuple):
-    """One stage position of a pipeline: where it runs and what memory it may use."""
-
-    dtype: str
-    tp_group: Unit
-    dp_group: Unit
-    inflight: int
-    budget: float
-    sigs: tuple[int, int]  # CostModel.group_sig of the tp and dp groups
-
-
-class Choice(NamedTuple):
-    option: Option
-    times: StageTimes
-    memory: StageMemory
-    out_bytes: float
-
-
-@dataclass
-class Split:
-    stages: list[tuple[int, int, Choice]]
-    surrogate: float
 
 
 class Solved(NamedTuple):
@@ -138,6 +109,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _units(cm: CostModel, t: int) -> list[Unit]:
+    """The tensor-parallel groups of degree t: consecutive devices of one node."""
     return [tuple(node.devices[i:i + t]) for node in cm.cluster.nodes for i in range(0, len(node.devices), t)]
 
 
@@ -166,6 +138,7 @@ def _groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[
 
 
 def _microbatch_sizes(share: int) -> list[int]:
+    """Candidate micro-batch sizes b; a replica then runs the fewest micro-batches of at most b samples."""
     if share <= 8:
         return list(range(1, share + 1))
     sizes = [1 << k for k in range(share.bit_length()) if (1 << k) < share]
@@ -190,51 +163,41 @@ def _microbatches(share: int, b: int, ranks: int, schedule: str) -> int | None:
     return m if m <= share else None
 
 
-def surrogate(times: list[StageTimes], sends: list[float], ranks: int, mult: float) -> float:
-    """The inner objective: max over stages j on rank r of
-        F_r + max(W_r, v w_j) + max(Q_r + sync_0, send_{j-1} + sync_j),    w_j = mult (fwd_j + bwd_j)
-    with F_r, Q_r the forward/backward prefix (sends included) of the stages before rank r's first one,
-    W_r the rank's total work (mult = micro-batches). It bounds `pricing.lower_bound` from above (so a
-    config's bound also bounds it from below); v w_j keeps interleaved chunks even."""
-    chunks = len(times) // ranks
-    fwd_pre, bwd_pre, work = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
-    pf = pb = worst = 0.0
-    for j, t in enumerate(times):
-        r = j % ranks
-        if j < ranks:
-            fwd_pre[r], bwd_pre[r] = pf, pb
-            pf, pb = pf + t.fwd + sends[j], pb + t.bwd + sends[j]
-        w = mult * (t.fwd + t.bwd)
-        work[r] += w
-        tail = max(bwd_pre[r] + times[0].sync, (sends[j - 1] if j else 0.0) + t.sync)
-        worst = max(worst, fwd_pre[r] + max(work[r], chunks * w) + tail)
-    return worst
-
-
-def _pareto(states: list[tuple]) -> list[tuple]:
-    """The states no other state beats on all of its first five fields (first found wins ties)."""
-    states = sorted(states, key=lambda st: st[:5])
-    kept: list[tuple] = []
-    for st in states:
-        if not any(all(k[i] <= st[i] for i in range(5)) for k in kept):
-            kept.append(st)
-    return kept
+def _greedy_split_value(tables: list[list[int | None]], counts: list[int], total: int) -> int | None:
+    """Max table value of the batch split that hands samples one at a time to the replica whose next
+    sample costs least (optimal when tables grow with the share); None if it gets stuck."""
+    heap, value, given = [], 0, 0
+    for c, (table, k) in enumerate(zip(tables, counts, strict=True)):
+        if len(table) < 2 or table[1] is None:
+            return None
+        for _ in range(k):
+            heap.append((table[2] if len(table) > 2 and table[2] is not None else math.inf, c, 1))
+            value, given = max(value, table[1]), given + 1
+    heapq.heapify(heap)
+    while given < total:
+        nxt, c, share = heapq.heappop(heap)
+        if nxt == math.inf:
+            return None
+        value, given = max(value, int(nxt)), given + 1
+        after = tables[c][share + 2] if share + 2 < len(tables[c]) else None
+        heapq.heappush(heap, (math.inf if after is None else after, c, share + 1))
+    return value
 
 
 # ---- the search -----------------------------------------------------------------------------------
 
 
 class Search:
+    """One planning run on a cost model (see the module docstring); `run()` returns the best Plan."""
+
     def __init__(self, cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None) -> None:
         self.cm = cm
         self.deadline = time.perf_counter() + time_limit_s
         self.time_limit_s = time_limit_s
         self.progress = progress
-        self._choices: dict[tuple, Choice | None] = {}
-        self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
+        self.splitter = Splitter(cm)
         self._work: dict[tuple, float] = {}
-        self.closest: tuple[float, float, str] | None = None  # (need, budget, device type) nearest to fitting
-        self._dp_cache: tuple[object, list[Unit]] = (None, [])
+        self._dp_cache: tuple[object, list[Unit]] = (None, [])  # data-parallel groups of the last config
 
     # -- configs --
     def _configs(self) -> list[Config]:
@@ -283,138 +246,8 @@ class Search:
             return max(X / p, X / m)
         return X / m / (1 - (1 - 1 / m) ** p)
 
-    # -- stage choice --
-    def _stage(self, slot: Slot, a: int, e: int, m: int, n: int) -> Choice | None:
-        cm = self.cm
-        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n)
-        ck = (key, slot.inflight, slot.budget)
-        if ck in self._choices:
-            return self._choices[ck]
-        ranked = self._sorted.get(key)
-        base = cm.base(a, e, slot.dtype, n, slot.tp_group)
-        if ranked is None:
-            D, t = len(slot.dp_group), len(slot.tp_group)
-            ranked = []
-            for off in OFFLOAD_LADDER:
-                for z in range(4) if D > 1 else (0,):
-                    for rc in (False, True) if base.has_blocks else (False,):
-                        if z == 3 and "params" in off:
-                            continue
-                        opt = Option(z, rc, off)
-                        tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group)
-                        mem = cm.stage_memory(base, opt, t, D)
-                        ranked.append((m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem))
-            # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
-            ranked.sort(key=lambda x: round(x[0], 12))
-            self._sorted[key] = ranked
-        choice = None
-        for _, opt, tm, mem in ranked:
-            if mem.peak(slot.inflight) <= slot.budget:
-                choice = Choice(opt, tm, mem, base.out_bytes)
-                break
-        if choice is None:
-            need = min(mem.peak(slot.inflight) for _, _, _, mem in ranked)
-            if self.closest is None or need - slot.budget < self.closest[0] - self.closest[1]:
-                self.closest = (need, slot.budget, slot.dtype)
-        self._choices[ck] = choice
-        return choice
-
-    # -- layer split --
-    def _greedy(self, slots: list[Slot], T: float, m: int, n: int, chunks: int) -> Split | None:
-        """Each stage in chain order takes the most layers that keep its surrogate term (see `surrogate`)
-        under T and its memory under budget, leaving one layer for each later stage."""
-        cm, S, p = self.cm, len(slots), len(slots) // chunks
-        fwd_pre, bwd_pre, work = [0.0] * p, [0.0] * p, [0.0] * p
-        a, pf, pb, worst, prev_send = 0, 0.0, 0.0, 0.0, 0.0
-        out: list[tuple[int, int, Choice]] = []
-
-        def term(c: Choice) -> float:
-            w = m * (c.times.fwd + c.times.bwd)
-            first_sync = out[0][2].times.sync if out else c.times.sync
-            tail = max(bwd_pre[r] + first_sync, prev_send + c.times.sync)
-            return fwd_pre[r] + max(work[r] + w, chunks * w) + tail
-
-        def fits(e: int) -> bool:
-            c = self._stage(slot, a, e, m, n)
-            return c is not None and term(c) <= T
-
-        for j, slot in enumerate(slots):
-            r = j % p
-            if j < p:
-                fwd_pre[r], bwd_pre[r] = pf, pb
-            lo, hi = (cm.L, cm.L) if j == S - 1 else (a + 1, cm.L - (S - 1 - j))
-            if lo > hi or not fits(lo):
-                return None
-            while lo < hi:  # the largest e that fits: stage costs grow with the range
-                mid = (lo + hi + 1) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            c = self._stage(slot, a, lo, m, n)
-            assert c is not None
-            worst = max(worst, term(c))
-            work[r] += m * (c.times.fwd + c.times.bwd)
-            nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
-            prev_send = cm.send_time(c.out_bytes, slot.tp_group[0], nxt)  # 0 to itself
-            if j < p:
-                pf, pb = pf + c.times.fwd + prev_send, pb + c.times.bwd + prev_send
-            out.append((a, lo, c))
-            a = lo
-        return Split(out, worst)
-
-    def _split(self, slots: list[Slot], m: int, n: int, chunks: int, lo: float = 0.0) -> Split | None:
-        """Bisection on the surrogate between `lo` (a bound it cannot beat) and the memory-only split."""
-        best = self._greedy(slots, math.inf, m, n, chunks)
-        if best is None:
-            return None
-        if chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
-            return self._split_exact(slots, m, n, best)
-        hi = best.surrogate
-        while hi - lo > 1e-3 * hi:  # the surrogate only guides the split; 0.1% is plenty
-            mid = (lo + hi) / 2
-            got = self._greedy(slots, mid, m, n, chunks)
-            if got is None:
-                lo = mid
-            else:
-                hi = got.surrogate
-                if got.surrogate < best.surrogate:
-                    best = got
-        return best
-
-    def _split_exact(self, slots: list[Slot], m: int, n: int, incumbent: Split) -> Split:
-        """The split minimising the surrogate, by dynamic programming over (stage, first free layer) with
-        Pareto fronts of (max term so far, forward prefix, backward prefix, stage 0's sync): the prefix
-        sums decide later terms, so one value per state is not enough. Non-interleaved schedules only."""
-        cm, S = self.cm, len(slots)
-        # state: (max term, fwd prefix, bwd prefix, sync of stage 0, last send, back pointer)
-        fronts: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0.0, 0.0, None)]}
-        for j, slot in enumerate(slots):
-            new: dict[int, list[tuple]] = {}
-            for a, states in fronts.items():
-                for e in ([cm.L] if j == S - 1 else range(a + 1, cm.L - (S - 1 - j) + 1)):
-                    c = self._stage(slot, a, e, m, n)
-                    if c is None:
-                        break  # longer ranges need more memory still
-                    nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
-                    send = cm.send_time(c.out_bytes, slot.tp_group[0], nxt)
-                    w = m * (c.times.fwd + c.times.bwd)
-                    f, b = c.times.fwd + send, c.times.bwd + send
-                    for st in states:
-                        s0 = c.times.sync if j == 0 else st[3]
-                        worst = max(st[0], st[1] + w + max(st[2] + s0, st[4] + c.times.sync))
-                        if worst < incumbent.surrogate:
-                            state = (worst, st[1] + f, st[2] + b, s0, send, (st, a, e, c))
-                            new.setdefault(e, []).append(state)
-            fronts = {e: _pareto(states) for e, states in new.items()}
-        if cm.L not in fronts:
-            return incumbent
-        state = min(fronts[cm.L], key=lambda st: st[0])
-        value, stages = state[0], []
-        while state[5] is not None:
-            state, a, e, c = state[5]
-            stages.append((a, e, c))
-        return Split(stages[::-1], value)
+    def _split(self, cfg: Config, slots: list[Slot], share: int, m: int) -> Split | None:
+        return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound)
 
     def _slots(self, cfg: Config, pipe: tuple[Unit, ...], m: int) -> list[Slot]:
         cm, p, v = self.cm, len(pipe), cfg.chunks
@@ -427,18 +260,6 @@ class Search:
                      min(cm.usable(d) for d in pipe[j % p]) / v,
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p]))) for j in range(p * v)]
 
-    def _values(self, pipe: tuple[Unit, ...], slots: list[Slot], split: Split, small: int) -> list[tuple]:
-        """`simulate_stages` times of `pipe` run with `split` (solved on `slots`, of equivalent groups)."""
-        cm, p, vals = self.cm, len(pipe), []
-        for j, (a, e, c) in enumerate(split.stages):
-            slot = slots[j]
-            ts = (cm.stage_times(cm.base(a, e, slot.dtype, small, slot.tp_group), c.option, slot.dtype,
-                                 slot.tp_group, slot.dp_group) if small else StageTimes(0.0, 0.0, 0.0, 0.0))
-            last = j + 1 == len(slots)
-            send = 0.0 if last else cm.send_time(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
-            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync))
-        return vals
-
     # -- batch split --
     def _batch_split(self, cfg: Config, classes: dict[tuple, list[int]]) -> list[int] | None:
         from ortools.sat.python import cp_model
@@ -448,12 +269,14 @@ class Search:
         top = cm.B - (n_pipes - 1)
         tables = [self._share_table(cfg, cfg.pipelines[ix[0]], top) for ix in classes.values()]
         big = 1 + max((x for t in tables for x in t if x is not None), default=0)
+        # shares slower than a known split cannot be in an optimal one: prune them from the domains
+        cap = _greedy_split_value(tables, [len(ix) for ix in classes.values()], cm.B) or big
         model = cp_model.CpModel()
         Z = model.NewIntVar(0, big, "Z")
         count = []
         for c, (ix, table) in enumerate(zip(classes.values(), tables, strict=True)):
             k = len(ix)
-            ok = [s for s in range(1, top + 1) if table[s] is not None]
+            ok = [s for s in range(1, top + 1) if table[s] is not None and table[s] <= cap]  # type: ignore[operator]
             if not ok:
                 return None
             dom = cp_model.Domain.FromValues(ok)
@@ -469,8 +292,8 @@ class Search:
         model.Add(sum(k * s + r for k, s, r in count) == cm.B)
         model.Minimize(Z)
         solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 8
-        solver.parameters.interleave_search = True  # deterministic
+        # one worker with a fixed seed is deterministic (and on these small models fastest)
+        solver.parameters.num_workers = 1
         solver.parameters.random_seed = 0
         solver.parameters.max_time_in_seconds = max(1.0, min(10.0, self.deadline - time.perf_counter()))
         if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -500,7 +323,10 @@ class Search:
             if a not in solved:
                 ma = _microbatches(a, min(cfg.b, a), p, cfg.schedule) or m
                 slots = self._slots(cfg, pipe, ma)
-                solved[a] = (slots, self._split(slots, ma, -(-a // ma), cfg.chunks), -(-a // ma))
+                # many shares: the table only guides CP-SAT, so the cheap bisection split does
+                split = self.splitter.split(slots, a, ma, cfg.schedule, cfg.chunks, cfg.bound,
+                                            fast=top > SHARE_TABLE_EXACT)
+                solved[a] = (slots, split, -(-a // ma))
             slots, split, n_a = solved[a]
             if split is None or (a != s and not self._fits(cfg, slots, split, m, -(-s // m))):
                 table.append(None)
@@ -545,7 +371,7 @@ class Search:
             key = (types[d], share, m)
             if key not in splits:
                 slots = self._slots(cfg, pipe, m)
-                split = self._split(slots, m, -(-share // m), cfg.chunks, lo=cfg.bound)
+                split = self._split(cfg, slots, share, m)
                 if split is None:
                     return None
                 splits[key] = (slots, split)
@@ -556,7 +382,7 @@ class Search:
             if key + (links,) not in distinct:
                 slots, split = splits[key]
                 small = share // m if share % m else 0
-                distinct[key + (links,)] = (share, m, self._values(pipe, slots, split, small))
+                distinct[key + (links,)] = (share, m, self.splitter.values(slots, split, small, pipe))
         bound = 0.0
         for share, m, vals in distinct.values():
             q, r = divmod(share, m)
@@ -617,8 +443,8 @@ class Search:
                f"{cm.precision}) is {fmt_bytes(state)}; the cluster has {fmt_bytes(total)} of device memory "
                f"in all ({fmt_bytes(total * (1 - cm.reserve))} usable with the {100 * cm.reserve:.0f}% "
                f"reserve).")
-        if self.closest is not None:
-            need, budget, dtype = self.closest
+        if self.splitter.closest is not None:
+            need, budget, dtype = self.splitter.closest
             msg += (f" Even with ZeRO-3 across replicas, recompute, CPU offload and micro-batches of one "
                     f"sample, a {dtype} needs at least {fmt_bytes(need)} for its share but has "
                     f"{fmt_bytes(budget)} usable.")

@@ -1,0 +1,285 @@
+"""Layer split of one pipeline: which layers each stage runs, with which memory options.
+
+A pipeline is a list of `Slot`s (stage positions: device type, tensor- and data-parallel groups,
+in-flight micro-batches, memory budget). `Splitter.stage` picks a stage's option (ZeRO level,
+recompute, CPU offload) for a layer range: the one minimising m (fwd + bwd) + sync among those whose
+peak memory fits (offload and sharding only add time, so they enter only when memory requires them).
+`Splitter.split` chooses the ranges (see its docstring); `surrogate` is the objective it minimises.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..plan import simulate_stages
+from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound
+
+OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
+                  ("optimizer", "activations", "params"))
+SPLIT_ENUMERATION = 64  # layer splits up to which every split is simulated
+EXACT_SPLIT_LIMIT = 6_000  # stages x layers^2 up to which the surrogate is minimised exactly
+Unit = tuple[int, ...]  # a tensor-parallel group
+
+
+class Slot(NamedTuple):
+    """One stage position of a pipeline: where it runs and what memory it may use."""
+
+    dtype: str
+    tp_group: Unit
+    dp_group: Unit
+    inflight: int
+    budget: float
+    sigs: tuple[int, int]  # CostModel.group_sig of the tp and dp groups
+
+
+class Choice(NamedTuple):
+    option: Option
+    times: StageTimes
+    memory: StageMemory
+    out_bytes: float
+
+
+@dataclass
+class Split:
+    stages: list[tuple[int, int, Choice]]
+    surrogate: float
+
+
+def surrogate(times: list[StageTimes], sends: list[float], ranks: int, mult: float) -> float:
+    """The inner objective: max over stages j on rank r of
+        F_r + max(W_r, v w_j) + max(Q_r + sync_0, send_{j-1} + sync_j),    w_j = mult (fwd_j + bwd_j)
+    with F_r, Q_r the forward/backward prefix (sends included) of the stages before rank r's first one,
+    W_r the rank's total work (mult = micro-batches). It bounds `pricing.lower_bound` from above (so a
+    config's bound also bounds it from below); v w_j keeps interleaved chunks even."""
+    chunks = len(times) // ranks
+    fwd_pre, bwd_pre, work = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
+    pf = pb = worst = 0.0
+    for j, t in enumerate(times):
+        r = j % ranks
+        if j < ranks:
+            fwd_pre[r], bwd_pre[r] = pf, pb
+            pf, pb = pf + t.fwd + sends[j], pb + t.bwd + sends[j]
+        w = mult * (t.fwd + t.bwd)
+        work[r] += w
+        tail = max(bwd_pre[r] + times[0].sync, (sends[j - 1] if j else 0.0) + t.sync)
+        worst = max(worst, fwd_pre[r] + max(work[r], chunks * w) + tail)
+    return worst
+
+
+def _pareto(states: list[tuple]) -> list[tuple]:
+    """The states no other state beats on all of its first four fields (first found wins ties); the
+    fifth, the last send, is the same for every state of a front."""
+    states = sorted(states, key=lambda st: st[:4])
+    kept: list[tuple] = []
+    for st in states:
+        if not any(k[1] <= st[1] and k[2] <= st[2] and k[3] <= st[3] for k in kept):  # k[0] <= st[0]: sorted
+            kept.append(st)
+    return kept
+
+
+class Splitter:
+    """Memoised stage choices and layer splits on one cost model."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self._choices: dict[tuple, Choice | None] = {}
+        self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
+        self.closest: tuple[float, float, str] | None = None  # (need, budget, device type) nearest to fitting
+
+    def stage(self, slot: Slot, a: int, e: int, m: int, n: int) -> Choice | None:
+        cm = self.cm
+        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n)
+        ck = (key, slot.inflight, slot.budget)
+        if ck in self._choices:
+            return self._choices[ck]
+        ranked = self._sorted.get(key)
+        base = cm.base(a, e, slot.dtype, n, slot.tp_group)
+        if ranked is None:
+            D, t = len(slot.dp_group), len(slot.tp_group)
+            ranked = []
+            for off in OFFLOAD_LADDER:
+                for z in range(4) if D > 1 else (0,):
+                    for rc in (False, True) if base.has_blocks else (False,):
+                        if z == 3 and "params" in off:
+                            continue
+                        opt = Option(z, rc, off)
+                        tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1])
+                        mem = cm.stage_memory(base, opt, t, D)
+                        ranked.append((m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem))
+            # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
+            ranked.sort(key=lambda x: round(x[0], 12))
+            self._sorted[key] = ranked
+        choice = None
+        for _, opt, tm, mem in ranked:
+            if mem.peak(slot.inflight) <= slot.budget:
+                choice = Choice(opt, tm, mem, base.out_bytes)
+                break
+        if choice is None:
+            need = min(mem.peak(slot.inflight) for _, _, _, mem in ranked)
+            if self.closest is None or need - slot.budget < self.closest[0] - self.closest[1]:
+                self.closest = (need, slot.budget, slot.dtype)
+        self._choices[ck] = choice
+        return choice
+
+    def greedy(self, slots: list[Slot], T: float, m: int, n: int, chunks: int) -> Split | None:
+        """Each stage in chain order takes the most layers that keep its surrogate term (see `surrogate`)
+        under T and its memory under budget, leaving one layer for each later stage."""
+        cm, S, p = self.cm, len(slots), len(slots) // chunks
+        fwd_pre, bwd_pre, work = [0.0] * p, [0.0] * p, [0.0] * p
+        a, pf, pb, worst, prev_send = 0, 0.0, 0.0, 0.0, 0.0
+        out: list[tuple[int, int, Choice]] = []
+
+        def term(c: Choice) -> float:
+            w = m * (c.times.fwd + c.times.bwd)
+            first_sync = out[0][2].times.sync if out else c.times.sync
+            tail = max(bwd_pre[r] + first_sync, prev_send + c.times.sync)
+            return fwd_pre[r] + max(work[r] + w, chunks * w) + tail
+
+        def fits(e: int) -> bool:
+            c = self.stage(slot, a, e, m, n)
+            return c is not None and term(c) <= T
+
+        for j, slot in enumerate(slots):
+            r = j % p
+            if j < p:
+                fwd_pre[r], bwd_pre[r] = pf, pb
+            lo, hi = (cm.L, cm.L) if j == S - 1 else (a + 1, cm.L - (S - 1 - j))
+            if lo > hi or not fits(lo):
+                return None
+            while lo < hi:  # the largest e that fits: stage costs grow with the range
+                mid = (lo + hi + 1) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            c = self.stage(slot, a, lo, m, n)
+            assert c is not None
+            worst = max(worst, term(c))
+            work[r] += m * (c.times.fwd + c.times.bwd)
+            nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
+            prev_send = cm.send_time(c.out_bytes, slot.tp_group[0], nxt)  # 0 to itself
+            if j < p:
+                pf, pb = pf + c.times.fwd + prev_send, pb + c.times.bwd + prev_send
+            out.append((a, lo, c))
+            a = lo
+        return Split(out, worst)
+
+    def split(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int, lo: float = 0.0,
+              fast: bool = False) -> Split | None:
+        """The layer split of one pipeline (with its stage options) for `share` samples in m micro-batches.
+
+        Few possible splits: all are scored by their lower bound and simulated in bound order (exact).
+        Otherwise the surrogate is minimised, exactly by `_exact` on non-interleaved medium chains,
+        else by bisection between `lo` (a bound the surrogate cannot beat) and the memory-only split,
+        with the greedy feasibility test (always, with `fast`). Interleaved chunks of one device get
+        1/chunks of its memory each on the bisection path (sufficient; enumeration lets each take what
+        the earlier ones left).
+        """
+        n = -(-share // m)
+        if not fast and math.comb(self.cm.L - 1, len(slots) - 1) <= SPLIT_ENUMERATION:
+            return self._enumerate(slots, share, m, schedule, chunks)
+        best = self.greedy(slots, math.inf, m, n, chunks)
+        if best is None:
+            return None
+        if not fast and chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
+            return self._exact(slots, m, n, best)
+        hi = best.surrogate
+        while hi - lo > 1e-3 * hi:  # the surrogate only guides the split; 0.1% is plenty
+            mid = (lo + hi) / 2
+            got = self.greedy(slots, mid, m, n, chunks)
+            if got is None:
+                lo = mid
+            else:
+                hi = got.surrogate
+                if got.surrogate < best.surrogate:
+                    best = got
+        return best
+
+    def _enumerate(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int) -> Split | None:
+        cm, S, n = self.cm, len(slots), -(-share // m)
+        q, r = divmod(share, m)
+        sizes = [q + 1] * r + [q] * (m - r)
+        scored = []
+        p = S // chunks
+        for cuts in itertools.combinations(range(1, cm.L), S - 1):
+            edges = (0, *cuts, cm.L)
+            # a device's chunks share its memory: each takes what the ones before it left (sufficient)
+            left = [slot.budget * chunks for slot in slots[:p]]
+            stages = []
+            for j in range(S):
+                c = self.stage(slots[j]._replace(budget=left[j % p]), edges[j], edges[j + 1], m, n)
+                if c is None:
+                    break
+                left[j % p] -= c.memory.peak(slots[j].inflight)
+                stages.append((edges[j], edges[j + 1], c))
+            if len(stages) == S:
+                split = Split(stages, 0.0)  # type: ignore[arg-type]
+                vals = self.values(slots, split, q if r else 0)
+                scored.append((lower_bound(vals, sizes, S // chunks), len(scored), split, vals))
+        best, best_step = None, math.inf
+        for bound, _, split, vals in sorted(scored, key=lambda x: x[:2]):
+            if bound >= best_step:
+                break
+            step = simulate_stages(schedule, chunks, share, m, vals).step_time
+            if step < best_step:
+                best, best_step = split, step
+        if best is not None:
+            best.surrogate = best_step
+        return best
+
+    def _exact(self, slots: list[Slot], m: int, n: int, incumbent: Split) -> Split:
+        """The split minimising the surrogate, by dynamic programming over (stage, first free layer) with
+        Pareto fronts of (max term so far, forward prefix, backward prefix, stage 0's sync): the prefix
+        sums decide later terms, so one value per state is not enough. Non-interleaved schedules only."""
+        cm, S = self.cm, len(slots)
+        # state: (max term, fwd prefix, bwd prefix, sync of stage 0, last send, back pointer)
+        fronts: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0.0, 0.0, None)]}
+        for j, slot in enumerate(slots):
+            new: dict[int, list[tuple]] = {}
+            for a, states in fronts.items():
+                for e in ([cm.L] if j == S - 1 else range(a + 1, cm.L - (S - 1 - j) + 1)):
+                    c = self.stage(slot, a, e, m, n)
+                    if c is None:
+                        break  # longer ranges need more memory still
+                    nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
+                    send = cm.send_time(c.out_bytes, slot.tp_group[0], nxt)
+                    w = m * (c.times.fwd + c.times.bwd)
+                    f, b = c.times.fwd + send, c.times.bwd + send
+                    for st in states:
+                        s0 = c.times.sync if j == 0 else st[3]
+                        worst = max(st[0], st[1] + w + max(st[2] + s0, st[4] + c.times.sync))
+                        if worst < incumbent.surrogate:
+                            state = (worst, st[1] + f, st[2] + b, s0, send, (st, a, e, c))
+                            new.setdefault(e, []).append(state)
+            fronts = {e: _pareto(states) for e, states in new.items()}
+        if cm.L not in fronts:
+            return incumbent
+        state = min(fronts[cm.L], key=lambda st: st[0])
+        value, stages = state[0], []
+        while state[5] is not None:
+            state, a, e, c = state[5]
+            stages.append((a, e, c))
+        return Split(stages[::-1], value)
+
+    def values(self, slots: list[Slot], split: Split, small: int, pipe: tuple[Unit, ...] | None = None
+                ) -> list[tuple]:
+        """`simulate_stages` times of `split` solved on `slots`, run on `pipe` (default: the slots' own
+        groups; another pipeline must have equivalent groups)."""
+        cm, vals = self.cm, []
+        if pipe is None:
+            pipe = tuple(slot.tp_group for slot in slots[:len({s.tp_group for s in slots})])
+        p = len(pipe)
+        for j, (a, e, c) in enumerate(split.stages):
+            slot = slots[j]
+            ts = (cm.stage_times(cm.base(a, e, slot.dtype, small, slot.tp_group), c.option, slot.dtype,
+                                 slot.tp_group, slot.dp_group) if small else StageTimes(0.0, 0.0, 0.0, 0.0))
+            last = j + 1 == len(slots)
+            send = 0.0 if last else cm.send_time(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
+            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync))
+        return vals
+
+
+__all__ = ["Choice", "Slot", "Split", "Splitter", "Unit", "surrogate"]

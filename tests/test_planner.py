@@ -1,0 +1,434 @@
+"""The planner: memory respected, faster devices get more work, exhaustive-search optimality on small
+instances, determinism, closed forms through the pricing path, infeasibility, time limit, CLI."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import time
+import warnings
+
+import pytest
+
+import autopar
+from autopar import InfeasibleError, Plan, Strategy
+from autopar.api import cost_model
+from autopar.cli import main
+from autopar.cost_models.memory import state_bytes_per_param
+from autopar.graph import TrainingGraph
+from autopar.models import gpt, gpt_config, mlp
+from autopar.plan import Pipeline, Stage
+from autopar.schedule import make_schedule, peak_inflight
+from autopar.solver.pricing import CostModel, Option, model_summary, price, price_strategy
+from autopar.solver.search import (
+    Search,
+    _divisors,
+    _groupings,
+    _microbatch_sizes,
+    _microbatches,
+    _schedules,
+    _units,
+    search,
+)
+from autopar.solver.split import OFFLOAD_LADDER
+
+
+def _custom(name: str, based_on: str, gib: float, per_node: int, count: int = 1) -> dict:
+    return {"device": {"name": name, "based_on": based_on, "memory_GiB": gib}, "devices_per_node": per_node,
+            "count": count}
+
+
+@functools.cache
+def _case(kind: str = "gpt", **kw):
+    return (gpt if kind == "gpt" else mlp)(device="meta", **kw)
+
+
+@functools.cache
+def _cm(cluster_json: str, kind: str = "gpt", reserve: float = 0.1, **kw) -> CostModel:
+    c = _case(kind, **kw)
+    return cost_model(c.model, json.loads(cluster_json), c.example_inputs, c.example_target, c.loss_fn,
+                      memory_reserve=reserve)
+
+
+def cm_for(cluster: str | dict, kind: str = "gpt", reserve: float = 0.1, **kw) -> CostModel:
+    if isinstance(cluster, str):
+        cluster = autopar.Cluster.load(cluster).to_dict()
+    return _cm(json.dumps(cluster, sort_keys=True), kind, reserve, **kw)
+
+
+# ---- an independent recomputation of each device's peak memory ------------------------------------------
+
+
+def independent_peaks(plan: Plan, graph: TrainingGraph) -> dict[int, float]:
+    """Per device: params (every parameter a stage's layers use), grads and optimizer state sharded per
+    ZeRO level over the replicas, offload, plus activations of peak in-flight micro-batches."""
+    sb = state_bytes_per_param(plan.optimizer, plan.precision)
+    B, D = plan.global_batch, len(plan.pipelines)
+    users: dict[str, set[int]] = {}
+    for node in graph.nodes.values():
+        for arg in node.args:
+            if arg in graph.params:
+                users.setdefault(graph.params[arg].tied_to or arg, set()).add(node.layer)
+    numel = {name: p.meta.numel for name, p in graph.params.items() if p.counts}
+    owned = [0] * len(graph.layers)
+    for name, layers in users.items():
+        if name in numel:
+            owned[min(layers)] += numel[name]
+    inputs = graph.input_meta[graph.inputs[0]].nbytes
+    peaks = {}
+    for pipe in plan.pipelines:
+        ranks = len(pipe.stages) // plan.chunks
+        inflight = peak_inflight(make_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks))
+        frac = pipe.microbatch_size / B
+        for r in range(ranks):
+            static, acts, works = 0.0, [], [0.0]
+            for st in pipe.stages[r::ranks]:
+                a, e = st.layers
+                t, z, off = len(st.devices), st.zero if D > 1 else 0, st.offload
+                n = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls)) / t
+                big = max(owned[a:e]) / t
+                if "params" not in off:
+                    static += n * sb.weights / (D if z == 3 else 1) + n * sb.grads / (D if z >= 2 else 1)
+                if "optimizer" not in off:
+                    static += n * sb.optimizer / (D if z >= 1 else 1)
+                if z == 3 or "params" in off:
+                    static += 2 * big * sb.weights + (big * sb.grads if "params" in off else 0)
+                layers = graph.layers[a:e]
+                if st.recompute and any(x.kind == "block" for x in layers):
+                    act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
+                              if x.kind == "block" else x.saved_bytes * frac / t for x in layers)
+                    works.append(max(x.saved_bytes * frac / t for x in layers if x.kind == "block"))
+                else:
+                    act = sum(x.saved_bytes for x in layers) * frac / t
+                acts.append(act * (1 if "activations" in off else inflight[r]))
+            for d in pipe.stages[r].devices:
+                peaks[d] = static + max(acts) + max(works)
+    return peaks
+
+
+def check_plan(plan: Plan, cm: CostModel) -> None:
+    """Every layer placed exactly once per pipeline, shares sum to the batch, memory under capacity."""
+    L = len(cm.graph.layers)
+    assert sum(p.batch_share for p in plan.pipelines) == cm.B
+    seen = []
+    for p in plan.pipelines:
+        covered = [x for st in p.stages for x in range(*st.layers)]
+        assert covered == list(range(L))
+        assert 1 <= p.num_microbatches <= p.batch_share
+        seen += [d for g in p.device_groups() for d in g]
+    assert sorted(seen) == list(range(cm.cluster.world_size))
+    peaks = independent_peaks(plan, cm.graph)
+    for d, need in plan.predicted["peak_memory_bytes"].items():
+        capacity = cm.cluster.devices[d].spec.memory
+        assert need <= capacity * (1 - plan.memory_reserve)
+        assert need == pytest.approx(peaks[d], rel=1e-9, abs=2)
+
+
+# ---- plans ---------------------------------------------------------------------------------------------
+
+
+def test_plan_api_small_gpt() -> None:
+    c = _case(batch=8, layers=4, hidden=64, seq=32)
+    plan = autopar.plan(c.model, "1x2xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+    assert plan.precision == "bf16" and plan.optimizer == "adamw" and plan.global_batch == 8
+    assert plan.model["num_layers"] == 6 and plan.model["name"] == "GPT"
+    pr = plan.predicted
+    assert pr["step_time_s"] > 0 and pr["samples_per_s"] == pytest.approx(8 / pr["step_time_s"])
+    assert 0 < pr["mfu"] < 1 and pr["tflops_per_device"] > 0
+    check_plan(plan, cm_for("1x2xA100-80GB", batch=8, layers=4, hidden=64, seq=32))
+
+
+def test_plan_writes_dumps(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_DUMP", str(tmp_path))
+    c = _case("mlp", batch=4, layers=2, hidden=32)
+    plan = autopar.plan(c.model, "1x2xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+    assert Plan.from_json((tmp_path / "plan.json").read_text()) == plan
+    assert (tmp_path / "plan.txt").read_text().strip() == plan.explain()
+    assert json.loads((tmp_path / "timeline.json").read_text()) == plan.timeline()
+
+
+def test_tied_embeddings_are_held_by_both_end_stages() -> None:
+    cm = cm_for("1x2xA100-80GB", batch=4, layers=2, hidden=64, seq=32, tie_embeddings=True)
+    untied = cm_for("1x2xA100-80GB", batch=4, layers=2, hidden=64, seq=32)
+    tied_plan = price_strategy(cm, Strategy(pp=2, microbatch_size=1)).plan
+    untied_plan = price_strategy(untied, Strategy(pp=2, microbatch_size=1)).plan
+    check_plan(tied_plan, cm)
+    # the last stage keeps a copy of the embedding it shares with the head: as much state as untied
+    assert tied_plan.predicted["peak_memory_bytes"][1] == untied_plan.predicted["peak_memory_bytes"][1]
+    assert cm.graph.num_params() < untied.graph.num_params()
+
+
+def test_plan_on_cpu_defaults_to_fp32() -> None:
+    c = _case("mlp", batch=4, layers=2, hidden=32)
+    plan = autopar.plan(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn)
+    assert plan.precision == "fp32" and len(plan.pipelines) == 1
+
+
+def test_tiny_memory_forces_sharding_recompute_offload_or_stages() -> None:
+    kw = dict(batch=8, layers=4, hidden=256, seq=64)
+    roomy = search(cm_for("1x2xA100-80GB", **kw))
+    assert all(s.zero == 0 or len(roomy.pipelines) > 1 for p in roomy.pipelines for s in p.stages)
+    tight_cluster = {"nodes": [_custom("tiny", "A100-80GB", 0.05, 2)]}
+    cm = cm_for(tight_cluster, **kw)
+    full_state = cm.graph.num_params() * cm.state.total
+    assert full_state > cm.usable(0)  # plain data parallelism cannot fit
+    tight = search(cm)
+    check_plan(tight, cm)
+    stages = [s for p in tight.pipelines for s in p.stages]
+    assert any(s.zero or s.recompute or s.offload for s in stages) or len(tight.pipelines[0].stages) > 1
+    assert tight.predicted["step_time_s"] >= roomy.predicted["step_time_s"]
+
+
+def test_infeasible_error_says_what_would_fit() -> None:
+    cm = cm_for({"nodes": [_custom("speck", "T4", 0.0005, 2)]}, batch=8, layers=4, hidden=256, seq=64)
+    with pytest.raises(InfeasibleError) as info:
+        search(cm)
+    msg = str(info.value)
+    assert "no plan fits in memory" in msg and "training state alone" in msg
+    assert "of device memory in all" in msg
+    assert "needs at least" in msg and "usable" in msg and "To fit: use devices with at least" in msg
+    assert "add devices" in msg and "global batch" in msg
+
+
+HET = "1x2xA100-80GB+1x2xT4"
+HET_MODEL = dict(batch=8, layers=4, hidden=1024, seq=256, heads=8)
+
+
+def _work(cm: CostModel, stage: Stage) -> float:
+    """How much of the model a stage holds, in one reference unit (A100 seconds per sample)."""
+    return sum(cm.layer_compute(i, "A100-80GB", 1, 1)[0] for i in range(*stage.layers))
+
+
+def test_faster_devices_get_more_samples_and_layers() -> None:
+    cm = cm_for(HET, **HET_MODEL)
+    s = Search(cm)
+    configs = [c for c in s._configs() if c.tp == 1]
+    by_type = next(c for c in configs if c.grouping == "by-type" and len(c.pipelines[0]) == 1)
+    solved = s._solve(by_type)
+    assert solved is not None
+    names = cm.cluster.devices
+    shares = {names[p.stages[0].devices[0]].spec.name: p.batch_share for p in solved.build().pipelines}
+    assert shares["A100-80GB"] > shares["T4"]
+    mixed = next(c for c in configs if c.grouping == "mixed" and len(c.pipelines) == 2 and c.chunks == 1)
+    solved = s._solve(mixed)
+    assert solved is not None
+    for pipe in solved.build().pipelines:
+        a100, t4 = pipe.stages  # stages follow the cluster order: A100 first
+        assert cm.cluster.devices[t4.devices[0]].spec.name == "T4"
+        assert _work(cm, a100) > _work(cm, t4)
+    plan = search(cm)
+    check_plan(plan, cm)
+    work = {"A100-80GB": 0.0, "T4": 0.0}
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            work[cm.cluster.devices[st.devices[0]].spec.name] += _work(cm, st) * pipe.batch_share
+    assert work["A100-80GB"] > work["T4"]
+
+
+def test_deterministic() -> None:
+    c = _case(**HET_MODEL)
+    a = autopar.plan(c.model, HET, c.example_inputs, c.example_target, c.loss_fn)
+    b = autopar.plan(c.model, HET, c.example_inputs, c.example_target, c.loss_fn)
+    assert a.to_json() == b.to_json()
+
+
+def test_time_limit_returns_best_so_far_with_warning() -> None:
+    cm = cm_for("1x8xA100-80GB", batch=16, layers=4, hidden=64, seq=32)
+    with pytest.warns(UserWarning, match="stopped at the time limit"):
+        plan = Search(cm, time_limit_s=0.0).run()
+    check_plan(plan, cm)
+
+
+def test_gpt_1_3b_on_8_a100() -> None:
+    c = gpt(device="meta", batch=64, **gpt_config("gpt-1.3b"))
+    start = time.perf_counter()
+    plan = autopar.plan(c.model, "1x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+    assert time.perf_counter() - start < 30
+    assert 0.3 < plan.predicted["mfu"] < 0.8
+    assert max(plan.predicted["peak_memory_bytes"].values()) < 80 * 2**30 * 0.9
+
+
+@pytest.mark.slow
+def test_gpt3_175b_on_1024_a100_under_a_minute() -> None:
+    c = gpt(device="meta", batch=1536, **gpt_config("gpt3-175b"))
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no time-limit warning: the search completes
+        plan = autopar.plan(c.model, "128x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+    assert time.perf_counter() - start < 60
+    assert plan.predicted["mfu"] > 0.3 and plan.world_size == 1024
+
+
+# ---- exhaustive enumeration ------------------------------------------------------------------------------
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(edges, edges[1:], strict=False))
+
+
+def _options(D: int, has_blocks: bool):
+    for off in OFFLOAD_LADDER:
+        for z in range(4) if D > 1 else (0,):
+            for rc in (False, True) if has_blocks else (False,):
+                if not (z == 3 and "params" in off):
+                    yield Option(z, rc, off)
+
+
+def _pareto(items: list[tuple[Option, tuple]]) -> list[Option]:
+    """Options not beaten on every time and memory figure by another: the step time is monotone in each
+    of them, so the optimum uses one of these."""
+    out: list[tuple[Option, tuple]] = []
+    for opt, vec in items:
+        beaten = any(all(o <= v for o, v in zip(other, vec, strict=True)) and other != vec
+                     for _, other in items)
+        if not beaten and all(other != vec for _, other in out):
+            out.append((opt, vec))
+    return [opt for opt, _ in out]
+
+
+def brute_force(cm: CostModel) -> float:
+    """The shortest predicted step over every tp degree, grouping, schedule, micro-batch size, batch split,
+    layer split and (Pareto-optimal) per-stage options, each priced by `price` (replicas with equal device
+    types and shares use the same split and options)."""
+    best = math.inf
+    gcd = math.gcd(*(len(n.devices) for n in cm.cluster.nodes))
+    for t in _divisors(gcd):
+        for _, pipes in _groupings(cm, _units(cm, t)):
+            p, D = len(pipes[0]), len(pipes)
+            types = [tuple(cm.cluster.devices[u[0]].spec.name for u in pipe) for pipe in pipes]
+            for sched, v in _schedules(p, cm.L):
+                for b in _microbatch_sizes(-(-cm.B // D)):
+                    for shares in _compositions(cm.B, D):
+                        ms = [_microbatches(s, min(b, s), p, sched) for s in shares]
+                        if None in ms:
+                            continue
+                        keys = sorted({(types[d], shares[d], ms[d]) for d in range(D)})
+                        per_key = [list(_candidates(cm, pipes, types, shares, ms, key, p * v))
+                                   for key in keys]
+                        for choice in itertools.product(*per_key):
+                            table = dict(zip(keys, choice, strict=True))
+                            out = []
+                            for d, pipe in enumerate(pipes):
+                                edges, opts = table[(types[d], shares[d], ms[d])]
+                                stages = [Stage([edges[j], edges[j + 1]], list(pipe[j % p]), o.zero,
+                                                o.recompute, list(o.offload)) for j, o in enumerate(opts)]
+                                out.append(Pipeline(shares[d], -(-shares[d] // ms[d]), ms[d], stages))
+                            plan = Plan(cm.B, cm.precision, cm.optimizer, sched, v, cm.cluster.to_dict(),
+                                        model_summary(cm.graph), out, {}, cm.reserve)
+                            priced = price(cm, plan)
+                            if priced.fits:
+                                best = min(best, priced.plan.predicted["step_time_s"])
+    return best
+
+
+def _candidates(cm: CostModel, pipes, types, shares, ms, key, S):
+    d = next(i for i in range(len(pipes)) if (types[i], shares[i], ms[i]) == key)
+    pipe, share, m = pipes[d], key[1], key[2]
+    p, n, small = len(pipe), -(-share // m), share % m != 0
+    for split in _compositions(cm.L, S):
+        edges = [0, *itertools.accumulate(split)]
+        per_stage = []
+        for j in range(S):
+            unit = pipe[j % p]
+            dtype, dp = cm.cluster.devices[unit[0]].spec.name, tuple(o[j % p][0] for o in pipes)
+            base = cm.base(edges[j], edges[j + 1], dtype, n, unit)
+            small_base = cm.base(edges[j], edges[j + 1], dtype, n - 1, unit) if small else base
+            items = []
+            for opt in _options(len(pipes), base.has_blocks):
+                tf = cm.stage_times(base, opt, dtype, unit, dp)
+                ts = cm.stage_times(small_base, opt, dtype, unit, dp)
+                mem = cm.stage_memory(base, opt, len(unit), len(pipes))
+                per_inflight, once = (0.0, mem.act) if mem.offload_act else (mem.act, 0.0)
+                items.append((opt, (tf.fwd, ts.fwd, tf.bwd, ts.bwd, tf.sync, mem.static, mem.work,
+                                    per_inflight, once)))
+            per_stage.append(_pareto(items))
+        for opts in itertools.product(*per_stage):
+            yield edges, opts
+
+
+SMALL = [
+    ("1x2xA100-80GB", "gpt", dict(batch=4, layers=2, hidden=64, seq=32)),
+    ("1x1xA100-80GB+1x1xT4", "gpt", dict(batch=4, layers=2, hidden=512, seq=128)),
+    ({"nodes": [_custom("tiny", "T4", 0.012, 2)]}, "gpt", dict(batch=4, layers=2, hidden=256, seq=64)),
+    ({"nodes": [_custom("small", "V100-16GB", 0.1, 1), _custom("small", "T4", 0.1, 1)]}, "mlp",
+     dict(batch=4, layers=2, hidden=4096)),
+]
+
+
+@pytest.mark.parametrize("cluster, kind, kw", SMALL,
+                         ids=["homogeneous", "a100+t4", "tiny-memory", "interleaved"])
+def test_plan_is_optimal_on_small_instances(cluster, kind, kw) -> None:
+    cm = cm_for(cluster, kind, **kw)
+    assert search(cm).predicted["step_time_s"] == brute_force(cm)
+
+
+# ---- closed forms through the pricing path ---------------------------------------------------------------
+
+
+def test_gpipe_step_is_the_flow_shop_makespan() -> None:
+    cm = cm_for("1x2xA100-80GB", batch=8, layers=4, hidden=256, seq=64)
+    est = price_strategy(cm, Strategy(pp=2, schedule="gpipe", microbatch_size=1))
+    s0, s1 = (st.predicted for st in est.plan.pipelines[0].stages)
+    m, send = 8, s0["send_s"]
+    f0, f1, b0, b1 = s0["fwd_s"], s1["fwd_s"], s0["bwd_s"], s1["bwd_s"]
+    assert send <= min(f0, f1, b0, b1)
+    forward = f0 + send + f1 + (m - 1) * max(f0, send, f1)  # 3-machine flow shop: stage 0, link, stage 1
+    backward = b1 + send + b0 + (m - 1) * max(b1, send, b0)
+    expected = max(forward + backward + s0["sync_s"], forward + m * b1 + send + s1["sync_s"])
+    assert est.predicted["step_time_s"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_single_stage_step_is_accumulation_plus_sync() -> None:
+    cm = cm_for("1x1xA100-80GB", batch=6, layers=2, hidden=64, seq=32)
+    est = price_strategy(cm, Strategy(microbatch_size=2))
+    st = est.plan.pipelines[0].stages[0].predicted
+    expected = 3 * (st["fwd_s"] + st["bwd_s"]) + st["sync_s"]
+    assert est.predicted["step_time_s"] == pytest.approx(expected, rel=1e-12)
+    assert est.predicted["bubble_fraction"] == pytest.approx(st["sync_s"] / est.predicted["step_time_s"])
+
+
+def test_layer_times_at_the_full_batch_are_the_annotated_ones() -> None:
+    cm = cm_for("1x1xA100-80GB", batch=4, layers=2, hidden=64, seq=32)
+    for i, layer in enumerate(cm.graph.layers):
+        fwd, bwd = cm.layer_compute(i, "A100-80GB", cm.B, 1)
+        assert fwd == pytest.approx(layer.time_fwd["A100-80GB"], rel=1e-9)
+        assert bwd == pytest.approx(layer.time_bwd["A100-80GB"], rel=1e-9)
+
+
+def test_estimate_prices_like_the_planner() -> None:
+    cm = cm_for("1x4xA100-80GB", batch=8, layers=4, hidden=256, seq=64)
+    est = price_strategy(cm, Strategy(dp=2, pp=2, microbatch_size=2, zero=1, recompute=True))
+    # the same layout written by hand: stage s of replica d on device 2 s + d
+    pipes = [Pipeline(4, 2, 2, [Stage([0, 3], [d], 1, True), Stage([3, 6], [2 + d], 1, True)])
+             for d in range(2)]
+    by_hand = Plan(8, cm.precision, cm.optimizer, "1f1b", 1, cm.cluster.to_dict(), model_summary(cm.graph),
+                   pipes)
+    priced = price(cm, by_hand)
+    assert priced is not None and priced.plan == est.plan
+    again = price(cm, Plan.from_json(est.plan.to_json()))
+    assert again is not None and again.plan.predicted == est.predicted
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+
+
+def test_cli_plan(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "autopar.models:mlp", "--cluster", "1x2xA100-80GB", "--json", str(out),
+                 "--time-limit", "30"]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert "peak mem / capacity" in stdout and "predicted:" in stdout
+    assert "planning:" in stderr and "configurations" in stderr
+    plan = Plan.from_json(out.read_text())
+    assert plan.global_batch == 16 and plan.world_size == 2
+
+
+def test_cli_plan_reports_infeasible(tmp_path, capsys) -> None:
+    path = tmp_path / "speck.json"
+    path.write_text(json.dumps({"nodes": [_custom("speck", "T4", 0.00001, 1)]}))
+    assert main(["plan", "autopar.models:mlp", "--cluster", str(path)]) == 2
+    assert "no plan fits in memory" in capsys.readouterr().err
