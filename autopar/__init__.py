@@ -7,11 +7,13 @@ from .cluster import Cluster, DeviceSpec, Link
 from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, PlanError
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
+from .runtime.compile import compile  # noqa: A004 (autopar.compile, as users spell it)
 
 __all__ = [
     "analyze",
     "plan",
     "estimate",
+    "compile",
     "Plan",
     "Strategy",
     "Estimate",
