@@ -95,16 +95,7 @@ def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:
 def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     from . import models
 
-    case = _case()
-    opt = _optimizer(list(case.model.parameters()))
-    losses = []
-    for _ in range(steps):
-        loss = models.loss_of(case)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return losses, case.model.state_dict()
+    return models.train_reference(_case(), _optimizer, steps)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,20 @@ def loss_of(case: ModelCase, *inputs: Any, target: torch.Tensor | None = None) -
     return case.loss_fn(out, case.example_target if target is None else target)
 
 
+def train_reference(case: ModelCase, make_optimizer: Any, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process training of ``case`` on its example batch: per-step losses and the final state,
+    the reference every parallel run is compared with."""
+    opt = make_optimizer(list(case.model.parameters()))
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(case)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
+
+
 @contextmanager
 def building(device: str | torch.device, seed: int) -> Iterator[torch.device]:
     """Build under ``device`` with the RNG seeded, leaving the caller's global RNG state untouched."""

@@ -27,16 +27,7 @@ def optimizer(params: list) -> torch.optim.Optimizer:
 
 def reference(name: str, kwargs: dict, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training of the original model: per-step losses and final parameters."""
-    case = build(name, **kwargs)
-    opt = optimizer(list(case.model.parameters()))
-    losses = []
-    for _ in range(steps):
-        loss = models.loss_of(case)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
+    return models.train_reference(build(name, **kwargs), optimizer, steps)
 
 
 def layout_for(case: models.ModelCase, graph_layers: int, blocks: int, world: int, spec: dict) -> Layout:
