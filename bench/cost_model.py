@@ -7,14 +7,13 @@ import statistics
 import time
 
 import torch
+from common import print_table, write_results
 
 import autopar
 from autopar import models
 from autopar.cost_models.calibrate import calibrate
 from autopar.cost_models.host import cpu_spec
 from autopar.passes.annotate import annotate
-
-from common import print_table, write_results
 
 CASES = [
     ("mlp wide", models.mlp, {"batch": 256, "d_in": 512, "hidden": 1024, "layers": 4, "d_out": 10}),
