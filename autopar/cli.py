@@ -75,8 +75,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                   optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
                   memory_reserve=args.memory_reserve, progress=progress)
-    if tty:
-        print(file=sys.stderr)
+    print(("\n" if tty else "") + f"planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(result.explain())
     if args.json:
         with open(args.json, "w") as f:

@@ -408,9 +408,9 @@ def test_estimate_prices_like_the_planner() -> None:
     by_hand = Plan(8, cm.precision, cm.optimizer, "1f1b", 1, cm.cluster.to_dict(), model_summary(cm.graph),
                    pipes)
     priced = price(cm, by_hand)
-    assert priced is not None and priced.plan == est.plan
+    assert priced.plan == est.plan
     again = price(cm, Plan.from_json(est.plan.to_json()))
-    assert again is not None and again.plan.predicted == est.predicted
+    assert again.plan.predicted == est.predicted
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------

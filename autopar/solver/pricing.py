@@ -379,7 +379,7 @@ class Priced:
     plan: Plan
     fits: bool
     problems: list[str]
-    lower_bound: float
+    lower_bound: float  # `lower_bound` of its slowest pipeline: the step cannot be shorter
 
 
 def model_summary(graph: TrainingGraph) -> dict:
@@ -501,8 +501,11 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
     return preds, vals, mems
 
 
-def price(cm: CostModel, plan: Plan, cutoff: float | None = None) -> Priced | None:
-    """Fill in `plan`'s predictions. With `cutoff`, returns None when the plan cannot beat it."""
+def price(cm: CostModel, plan: Plan) -> Priced:
+    """Fill in `plan`'s predictions: stage times, per-device peak memory, the simulated step.
+
+    Raises PlanError when the plan is inconsistent (`check_plan`); a plan that does not fit is priced
+    anyway, with `fits` False and the `problems` spelled out."""
     check_plan(cm, plan)
     devices = cm.cluster.devices
     pipes: list[Pipeline] = []
@@ -534,8 +537,6 @@ def price(cm: CostModel, plan: Plan, cutoff: float | None = None) -> Priced | No
                 if need > cm.usable(d):
                     problems.append(_memory_problem(cm, d, i, r, need, mems[r::ranks], inflight[r]))
         bound = max(bound, lower_bound(vals, sizes, ranks))
-        if cutoff is not None and (problems or bound >= cutoff):
-            return None
         pipes.append(replace(pipe, stages=stages))
     out = replace(plan, pipelines=pipes)
     results = out.simulate()
@@ -566,7 +567,6 @@ def price_strategy(cm: CostModel, strategy: Strategy) -> Estimate:
         precision=cm.precision, optimizer=cm.optimizer, cluster=cm.cluster.to_dict(),
         model=model_summary(cm.graph), memory_reserve=cm.reserve)
     priced = price(cm, skeleton)
-    assert priced is not None  # no cutoff given
     return Estimate(priced.plan, priced.fits, priced.problems)
 
 

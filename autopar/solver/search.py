@@ -26,8 +26,9 @@ Decomposition
 Outer (`_configs`): enumerate (t, grouping, sigma, v, b). Groupings on one device type: Megatron's
 stage-major order (stage s of replica d = tp group s*D + d) and replica-major order (a replica on
 consecutive groups). On several types: "mixed" pipelines (each holds an equal slice of every type,
-stages in cluster order, faster and slower devices alternate along one pipeline) and "by-type"
-pipelines (each on one device type; replicas of different types). Every config gets a valid lower
+its stages in cluster order, so one pipeline spans device types and the split gives the faster ones
+more layers) and "by-type" pipelines (each on one device type; the batch split gives faster replicas
+more samples). Every config gets a valid lower
 bound on its step time (`_config_bound`): for a single pipeline class with X the work of its largest
 share at the fastest device type's per-sample cost, X/m / (1 - (1 - 1/m)^p) for gpipe/1f1b (the min
 over real stage splits of max_s [prefix forward + stage work]), max(X/p, X/m) for interleaved, and the
@@ -51,15 +52,16 @@ Inner, per config and pipeline class:
     stage is a binary search).
   * batch split (`_batch_split`, CP-SAT) when replicas differ (by-type groupings): integer s_c
     (per-replica share of class c with k_c replicas), r_c replicas taking one more sample,
-        min Z  s.t.  sum_c k_c s_c + r_c = B,   Z >= E_c(s_c + [r_c > 0])  (AddElement on a table of
-    E_c over shares that fit in memory), with a fixed seed and the deterministic interleaved search.
-    Splits are then re-solved at the chosen shares.
-Leaves (`pricing.price`): the chosen candidate is priced exactly (memory per device, simulate() of each
-distinct pipeline); it is only simulated when its lower bound beats the incumbent.
+        min Z  s.t.  sum_c k_c s_c + r_c = B,   Z >= E_c(s_c + [r_c > 0])
+    with AddElement on a table of the surrogate E_c per share (`_share_table`; shares that do not fit
+    in memory, or that lose to a greedy split's value, are left out of the domains). Splits are then
+    re-solved at the chosen shares.
+Leaves: a config's candidate is simulated (each distinct replica once) only when its lower bound
+beats the incumbent, and a new incumbent is priced in full by `pricing.price` (memory per device).
 
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
-fixed and CP-SAT runs with a fixed seed and interleaved (deterministic) search, so equal inputs give
-equal plans. A time limit returns the best plan found so far with a warning.
+fixed, and CP-SAT runs single-threaded with a fixed seed, so equal inputs give equal plans. A time limit
+returns the best plan found so far with a warning.
 """
 
 from __future__ import annotations
@@ -419,7 +421,7 @@ class Search:
                 if step < best_step:
                     priced = price(self.cm, solved.build())
                     # the search's per-stage memory checks are sufficient for the per-device ones
-                    assert priced is not None and priced.fits
+                    assert priced.fits
                     best, best_step = priced.plan, priced.plan.predicted["step_time_s"]
             if self.progress is not None:
                 self.progress(k + 1, len(configs), best_step if best is not None else None)
