@@ -57,8 +57,8 @@ from autopar.cluster import Cluster
 from autopar.errors import PlanError
 from autopar.graph import TrainingGraph
 from autopar.passes.annotate import annotate
-from autopar.plan import Estimate, Strategy, plan_from_strategy
-from autopar.solver.pricing import CostModel, model_summary, price
+from autopar.plan import Estimate, Strategy
+from autopar.solver.pricing import CostModel, price_strategy
 
 GiB = 1024**3
 DATA = Path(os.environ.get("AUTOPAR_MEASURED_DIR",
@@ -188,15 +188,7 @@ class Pricer:
         return self.cost_models[ck]
 
     def estimate(self, key: tuple, cluster: dict, strategy: Strategy, precision: str) -> Estimate:
-        cm = self.cost_model(key, cluster, precision)
-        skeleton = plan_from_strategy(
-            strategy, world_size=cm.cluster.world_size, global_batch=cm.B, num_layers=cm.L,
-            first_block=cm.first_block if cm.num_blocks else cm.L, num_blocks=cm.num_blocks,
-            precision=cm.precision, optimizer=cm.optimizer, cluster=cm.cluster.to_dict(),
-            model=model_summary(cm.graph), memory_reserve=cm.reserve)
-        priced = price(cm, skeleton)
-        assert priced is not None
-        return Estimate(priced.plan, priced.fits, priced.problems)
+        return price_strategy(self.cost_model(key, cluster, precision), strategy)
 
     def check_against_api(self, key: tuple, cluster: dict, strategy: Strategy, precision: str) -> float:
         """Relative difference of the cached path from autopar.estimate() itself."""
