@@ -38,6 +38,9 @@ class Stage:
     zero: int = 0
     recompute: bool = False
     offload: list[str] = field(default_factory=list)
+    # dtype ("bf16" | "fp16") that activations sent to the next stage and gradients sent back are cast to
+    # on the wire (cast back to the compute dtype on arrival); None sends them uncompressed
+    compress: str | None = None
     # fwd_s/bwd_s: one full micro-batch; fwd_small_s/bwd_small_s: one of microbatch_size - 1 samples;
     # send_s: activation transfer to the next stage; sync_s: end-of-step gradient sync and optimizer step;
     # compute_s, comm_s, bubble_s: per step. Seconds throughout.
@@ -83,6 +86,10 @@ class Plan:
     # (device index -> bytes), bubble_fraction
     predicted: dict[str, Any] = field(default_factory=dict)
     memory_reserve: float = 0.1
+    # expert parallelism (MoE): None, or a dict describing how experts are spread (see solver/experts.py)
+    experts: dict[str, Any] | None = None
+    # graph workloads (GNN): None, or a dict with the mode ("partition" | "sampled_dp") and node shares
+    graph: dict[str, Any] | None = None
 
     # ---- serialization --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -101,7 +108,8 @@ class Plan:
                 if key in predicted:  # JSON object keys are strings; device indices are ints
                     predicted[key] = {int(k): v for k, v in predicted[key].items()}
             return Plan(d["global_batch"], d["precision"], d["optimizer"], d["schedule"], d["chunks"],
-                        d["cluster"], d["model"], pipelines, predicted, d.get("memory_reserve", 0.1))
+                        d["cluster"], d["model"], pipelines, predicted, d.get("memory_reserve", 0.1),
+                        d.get("experts"), d.get("graph"))
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid autopar plan: {e!r} (expected the output of Plan.to_json()).") \
                 from None
