@@ -13,10 +13,15 @@ backward graphs. Options (`torch.compile(..., options={...})`):
 * kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
 * recompute: "auto" (by the memory budget), True or False.
 
-Under an initialized process group with several ranks the backend trains data-parallel: every rank runs
-its captured graphs on its own batch, rank 0's parameters are broadcast when first seen, and gradients
-are averaged over all ranks at the end of each backward (one flat all-reduce). Pipeline and tensor
-parallel plans are `autopar.compile`'s job, not this backend's.
+* strategy: an `autopar.Strategy` forcing the plan under a process group (dp or tp over the group).
+* time_limit_s: the planner's time limit per captured graph under a process group (default 20).
+
+Under an initialized process group with several ranks every rank passes its own slice of the global batch
+(like DDP) and each captured graph is planned for the group's devices (backend_dist.py): rank 0 plans,
+every rank runs the broadcast plan, data parallel (the compiled graph on the rank's slice) or tensor
+parallel over the group (DTensor-sharded parameters); rank 0's parameters are broadcast when first seen,
+and after each backward the gradients are summed over ranks weighted by slice size (one flat all-reduce).
+Each rank dumps into dump_dir/rank<r>/ (graph_<i>/plan.json: the plan it ran).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from torch import fx, nn
 from .errors import PlanError, close_matches
 from .runtime.dist import all_reduce, broadcast
 
-OPTIONS = ("cluster", "dump_dir", "kernels", "recompute")
+OPTIONS = ("cluster", "dump_dir", "kernels", "recompute", "strategy", "time_limit_s")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -53,12 +58,15 @@ class GraphRecord:
     recompute: bool = False
     saved_bytes: int = 0
     kernels: dict[str, Any] = field(default_factory=dict)  # "forward"/"backward" -> KernelReport
+    parallel: str = ""  # under a process group: the plan it runs and why
+    plan: Any = None  # the Plan (under a process group)
 
     def line(self) -> str:
         k = "; ".join(f"{w}: {len(r.fused)}/{len(r.regions)} regions fused" for w, r in self.kernels.items())
         where = f" ({self.first} .. {self.last})" if self.first else ""
         k = k or "no aten graph (AOT autograd compiled nothing)"
-        return f"graph {self.index}: {self.ops} ops{where}, {self.params} parameters; {k}\n    {self.memory}"
+        par = f"\n    {self.parallel}" if self.parallel else ""
+        return f"graph {self.index}: {self.ops} ops{where}, {self.params} parameters; {k}\n    {self.memory}{par}"
 
 
 _LOGS: dict[str, list[GraphRecord]] = {}
@@ -75,11 +83,18 @@ def _write_log(dump: Path | None, log: list[GraphRecord]) -> None:
     dump.mkdir(parents=True, exist_ok=True)
     breaks = f"{len(log) - 1} graph break(s) split the model between them" if len(log) > 1 else \
         "no graph breaks"
-    dp = f"; data-parallel over {_world()} ranks, gradients averaged after each backward" \
-        if _world() > 1 else ""
+    dp = f"; rank {dist.get_rank()} of {_world()}" if _world() > 1 else ""
     lines = [f'torch.compile(backend="autopar"): {len(log)} graph(s) captured; {breaks} '
-             f"(recompiles also add graphs){dp}"] + [r.line() for r in log]
+             f"(recompiles also add graphs){dp}"]
+    for prev, r in zip([None, *log], log, strict=False):
+        if prev is not None and prev.last and r.first:
+            lines.append(f"-- break: graph {prev.index} stops after {prev.last}, graph {r.index} starts at {r.first}")
+        lines.append(r.line())
     (dump / "graphs.txt").write_text("\n".join(lines) + "\n")
+    for r in log:
+        if r.plan is not None:
+            (dump / f"graph_{r.index}").mkdir(exist_ok=True)
+            (dump / f"graph_{r.index}" / "plan.json").write_text(r.plan.to_json())
 
 
 def _source(node: fx.Node) -> str:
@@ -104,6 +119,10 @@ def _options(options: dict | None) -> dict[str, Any]:
         from .cluster import Cluster
 
         opts["cluster"] = Cluster.load(opts["cluster"])  # a bad cluster fails here, not mid-compile
+    if opts.get("strategy") is not None:
+        from .backend_dist import check_strategy
+
+        check_strategy(opts["strategy"], _world())
     return opts
 
 
@@ -172,12 +191,15 @@ class _Planner:
 
 # ---------------------------------------------------------------------------------------------- data parallel
 class _GradAverager:
-    """Averages gradients over the process group at the end of every backward, like DDP (unbucketed)."""
+    """Sums gradients over the process group, weighted by batch slice, at the end of every backward (like
+    DDP's average, unbucketed; tensor-parallel graphs give every rank the full gradient already, which the
+    weighted sum keeps)."""
 
     def __init__(self) -> None:
         self.params: list[weakref.ref] = []
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.pending: list[nn.Parameter] = []
+        self.weight: float | None = None  # this rank's slice of the global batch, b_r / B (unknown: 1 / world)
 
     def watch(self, params: list[nn.Parameter]) -> None:
         new = [p for p in params if p.requires_grad and p not in self.seen]
@@ -200,9 +222,8 @@ class _GradAverager:
         ps = [p for r in self.params if (p := r()) is not None and id(p) in mine and p.grad is not None]
         if not ps:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        flat = torch.cat([p.grad.reshape(-1) for p in ps]) * (self.weight or 1 / dist.get_world_size())
         all_reduce(flat, dist.group.WORLD, "gradient all-reduce (autopar backend)")
-        flat /= dist.get_world_size()
         offset = 0
         for p in ps:
             p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
@@ -210,6 +231,68 @@ class _GradAverager:
 
 
 _AVERAGER = _GradAverager()
+
+
+# ---------------------------------------------------------------------------------------------- process group
+def _plan_for_group(gm: fx.GraphModule, example_inputs: list[Any], opts: dict,
+                    record: GraphRecord) -> Callable[..., Any] | None:
+    """Plan the graph for the group (backend_dist.py); returns the tensor-parallel runner, or None when the
+    graph runs data parallel through the normal path."""
+    from . import backend_dist as bd
+
+    world, rank = _world(), dist.get_rank()
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    state = [i for i, (n, x) in enumerate(zip(phs, example_inputs, strict=True))
+             if isinstance(x, torch.Tensor) and bd.is_state(n, x)]
+    user = [x for i, x in enumerate(example_inputs) if i not in state]
+    b = next((int(x.shape[0]) for x in user if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
+    sizes = bd.gather_sizes(b)
+    if not all(sizes):  # e.g. the scalar pieces around a .item() break: nothing to split or to train
+        record.parallel = "parallel: no batched tensor input: the graph runs as is on every rank"
+        return None
+    _AVERAGER.weight = sizes[rank] / sum(sizes)
+    cluster = bd.group_cluster(opts.get("cluster"), world)
+    lifted = bd.Lifted(gm, list(example_inputs), state)
+    plan, why, err = None, "", None
+    if rank == 0:
+        try:
+            plan, why = bd.make_plan(lifted, user, cluster, world, sizes, opts)
+        except PlanError:
+            raise
+        except Exception as e:  # a graph the planner cannot capture still trains, data parallel
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    plan, why = bd.agree(plan, why, err)
+    shares = f"batch slices {sizes} (weights b_r / {sum(sizes)})"
+    if plan is None:
+        record.parallel = f"parallel: data parallel over {world} ranks, {shares}: planning failed ({why})"
+        return None
+    record.plan = plan
+    kind = bd.plan_kind(plan, world)
+    head = f"parallel: plan for {cluster.name} ({why}): "
+    if kind == "tp":
+        try:
+            device = next((x.device.type for x in example_inputs if isinstance(x, torch.Tensor)), "cpu")
+            runner = bd.TPGraph(lifted, user, state, device, sizes)
+        except PlanError:
+            raise
+        except Exception as e:
+            record.parallel = (head + f"tensor parallel over {world} ranks could not be built "
+                               f"({type(e).__name__}: {str(e)[:200]}); ran data parallel, {shares}")
+            return None
+        record.parallel = (head + f"tensor parallel over {world} ranks, DTensor-sharded parameters "
+                           f"{sorted(runner.placements)} (input indices), every rank runs every slice; {shares}; "
+                           f"torch ops (no fused kernels, no memory planning under DTensor)")
+        record.memory = "memory: not planned (tensor-parallel graph)"
+        return runner
+    planned = [p.batch_share for p in plan.pipelines]
+    note = "" if sorted(planned) == sorted(sizes) else \
+        f"; the plan's slices {planned} differ from the ranks' ({sizes}): each rank trains on what it is given"
+    ignored = sorted({f"ZeRO-{s.zero}" for p in plan.pipelines for s in p.stages if s.zero}
+                     | {f"offload {o}" for p in plan.pipelines for s in p.stages for o in s.offload})
+    record.parallel = (head + f"data parallel over {world} ranks, {shares}{note}"
+                       + (f"; not applied by the backend: {', '.join(ignored)} (the optimizer is the user's)"
+                          if ignored else ""))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- backend
@@ -227,6 +310,8 @@ def autopar_backend(gm: fx.GraphModule, example_inputs: list[Any], *, options: d
 
     opts = _options(options)
     dump = Path(opts["dump_dir"]) if opts.get("dump_dir") is not None else None
+    if dump is not None and _world() > 1:
+        dump = dump / f"rank{dist.get_rank()}"
     log = _LOGS.setdefault(str(dump) if dump is not None else "", [])
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     params = [x for x in example_inputs if isinstance(x, nn.Parameter)] + list(gm.parameters())
@@ -235,6 +320,10 @@ def autopar_backend(gm: fx.GraphModule, example_inputs: list[Any], *, options: d
     log.append(record)
     if _world() > 1:
         _AVERAGER.watch([p for p in params if isinstance(p, nn.Parameter)])
+        tp = _plan_for_group(gm, example_inputs, opts, record)
+        if tp is not None:
+            _write_log(dump, log)
+            return tp
 
     def compiler(which: str) -> Callable[[fx.GraphModule, list], Callable]:
         def compile_graph(g: fx.GraphModule, _inputs: list) -> Callable:

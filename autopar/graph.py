@@ -118,6 +118,8 @@ class TrainingGraph:
     model_name: str = "model"
     device_types: list[str] = field(default_factory=list)
     dtype: str = "fp32"  # compute dtype the times were priced for
+    kernels: str = "torch"  # kernels mode the times were priced for (passes/annotate.py)
+    fused_types: list[str] = field(default_factory=list)  # device types priced with fused regions
     input_meta: dict[str, TensorMeta] = field(default_factory=dict)
     gm: Any = field(default=None, repr=False, compare=False)  # the fx GraphModule (not serialized)
 
@@ -156,6 +158,7 @@ class TrainingGraph:
         d = {
             "model_name": self.model_name, "batch_size": self.batch_size, "loss_node": self.loss_node,
             "device_types": self.device_types, "dtype": self.dtype, "inputs": self.inputs,
+            "kernels": self.kernels, "fused_types": self.fused_types,
             "input_meta": {k: asdict(v) for k, v in self.input_meta.items()},
             "nodes": [asdict(n) for n in self.nodes.values()],
             "params": [asdict(p) for p in self.params.values()],
@@ -190,4 +193,5 @@ class TrainingGraph:
                              layers=[Layer(**layer) for layer in d["layers"]], batch_size=d["batch_size"],
                              loss_node=d["loss_node"], model_name=d["model_name"],
                              device_types=list(d["device_types"]), dtype=d["dtype"],
+                             kernels=d.get("kernels", "torch"), fused_types=list(d.get("fused_types", [])),
                              input_meta={k: tm(v) for k, v in d["input_meta"].items()})

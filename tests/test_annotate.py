@@ -8,6 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
 from autopar import models
+from autopar.codegen.fusion import find_regions, fused_bytes
+from autopar.cost_models.compute import ComputeModel, pointwise_flops
 from autopar.cost_models.memory import training_state_bytes
 from autopar.graph import TrainingGraph
 from autopar.passes.annotate import annotate
@@ -15,9 +17,10 @@ from autopar.passes.annotate import annotate
 CLUSTER = autopar.Cluster.load("1x2xA100-80GB+1x2xT4")
 
 
-def _annotated(case: models.ModelCase, precision: str = "fp32") -> TrainingGraph:
+def _annotated(case: models.ModelCase, precision: str = "fp32", kernels: str = "torch") -> TrainingGraph:
+    """Priced as eager torch runs it (kernels="torch"), which is what these tests compare against."""
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    return annotate(g, CLUSTER, precision=precision)
+    return annotate(g, CLUSTER, precision=precision, kernels=kernels)
 
 
 def _reference_flops(case: models.ModelCase) -> tuple[int, int]:
@@ -135,3 +138,77 @@ def test_layer_boundaries_carry_the_hidden_state() -> None:
     blocks = [x for x in g.layers if x.kind == "block"]
     for layer in blocks[:-1]:
         assert layer.boundary_bytes == b * s * h * 4  # the residual stream, fp32
+
+
+def test_fused_regions_are_priced_as_one_kernel_where_the_kernels_mode_fuses() -> None:
+    b, s, h = 4, 32, 64
+    case = models.gpt(batch=b, seq=s, hidden=h, layers=2)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    mixed = autopar.Cluster.load("1x1xA100-80GB+1x1xcpu")
+    auto, eager = annotate(g, mixed, kernels="auto"), annotate(g, mixed, kernels="torch")
+    assert (auto.kernels, auto.fused_types, eager.fused_types) == ("auto", ["A100-80GB"], [])
+    assert TrainingGraph.from_dict(auto.to_dict()).fused_types == ["A100-80GB"]
+    gpu = ComputeModel(mixed.spec("A100-80GB"))
+    for fused, plain in zip(auto.layers, eager.layers, strict=True):
+        assert fused.time_fwd["cpu"] == plain.time_fwd["cpu"]  # auto: the cpu type runs torch ops
+        assert fused.time_bwd["cpu"] == plain.time_bwd["cpu"]
+        faster = (lambda a, b: a < b) if fused.kind == "block" else (lambda a, b: a <= b)
+        assert faster(fused.time_fwd["A100-80GB"], plain.time_fwd["A100-80GB"])
+        assert faster(fused.time_bwd["A100-80GB"], plain.time_bwd["A100-80GB"])
+    # the MLP's bias + GELU, by hand: the kernel reads the matmul output and the bias, writes GELU's output
+    region = next(r for r in find_regions(g.gm.graph_module) if r.kind == "bias_act")
+    (gelu,) = [n for n in region.nodes if "gelu" in str(n.target)]
+    (head,) = region.heads
+    after = 4 * (2 * b * s * 4 * h + 4 * h)
+    assert fused_bytes(region)[1] == after < fused_bytes(region)[0]
+    unfused_gelu = eager.nodes[gelu.name].time_fwd["A100-80GB"]
+    by_hand = gpu.op_time("elementwise", pointwise_flops("aten.gelu.default", b * s * 4 * h), after)
+    assert auto.nodes[gelu.name].time_fwd["A100-80GB"] == pytest.approx(by_hand, rel=1e-12)
+    assert auto.nodes[head.name].time_fwd == eager.nodes[head.name].time_fwd  # the matmul stays in torch
+    assert by_hand < unfused_gelu + eager.nodes[head.name].time_fwd["A100-80GB"]
+    # every type fuses ("triton", or auto on GPUs only): kernels and saved tensors are the fused program's
+    triton = annotate(g, mixed, kernels="triton")
+    assert [k.op for k in triton.nodes[gelu.name].kernels_fwd] == ["fused.bias_act"]
+    assert triton.nodes[gelu.name].saved == sorted([head.name, region.inputs[1].name])  # the inputs it saves
+    assert triton.layers[1].time_fwd["cpu"] < eager.layers[1].time_fwd["cpu"]
+    assert auto.layers[1].saved_bytes == eager.layers[1].saved_bytes  # mixed: memory as eager runs it
+    with pytest.raises(autopar.errors.PlanError, match="kernels mode 'fast'"):
+        annotate(g, mixed, kernels="fast")
+    # plans price what will run, and say which mode they were priced for
+    ests = {k: autopar.estimate(case.model, "1x1xA100-80GB", autopar.Strategy(), case.example_inputs,
+                                case.example_target, case.loss_fn, kernels=k) for k in ("auto", "torch")}
+    assert ests["auto"].plan.model["kernels"] == "auto"
+    assert ests["auto"].plan.model["fused_device_types"] == ["A100-80GB"]
+    assert ests["torch"].plan.model["fused_device_types"] == []
+    assert ests["auto"].predicted["step_time_s"] < ests["torch"].predicted["step_time_s"]
+
+
+def test_saved_bytes_with_fusion_match_what_the_fused_program_saves() -> None:
+    pytest.importorskip("triton")
+    from autopar.codegen.kernels import apply_kernels
+    from autopar.codegen.split import split_stages
+
+    case = models.gpt(hidden=64, layers=2, seq=64)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    (st,) = split_stages(g, [(0, len(g.layers))])
+    named = {**dict(case.model.named_parameters()), **dict(case.model.named_buffers())}
+    user = [*case.example_inputs, case.example_target]
+    params = [named[p].detach().clone().requires_grad_(True) for p in st.params]
+    args = params + [named[b] for b in st.buffers] + [user[i] for i in st.inputs]
+    fused, report = apply_kernels(st.gm, "triton", example_inputs=args)
+    assert report.fused
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fused(*args)
+    cluster = autopar.Cluster.load("1x1xA100-80GB")
+    priced = annotate(g, cluster, kernels="triton").saved_activation_bytes()
+    assert priced != annotate(g, cluster, kernels="torch").saved_activation_bytes()
+    # regions are priced per layer; the program also fuses across layer boundaries
+    assert priced == pytest.approx(sum(seen.values()), rel=0.05)

@@ -4,6 +4,7 @@ data-parallel on two gloo processes."""
 from __future__ import annotations
 
 import copy
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -84,8 +85,15 @@ def test_gpt_with_triton_kernels_trains_like_eager(tmp_path: Path) -> None:
     assert rec.kernels["forward"].fused and rec.kernels["backward"].fused
     assert all(not r.notes for rep in rec.kernels.values() for r in rep.regions)  # no runtime fallbacks
     assert {r.kind for r in rec.kernels["forward"].fused} >= {"residual_norm", "bias_act"}
-    assert (tmp_path / "graph_0" / "backward" / "regions.txt").exists()
-    assert list((tmp_path / "graph_0" / "forward").glob("kernel_*.py"))
+    for which, rep in rec.kernels.items():  # every region listed with its fate; every kernel's source dumped
+        text = (tmp_path / "graph_0" / which / "regions.txt").read_text()
+        for r in rep.regions:
+            assert (f"{r.name}: FUSED" if r.fused else f"{r.name}: not fused") in text
+            if r.fused:
+                src = (tmp_path / "graph_0" / which / r.kernel).read_text()
+                assert "def fwd(" in src and "def bwd(" in src and "tl.store(" in src
+            else:
+                assert r.reason and r.reason in text
 
 
 def test_gpt_default_options_adamw_trains_like_eager() -> None:
@@ -127,6 +135,9 @@ def test_graph_breaks_train_correctly_and_are_listed(tmp_path: Path) -> None:
     assert "graph break" in text and "graph 1:" in text
     recs = graphs(tmp_path)
     assert len(recs) >= 2 and all(r.ops > 0 for r in recs)
+    lines, start = inspect.getsourcelines(Breaky.forward)
+    item = start + next(i for i, line in enumerate(lines) if ".item()" in line)
+    assert f"-- break: graph 0 stops after test_backend.py:{item}, graph 1 starts at" in text
 
 
 def test_bad_options_are_named() -> None:
@@ -138,22 +149,87 @@ def test_bad_options_are_named() -> None:
         torch.compile(m, backend="autopar", options={"kernels": "fast"})(torch.randn(2, 4))
 
 
-def _data_parallel(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    case, batches = gpt_batches()
-    model = case.model if rank == 0 else models.gpt(hidden=64, seed=1).model  # rank 0's weights win
-    share = case.example_inputs[0].shape[0] // world
-    mine = [(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]) for x, y in batches]
-    losses = train(model, mine, case.loss_fn)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+def _slices(batches: list[tuple], rank: int, sizes: list[int]) -> list[tuple]:
+    lo = sum(sizes[:rank])
+    return [(x[lo:lo + sizes[rank]], y[lo:lo + sizes[rank]]) for x, y in batches]
 
 
-def test_data_parallel_on_two_processes_matches_one() -> None:
-    results = spawn_local(_data_parallel, 2, timeout_s=180)
+def _group_cases(rank: int, world: int, dump: str) -> dict[str, tuple]:
+    """On every rank, per case: losses, final parameters. Rank 0's weights must win (rank 1 starts elsewhere)."""
+    import autopar
+
+    out = {}
+    cases = {"planned": ({"cluster": "1x2xcpu"}, [2, 2]),
+             "tp": ({"cluster": "1x2xcpu", "strategy": autopar.Strategy(tp=2)}, [2, 2]),
+             "uneven": ({}, [3, 1])}
+    for name, (options, sizes) in cases.items():
+        torch._dynamo.reset()
+        case, batches = gpt_batches()
+        model = case.model if rank == 0 else models.gpt(hidden=64, seed=1).model
+        losses = train(model, _slices(batches, rank, sizes), case.loss_fn,
+                       {**options, "dump_dir": f"{dump}/{name}"})
+        out[name] = ([x * sizes[rank] / sum(sizes) for x in losses],
+                     {k: v.detach().clone() for k, v in model.named_parameters()})
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    if rank != 0:
+        torch.manual_seed(5)
+    model = Breaky()
+    losses = train(model, _slices([(x, y)] * STEPS, rank, [4, 4]), F.mse_loss,
+                   {"dump_dir": f"{dump}/breaky", "strategy": autopar.Strategy(dp=2)})
+    out["breaky"] = ([v / 2 for v in losses], {k: v.detach().clone() for k, v in model.named_parameters()})
+    return out
+
+
+def _check_group_run(results: list[dict], name: str, model: nn.Module, want: list[float]) -> None:
+    got = [sum(r[name][0][i] for r in results) for i in range(STEPS)]  # slice-weighted mean of rank losses
+    assert got == pytest.approx(want, rel=RTOL, abs=ATOL), name
+    for rank, r in enumerate(results):
+        for pname, p in model.named_parameters():
+            torch.testing.assert_close(r[name][1][pname], p.detach(), rtol=RTOL, atol=ATOL,
+                                       msg=f"{name}: rank {rank} {pname}")
+
+
+def test_process_group_plans_and_trains_like_eager(tmp_path: Path) -> None:
+    """2 gloo ranks: a planned graph, a forced tensor-parallel plan, uneven slices without a cluster option,
+    and graph breaks, each trained 3 steps like eager on the global batch; every rank ran rank 0's plan."""
+    from autopar.backend_dist import plan_kind
+    from autopar.plan import Plan
+
+    results = spawn_local(_group_cases, 2, str(tmp_path), timeout_s=400)
     case, batches = gpt_batches()
     want = train(case.model, batches, case.loss_fn, compiled=False)
-    got = [sum(r[0][i] for r in results) / 2 for i in range(STEPS)]  # equal shares: mean of rank means
-    assert got == pytest.approx(want, rel=RTOL, abs=ATOL)
-    for rank, (_, params) in enumerate(results):
-        for name, p in case.model.named_parameters():
-            torch.testing.assert_close(params[name], p.detach(), rtol=RTOL, atol=ATOL,
-                                       msg=f"rank {rank} {name}")
+    for name in ("planned", "tp", "uneven"):
+        _check_group_run(results, name, case.model, want)
+        plans = [Plan.from_json((tmp_path / name / f"rank{r}" / "graph_0" / "plan.json").read_text())
+                 for r in range(2)]
+        assert plans[0].to_json() == plans[1].to_json()  # every rank runs the same plan
+        kind = plan_kind(plans[0], 2)
+        assert kind == "tp" if name == "tp" else kind in ("dp", "tp")
+        text = (tmp_path / name / "rank1" / "graphs.txt").read_text()
+        assert "parallel: plan for" in text
+        assert ("tensor parallel over 2 ranks, DTensor-sharded" in text) == (kind == "tp")
+    assert "strategy dp=1 tp=2 pp=1 forced" in (tmp_path / "tp" / "rank0" / "graphs.txt").read_text()
+    assert "batch slices [3, 1]" in (tmp_path / "uneven" / "rank0" / "graphs.txt").read_text()
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    ref = Breaky()
+    want = train(ref, [(x, y)] * STEPS, F.mse_loss, compiled=False)
+    _check_group_run(results, "breaky", ref, want)
+    text = (tmp_path / "breaky" / "rank0" / "graphs.txt").read_text()
+    assert "graph break" in text and "graph 1:" in text and text.count("parallel: plan for") >= 2
+
+
+def test_group_options_are_checked() -> None:
+    import autopar
+    from autopar.backend_dist import check_strategy, group_cluster
+
+    with pytest.raises(Exception, match="has 1 devices but the process group has 2 ranks"):
+        group_cluster(autopar.Cluster.load("1x1xcpu"), 2)
+    assert group_cluster(None, 3).world_size == 3
+    with pytest.raises(Exception, match="use autopar.compile for pipelines"):
+        check_strategy(autopar.Strategy(pp=2), 2)
+    with pytest.raises(Exception, match="the process group has 1 rank"):  # a single process: no group
+        torch.compile(nn.Linear(4, 4), backend="autopar", options={"strategy": autopar.Strategy(tp=2)})(
+            torch.randn(2, 4))

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from ..cluster import Cluster
 from ..cost_models.compute import ComputeModel, classify, pointwise_flops
 from ..graph import Kernel, Layer, OpNode, TrainingGraph
+from .fusion_pricing import apply_overrides, check_mode, fused_overrides, fusing_types
 
 PRECISIONS = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
@@ -190,12 +191,18 @@ def _fallback_cost(node: OpNode, arg_bytes: float) -> _NodeCost:
     return _NodeCost((k,), (k, k) if node.requires_grad else (), (), (), 0)
 
 
-def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: str = "fp32") -> TrainingGraph:
+def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: str = "fp32",
+             kernels: str = "auto") -> TrainingGraph:
     """Return a copy of `graph` with costs on every node and layer, priced for each device type of `cluster`.
 
     `precision` is the training compute dtype: "fp32" (also tf32) or mixed "bf16"/"fp16", which halves the
-    bytes of floating-point activations and uses the tensor-core peak.
+    bytes of floating-point activations and uses the tensor-core peak. `kernels` is the mode programs will
+    run with (`autopar.compile(kernels=...)`): on the device types where it fuses ("auto": CUDA types,
+    "triton": all, "torch": none) each fusible region is priced as the one kernel it runs as
+    (fusion_pricing.py). When every device type fuses, the nodes' kernels and saved tensors are those of
+    the fused program; otherwise only the fusing types' times are.
     """
+    check_mode(kernels)
     if precision not in PRECISIONS:
         from ..errors import PlanError
 
@@ -273,15 +280,24 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
         )
     device_types = cluster.device_types() if cluster is not None else []
     models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in device_types} if cluster else {}
-    for node in new_nodes.values():
+    fusing = fusing_types(cluster, kernels)
+    over = fused_overrides(ep, graph.layers, new_nodes, grad, roots, scale) if fusing else {}
+    rewrite = bool(fusing) and set(fusing) == set(device_types)
+    if rewrite:
+        new_nodes = {k: apply_overrides(n, over[k], True) if k in over else n for k, n in new_nodes.items()}
+    for name, node in new_nodes.items():
+        fused = {t: name in over and not rewrite and t in fusing for t in models}
         node.time_fwd = {
-            t: sum(_kernel_time(m, k) for k in node.kernels_fwd) for t, m in models.items()
+            t: sum(_kernel_time(m, k) for k in (over[name][0] if fused[t] else node.kernels_fwd))
+            for t, m in models.items()
         }
         node.time_bwd = {
-            t: sum(_kernel_time(m, k) for k in node.kernels_bwd) for t, m in models.items()
+            t: sum(_kernel_time(m, k) for k in (over[name][1] if fused[t] else node.kernels_bwd))
+            for t, m in models.items()
         }
     layers = _layer_totals(graph, new_nodes, roots, root_bytes, scale)
-    return replace(graph, nodes=new_nodes, layers=layers, device_types=device_types, dtype=precision)
+    return replace(graph, nodes=new_nodes, layers=layers, device_types=device_types, dtype=precision,
+                   kernels=kernels, fused_types=fusing)
 
 
 def _layer_totals(
