@@ -22,14 +22,16 @@ from .solver.search import search
 
 def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
             example_target: Any = None, loss_fn: LossFn | None = None, precision: str = "fp32",
-            dump_dir: str | os.PathLike | None = None) -> TrainingGraph:
+            dump_dir: str | os.PathLike | None = None, kernels: str = "auto") -> TrainingGraph:
     """Capture `model` on one global batch and cost every node on every device type of `cluster`.
 
     Returns the annotated TrainingGraph; `graph.table()` prints it. With AUTOPAR_DUMP=<dir> (or
-    `dump_dir=`) also writes graph.txt, graph.json and graph.dot there.
+    `dump_dir=`) also writes graph.txt, graph.json and graph.dot there. `kernels` is the kernels mode the
+    times are priced for (fused regions on the device types it fuses; recorded as `graph.kernels`).
     """
     cluster = Cluster.load(cluster)
-    graph = annotate(capture(model, example_inputs, loss_fn, example_target), cluster, precision=precision)
+    graph = annotate(capture(model, example_inputs, loss_fn, example_target), cluster, precision=precision,
+                     kernels=kernels)
     dump_graph(graph, dump_dir)
     return graph
 
@@ -41,32 +43,48 @@ def default_precision(cluster: Cluster) -> str:
 
 def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
                example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
-               precision: str | None = None, memory_reserve: float = 0.1) -> CostModel:
+               precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto") -> CostModel:
     """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use)."""
     cluster = Cluster.load(cluster)
     precision = precision or default_precision(cluster)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    graph = annotate(capture(model, tuple(inputs), loss_fn, example_target), cluster, precision=precision)
+    graph = annotate(capture(model, tuple(inputs), loss_fn, example_target), cluster, precision=precision,
+                     kernels=kernels)
     return CostModel(graph, cluster, precision, optimizer, memory_reserve)
 
 
 def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
          example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
          time_limit_s: float = 60, precision: str | None = None, *, memory_reserve: float = 0.1,
-         progress: Callable[[int, int, float | None], None] | None = None) -> Plan:
+         progress: Callable[[int, int, float | None], None] | None = None, kernels: str = "auto",
+         graph_options: dict | None = None) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
     predicted peak memory stays under (1 - memory_reserve) of its capacity. Stops at `time_limit_s`
     (capture included) with the best plan so far and a warning; raises InfeasibleError when nothing fits.
     `progress(done, total, best_step_time)` is called as configurations are evaluated. With
-    AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt and timeline.json there.
+    AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt and timeline.json there. `kernels` is the mode the
+    program will run with (`autopar.compile(kernels=...)`): compute is priced with fused regions on the
+    device types that mode fuses, and the plan records it in `plan.model["kernels"]`.
+
+    Graph workloads (an integer (2, E) edge_index input and message-passing layers, or a temporal GNN) get
+    the graph planner (autopar/graphs): partitioned full-graph vs sampled data parallel, with
+    `graph_options` (mode, batch_size, fanout, seed; see graphs.planner.plan_graph) and `plan.graph` set.
     """
+    from .graphs.planner import graph_kind
+
+    if graph_kind(model, example_inputs) is not None:
+        from .graphs.entry import plan_workload
+
+        return plan_workload(model, cluster, example_inputs, example_target, optimizer, precision,
+                             memory_reserve=memory_reserve, options=graph_options)
     start = time.perf_counter()
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve)
+                    memory_reserve, kernels)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress)
+    result.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
     d = _dump_dir()
     if d is not None:
         (d / "plan.json").write_text(result.to_json())
@@ -78,8 +96,10 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
 def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy,
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
              optimizer: object = "adamw", precision: str | None = None, *,
-             memory_reserve: float = 0.1) -> Estimate:
+             memory_reserve: float = 0.1, kernels: str = "auto") -> Estimate:
     """Price a hand-written Strategy with the planner's cost model (Megatron rank order)."""
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve)
-    return price_strategy(cm, strategy)
+                    memory_reserve, kernels)
+    est = price_strategy(cm, strategy)
+    est.plan.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
+    return est

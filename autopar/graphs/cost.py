@@ -1,0 +1,360 @@
+"""Cost model of graph workloads: per-layer closed forms priced with ComputeModel / collective_time.
+
+Units: seconds and bytes; b = activation bytes per element (2 in bf16/fp16, 4 in fp32), N nodes, E edges,
+F feature width, P parameters. Per message-passing layer with input width d_in, output width d_out, message
+width w (d_out for GCN/GAT, which transform before propagating; d_in for SAGE/GraphConv) and dense FLOPs per
+row D (2 in out summed over the layer's linears), on R node rows with E' edges:
+
+    dense   matmul(flops = D R, bytes = b (R d_in + R d_out) + weights)        backward 2x
+    sparse  embedding-kind gather + scatter-add(bytes = b (3 E' w + 2 R w))      backward 2x
+    gat     + per edge and head: logits, softmax (bytes = 4 b E' heads)
+
+Node-wise layers outside message-passing layers (encoder, head) are dense on their rows.
+
+partition (rank r owns n_r nodes, h_r halo nodes, E_r = in-edges of its nodes, R = n_r + h_r):
+    step    = max_r(fwd_r + bwd_r) + sum over layers 2 all_to_all(max_r h_r w b) + all_reduce(P g) + optim
+    memory  = P (w + g + o) + R F b + 16 E_r + sum over layers (R (d_in + 2 d_out) b + E_r w b)
+    halo    = exact from the graph when its edge_index holds data (contiguous ranges of the locality order),
+              else the uniform random-graph expectation (N - n_r)(1 - exp(-E_r / N))
+    shares  = `balanced_shares`: per-rank time fitted as fixed + n x per-node (launch overheads are paid
+              whatever the share), max over ranks minimised, capped by memory; refitted once with the halos
+sampled_dp (rank r takes b_r seeds, fanout f, expected sampled in-degree k = mean min(f, deg)):
+    levels  n_L = b_r, n_{l-1} = n_l + (N - n_l)(1 - exp(-n_l k / N)), E_l = n_l k
+    step    = max_r(fwd_r + bwd_r + fetch_r) + all_reduce(P g) + optim; fetch_r = gathering n_0 F b feature
+              bytes on the device when the graph and features fit in its memory, else over its host link
+    memory  = P (w + g + o) + [N F b + 16 E if on the device] + sum over layers (n_{l-1}(d_in + 2 d_out) b
+              + E_l w b) + 16 sum E_l
+    shares  = seeds by `balanced_shares` (fixed + per-seed time), capped by memory
+samples/s counts labelled nodes trained per second (all labelled nodes per partition step, the seeds of a
+sampled step); the planner takes the faster mode that fits memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..cluster import Cluster
+from ..cost_models.comm import collective_time
+from ..cost_models.compute import ComputeModel
+from ..cost_models.memory import optimizer_name, state_bytes_per_param
+from .data import in_degree, locality_order
+from .layers import layer_kind, message_passing_layers
+from .partition import balanced_shares, partition_graph
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    kind: str  # "dense" | gcn | sage | gat | graphconv | mp
+    d_in: int
+    d_out: int
+    msg: int  # message width
+    dense_flops_per_row: float
+    heads: int = 1
+
+
+@dataclass
+class GraphStats:
+    num_nodes: int
+    num_edges: int
+    features: int
+    labelled: int
+    edge_index: torch.Tensor | None = None  # with data: exact halos and sampled degrees
+    feature_bytes: int = 4
+
+    @property
+    def avg_degree(self) -> float:
+        return self.num_edges / max(self.num_nodes, 1)
+
+
+def _linears(m: nn.Module) -> list[tuple[int, int]]:
+    out = []
+    for sub in m.modules():
+        w = getattr(sub, "weight", None)
+        if isinstance(sub, nn.Linear) or (type(sub).__name__ == "Linear" and isinstance(w, torch.Tensor)
+                                          and w.dim() == 2):
+            out.append((int(w.shape[1]), int(w.shape[0])))
+    return out
+
+
+def model_shapes(model: nn.Module) -> list[LayerShape]:
+    """The model's layers in registration order: message-passing layers and node-wise linears between."""
+    mp = dict(message_passing_layers(model))
+    shapes: list[LayerShape] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in mp):
+            continue
+        if name in mp:
+            lin = _linears(m)
+            kind = layer_kind(m)
+            d_in = lin[0][0] if lin else 0
+            heads = int(getattr(m, "heads", 1))
+            d_out = lin[0][1] if lin else 0
+            msg = d_out if kind in ("gcn", "gat") else d_in
+            shapes.append(LayerShape(kind, d_in, d_out, msg, float(sum(2 * i * o for i, o in lin)), heads))
+        elif isinstance(m, nn.Linear):
+            shapes.append(LayerShape("dense", m.in_features, m.out_features, 0, 2.0 * m.in_features * m.out_features))
+    return shapes
+
+
+@dataclass
+class Work:
+    """Per-rank fwd/bwd seconds and saved-activation bytes of one forward over given rows and edges."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    act: float = 0.0
+    flops: float = 0.0
+
+
+def layer_work(cm: ComputeModel, s: LayerShape, rows_in: float, rows_out: float, edges: float, b: int) -> Work:
+    w = Work()
+    rows = rows_in if s.kind != "dense" else rows_out
+    if s.dense_flops_per_row:
+        fl = s.dense_flops_per_row * rows
+        nbytes = b * rows * (s.d_in + s.d_out) + 4 * s.dense_flops_per_row / 2
+        w.fwd += cm.op_time("matmul", fl, nbytes) + cm.op_time("elementwise", rows * s.d_out, 2 * b * rows * s.d_out)
+        w.bwd += cm.op_time("matmul", 2 * fl, 2 * nbytes, launches=2)
+        w.act += b * rows * (s.d_in + s.d_out)
+        w.flops += 3 * fl
+    if s.kind != "dense":
+        sparse = b * (3 * edges * s.msg + 2 * rows * s.msg)
+        w.fwd += cm.op_time("embedding", edges * s.msg, sparse, launches=2)
+        w.bwd += 2 * cm.op_time("embedding", edges * s.msg, sparse, launches=2)
+        w.act += b * (edges * s.msg + rows * s.d_out)
+        if s.kind == "gat":
+            extra = 4 * b * edges * s.heads
+            w.fwd += cm.op_time("softmax", edges * s.heads * 5, extra, launches=3)
+            w.bwd += 2 * cm.op_time("softmax", edges * s.heads * 5, extra, launches=3)
+            w.act += extra
+        w.flops += 3 * edges * s.msg
+    return w
+
+
+def forward_work(cm: ComputeModel, shapes: list[LayerShape], levels: list[float], edges: list[float],
+                 b: int, dense_levels: list[float] | None = None) -> Work:
+    """Sum over layers; message-passing layer i reads levels[i] rows, writes levels[i + 1] with edges[i];
+    dense layers before message-passing layer i run on dense_levels[i] rows (default: levels[i])."""
+    dense_levels = levels if dense_levels is None else dense_levels
+    total, i = Work(), 0
+    for s in shapes:
+        if s.kind == "dense":
+            lw = layer_work(cm, s, dense_levels[i], dense_levels[i], 0, b)
+        else:
+            lw = layer_work(cm, s, levels[i], levels[i + 1], edges[i], b)
+            i += 1
+        total.fwd += lw.fwd
+        total.bwd += lw.bwd
+        total.act += lw.act
+        total.flops += lw.flops
+    return total
+
+
+@dataclass
+class Candidate:
+    mode: str
+    shares: list[int]
+    fits: bool
+    step_time_s: float
+    samples_per_step: int
+    compute_s: list[float]
+    comm_s: float
+    sync_s: float
+    peak_memory_bytes: list[int]
+    flops: float
+    problems: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        step = self.step_time_s if math.isfinite(self.step_time_s) else None  # strict JSON: no Infinity
+        return {"fits": self.fits, "step_time_s": step, "samples_per_s": self.samples_per_s,
+                "samples_per_step": self.samples_per_step, "shares": self.shares, "compute_s": self.compute_s,
+                "comm_s": self.comm_s, "sync_s": self.sync_s, "peak_memory_bytes": self.peak_memory_bytes,
+                "problems": self.problems, **self.extra}
+
+
+class GraphCostModel:
+    """Prices partitioned and sampled data-parallel training of `model` on a graph for `cluster`."""
+
+    def __init__(self, model: nn.Module, stats: GraphStats, cluster: Cluster, precision: str = "fp32",
+                 optimizer: object = "adamw", memory_reserve: float = 0.1) -> None:
+        self.shapes = model_shapes(model)
+        self.layers = sum(1 for s in self.shapes if s.kind != "dense")
+        self.stats, self.cluster, self.precision, self.reserve = stats, cluster, precision, memory_reserve
+        self.b = 2 if precision in ("bf16", "fp16") else 4
+        self.params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.optimizer = optimizer_name(optimizer)
+        self.state = state_bytes_per_param(optimizer, precision).total * self.params
+        self._cm: dict[str, ComputeModel] = {}
+        world = list(range(cluster.world_size))
+        self.sync_s = (collective_time("all_reduce", self.params * state_bytes_per_param(optimizer, precision).grads,
+                                       world, cluster) + max(self._opt_time(d) for d in world))
+
+    def cm(self, d: int) -> ComputeModel:
+        spec = self.cluster.devices[d].spec
+        if spec.name not in self._cm:
+            self._cm[spec.name] = ComputeModel(spec, dtype=self.precision)
+        return self._cm[spec.name]
+
+    def usable(self, d: int) -> float:
+        return self.cluster.devices[d].spec.memory * (1 - self.reserve)
+
+    def _opt_time(self, d: int) -> float:
+        return 2 * self.state / self.cluster.devices[d].spec.memory_bandwidth
+
+    # ---- partition ----------------------------------------------------------------------------------
+    def expected_halo(self, n: float) -> float:
+        s = self.stats
+        return (s.num_nodes - n) * (1 - math.exp(-n * s.avg_degree / max(s.num_nodes, 1)))
+
+    def _partition_time(self, d: int, n: float) -> float:
+        work, _ = self._partition_rank(d, n, self.expected_halo(n), n * self.stats.avg_degree)
+        return work.fwd + work.bwd
+
+    def _partition_rank(self, d: int, n: float, halo: float, edges: float) -> tuple[Work, float]:
+        s, rows = self.stats, n + halo
+        # message-passing layers read owned + halo rows; node-wise layers run on owned rows only
+        work = forward_work(self.cm(d), self.shapes, [rows] * self.layers + [n], [edges] * self.layers, self.b,
+                            [n] * (self.layers + 1))
+        memory = self.state + rows * s.features * s.feature_bytes + 16 * edges + work.act
+        return work, memory
+
+    def partition(self) -> Candidate:
+        s, world = self.stats, self.cluster.world_size
+        devices = range(world)
+        chunk = max(1.0, s.num_nodes / world)
+        fixed, marginal, caps = [], [], []
+        for d in devices:
+            t1 = self._partition_time(d, chunk)
+            t2 = self._partition_time(d, 2 * chunk)
+            marginal.append(max((t2 - t1) / chunk, 1e-15))
+            fixed.append(max(t1 - marginal[-1] * chunk, 0.0))
+            _, mem = self._partition_rank(d, chunk, self.expected_halo(chunk), chunk * s.avg_degree)
+            per_node = max(mem - self.state, 1.0) / chunk
+            caps.append(max(0.0, (self.usable(d) - self.state) / per_node))
+        if sum(int(c) for c in caps) < s.num_nodes:
+            return self._infeasible("partition", [f"device {d} holds at most {int(caps[d])} nodes"
+                                                  for d in devices] + [f"the graph has {s.num_nodes} nodes"])
+        order = locality_order(s.edge_index, s.num_nodes) if s.edge_index is not None else None
+        best = None
+        # halos grow as shares shrink: re-balance once with the per-rank rates the halos give
+        for _ in range(2):
+            shares = balanced_shares(s.num_nodes, fixed, marginal, caps)
+            priced = self._price_partition(shares, order)
+            if best is None or max(priced[2]) < max(best[2]):
+                best = priced
+            marginal = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else marginal[d]
+                        for d in devices]
+        shares, halos, compute, mems, flops, owner_edges, exact = best
+        problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
+                    for d in devices if mems[d] > self.usable(d)]
+        comm = 0.0
+        for sh in self.shapes:
+            if sh.kind != "dense" and world > 1:
+                comm += 2 * collective_time("all_to_all", max(halos) * sh.d_in * self.b, list(devices),
+                                            self.cluster)
+        step = max(compute) + comm + self.sync_s
+        extra = {"halo": [int(h) for h in halos], "local_edges": [int(e) for e in owner_edges], "halo_exact": exact}
+        return Candidate("partition", shares, not problems, step, s.labelled, compute, comm, self.sync_s, mems,
+                         flops, problems, extra)
+
+    def _price_partition(self, shares: list[int], order: torch.Tensor | None) -> tuple:
+        s = self.stats
+        if s.edge_index is not None:
+            part = partition_graph(s.edge_index, s.num_nodes, shares, 0, order)
+            halos = [float(h) for h in part.halo_sizes]
+            owner_edges = [float(e) for e in part.edge_counts]
+        else:
+            halos = [self.expected_halo(n) for n in shares]
+            owner_edges = [n * s.avg_degree for n in shares]
+        compute, mems, flops = [], [], 0.0
+        for d in range(self.cluster.world_size):
+            work, mem = self._partition_rank(d, shares[d], halos[d], owner_edges[d])
+            compute.append(work.fwd + work.bwd)
+            mems.append(int(mem))
+            flops += work.flops
+        return shares, halos, compute, mems, flops, owner_edges, s.edge_index is not None
+
+    # ---- sampled data parallel ----------------------------------------------------------------------
+    def sampled_degree(self, fanout: int) -> float:
+        s = self.stats
+        if s.edge_index is not None:
+            deg = in_degree(s.edge_index, s.num_nodes, exclude_self_loops=True)
+            return float(deg.clamp(max=fanout).float().mean()) if fanout > 0 else float(deg.float().mean())
+        return min(float(fanout), s.avg_degree) if fanout > 0 else s.avg_degree
+
+    def levels(self, seeds: float, k: float) -> tuple[list[float], list[float]]:
+        """Expected node-set sizes n_0..n_L and edges per layer of a mini-batch of `seeds` seeds."""
+        n_total = max(self.stats.num_nodes, 1)
+        sizes, edges = [float(seeds)], []
+        for _ in range(self.layers):
+            n = sizes[0]
+            edges.insert(0, n * k)
+            sizes.insert(0, min(n_total, n + (n_total - n) * (1 - math.exp(-n * k / n_total))))
+        return sizes, edges
+
+    def _sampled_rank(self, d: int, seeds: float, k: float) -> tuple[float, float, Work, str]:
+        s = self.stats
+        sizes, edges = self.levels(seeds, k)
+        work = forward_work(self.cm(d), self.shapes, sizes, edges, self.b)
+        graph_bytes = s.num_nodes * s.features * s.feature_bytes + 16 * s.num_edges
+        feat = sizes[0] * s.features * s.feature_bytes
+        base = self.state + work.act + 16 * sum(edges) + feat
+        if base + graph_bytes <= self.usable(d):
+            where, mem = "device", base + graph_bytes
+            fetch = self.cm(d).op_time("embedding", 0, 2 * feat)
+        else:
+            where, mem = "host", base
+            link = self.cluster.devices[d].spec.host_link
+            fetch = link.latency + feat / link.bandwidth
+        sample = self.cm(d).op_time("other", 0, 16 * sum(sizes[1:]) * max(self.stats.avg_degree, 1.0))
+        return work.fwd + work.bwd + fetch + sample, mem, work, where
+
+    def sampled_dp(self, batch_size: int, fanout: int) -> Candidate:
+        world = self.cluster.world_size
+        batch = max(1, min(batch_size, self.stats.labelled))
+        k = self.sampled_degree(fanout)
+        chunk = max(1.0, batch / world)
+        fixed, marginal, caps = [], [], []
+        for d in range(world):
+            t1, mem, _, _ = self._sampled_rank(d, chunk, k)
+            t2 = self._sampled_rank(d, 2 * chunk, k)[0]
+            marginal.append(max((t2 - t1) / chunk, 1e-15))
+            fixed.append(max(t1 - marginal[-1] * chunk, 0.0))
+            caps.append(batch if mem <= self.usable(d) else max(0.0, math.floor(chunk * self.usable(d) / mem)))
+        if sum(int(c) for c in caps) < batch:
+            return self._infeasible("sampled_dp", [f"a mini-batch of {batch} seeds does not fit the devices' memory"])
+        shares = balanced_shares(batch, fixed, marginal, caps)
+        compute, mems, flops, problems, where = [], [], 0.0, [], []
+        for d in range(world):
+            t, mem, work, w = self._sampled_rank(d, shares[d], k) if shares[d] else (0.0, self.state, Work(), "-")
+            compute.append(t)
+            mems.append(int(mem))
+            flops += work.flops
+            where.append(w)
+            if mem > self.usable(d):
+                problems.append(_mem_problem(self.cluster, d, mem, self.usable(d), f"{shares[d]} seeds"))
+        step = max(compute) + self.sync_s
+        return Candidate("sampled_dp", shares, not problems, step, batch, compute, 0.0, self.sync_s, mems, flops,
+                         problems, {"batch_size": batch, "fanout": fanout, "sampled_degree": k,
+                                    "features_on": where})
+
+    def _infeasible(self, mode: str, problems: list[str]) -> Candidate:
+        world = self.cluster.world_size
+        return Candidate(mode, [0] * world, False, math.inf, 0, [0.0] * world, 0.0, 0.0, [0] * world, 0.0, problems)
+
+
+def _mem_problem(cluster: Cluster, d: int, need: float, usable: float, what: str) -> str:
+    return (f"device {d} ({cluster.devices[d].spec.name}) needs {need / 2**30:.2f} GiB for {what}, "
+            f"{usable / 2**30:.2f} GiB usable")
+
+
+__all__ = ["Candidate", "GraphCostModel", "GraphStats", "LayerShape", "forward_work", "layer_work",
+           "model_shapes"]

@@ -1,0 +1,62 @@
+"""Where `autopar.plan` and `autopar.compile` hand graph workloads over (see planner.graph_kind)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from ..cluster import Cluster
+from ..errors import PlanError
+from ..passes.capture import LossFn
+from ..plan import Plan
+from ..report import dump_dir as _dump_dir
+from ..runtime.program import OptimizerFactory
+from .planner import graph_kind, plan_graph
+from .program import GraphProgram
+from .tgn import TemporalProgram, plan_temporal
+
+
+def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple, example_target: Any,
+                  optimizer: object, precision: str | None, *, memory_reserve: float = 0.1,
+                  options: dict | None = None) -> Plan:
+    """The plan of a graph workload (node-level GNN or temporal GNN)."""
+    kind = graph_kind(model, example_inputs)
+    if kind == "temporal":
+        result = plan_temporal(model, cluster, tuple(example_inputs), optimizer, precision,  # type: ignore[arg-type]
+                               memory_reserve=memory_reserve)
+    else:
+        result = plan_graph(model, cluster, tuple(example_inputs), example_target, optimizer, precision,
+                            memory_reserve=memory_reserve, options=options)
+    d = _dump_dir()
+    if d is not None:
+        (d / "plan.json").write_text(result.to_json())
+        (d / "plan.txt").write_text(result.explain() + "\n")
+    return result
+
+
+def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
+                  optimizer: str | OptimizerFactory, plan: Any, rank: int, world: int, timeout_s: float,
+                  options: dict | None = None) -> GraphProgram | TemporalProgram:
+    """This rank's graph program; rank 0 plans (unless `plan` is given) and broadcasts the plan."""
+    if plan is None:
+        box = [None]
+        if rank == 0:
+            box[0] = plan_workload(model, cluster, inputs, example_target,
+                                   optimizer if isinstance(optimizer, str) else "adamw", None,
+                                   options=options).to_json()
+        if world > 1:
+            dist.broadcast_object_list(box, src=0)
+        plan = Plan.from_json(box[0])
+    elif isinstance(plan, (str, bytes)):
+        plan = Plan.from_json(plan)
+    if not plan.graph:
+        raise PlanError("this is a graph workload but the plan has no `graph` section: plan it with autopar.plan "
+                        "on the graph model and its (x, edge_index) inputs.")
+    if plan.graph["mode"] == "temporal_dp":
+        return TemporalProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
+    return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s)
+
+
+__all__ = ["compile_graph", "graph_kind", "plan_workload"]

@@ -1,0 +1,159 @@
+"""Per-rank training programs for graph workloads (built by `autopar.compile` when the plan has `plan.graph`).
+
+partition: rank r owns a range of nodes (plan.graph["shares"]), runs the model on its owned rows with halo
+    exchange before every message-passing layer (layers.py, partition.py); loss = sum over ranks of
+    (local labelled mean) x (local labelled / global labelled) = the global labelled mean.
+sampled_dp: every step takes a global mini-batch of seeds (sampling.seeds_for_step); rank r takes its share
+    and runs the layered subgraph of per-node deterministic samples; loss weighted by seeds share.
+Both: parameters replicated (rank 0's weights at start), gradients summed with one all-reduce, then the
+optimizer steps identically everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PlanError
+from ..passes.capture import LossFn
+from ..runtime.dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
+from ..runtime.program import OptimizerFactory, make_optimizer
+from .data import check_graph_inputs
+from .layers import LocalGraph, local_layers, message_passing_layers
+from .partition import halo_exchange, partition_graph
+from .sampling import InEdges, build_minibatch, labelled_nodes, seeds_for_step
+
+
+def sync_replicas(model: nn.Module, world: int, timeout_s: float) -> None:
+    """Every replica starts from rank 0's parameters and buffers."""
+    if world > 1:
+        for t in list(model.parameters()) + list(model.buffers()):
+            broadcast(t.data, 0, "initial parameter broadcast", timeout_s)
+
+
+def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: int, timeout_s: float,
+                what: str) -> float:
+    """Sum every parameter's gradient and the weighted loss over ranks (one flat all-reduce); the global loss.
+
+    A parameter no rank computed a gradient for keeps grad None, as in single-process training (the optimizer
+    then skips it: no weight decay, no step count)."""
+    dtype = params[0].dtype if params else torch.float32
+    has = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=dtype)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                     + [has, weighted_loss.detach().reshape(1).to(dtype)])
+    if world > 1:
+        all_reduce(flat, dist.group.WORLD, what, timeout_s)
+    offset, total = 0, sum(p.numel() for p in params)
+    for i, p in enumerate(params):
+        used = bool(flat[total + i] > 0)
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if used else None
+        offset += p.numel()
+    return float(flat[-1])
+
+
+class GraphProgram:
+    """One rank's program for full-graph partitioned or sampled data-parallel GNN training."""
+
+    def __init__(self, model: nn.Module, plan: Any, loss_fn: LossFn | None, optimizer: str | OptimizerFactory,
+                 rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        g = plan.graph or {}
+        if g.get("mode") not in ("partition", "sampled_dp"):
+            raise PlanError(f"plan.graph mode must be 'partition' or 'sampled_dp', got {g.get('mode')!r}.")
+        if len(g["shares"]) != world_size:
+            raise PlanError(f"the plan has {len(g['shares'])} graph shares but {world_size} ranks run; plan for "
+                            f"this cluster.")
+        if loss_fn is None:
+            raise PlanError("graph training needs loss_fn(output_rows, target_rows), e.g. F.cross_entropy.")
+        self.model, self.plan, self.loss_fn = model, plan, loss_fn
+        self.mode, self.shares = g["mode"], [int(s) for s in g["shares"]]
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.layers = len(message_passing_layers(model))
+        self.step_count = 0
+        self._key: tuple | None = None
+        sync_replicas(model, world_size, timeout_s)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, self.params)
+
+    def _prepare(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor) -> None:
+        key = (edge_index.data_ptr(), tuple(edge_index.shape), x.shape[0], target.data_ptr())
+        if key == self._key:
+            return
+        check_graph_inputs(x, edge_index)
+        g, n = self.plan.graph, x.shape[0]
+        if g.get("num_nodes") not in (None, n):
+            raise PlanError(f"the plan was made for a graph of {g['num_nodes']} nodes, this one has {n}: plan "
+                            f"again for this graph.")
+        # index bookkeeping runs on the CPU; what the layers read moves to the data's device
+        edge_index, self.device = edge_index.cpu(), x.device
+        self.labelled = labelled_nodes(target.cpu())
+        if self.mode == "partition":
+            part = partition_graph(edge_index, n, self.shares, self.rank)
+            is_lab = torch.zeros(n, dtype=torch.bool)
+            is_lab[self.labelled] = True
+            self.local_labelled = int(is_lab[part.owned].sum())
+            self.part = replace(part, **{k: getattr(part, k).to(self.device)
+                                         for k in ("owned", "edges", "degree", "send_index")})
+        else:
+            self.in_edges = InEdges(edge_index, n)
+        self._key = key
+
+    def step(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor | None = None) -> float:
+        """One optimizer step on the graph; returns the global loss (mean over labelled nodes or seeds)."""
+        if target is None:
+            raise PlanError("graph training needs target= (per-node labels, -100 for unlabelled nodes).")
+        self._prepare(x, edge_index, target)
+        if self.mode == "partition":
+            part = self.part
+            n_own = part.owned.numel()
+            ctx = LocalGraph([part.edges], [n_own], [n_own], part.degree, lambda h: halo_exchange(h, part))
+            rows, count, total = part.owned, self.local_labelled, self.labelled.numel()
+            model_edges = part.edges
+        else:
+            g = self.plan.graph
+            seeds = seeds_for_step(self.labelled, int(g["batch_size"]), self.step_count, int(g.get("seed", 0)))
+            if seeds.numel() != sum(self.shares):
+                raise PlanError(f"the plan splits {sum(self.shares)} seeds per step but the graph gives "
+                                f"{seeds.numel()} (labelled nodes: {self.labelled.numel()}); plan again.")
+            lo = sum(self.shares[:self.rank])
+            mb = build_minibatch(self.in_edges, seeds[lo:lo + self.shares[self.rank]], self.layers,
+                                 int(g["fanout"]), self.step_count, int(g.get("seed", 0)))
+            edges = [e.to(self.device) for e in mb.edges]
+            ctx = LocalGraph(edges, mb.sizes[:-1], mb.sizes[1:], mb.degree.to(self.device), lambda h: h)
+            rows, count, total = mb.nodes.to(self.device), self.shares[self.rank], seeds.numel()
+            model_edges = edges[0]
+        with local_layers(self.model, ctx):
+            out = self.model(x[rows], model_edges)
+        n_out = count if self.mode == "sampled_dp" else rows.numel()
+        out_rows = out.shape[0] if isinstance(out, torch.Tensor) else None
+        if out_rows != n_out:
+            raise PlanError(f"the model returned {out_rows} rows for {n_out} nodes: graph training expects one "
+                            f"output row per node (node classification / regression).")
+        if self.mode == "partition":
+            loss = self.loss_fn(out, target[rows]) if count else out.sum() * 0.0
+        else:
+            loss = self.loss_fn(out, target[rows[:count]]) if count else out.sum() * 0.0
+        weighted = loss * (count / total)
+        weighted.backward()
+        value = reduce_step(self.params, weighted, self.world_size, self.timeout_s,
+                            f"gradient all-reduce of graph training ({self.mode})")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return value
+
+    def state_dict(self) -> dict:
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd.get("step", self.step_count))
+
+
+__all__ = ["GraphProgram", "reduce_step", "sync_replicas"]
