@@ -1,0 +1,327 @@
+"""Pricing and choosing expert parallelism (MoE) for the planner.
+
+MoE layers are found in the captured graph (`find_moe`): a layer with a `topk` router whose nodes read
+parameters under an `experts` module. Supported layouts (what runtime/expert_parallel.py can spread over
+ranks): autopar's `models.MoE` (`<m>.experts.<i>.fc/proj`) and Mixtral's stacked experts
+(`<m>.experts.gate_up_proj`, `<m>.experts.down_proj`). Other MoE layers are priced replicated (ep = 1).
+
+Compute. Every MoE layer is priced as a routed (sparse) implementation: each token runs top_k of the E
+experts. autopar's own `models.MoE` computes densely (every expert sees every token, unselected ones get
+gate 0, which keeps it exportable with static shapes), so its expert kernels in the graph are scaled by
+top_k / E; Mixtral's `batched_mm` experts are already routed in the graph. So the data-parallel baseline
+(ep = 1, experts replicated) is priced as a user's sparse MoE would run, not as the dense reference
+module; under ep > 1 the runtime is genuinely sparse (it dispatches tokens). With ep > 1 the busiest
+rank of an expert-parallel group gets IMBALANCE times the mean routed tokens (router load imbalance with
+the usual balancing loss), and the backward recomputes the local experts' forward once (the runtime
+keeps no received tokens between forward and backward).
+
+Communication, per MoE layer and micro-batch of T tokens with hidden size H (bytes per element w, the
+graph's activation dtype), over the expert-parallel group (`collective_time("all_to_all")`, so a group
+inside a node is priced on NVLink-class links and one spanning nodes on the network):
+    forward   2 all-to-alls of T k H w   (dispatch, combine)
+    backward  one of 2 T k H w (tokens re-sent with their output gradients) and one of T k H w.
+
+Memory. A rank holds E / ep experts' weights, gradients and optimizer state; per in-flight micro-batch
+the routed expert activations (dense graph activations scaled by top_k / E for autopar's MoE) plus the
+dispatch buffers, send and receive, of T k H w each (times IMBALANCE with ep > 1).
+
+Choice. The searcher runs once per candidate degree: ep = 1 and every ep > 1 dividing E and the world
+size; a config is admissible for ep > 1 when it has tp = 1 and its replicas group into chunks of ep
+identical pipelines (`config_ok`), which is what the runtime needs. The fastest predicted plan wins.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import InfeasibleError, PlanError
+from ..graph import DTYPE_BYTES, TrainingGraph
+
+IMBALANCE = 1.1  # busiest expert rank's routed tokens / mean, with ep > 1
+_OWN = re.compile(r"^(?P<m>.+)\.experts\.\d+\.(fc|proj)\.(weight|bias)$")
+_MIXTRAL = re.compile(r"^(?P<m>.+)\.experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    layer: int  # index in the layer chain
+    module: str  # the MoE module's path (parameter-name prefix)
+    experts: int
+    top_k: int
+    hidden: int
+    tokens: int  # tokens of the captured (global) batch
+    elem_bytes: int
+    dense: bool  # the graph runs every expert on every token (autopar's models.MoE)
+    supported: bool  # runtime/expert_parallel.py can spread it
+    params: int  # expert parameter elements
+    saved: float  # bytes of the expert nodes' outputs in the graph (their activations)
+    kernels_fwd: tuple  # ((kind, flops, bytes), count) of the expert nodes, as CostModel.kernels
+    kernels_bwd: tuple
+
+
+def find_moe(graph: TrainingGraph) -> list[MoELayer]:
+    """The MoE layers of a captured graph (module docstring)."""
+    out = []
+    by_layer: dict[int, list] = {}
+    for n in graph.nodes.values():
+        by_layer.setdefault(n.layer, []).append(n)
+    for layer, nodes in sorted(by_layer.items()):
+        topk = [n for n in nodes if n.target == "aten.topk.default"]
+        experts: dict[str, int] = {}
+        for n in nodes:
+            for a in n.args:
+                info = graph.params.get(a)
+                if info is not None and ".experts" in info.name and not info.is_buffer:
+                    prefix = info.name.split(".experts")[0]
+                    experts[prefix] = experts.get(prefix, 0) + (info.meta.numel if a not in experts else 0)
+        if not topk or not experts:
+            continue
+        names = {graph.params[a].name for n in nodes for a in n.args if a in graph.params}
+        for prefix in sorted(experts):
+            mine = sorted(x for x in names if x.startswith(prefix + ".experts"))
+            own = all(_OWN.match(x) for x in mine)
+            supported = own or (all(_MIXTRAL.match(x) for x in mine) and len(mine) == 2)
+            k_node = topk[0]
+            k = k_node.outputs[0].shape[-1]
+            E = graph.nodes[k_node.args[0]].outputs[0].shape[-1]
+            tokens = k_node.outputs[0].numel // k
+            infos = [i for i in graph.params.values() if i.name in mine]
+            params = sum(i.meta.numel for i in infos)
+            routers = [graph.params[a].meta.shape for n in nodes for a in n.args if a in graph.params
+                       and ".experts" not in graph.params[a].name and graph.params[a].meta.shape[:1] == (E,)
+                       and len(graph.params[a].meta.shape) == 2]
+            hidden = routers[0][1] if routers else min(i.meta.shape[-1] for i in infos)
+            ex_nodes = [n for n in nodes if "experts" in n.module.split(".")]
+            fwd = Counter((k_.kind, k_.flops, k_.nbytes) for n in ex_nodes for k_ in n.kernels_fwd)
+            bwd = Counter((k_.kind, k_.flops, k_.nbytes) for n in ex_nodes for k_ in n.kernels_bwd)
+            saved = float(sum(o.nbytes for n in ex_nodes if not n.is_view for o in n.outputs))
+            out.append(MoELayer(layer, prefix, E, k, hidden, tokens,
+                                DTYPE_BYTES.get(k_node.outputs[0].dtype, 4), own, supported, params, saved,
+                                tuple(sorted(fwd.items())), tuple(sorted(bwd.items()))))
+    return out
+
+
+# ---- the cost model at a degree ----------------------------------------------------------------------
+
+
+def moe_layers(cm: Any) -> dict[int, MoELayer]:
+    """The cost model's MoE layers by chain index (found once per graph)."""
+    hit = getattr(cm, "_moe_layers", None)
+    if hit is None:
+        hit = {m.layer: m for m in find_moe(cm.graph)}
+        cm._moe_layers = hit
+    return hit
+
+
+def degree(cm: Any) -> int:
+    return getattr(cm, "ep", 1)
+
+
+def with_degree(cm: Any, ep: int) -> Any:
+    """A copy of the cost model pricing expert degree `ep` (fresh memo: costs depend on it)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise PlanError(f"the expert-parallel degree must be a positive integer, got {ep!r}.")
+    if ep == degree(cm):
+        return cm
+    out = copy.copy(cm)
+    out._memo = {}
+    out.ep = ep
+    return out
+
+
+def _expert_time(cm: Any, m: MoELayer, kernels: tuple, dtype: str, n: int, tp: int, routed: bool) -> float:
+    scale = n / (cm.B * tp)
+    if routed:
+        scale *= (m.top_k / m.experts if m.dense else 1.0) * (IMBALANCE if degree(cm) > 1 else 1.0)
+    op_time = cm.models[dtype].op_time
+    return sum(c * op_time(kind, f * scale, b * scale) for (kind, f, b), c in kernels)
+
+
+def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any) -> Any:
+    """`CostModel._base` hook: routed expert compute, activations and dispatch buffers, and expert
+    parameters divided by the degree, for the MoE layers in [a, e)."""
+    layers = [m for i, m in moe_layers(cm).items() if a <= i < e]
+    if not layers:
+        return base
+    ep = degree(cm)
+    frac = n / cm.B
+    fwd, bwd, rc, act, act_rc, params, biggest = (base.fwd, base.bwd, base.recompute, base.act,
+                                                  base.act_recompute, base.params, base.max_layer_params)
+    a2a_bytes = held = 0.0
+    count = 0
+    for m in layers:
+        ep_m = ep if m.supported else 1
+        key = ("moe", m.layer, dtype, n, tp)
+        hit = cm._memo.get(key)
+        if hit is None:
+            hit = cm._memo[key] = tuple(_expert_time(cm, m, ks, dtype, n, tp, routed)
+                                        for ks in (m.kernels_fwd, m.kernels_bwd) for routed in (False, True))
+        dense_f, routed_f, dense_b, routed_b = hit
+        fwd += routed_f - dense_f
+        bwd += routed_b - dense_b + (routed_f if ep_m > 1 else 0.0)
+        if cm.is_block[m.layer]:
+            rc += routed_f - dense_f
+        slots = m.tokens * frac * m.top_k * m.hidden * m.elem_bytes
+        buffers = 2 * slots * (IMBALANCE if ep_m > 1 else 1.0)
+        routed_act = m.saved * frac / tp * (m.top_k / m.experts if m.dense else 1.0)
+        act += routed_act - m.saved * frac / tp + buffers
+        act_rc += buffers if not cm.is_block[m.layer] else 0.0
+        params -= m.params * (1 - 1 / ep_m)
+        biggest = max(0, biggest - m.params * (1 - 1 / ep_m))
+        if ep_m > 1:
+            held += m.params / ep_m
+            a2a_bytes += slots
+            count += 1
+    return replace(base, fwd=fwd, bwd=bwd, recompute=rc, act=max(act, 0.0), act_recompute=act_rc,
+                   params=int(params), max_layer_params=int(max(biggest, 1)),
+                   moe_layers=count, moe_bytes=a2a_bytes / count if count else 0.0, expert_params=held)
+
+
+def ep_group(cm: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...]) -> tuple[int, ...]:
+    """The expert-parallel group of a stage: its chunk of ep consecutive replicas."""
+    ep = degree(cm)
+    i = dp_group.index(tp_group[0]) if tp_group[0] in dp_group else 0
+    start = i - i % ep
+    return dp_group[start:start + ep]
+
+
+def a2a_times(cm: Any, base: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...], zero: int = 0
+              ) -> tuple[float, float, float]:
+    """`CostModel.stage_times` hook: (forward, backward) all-to-all seconds of one micro-batch, and the
+    correction to the step's gradient all-reduce: expert gradients are summed only among the dp / ep
+    ranks holding the same experts, the rest over the whole data-parallel group."""
+    if not getattr(base, "moe_layers", 0) or degree(cm) == 1:
+        return 0.0, 0.0, 0.0
+    ep = degree(cm)
+    group = ep_group(cm, tp_group, dp_group)
+    one = cm.collective("all_to_all", base.moe_bytes, group)
+    two = cm.collective("all_to_all", 2 * base.moe_bytes, group)
+    sync = 0.0
+    if zero == 0:
+        g, n, ne = cm.state.grads, base.params, base.expert_params
+        i = dp_group.index(tp_group[0]) if tp_group[0] in dp_group else 0
+        holders = dp_group[i % ep::ep]
+        sync = (cm.collective("all_reduce", (n - ne) * g, dp_group) + cm.collective("all_reduce", ne * g, holders)
+                - cm.collective("all_reduce", n * g, dp_group))
+    return base.moe_layers * 2 * one, base.moe_layers * (two + one), sync
+
+
+# ---- choosing the degree ----------------------------------------------------------------------------
+
+
+def candidates(cm: Any) -> list[int]:
+    """ep = 1 and the degrees > 1 dividing every supported layer's expert count and the world size."""
+    layers = [m for m in moe_layers(cm).values() if m.supported]
+    if not layers:
+        return [1]
+    g = 0
+    for m in layers:
+        g = math.gcd(g, m.experts)
+    return [d for d in range(1, g + 1) if g % d == 0 and cm.cluster.world_size % d == 0]
+
+
+def config_ok(cm: Any, tp: int, pipelines: tuple[tuple[tuple[int, ...], ...], ...]) -> bool:
+    """Whether a search config can run expert degree `degree(cm)`: tp = 1 and chunks of ep consecutive
+    replicas on identical device types (so they get identical pipelines)."""
+    ep = degree(cm)
+    if ep == 1:
+        return True
+    if tp != 1 or len(pipelines) % ep:
+        return False
+    types = [tuple(cm.cluster.devices[u[0]].spec.name for u in p) for p in pipelines]
+    return all(len(set(types[c:c + ep])) == 1 for c in range(0, len(types), ep))
+
+
+def describe(cm: Any, plan: Any) -> dict | None:
+    """The plan's `experts` entry (plain JSON); PlanError when the plan cannot run degree `degree(cm)`."""
+    layers = moe_layers(cm)
+    if not layers:
+        if degree(cm) > 1:
+            raise PlanError(f"expert parallelism (ep={degree(cm)}) was asked for, but the model has no MoE "
+                            f"layer (a top-k router over an `experts` module).")
+        return None
+    ep = degree(cm)
+    supported = [m for m in layers.values() if m.supported]
+    groups: list[list[int]] = []
+    if ep > 1:
+        if not supported:
+            raise PlanError(f"ep={ep}: none of the model's MoE layers ({[m.module for m in layers.values()]}) "
+                            f"is one the runtime can spread (autopar.models.MoE, Mixtral); use ep=1.")
+        bad = [m.module for m in supported if m.experts % ep]
+        if bad:
+            raise PlanError(f"ep={ep} does not divide the expert count of {bad}; choose one of {candidates(cm)}.")
+        pipes = plan.pipelines
+        if len(pipes) % ep:
+            raise PlanError(f"ep={ep} must divide the number of data-parallel replicas ({len(pipes)}).")
+        for c in range(0, len(pipes), ep):
+            chunk = pipes[c:c + ep]
+            shape = {(tuple(tuple(s.layers) for s in p.stages), p.num_microbatches,
+                      tuple(s.recompute for s in p.stages)) for p in chunk}
+            if len(shape) > 1 or any(len(s.devices) > 1 or s.zero or s.offload for p in chunk for s in p.stages):
+                raise PlanError(f"ep={ep}: replicas {list(range(c, c + ep))} must run identical pipelines "
+                                f"(stage bounds, micro-batches, recompute) with tp=1, no ZeRO and no offload.")
+            groups += [[p.stages[s].devices[0] for p in chunk] for s in range(len(chunk[0].stages) // plan.chunks)]
+    first = supported[0] if supported else next(iter(layers.values()))
+    return {"degree": ep, "groups": groups, "layers": [m.layer for m in supported],
+            "modules": [m.module for m in supported], "experts": first.experts, "top_k": first.top_k,
+            "experts_per_rank": first.experts // ep, "imbalance": IMBALANCE if ep > 1 else 1.0,
+            "replicated": [m.module for m in layers.values() if not m.supported or ep == 1]}
+
+
+def for_plan(cm: Any, plan: Any) -> Any:
+    """The cost model at the plan's expert degree (unchanged for a plan without an `experts` entry yet:
+    the searcher's own candidates, priced at the degree being searched)."""
+    return cm if plan.experts is None else with_degree(cm, int(plan.experts.get("degree", 1)))
+
+
+def checked(cm: Any, plan: Any) -> Any:
+    """The cost model at the plan's expert degree, after checking the plan can run it (`describe`)."""
+    out = for_plan(cm, plan)
+    if plan.experts is not None and degree(out) > 1:
+        describe(out, plan)
+    return out
+
+
+def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> Any:
+    """Run the search (`run(cost model, seconds)`) once per candidate degree; the fastest plan wins.
+
+    Degrees > 1 go first (their configs are few) and ep = 1 gets the time left. The search may hand out
+    ZeRO-1 where it costs nothing; the expert-parallel runtime does not combine ZeRO with ep > 1, so such
+    stages fall back to ZeRO-0, and the plan is re-priced and kept only if it still fits."""
+    from .pricing import price
+
+    cands = candidates(cm)
+    if len(cands) == 1 and not moe_layers(cm):
+        return run(cm, time_limit_s)
+    deadline = time.perf_counter() + time_limit_s
+    best, error = None, None
+    for k, ep in enumerate(sorted(cands, reverse=True)):
+        c = with_degree(cm, ep)
+        try:
+            plan = run(c, max(1.0, (deadline - time.perf_counter()) / (len(cands) - k)))
+            if ep > 1 and any(s.zero for p in plan.pipelines for s in p.stages):
+                pipes = [replace(p, stages=[replace(s, zero=0) for s in p.stages]) for p in plan.pipelines]
+                priced = price(c, replace(plan, pipelines=pipes, predicted={}))
+                if not priced.fits:
+                    continue
+                plan = priced.plan
+            plan.experts = describe(c, plan)
+        except (InfeasibleError, PlanError) as e:
+            error = error or e
+            continue
+        if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
+            best = plan
+    if best is None:
+        raise error or InfeasibleError("no plan fits at any expert-parallel degree.")
+    return best
+
+
+__all__ = ["IMBALANCE", "MoELayer", "a2a_times", "adjust_base", "candidates", "checked", "choose", "config_ok",
+           "describe", "find_moe", "for_plan", "with_degree"]
