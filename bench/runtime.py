@@ -1,6 +1,7 @@
 """autopar's runtime against the torch baselines, side by side in one run (ratios, not absolute seconds).
 
-1. data parallel, 2 gloo ranks: autopar's dp=2 Program vs torch DDP (samples/s ratio, target >= 0.95)
+1. data parallel, 2 gloo ranks: autopar's dp=2 Program (DDP-style overlapped bucket all-reduce,
+   runtime/grad_sync.py) vs torch DDP (samples/s ratio, target >= 0.95)
 2. pipeline, 2 ranks, 4 micro-batches, 1F1B and GPipe: autopar pp=2 vs torch.distributed.pipelining with
    the same layer split (samples/s ratio, target >= 1.0)
 3. one rank: autopar's Program vs plain eager training in the same process (overhead, target <= 5 %)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from autopar import models
-from autopar.runtime.layout import Layout, make_layout, megatron_layout
+from autopar.runtime.layout import Layout, PipelineLayout, StageLayout, make_layout, megatron_layout
 from autopar.runtime.program import Program
 
 STEPS = 3
@@ -32,6 +32,8 @@ def reference(name: str, kwargs: dict, steps: int = STEPS) -> tuple[list[float],
 
 def layout_for(case: models.ModelCase, graph_layers: int, blocks: int, world: int, spec: dict) -> Layout:
     batch = case.example_inputs[0].shape[0]
+    if "pipelines" in spec:  # explicit replicas: [{"batch": n, "m": k, "stages": [(blocks, ranks), ...]}]
+        return custom_layout(spec["pipelines"], world, batch, graph_layers, spec.get("compress"))
     lay = megatron_layout(spec.get("dp", 1), spec.get("tp", 1), spec.get("pp", 1), batch, graph_layers,
                           blocks, spec.get("m", 1), spec.get("schedule", "1f1b"),
                           layer_split=spec.get("layer_split"), batch_split=spec.get("batch_split"),
@@ -41,21 +43,101 @@ def layout_for(case: models.ModelCase, graph_layers: int, blocks: int, world: in
         pipes = [replace(p, stages=tuple(replace(st, offload=tuple(spec["offload"])) for st in p.stages))
                  for p in lay.pipelines]
         lay = make_layout(pipes, lay.world_size, lay.global_batch, graph_layers)
+    if spec.get("compress"):  # compressed stage sends on every stage boundary
+        pipes = [replace(p, stages=tuple(replace(st, compress=spec["compress"]) for st in p.stages))
+                 for p in lay.pipelines]
+        lay = make_layout(pipes, lay.world_size, lay.global_batch, graph_layers)
     return lay
+
+
+def custom_layout(pipes: list[dict], world: int, batch: int, graph_layers: int,
+                  compress: str | None = None) -> Layout:
+    """Replicas with their own batch share, micro-batch count and stages (blocks per stage, tensor-parallel
+    ranks); the first stage also takes the pre layer, the last the post layers."""
+    out, offset = [], 0
+    for i, p in enumerate(pipes):
+        stages, start = [], 0
+        for k, (n_blocks, ranks) in enumerate(p["stages"]):
+            end = graph_layers if k == len(p["stages"]) - 1 else (1 if k == 0 else start) + n_blocks
+            stages.append(StageLayout((start, end), tuple(ranks), compress=compress))
+            start = end
+        out.append(PipelineLayout(i, tuple(stages), offset, p["batch"], p.get("m", 1), p.get("schedule", "1f1b")))
+        offset += p["batch"]
+    return make_layout(out, world, batch, graph_layers)
+
+
+def model_output(case: models.ModelCase, *inputs: Any) -> torch.Tensor:
+    """The tensor the case's loss reads from the model output (logits of Hugging Face models)."""
+    with torch.no_grad():
+        out = case.model(*(inputs or case.example_inputs))
+    return out.logits if hasattr(out, "logits") else out
+
+
+def reference_eval(name: str, kwargs: dict, steps: int = STEPS) -> tuple[torch.Tensor, list[float], torch.Tensor]:
+    """Single process: model output before training, per-step losses, model output after `steps` steps."""
+    case = build(name, **kwargs)
+    before = model_output(case)
+    losses, _ = models.train_reference(case, optimizer, steps)
+    return before, losses, model_output(case)
+
+
+def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> tuple[models.ModelCase, Program]:
+    import autopar
+
+    case = build(name, **kwargs)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    blocks = sum(1 for layer in g.layers if layer.kind == "block")
+    lay = layout_for(case, len(g.layers), blocks, world, spec)
+    prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
+                   rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"))
+    return case, prog
+
+
+def run_eval_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple]:
+    """Worker body: eval_step output before training, the training losses, eval_step output after."""
+    out = []
+    for name, kwargs, spec in cases:
+        case, prog = compile_case(name, kwargs, spec, rank, world)
+        before = prog.eval_step(*case.example_inputs)
+        losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
+        out.append((before, losses, prog.eval_step(*case.example_inputs)))
+    return out
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple[list[float], dict]]:
     """Worker body: train every case on this process group; return losses and the full final state."""
-    import autopar
-
     out = []
     for name, kwargs, spec in cases:
-        case = build(name, **kwargs)
-        g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-        blocks = sum(1 for layer in g.layers if layer.kind == "block")
-        lay = layout_for(case, len(g.layers), blocks, world, spec)
-        prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                       rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"))
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((losses, prog.state_dict()["model"]))
+    return out
+
+
+def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple]:
+    """Worker body: like `run_cases`, plus this rank's local parameter shapes, the ops that fell back to
+    running replicated under tensor parallelism, and how many losses ran vocabulary-parallel."""
+    from autopar.runtime import tensor_parallel
+
+    rules = tensor_parallel._VOCAB_PARALLEL
+    loss_op = torch.ops.aten.cross_entropy_loss.default
+    original = rules[loss_op]
+    out = []
+    for name, kwargs, spec in cases:
+        counted = [0]
+
+        def counting(*a: Any, counted: list = counted) -> Any:
+            result = original(*a)
+            counted[0] += result is not None
+            return result
+
+        rules[loss_op] = counting
+        try:
+            case, prog = compile_case(name, kwargs, spec, rank, world)
+            shapes = {k: tuple(getattr(v, "_local_tensor", v).shape) for k, v in prog.params.items()}
+            losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
+        finally:
+            rules[loss_op] = original
+        replicated = sorted(prog.tp.replicated) if prog.tp else []
+        out.append((losses, prog.state_dict()["model"], shapes, replicated, counted[0]))
     return out

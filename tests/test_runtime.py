@@ -7,7 +7,7 @@ import torch
 
 from autopar.runtime.launch import spawn_local
 
-from .runtime_cases import reference, run_cases
+from .runtime_cases import build, reference, run_cases, run_sharding_cases
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -55,3 +55,55 @@ def test_parallel_training_matches_single_process(results_4: list, index: int) -
         for k, v in ref_params.items():
             torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
     assert ref_losses[-1] < ref_losses[0]  # the run trains: the loss falls
+
+
+# vocabulary-parallel embedding, LM head and cross-entropy (vocab 128 over 2 ranks), tied and untied
+CASES_TP2 = [
+    ("gpt", {"layers": 2, "batch": 4}, {"tp": 2}),
+    ("gpt", {"layers": 2, "batch": 4, "tie_embeddings": True}, {"tp": 2}),
+    ("hf_gpt2", {"layers": 2, "batch": 4}, {"tp": 2}),
+]
+VOCAB_PARAMS = {"gpt": ("wte.weight", "lm_head.weight"), "hf_gpt2": ("transformer.wte.weight",)}
+
+
+@pytest.fixture(scope="module")
+def results_tp2() -> list:
+    pytest.importorskip("transformers")
+    return spawn_local(run_sharding_cases, 2, CASES_TP2, timeout_s=240)
+
+
+@pytest.mark.parametrize("index", range(len(CASES_TP2)), ids=[f"{c[0]}-{c[1]}" for c in CASES_TP2])
+def test_vocab_parallel_matches_single_process(results_tp2: list, index: int) -> None:
+    name, kwargs, _ = CASES_TP2[index]
+    ref_losses, ref_params = reference(name, kwargs)
+    full = dict(build(name, **kwargs).model.named_parameters())
+    for rank, (losses, params, shapes, replicated, vp_losses) in enumerate(r[index] for r in results_tp2):
+        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+        held = [p for p in VOCAB_PARAMS[name] if p in shapes]  # a tied head is the embedding's parameter
+        assert held and all(shapes[p][0] == full[p].shape[0] // 2 for p in held), shapes
+        assert replicated == [], f"ops gathered sharded values to run replicated: {replicated}"
+        assert vp_losses == 3, "each step's cross-entropy runs on vocabulary-sharded logits"
+
+
+@pytest.mark.parametrize(("tie", "spec", "bucketed"), [
+    (False, {"dp": 4}, True),
+    (False, {"dp": 2, "pp": 2, "m": 2}, True),  # each stage's parameters live on the same two replicas
+    (True, {"dp": 2, "pp": 2, "m": 2}, False),  # the tied embedding is also held by the last stage
+    (False, {"dp": 2, "tp": 2}, False),
+    (False, {"dp": 4, "zero": 1}, False),
+    (False, {"dp": 2, "pp": 2, "m": 2, "schedule": "interleaved_1f1b", "chunks": 2}, False),
+])
+def test_overlapped_bucket_route_only_for_plain_data_parallel(tie: bool, spec: dict, bucketed: bool) -> None:
+    import autopar
+    from autopar.runtime.grad_sync import plain_data_parallel
+    from autopar.runtime.program import param_groups
+
+    from .runtime_cases import layout_for
+
+    case = build("gpt", layers=4, batch=8, tie_embeddings=tie)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    blocks = sum(1 for layer in g.layers if layer.kind == "block")
+    lay = layout_for(case, len(g.layers), blocks, 4, spec)
+    assert plain_data_parallel(g, lay, param_groups(g, lay)) is bucketed

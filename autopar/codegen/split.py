@@ -5,6 +5,10 @@ name), the user inputs it reads, and the values it receives from stage s-1; it r
 stage s+1 needs (values that later stages read are relayed through every stage in between), or the loss
 on the last stage. Backward is autograd's: the runtime calls backward on the outputs with the gradients
 it receives, and sends the gradients of its received inputs back.
+
+For evaluation the last stage also gets `eval_gm`: the same program returning the model's output (the
+values the loss reads, found by the `nn_module_stack` of the captured `LossWrapper`: nodes under `model`
+read by nodes outside it) instead of the loss, so `Program.eval_step` needs no second capture.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class StageProgram:
     send: list[str]  # value names sent to the next stage, in output order (empty on the last stage)
     value_meta: dict[str, TensorMeta]  # shape/dtype of every received or sent value
     is_last: bool
+    eval_gm: fx.GraphModule | None = None  # last stage: the model output instead of the loss
+    eval_outputs: list[str] | None = None  # node names of the model output values, in output order
 
     @property
     def code(self) -> str:
@@ -39,6 +45,25 @@ class StageProgram:
 def _canonical(graph: TrainingGraph, placeholder: str) -> str:
     info = graph.params[placeholder]
     return graph.params[info.tied_to].name if info.tied_to else info.name
+
+
+def _in_model(node: fx.Node) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(v[0] == "model" or v[0].startswith("model.") for v in stack.values())
+
+
+def model_outputs(ep: torch.export.ExportedProgram) -> list[str]:
+    """Names of the values the captured model hands to the loss (in order of first use by the loss).
+
+    Empty when the model computes its own loss (no loss_fn): then there is no separate model output."""
+    out: list[str] = []
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or _in_model(n):
+            continue
+        for a in n.all_input_nodes:
+            if a.op == "call_function" and _in_model(a) and a.name not in out:
+                out.append(a.name)
+    return out
 
 
 def split_stages(graph: TrainingGraph, bounds: list[tuple[int, int]]) -> list[StageProgram]:
@@ -123,7 +148,11 @@ def _build_stage(
         env[name] = g.placeholder(f"recv_{name}")
     for n in mine:
         env[n.name] = g.node_copy(n, lambda a: env[a.name])
+    eval_gm, eval_outputs = None, None
     if is_last:
+        eval_outputs = model_outputs(ep)
+        if eval_outputs:
+            eval_gm = _with_output(g, [env[name] for name in eval_outputs], f"Stage{s}Eval")
         out_node = next(n for n in ep.graph.nodes if n.op == "output").args[0]
         out_node = out_node[0] if isinstance(out_node, (tuple, list)) else out_node
         g.output(env[out_node.name])
@@ -146,7 +175,21 @@ def _build_stage(
         send=list(send),
         value_meta=meta,
         is_last=is_last,
+        eval_gm=eval_gm,
+        eval_outputs=eval_outputs,
     )
+
+
+def _with_output(g: fx.Graph, outputs: list[fx.Node], class_name: str) -> fx.GraphModule:
+    """A copy of `g` (not yet closed by an output) returning `outputs`, unused ops removed."""
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in g.nodes:
+        env[n] = out.node_copy(n, lambda a: env[a])
+    out.output(tuple(env[n] for n in outputs))
+    out.eliminate_dead_code()
+    out.lint()
+    return fx.GraphModule(torch.nn.Module(), out, class_name=class_name)
 
 
 def _safe(fqn: str) -> str:

@@ -31,7 +31,8 @@ def layout_from_plan(plan: Any, num_layers: int) -> Layout:
     for i, p in enumerate(plan.pipelines):
         stages = tuple(
             StageLayout(
-                (int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute, tuple(s.offload)
+                (int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute, tuple(s.offload),
+                getattr(s, "compress", None),
             )
             for s in p.stages
         )
@@ -40,7 +41,8 @@ def layout_from_plan(plan: Any, num_layers: int) -> Layout:
         )
         offset += p.batch_share
     world = Cluster.load(plan.cluster).world_size
-    return make_layout(pipelines, world, plan.global_batch, num_layers)
+    ep = int((getattr(plan, "experts", None) or {}).get("degree", 1))
+    return make_layout(pipelines, world, plan.global_batch, num_layers, ep)
 
 
 def compile(
@@ -58,6 +60,7 @@ def compile(
     adapt: bool | AdaptPolicy = False,
     kernels: str = "auto",
     fallback: bool = True,
+    graph_options: dict | None = None,
 ) -> Program | AdaptiveProgram | ReplicatedProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -85,6 +88,14 @@ def compile(
             f"--nproc-per-node {cluster.world_size})."
         )
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    from ..graphs.planner import graph_kind
+
+    if graph_kind(model, inputs) is not None or getattr(plan, "graph", None):
+        # GNNs: partitioned full-graph or sampled data-parallel program (graphs/); TGN: temporal data parallel
+        from ..graphs.entry import compile_graph
+
+        return compile_graph(model, cluster, inputs, example_target, loss_fn, optimizer, plan, rank, world,
+                             timeout_s, graph_options)
     try:
         capture(model, inputs, loss_fn, example_target)
     except CaptureError as e:
@@ -105,6 +116,7 @@ def compile(
                 loss_fn=loss_fn,
                 optimizer=optimizer if isinstance(optimizer, str) else "adamw",
                 time_limit_s=time_limit_s,
+                kernels=kernels,  # priced as the program will run: fused regions where they fuse
             ).to_json()
         if world > 1:
             dist.broadcast_object_list(box, src=0)

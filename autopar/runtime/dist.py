@@ -87,3 +87,47 @@ def broadcast(t: torch.Tensor, src: int, what: str, timeout_s: float = DEFAULT_T
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def wire_dtype(dtype: torch.dtype, compress: torch.dtype | None) -> torch.dtype:
+    """The dtype a value of `dtype` travels in: `compress` for wider floating values, else unchanged."""
+    if compress is not None and dtype.is_floating_point and dtype.itemsize > compress.itemsize:
+        return compress
+    return dtype
+
+
+def pack(tensors: list[torch.Tensor], compress: torch.dtype | None = None) -> torch.Tensor:
+    """One flat byte message holding `tensors` in their native dtypes (exact for every dtype, integer ids
+    and masks included), floating ones cast to `compress` first when given.
+
+    Compression rounds to nearest: each element gets a relative error of at most the unit roundoff,
+    2^-8 for bf16 and 2^-11 for fp16 (fp16 also overflows above 65504 and flushes below ~6e-8, so it suits
+    normalized activations). Integer and bool values are never compressed."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.uint8)
+    parts = [t.detach().to(wire_dtype(t.dtype, compress)).reshape(-1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts)
+
+
+def unpack(flat: torch.Tensor, metas: list[tuple[tuple[int, ...], torch.dtype]],
+           compress: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Inverse of `pack`: fresh tensors of the given (shape, dtype), cast back from the wire dtype."""
+    out, offset = [], 0
+    for shape, dtype in metas:
+        wire = wire_dtype(dtype, compress)
+        n = wire.itemsize
+        for d in shape:
+            n *= d
+        out.append(flat[offset:offset + n].clone().view(wire).view(shape).to(dtype))
+        offset += n
+    return out
+
+
+def message_bytes(metas: list[tuple[tuple[int, ...], torch.dtype]], compress: torch.dtype | None = None) -> int:
+    total = 0
+    for shape, dtype in metas:
+        n = wire_dtype(dtype, compress).itemsize
+        for d in shape:
+            n *= d
+        total += n
+    return total

@@ -73,6 +73,19 @@ class ReplicatedProgram:
         self.step_count += 1
         return float(flat[-1])
 
+    def eval_step(self, *inputs: Any) -> Any:
+        """Forward only: the model's full output for the global batch on every rank (each replica runs its
+        share; the shares are broadcast and concatenated in batch order). Collective."""
+        from .eval import concat_from
+
+        with torch.no_grad():
+            out = self.model(*[self._slice(x) for x in inputs])
+        leaves, spec = torch.utils._pytree.tree_flatten(out)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        full = iter(concat_from(tensors, list(range(self.world_size)), self.world_size, self.timeout_s))
+        return torch.utils._pytree.tree_unflatten(
+            [next(full) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
     def state_dict(self) -> dict:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "step": self.step_count}

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import PlanError
+
+COMPRESS_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,9 @@ class StageLayout:
     zero: int = 0
     recompute: bool = False
     offload: tuple[str, ...] = ()
+    # "bf16" | "fp16": floating activations this stage sends to the next one, and the gradients sent back
+    # to it, travel in that dtype (see dist.py, `wire_dtype`); None sends them exactly
+    compress: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,14 @@ class Layout:
     world_size: int
     global_batch: int
     positions: dict[int, Position] = field(default_factory=dict, compare=False)
+    ep: int = 1  # expert-parallel degree: consecutive replicas share their experts (expert_parallel.py)
 
     def position(self, rank: int) -> Position | None:
         return self.positions.get(rank)
 
 
 def make_layout(
-    pipelines: list[PipelineLayout], world_size: int, global_batch: int, num_layers: int
+    pipelines: list[PipelineLayout], world_size: int, global_batch: int, num_layers: int, ep: int = 1
 ) -> Layout:
     """Check a layout for consistency and index rank positions."""
     positions: dict[int, Position] = {}
@@ -92,6 +100,11 @@ def make_layout(
                 f"pipeline {p.index}: {len(p.stages)} stages cannot be {p.chunks} chunks per group."
             )
         for s, st in enumerate(p.stages):
+            if st.compress not in COMPRESS_DTYPES:
+                raise PlanError(
+                    f"pipeline {p.index} stage {s}: compress={st.compress!r}; choose one of "
+                    f"{sorted(k for k in COMPRESS_DTYPES if k)} or None (uncompressed)."
+                )
             if s and st.layers[0] != p.stages[s - 1].layers[1]:
                 raise PlanError(
                     f"pipeline {p.index}: stage {s} starts at layer {st.layers[0]}, expected "
@@ -117,7 +130,7 @@ def make_layout(
                 positions[r] = Position(p.index, group, k, (old.stages if old else ()) + (s,))
     if covered != global_batch:
         raise PlanError(f"pipelines take {covered} samples but the global batch has {global_batch}.")
-    return Layout(tuple(pipelines), world_size, global_batch, positions)
+    return Layout(tuple(pipelines), world_size, global_batch, positions, ep)
 
 
 def megatron_layout(

@@ -6,7 +6,10 @@ actions for its stage: forward, send activations, receive gradients, backward. M
 weighted by size / global batch and replica gradients summed, so one step equals one single-device
 step on the whole global batch (for losses that average over the batch). Each stage's ZeRO level and
 CPU offload (`StageLayout.zero`, `.offload`) are carried out by `zero.ZeroRuntime`; see zero.py for what
-each level partitions and at which granularity.
+each level partitions and at which granularity. Plain data-parallel layouts all-reduce gradients in
+buckets overlapped with backward (grad_sync.py). Stage transfers carry every value in its own dtype, or
+floating values in the boundary's `StageLayout.compress` dtype (bf16 / fp16; see `dist.pack`).
+`eval_step` (eval.py) runs the forward only and returns the model output on every rank.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from ..errors import PlanError
 from ..graph import TrainingGraph
 from ..passes.capture import LossFn, capture
 from ..schedule import make_schedule
-from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, all_reduce, wait
+from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
-from .layout import Layout, PipelineLayout
+from .expert_parallel import expert_runtime
+from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
+from .layout import COMPRESS_DTYPES, Layout, PipelineLayout
 from .straggler import StageTimer, StragglerReport
 from .tensor_parallel import TPSpec, TPStage, megatron_spec
 from .zero import ZeroRuntime, check_stage_options, offload_activations, params_by_layer, zero_levels
@@ -93,9 +98,15 @@ class Program:
         check_stage_options(layout)
         self.layout = layout
         self.holders = param_groups(self.graph, layout)
+        self.experts = expert_runtime(model, layout, rank, timeout_s)  # None without expert parallelism
+        ep_sets = self.experts.group_sets(self.holders) if self.experts else set()
+        if self.experts:
+            self.holders = self.experts.restrict_holders(self.holders)
         tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
         reps = {tuple(g[0] for g in groups) for groups in self.holders.values()}
-        self.groups = Groups(sorted(tp_groups | reps), world_size)
+        self.groups = Groups(sorted(tp_groups | reps | ep_sets), world_size)
+        if self.experts:
+            self.experts.bind(self.groups)
         self.position = layout.position(rank)
         self.tp: TPStage | None = None
         if self.position is not None:
@@ -124,10 +135,13 @@ class Program:
                 for name in st.params:
                     if name not in self.params:
                         full = named[name].detach().clone()
+                        if self.experts and (full := self.experts.local_value(name, full)) is None:
+                            continue  # another rank's expert: the stage gets a placeholder
                         self.params[name] = nn.Parameter(self.tp.shard(name, full) if self.tp else full)
                 for name in st.buffers:
                     self.buffers.setdefault(name, named[name].detach().clone())
         self.zero = self._zero_runtime()
+        self.grad_sync = self._bucketed_sync()
         self.optimizer = self.zero.build_optimizer(lambda params: make_optimizer(optimizer, params))
         if world_size > 1:
             start_heartbeat()  # lets a failed rank's peers name it (elastic.peer_lost)
@@ -150,12 +164,26 @@ class Program:
         return ZeroRuntime(self.params, self.holders, zero_levels(self.graph, self.layout), sizes, offload,
                            self.rank, my_group, self.groups, self.tp, self.timeout_s)
 
+    def _bucketed_sync(self) -> BucketedGradSync | None:
+        """DDP-style overlapped gradient all-reduce where the layout is plain data parallel (grad_sync.py)."""
+        if self.world_size == 1 or self.position is None or not self.params or self.experts \
+                or not plain_data_parallel(self.graph, self.layout, self.holders):
+            return None
+        reps = {tuple(g[0] for g in self.holders[n]) for n in self.params}
+        if len(reps) != 1 or len(next(iter(reps))) == 1:
+            return None
+        group = next(iter(reps))
+        carry_loss = len(group) == self.world_size and all(len(p.stages) == 1 for p in self.layout.pipelines)
+        return BucketedGradSync(self.params, first_use_order(self.graph, set(self.params)),
+                                self.groups.get(group), self.timeout_s, carry_loss)
+
     def _capture_stages(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
                         size: int) -> list[StageProgram]:
         mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
         mb_target = self._slice(target, 0, size) if target is not None else None
-        g = self.graph if size == self.layout.global_batch \
-            else capture(model, mb_inputs, self.loss_fn, mb_target)
+        with self.experts.swapped(model) if self.experts else contextlib.nullcontext():
+            g = self.graph if size == self.layout.global_batch and not self.experts \
+                else capture(model, mb_inputs, self.loss_fn, mb_target)
         if len(g.layers) != len(self.graph.layers):
             raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                             f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
@@ -187,16 +215,29 @@ class Program:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
         local_loss = torch.zeros((), dtype=torch.float64)
         with naming_lost_ranks(self.rank, f"step {self.step_count + 1}"):
+            summed, loss_work = None, None
             if self.position is not None:
                 self.zero.prepare()
                 local_loss += self._run_schedule(inputs, target)
-                self._sync_gradients()
+                summed = self._sync_gradients()
+            if summed is not None:  # the loss rode in the last gradient bucket
+                local_loss.fill_(summed)
+            elif self.world_size > 1:  # overlaps the optimizer step
+                loss_work = dist.all_reduce(local_loss, group=dist.group.WORLD, async_op=True)
+            if self.position is not None:
                 self.zero.step(self.optimizer)
-            if self.world_size > 1:
-                all_reduce(local_loss, dist.group.WORLD, "loss all-reduce", self.timeout_s)
+            if loss_work is not None:
+                wait(loss_work, "loss all-reduce", "in its group", self.timeout_s)
         self.timer.end_step()
         self.step_count += 1
         return float(local_loss)
+
+    def eval_step(self, *inputs: Any) -> Any:
+        """Forward only on one global batch (no gradients, no update): the model's full output for the
+        whole batch, the same on every rank. Collective; see eval.py."""
+        from .eval import eval_step
+
+        return eval_step(self, inputs)
 
     def _peer(self, stage: int) -> int | None:
         """The rank running `stage` of this rank's pipeline at the same tensor-parallel index."""
@@ -218,7 +259,8 @@ class Program:
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         sends: list[tuple[dist.Work, int, list[torch.Tensor]]] = []
         loss_sum = 0.0
-        for action in sched.actions[pos.group]:
+        last_b = max((i for i, a in enumerate(sched.actions[pos.group]) if a.kind == "B"), default=-1)
+        for i, action in enumerate(sched.actions[pos.group]):
             s, m, kind = action.stage, action.microbatch, action.kind
             if kind == "ALLREDUCE":
                 continue  # gradients are synchronized once after the schedule
@@ -226,10 +268,11 @@ class Program:
             st = self._stages[(s, sizes[m])]
             if kind == "RECV_F":
                 recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations",
-                                          grad=True)
+                                          grad=True, compress=pipe.stages[s - 1].compress)
             elif kind == "F":
                 mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
-                vals = ([self.params[p] for p in st.params] + [self.buffers[b] for b in st.buffers] + mb_args
+                held = [self.params[p] if p in self.params else self.experts.placeholder for p in st.params]
+                vals = (held + [self.buffers[b] for b in st.buffers] + mb_args
                         + recv_in.get(key, []))
                 n_p = len(st.params)
                 run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
@@ -241,18 +284,22 @@ class Program:
                         outputs[key] = run(*vals)
             elif kind == "SEND_F":
                 sends.append(self._send([o.detach() for o in outputs[key]], self._peer(s + 1),
-                                        tag(s + 1, m, 0)))
+                                        tag(s + 1, m, 0), pipe.stages[s].compress))
             elif kind == "RECV_B":
                 names = [n for n in st.send if n in st.grad_values]
                 grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients",
-                                            grad=False)
+                                            grad=False, compress=pipe.stages[s].compress)
             elif kind == "B":
                 weight = sizes[m] / self.layout.global_batch
+                if self.grad_sync is not None:  # all-reduce buckets launch during the last backward
+                    self.grad_sync.final = i == last_b
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
                     if st.is_last:
                         loss = outputs.pop(key)
-                        (loss * weight).backward()
                         loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
+                        if self.grad_sync is not None:
+                            self.grad_sync.loss = loss_sum
+                        (loss * weight).backward()
                     else:
                         outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True)
                                 if n in st.grad_values]
@@ -260,35 +307,39 @@ class Program:
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
-                sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, m, 1)))
+                sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, m, 1), pipe.stages[s - 1].compress))
         for work, peer, _keep in sends:
             wait(work, "send", peer, self.timeout_s)
         return loss_sum
 
-    def _send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> tuple[Any, int, list[torch.Tensor]]:
-        # one message per transfer; float64 carries fp32 values and integer ids exactly
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+    def _send(self, tensors: list[torch.Tensor], peer: int, tag: int, compress: str | None = None
+              ) -> tuple[Any, int, list[torch.Tensor]]:
+        # one message per transfer, every value in its own dtype (or the stage's compressed wire dtype)
+        flat = pack(tensors, COMPRESS_DTYPES[compress])
         return dist.isend(flat, dst=peer, tag=tag), peer, [flat]
 
     def _recv(self, st: StageProgram, names: list[str], peer: int, tag: int, what: str,
-              grad: bool) -> list[torch.Tensor]:
-        metas = [st.value_meta[n] for n in names]
-        flat = torch.empty(sum(meta.numel for meta in metas), dtype=torch.float64)
+              grad: bool, compress: str | None = None) -> list[torch.Tensor]:
+        metas = [(tuple(st.value_meta[n].shape), getattr(torch, st.value_meta[n].dtype)) for n in names]
+        wire = COMPRESS_DTYPES[compress]
+        flat = torch.empty(message_bytes(metas, wire), dtype=torch.uint8)
         wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer,
              self.timeout_s)
-        out, offset = [], 0
-        for n, meta in zip(names, metas, strict=True):
-            t = flat[offset:offset + meta.numel].view(meta.shape).to(getattr(torch, meta.dtype)).clone()
-            offset += meta.numel
+        out = unpack(flat, metas, wire)
+        for n, t in zip(names, out, strict=True):
             if grad and n in st.grad_values:
                 t.requires_grad_(True)
-            out.append(t)
         return out
 
-    def _sync_gradients(self) -> None:
+    def _sync_gradients(self) -> float | None:
         """Sum each parameter's gradient over every stage copy holding it (data-parallel replicas, tied
-        weights); under ZeRO-2/3 only the owner keeps the sum (see `zero.ZeroRuntime.sync_gradients`)."""
+        weights); under ZeRO-2/3 only the owner keeps the sum (see `zero.ZeroRuntime.sync_gradients`).
+        Plain data parallelism finishes the overlapped bucket all-reduces instead (grad_sync.py) and
+        returns the global loss when it travelled with them."""
+        if self.grad_sync is not None:
+            return self.grad_sync.finish()
         self.zero.sync_gradients()
+        return None
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -302,6 +353,8 @@ class Program:
             value, state = self.zero.full_param(name), self.zero.full_opt_state(name, self.optimizer)
             if self.zero.state[name].owner[0] == self.rank:
                 mine_p[name], mine_o[name] = value, state
+        if self.experts:  # shards of stacked expert tensors, concatenated after the gather
+            mine_p, mine_o = self.experts.tag(mine_p), self.experts.tag(mine_o)
         mine = {"params": mine_p, "optimizer": mine_o,
                 "buffers": {n: b.clone() for n, b in self.buffers.items()}}
         parts = [mine]
@@ -313,6 +366,8 @@ class Program:
             params.update(part["params"])
             opt.update(part["optimizer"])
             buffers.update(part["buffers"])
+        if self.experts:
+            params, opt = self.experts.untag(params), self.experts.untag(opt)
         model_sd = {}
         for fqn, t in self._model.state_dict(keep_vars=False).items():
             canon = self._canonical.get(fqn, fqn)
@@ -333,8 +388,11 @@ class Program:
         canon = self._canonical
         by_canon = {canon.get(k, k): v for k, v in model_sd.items()}
         for name in self.params:
-            self.zero.load_param(name, by_canon[name])
-            self.zero.load_opt_state(name, self.optimizer, sd.get("optimizer", {}).get(name) or {})
+            value, state = by_canon[name], sd.get("optimizer", {}).get(name) or {}
+            if self.experts:
+                value, state = self.experts.local_value(name, value), self.experts.local_state(name, state)
+            self.zero.load_param(name, value)
+            self.zero.load_opt_state(name, self.optimizer, state)
         with torch.no_grad():
             for name, b in self.buffers.items():
                 b.copy_(model_sd[name])
@@ -345,6 +403,8 @@ class Program:
         by one rank. Collective. Loads under any plan or world size; see checkpoint.py."""
         from . import checkpoint
 
+        if self.experts:
+            self.experts.check_checkpoint()
         with naming_lost_ranks(self.rank, f"saving checkpoint {path}"):
             checkpoint.save(self, path)
 
@@ -352,6 +412,8 @@ class Program:
         """Load a checkpoint written by `save` under any plan (resharding to this one). Collective."""
         from . import checkpoint
 
+        if self.experts:
+            self.experts.check_checkpoint()
         with naming_lost_ranks(self.rank, f"loading checkpoint {path}"):
             checkpoint.load(self, path)
 
@@ -377,6 +439,13 @@ class Program:
                          f"{self.position.tp_index}")
             lines.append(f"# batch share {pipe.batch_size} samples from offset {pipe.batch_offset}, "
                          f"micro-batches {pipe.microbatch_sizes}, schedule {pipe.schedule}")
+            if self.grad_sync is not None:
+                lines.append(f"# gradients: {len(self.grad_sync.buckets)} bucket(s) all-reduced during the last "
+                             f"backward (grad_sync.py)")
+            for s in self.position.stages:
+                if pipe.stages[s].compress:
+                    lines.append(f"# stage {s} sends activations to stage {s + 1} (and gets gradients back) as "
+                                 f"{pipe.stages[s].compress}")
             memory = self.zero.describe()
             if memory:
                 lines.append("# ZeRO / offload per parameter:")

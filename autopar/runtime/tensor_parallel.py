@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..graph import TrainingGraph
+from .vocab_parallel import vocab_parallel_embedding, vocab_parallel_loss
 
 aten = torch.ops.aten
 _ELEMENTWISE_FOLLOW = {
@@ -142,7 +143,61 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
             spec.params[canonical(b1)] = Shard(0)
         spec.params[canonical(w2)] = Shard(1 - d2)
         row_done.update({name, second})
+    _vocab_parallel(graph, names, spec, row_done, canonical, bias_of)
     return spec
+
+
+_TO_LOSS = _VIEWS | {"aten.to.dtype", "aten._to_copy.default", "aten.alias.default", "aten.slice.Tensor",
+                     "aten._assert_tensor_metadata.default"}
+
+
+def _loss_heads(graph: TrainingGraph) -> list[str]:
+    """Linear-like nodes whose output reaches a cross-entropy through views and casts only (LM heads)."""
+    users: dict[str, list[str]] = {}
+    for name, n in graph.nodes.items():
+        for a in n.args:
+            users.setdefault(a, []).append(name)
+    heads = []
+    for start in graph.nodes:
+        if not _weight_of(graph, start):
+            continue
+        frontier, seen = [start], {start}
+        while frontier:
+            for u in users.get(frontier.pop(), []):
+                if u in seen:
+                    continue
+                seen.add(u)
+                node = graph.nodes[u]
+                if node.target == "aten.cross_entropy_loss.default" and node.args[0] in seen:
+                    heads.append(start)
+                elif node.target in _TO_LOSS:
+                    frontier.append(u)
+    return heads
+
+
+def _vocab_parallel(graph: TrainingGraph, names: list[str], spec: TPSpec, done: set[str], canonical: Any,
+                    bias_of: Any) -> None:
+    """The LM head (a linear feeding a cross-entropy) column-parallel along the vocabulary, and embedding
+    tables with as many rows as a head has classes `Shard(0)` (see vocab_parallel.py); position and other
+    small tables stay replicated. A tied head and embedding get the same placement; a parameter already
+    placed otherwise is left alone."""
+    heads = _loss_heads(graph)
+    vocab = {graph.params[_weight_of(graph, h)[0]].meta.shape[_weight_of(graph, h)[1]] for h in heads}
+    mine = set(names)
+    for name in names:
+        n = graph.nodes[name]
+        if n.target == "aten.embedding.default" and n.args and n.args[0] in graph.params \
+                and graph.params[n.args[0]].meta.shape[0] in vocab:
+            spec.params.setdefault(canonical(n.args[0]), Shard(0))
+    for name in heads:
+        if name not in mine or name in done:
+            continue
+        w, out_dim = _weight_of(graph, name)
+        if spec.params.setdefault(canonical(w), Shard(out_dim)) != Shard(out_dim):
+            continue
+        bias = bias_of(name)
+        if bias:
+            spec.params.setdefault(canonical(bias), Shard(0))
 
 
 def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -163,6 +218,12 @@ _SUBSTITUTE = {
     aten.scaled_dot_product_attention.default: _sdpa_math,
     aten.view.default: aten.reshape.default,
     aten._unsafe_view.default: aten.reshape.default,
+}
+
+
+_VOCAB_PARALLEL = {
+    aten.cross_entropy_loss.default: vocab_parallel_loss,
+    aten.embedding.default: vocab_parallel_embedding,
 }
 
 
@@ -194,8 +255,12 @@ class _TPInterpreter(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         target = _SUBSTITUTE.get(n.target, n.target)
+        if n.target is aten._assert_tensor_metadata.default and isinstance(args[0], DTensor):
+            return None  # a capture-time check; gathering a sharded tensor just to assert it would cost
         if n.name in self.replicated:
             out = self._replicated(target, args, kwargs)
+        elif n.target in _VOCAB_PARALLEL and (vp := _VOCAB_PARALLEL[n.target](self.mesh, args, kwargs)) is not None:
+            out = vp
         else:
             try:
                 out = target(*args, **kwargs)

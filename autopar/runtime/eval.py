@@ -1,0 +1,114 @@
+"""Forward-only evaluation of a compiled program: the model's full output for one global batch on every rank.
+
+Each pipeline runs its micro-batches through its stages in order (micro-batch by micro-batch, stage by
+stage: every rank walks (micro-batch, stage) in the same lexicographic order, so the blocking receives
+cannot wait in a cycle), under `torch.no_grad`, so nothing is saved for backward. The last stage runs
+its `eval_gm` (codegen/split.py), which returns the values the model hands to the loss instead of the
+loss. Tensor-parallel stages return full (un-sharded) tensors. The last stage's first rank of each
+pipeline then broadcasts its share, and every rank concatenates the shares in batch order.
+
+This runs the captured forward, i.e. training-mode semantics (dropout, batch statistics) as captured.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PlanError
+from .dist import broadcast, wait
+from .elastic import naming_lost_ranks
+
+if TYPE_CHECKING:
+    from .program import Program
+
+
+def eval_step(prog: Program, inputs: tuple) -> Any:
+    """The model output for the global batch `inputs` (a tensor, or a tuple when the loss reads several
+    model outputs), equal on every rank. Collective: every rank must call it."""
+    if not prog._has_target or not _has_model_output(prog):
+        raise PlanError("eval_step needs the model output, but this model computes its own loss "
+                        "(loss_fn=None); compile with loss_fn=(output, target) -> loss to evaluate it.")
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if first is None or first.shape[0] != prog.layout.global_batch:
+        got = None if first is None else first.shape[0]
+        raise PlanError(f"eval_step takes one global batch of {prog.layout.global_batch} samples (the "
+                        f"compiled batch size), got {got}.")
+    with naming_lost_ranks(prog.rank, f"eval after step {prog.step_count}"), torch.no_grad():
+        local = None
+        if prog.position is not None:
+            prog.zero.prepare()
+            local = _forward(prog, inputs)
+            prog.zero.release()
+        sources = [p.stages[-1].ranks[0] for p in sorted(prog.layout.pipelines, key=lambda p: p.batch_offset)]
+        mine = local if prog.rank in sources else None
+        out = concat_from(mine, sources, prog.world_size, prog.timeout_s)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _has_model_output(prog: Program) -> bool:
+    from ..codegen.split import model_outputs
+
+    return bool(model_outputs(prog.graph.gm))
+
+
+def _forward(prog: Program, inputs: tuple) -> list[torch.Tensor] | None:
+    """This rank's stages over its pipeline's micro-batches; the last stage's outputs concatenated."""
+    pipe, pos = prog.pipeline, prog.position
+    sizes = pipe.microbatch_sizes
+    n_mb = len(sizes)
+    starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(n_mb)]
+    args = tuple(inputs) + ((None,) if prog._has_target else ())  # the eval program reads no target
+    per_mb: list[tuple[torch.Tensor, ...]] = []
+    sends = []
+    for m in range(n_mb):
+        for s in sorted(pos.stages):
+            st = prog._stages[(s, sizes[m])]
+            recv = []
+            if s > 0:
+                recv = prog._recv(st, st.recv, prog._peer(s - 1), (s * n_mb + m) * 2, "activations (eval)",
+                                  grad=False, compress=pipe.stages[s - 1].compress)
+            params = [prog.params[p] if p in prog.params else prog.experts.placeholder for p in st.params]
+            other = ([prog.buffers[b] for b in st.buffers]
+                     + [prog._slice(args[i], starts[m], sizes[m]) for i in st.inputs] + recv)
+            gm = st.eval_gm if st.is_last else st.gm
+            out = prog.tp.run(gm, params, other) if prog.tp else gm(*params, *other)
+            if st.is_last:
+                per_mb.append(tuple(out))
+            else:
+                sends.append(prog._send(list(out), prog._peer(s + 1), ((s + 1) * n_mb + m) * 2,
+                                        pipe.stages[s].compress))
+    for work, peer, _keep in sends:
+        wait(work, "send (eval)", peer, prog.timeout_s)
+    if not per_mb:
+        return None
+    for t in per_mb[0]:
+        if t.dim() == 0:
+            raise PlanError("eval_step concatenates the model output along the batch dimension, but the "
+                            "model returns a 0-d tensor to its loss.")
+    return [torch.cat([mb[k] for mb in per_mb]) for k in range(len(per_mb[0]))]
+
+
+def concat_from(local: list[torch.Tensor] | None, sources: list[int], world_size: int,
+                timeout_s: float) -> list[torch.Tensor]:
+    """Every rank gets, per tensor index, the concatenation (dim 0) of `local` of each source rank in order.
+    `local` is None on ranks that are not sources. Collective over the world."""
+    if world_size == 1:
+        assert local is not None
+        return local
+    meta = None if local is None else [(tuple(t.shape), t.dtype) for t in local]
+    metas: list[Any] = [None] * world_size
+    dist.all_gather_object(metas, meta)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    parts: list[list[torch.Tensor]] = []
+    for src in sources:
+        mine = dist.get_rank() == src
+        got = []
+        for k, (shape, dtype) in enumerate(metas[src]):
+            t = local[k].contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+            broadcast(t, src, f"eval output broadcast from rank {src}", timeout_s)
+            got.append(t)
+        parts.append(got)
+    return [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]
