@@ -57,12 +57,30 @@ CATALOG: dict[str, dict] = {
     "MI300X": dict(tflops_fp32=163.4, tflops_tf32=653.7, tflops_bf16=1307.0, memory_GiB=192,
                    memory_bandwidth_GBps=5300, intra_node={"bandwidth_GBps": 448.0, "latency_us": 3.0,
                                                            "kind": "InfinityFabric"}, host_link=PCIE5),
-    # GPU part of the 32 GB module; memory is shared with the board's CPU.
+    # 32 GB of memory (shared with the board's CPU) as on the 32 GB module; the compute figures are the 64 GB
+    # module's (2048 cores at 1.3 GHz); the 32 GB module's GPU (1792 cores at 930 MHz) peaks at ~3.3 fp32 and
+    # ~26.7 fp16 TFLOP/s.
     "Jetson-AGX-Orin": dict(tflops_fp32=5.3, tflops_tf32=5.3, tflops_bf16=42.5, memory_GiB=32,
                             memory_bandwidth_GBps=204.8, intra_node={"bandwidth_GBps": 100.0,
                                                                      "latency_us": 1.0, "kind": "shared"},
                             host_link={"bandwidth_GBps": 100.0, "latency_us": 1.0, "kind": "unified"},
                             kind="edge"),
+    # Jetson Orin NX 16GB module: 1024-core Ampere GPU (8 SMs, 32 tensor cores) at 918 MHz, 16 GB LPDDR5
+    # (128-bit, 102.4 GB/s) shared with the CPU; fp32 = 1024 x 2 x 0.918 GHz, tensor fp16 dense = 60 sparse
+    # INT8 GPU TOPS / 4.
+    "Jetson-Orin-NX-16GB": dict(tflops_fp32=1.88, tflops_tf32=1.88, tflops_bf16=15.0, memory_GiB=16,
+                                memory_bandwidth_GBps=102.4, intra_node={"bandwidth_GBps": 50.0,
+                                                                         "latency_us": 1.0, "kind": "shared"},
+                                host_link={"bandwidth_GBps": 50.0, "latency_us": 1.0, "kind": "unified"},
+                                kind="edge"),
+    # Jetson Xavier NX 8GB module: 384-core Volta GPU (48 tensor cores) at 1.1 GHz, 8 GB LPDDR4x (59.7 GB/s)
+    # shared with the CPU; no bf16 tensor cores, so tflops_bf16 lists the fp16 tensor peak (48 x 64 FMA x 2
+    # x 1.1 GHz).
+    "Jetson-Xavier-NX-8GB": dict(tflops_fp32=0.845, tflops_tf32=0.845, tflops_bf16=6.76, memory_GiB=8,
+                                 memory_bandwidth_GBps=59.7, intra_node={"bandwidth_GBps": 30.0,
+                                                                         "latency_us": 1.0, "kind": "shared"},
+                                 host_link={"bandwidth_GBps": 30.0, "latency_us": 1.0, "kind": "unified"},
+                                 kind="edge"),
 }
 
 # Inter-node network defaults (per device, one direction) used when a cluster file gives none.
@@ -74,4 +92,5 @@ ALIASES = {
     "H100": "H100-SXM", "A100": "A100-80GB", "V100": "V100-32GB", "A100-SXM4-80GB": "A100-80GB",
     "A100-SXM4-40GB": "A100-40GB", "RTX3090": "RTX-3090", "RTX4090": "RTX-4090",
     "RTX2080TI": "RTX-2080Ti", "TITANRTX": "TITAN-RTX", "ORIN": "Jetson-AGX-Orin",
+    "ORIN-NX": "Jetson-Orin-NX-16GB", "XAVIER-NX": "Jetson-Xavier-NX-8GB",
 }

@@ -238,7 +238,7 @@ def _ranges(xs: list[int]) -> str:
 def _pipeline_key(p: Pipeline) -> tuple:
     """What makes two replicas look the same in the table: everything but their devices."""
     return (p.batch_share, p.microbatch_size, p.num_microbatches,
-            tuple((tuple(s.layers), len(s.devices), s.zero, s.recompute, tuple(s.offload),
+            tuple((tuple(s.layers), len(s.devices), s.zero, s.recompute, tuple(s.offload), s.compress,
                    tuple(sorted(s.predicted.items()))) for s in p.stages))
 
 
@@ -268,8 +268,13 @@ def explain(plan: Plan) -> str:
         lines.append(f"predicted: {fmt_time(pr['step_time_s'])}/step, {pr['samples_per_s']:.4g} samples/s, "
                      f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
                      f"bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%")
+    if plan.experts:
+        ex = plan.experts
+        lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"
+                     f"{ex['top_k']}) per device in groups {ex['groups'] or 'none'}; replicated MoE layers: "
+                     f"{', '.join(ex['replicated']) or 'none'}")
     head = ["pipeline", "stage", "layers", "devices", "type", "tp", "dp", "batch", "micro-batches", "ZeRO",
-            "recompute", "offload", "compute", "comm", "bubble", "peak mem / capacity"]
+            "recompute", "offload", "send as", "compute", "comm", "bubble", "peak mem / capacity"]
     rows = [head]
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(plan.pipelines):
@@ -286,15 +291,23 @@ def explain(plan: Plan) -> str:
                 label, str(j), _layer_label(plan, *s.layers), _ranges(devs), names.get(s.devices[0], "?"),
                 str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
                 f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), "yes" if s.recompute else "no",
-                "+".join(s.offload) or "-", fmt_time(sp.get("compute_s", 0.0)),
+                "+".join(s.offload) or "-", s.compress or "-", fmt_time(sp.get("compute_s", 0.0)),
                 fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
                 f"{fmt_bytes(mem)} / {fmt_bytes(capacity)}"
                 + (f" ({100 * mem / capacity:.0f}%)" if capacity else ""),
             ])
-    lines += ["", render_table(rows, right={5, 6, 7, 12, 13, 14})]
+    lines += ["", render_table(rows, right={5, 6, 7, 13, 14, 15})]
     lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
                  f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
                  f"gradient sync")
+    if any(s.compress for p in plan.pipelines for s in p.stages):
+        lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
+                     "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "
+                     "element and transfer; fp16 2^-11 but overflows above 65504)")
+    if plan.graph:
+        from .graphs.planner import explain_graph  # graph workloads: mode, node shares, halos, both modes
+
+        lines += ["", explain_graph(plan.graph)]
     return "\n".join(lines)
 
 
@@ -305,7 +318,8 @@ class Strategy:
     `layer_split` counts repeated blocks per stage (the layers before the first block go on the first
     stage, those after the last on the last stage); `batch_split` gives each replica's samples per step.
     `chunks` (model chunks per device group) only applies to the interleaved schedule (default 2);
-    `offload` is a subset of {"optimizer", "activations", "params"} applied to every stage.
+    `offload` is a subset of {"optimizer", "activations", "params"} applied to every stage; `compress`
+    ("bf16" | "fp16") is the dtype every stage boundary's sends travel in (None: the compute dtype).
     """
 
     dp: int = 1
@@ -319,6 +333,8 @@ class Strategy:
     batch_split: list[int] | tuple[int, ...] | None = None
     chunks: int | None = None
     offload: tuple[str, ...] = ()
+    compress: str | None = None
+    ep: int = 1  # expert-parallel degree: consecutive groups of ep replicas share their MoE experts
 
 
 def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int, num_layers: int,
@@ -367,8 +383,12 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
         edges.append((first_block if k == 0 else edges[-1]) + count)
     edges[-1] = num_layers
     if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
-        raise PlanError(f"layer_split {split} leaves a stage without layers; only the first and last stages "
-                        f"(which hold the layers before/after the blocks) may have 0 blocks.")
+        empty = [j for j, (a, b) in enumerate(zip(edges, edges[1:], strict=False)) if b <= a]
+        raise PlanError(f"layer_split {split} leaves stage(s) {empty} without layers; only the first and last "
+                        f"stages (which hold the layers before/after the blocks) may have 0 blocks. A stage runs "
+                        f"at least one layer (an empty one would only relay activations, which a plan cannot "
+                        f"express): give every middle stage a block, e.g. move one from a neighbour, or use "
+                        f"fewer stages (pp * chunks = {stages_per_pipe}).")
     pipelines = []
     for d, share in enumerate(shares):
         mbs = st.microbatch_size or (1 if st.pp > 1 else share)
@@ -380,7 +400,8 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
                             f"multiple of pp={st.pp}; change microbatch_size or the batch split.")
         stages = [Stage([edges[j], edges[j + 1]],
                         [(j % st.pp) * st.dp * st.tp + d * st.tp + k for k in range(st.tp)],
-                        st.zero, st.recompute, [k for k in OFFLOAD_KINDS if k in st.offload])
+                        st.zero, st.recompute, [k for k in OFFLOAD_KINDS if k in st.offload],
+                        st.compress if j + 1 < stages_per_pipe else None)
                   for j in range(stages_per_pipe)]
         pipelines.append(Pipeline(share, mbs, m, stages))
     return Plan(global_batch=global_batch, schedule=st.schedule, chunks=chunks, pipelines=pipelines,

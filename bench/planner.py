@@ -62,8 +62,9 @@ from autopar.solver.pricing import (
     price_strategy,
     rank_peak,
     stage_option,
+    tied_sync,
 )
-from autopar.solver.search import _groupings, _microbatch_sizes, _microbatches, _schedules, _units
+from autopar.solver.search import _groupings, _microbatches, _schedules, _units, config_microbatch_sizes
 
 TIME_LIMIT_S = 60.0  # autopar.plan's default
 EXACT_RTOL = 1e-9
@@ -317,6 +318,7 @@ class Exhaustive:
                     per_rank.append(_pareto(combos))
                 if len(per_rank) < p:
                     continue
+                tied = tied_sync(cm, [(edges[j], edges[j + 1], pipe[j % p], dp_groups[j]) for j in range(S)])
                 for pick in itertools.product(*per_rank):
                     chosen: list[Any] = [None] * S
                     for r, (_, combo) in enumerate(pick):
@@ -324,10 +326,10 @@ class Exhaustive:
                             chosen[j] = combo[k]
                     vals = []
                     for j, c in enumerate(chosen):
-                        send = (cm.send_time(c[1][2], pipe[j % p][0], pipe[(j + 1) % p][0]) if j + 1 < S
+                        send = (cm.boundary_send(c[1][2], pipe[j % p][0], pipe[(j + 1) % p][0]) if j + 1 < S
                                 else 0.0)
                         f, fs, b, bs, sync = c[0][:5]
-                        vals.append((f, fs, b, bs, send, sync))
+                        vals.append((f, fs, b, bs, send, sync + tied[j]))
                     step = simulate_stages(sched, v, share, m, vals).step_time
                     self.simulated += 1
                     if best is None or step < best[0]:
@@ -345,7 +347,7 @@ class Exhaustive:
                 for _, pipes in _groupings(cm, units):
                     p = len(pipes[0])
                     for sched, v in _schedules(p, cm.L):
-                        for b in _microbatch_sizes(-(-cm.B // len(pipes))):
+                        for b in config_microbatch_sizes(cm, pipes):
                             yield pipes, sched, v, lambda s, b=b, p=p, sched=sched: [
                                 m for m in [_microbatches(s, min(b, s), p, sched)] if m is not None]
                 continue
@@ -384,7 +386,10 @@ class Exhaustive:
         cm, out = self.cm, []
         for pipe, share, (m, edges, opts) in zip(pipes, shares, picks, strict=True):
             p = len(pipe)
-            stages = [Stage([edges[j], edges[j + 1]], list(pipe[j % p]), o.zero, o.recompute, list(o.offload))
+            stages = [Stage([edges[j], edges[j + 1]], list(pipe[j % p]), o.zero, o.recompute, list(o.offload),
+                            None if j + 1 == len(opts) else cm.compress_choice(
+                                cm.base(edges[j], edges[j + 1], cm.cluster.devices[pipe[j % p][0]].spec.name,
+                                        -(-share // m), pipe[j % p]).out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0]))
                       for j, o in enumerate(opts)]
             out.append(Pipeline(share, -(-share // m), m, stages))
         return Plan(cm.B, cm.precision, cm.optimizer, sched, v, cm.cluster.to_dict(), model_summary(cm.graph),

@@ -3,6 +3,7 @@ parameter sharding under a memory budget, exactness against brute force, determi
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -205,3 +206,50 @@ def test_reshape_carries_shards() -> None:
     assert reshape_map((4, 32, 128), (128, 128), 0, 2) == 0
     assert reshape_map((4, 32, 128), (128, 128), 2, 2) == 1
     assert reshape_map((4, 32, 128), (128, 128), 1, 2) is None
+
+
+MEGATRON = {"attn.qkv": "col", "attn.proj": "row", "mlp.fc": "col", "mlp.proj": "row"}
+
+
+def _megatron_choice(graph: autopar.TrainingGraph, prob: intra_op.Problem) -> tuple[int, ...]:
+    """Megatron's sharding in the ILP's space: column-parallel QKV and fc, row-parallel projections, every
+    other op given the cheapest strategy that completes those layouts (the ILP with the linears pinned)."""
+    pinned = copy.deepcopy(prob)
+    big = 1 + sum(max(c) for c in prob.cost) + sum(max(map(max, m)) for m in prob.edges.values())
+    found = 0
+    for g, costs in zip(pinned.groups, pinned.cost, strict=True):
+        node = graph.nodes[g.members[0]]
+        want = next((v for k, v in MEGATRON.items() if node.module.endswith(k)), None)
+        if want is None or node.target != "aten.linear.default":
+            continue
+        found += 1
+        for i, choice in enumerate(g.choices):
+            if choice[g.members[0]].base.name != want:
+                costs[i] = big
+    assert found == 4
+    (choice,) = solve_problems([(pinned, 1)])
+    return choice
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_planner_ilp_never_worse_than_megatron_on_a_gpt_block(tp: int) -> None:
+    """The planner's tensor-parallel price of a GPT block (pricing.tp_layer_cost, from the ILP) is at most
+    the ILP model's price of Megatron's sharding, at several micro-batch sizes, including uneven ones."""
+    from autopar.api import cost_model
+    from autopar.solver.pricing import tp_layer_cost
+
+    case = models.gpt(batch=6, seq=256, vocab=1024, hidden=1024, heads=16, layers=2, device="meta")
+    cm = cost_model(case.model, FAST, case.example_inputs, case.example_target, case.loss_fn)
+    block = next(layer.index for layer in cm.graph.layers if layer.kind == "block")
+    group = tuple(range(tp))
+    for n in (1, 2, 4, 3, 6):
+        priced = tp_layer_cost(cm, block, DEV, n, group)
+        assert priced.ilp
+        prob = build_layer_problem(cm.graph, block, tp, DEV, FAST, group, boundary=R, batch=n)
+        megatron = prob.breakdown(_megatron_choice(cm.graph, prob))
+        total = priced.fwd + priced.bwd + priced.fwd_comm + priced.bwd_comm
+        assert total <= megatron.seconds * (1 + 1e-9)
+        assert megatron.comm_fwd > 0 and megatron.comm_bwd > 0  # Megatron's all-reduces are there
+    est = autopar.estimate(case.model, FAST, autopar.Strategy(tp=tp, dp=4 // tp), case.example_inputs,
+                           case.example_target, case.loss_fn)
+    assert {s.predicted["tp_source"] for p in est.plan.pipelines for s in p.stages} == {"ilp"}

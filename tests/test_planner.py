@@ -21,6 +21,7 @@ from autopar.graph import TrainingGraph
 from autopar.models import gpt, gpt_config, mlp
 from autopar.plan import Pipeline, Stage
 from autopar.schedule import make_schedule, peak_inflight
+from autopar.solver.intra_op_pricing import LayerPricer
 from autopar.solver.pricing import CostModel, Option, model_summary, price, price_strategy
 from autopar.solver.search import (
     Search,
@@ -61,9 +62,10 @@ def cm_for(cluster: str | dict, kind: str = "gpt", reserve: float = 0.1, **kw) -
 # ---- an independent recomputation of each device's peak memory ------------------------------------------
 
 
-def independent_peaks(plan: Plan, graph: TrainingGraph) -> dict[int, float]:
+def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster | None = None) -> dict[int, float]:
     """Per device: params (every parameter a stage's layers use), grads and optimizer state sharded per
-    ZeRO level over the replicas, offload, plus activations of peak in-flight micro-batches."""
+    ZeRO level over the replicas, offload, plus activations of peak in-flight micro-batches. A block on a
+    stage priced by the intra-op ILP holds the parameter share and activations of the ILP's strategies."""
     sb = state_bytes_per_param(plan.optimizer, plan.precision)
     B, D = plan.global_batch, len(plan.pipelines)
     users: dict[str, set[int]] = {}
@@ -89,6 +91,17 @@ def independent_peaks(plan: Plan, graph: TrainingGraph) -> dict[int, float]:
                 t, z, off = len(st.devices), st.zero if D > 1 else 0, st.offload
                 n = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls)) / t
                 big = max(owned[a:e]) / t
+                saved = {x: graph.layers[x].saved_bytes * frac / t for x in range(a, e)}
+                if st.predicted.get("tp_source") == "ilp":
+                    pricer = LayerPricer(graph, t, cluster.devices[st.devices[0]].spec.name, cluster, st.devices)
+                    shares = {}
+                    for x in range(a, e):
+                        if graph.layers[x].kind == "block":
+                            res = pricer.cost(x, pipe.microbatch_size)
+                            shares[x] = res.param_bytes_per_device / graph.layers[x].param_bytes
+                            saved[x] = res.activation_bytes_per_device
+                    n += sum(owned[x] * (q - 1 / t) for x, q in shares.items())
+                    big = max(owned[x] * shares.get(x, 1 / t) for x in range(a, e))
                 if "params" not in off:
                     static += n * sb.weights / (D if z == 3 else 1) + n * sb.grads / (D if z >= 2 else 1)
                 if "optimizer" not in off:
@@ -98,10 +111,10 @@ def independent_peaks(plan: Plan, graph: TrainingGraph) -> dict[int, float]:
                 layers = graph.layers[a:e]
                 if st.recompute and any(x.kind == "block" for x in layers):
                     act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
-                              if x.kind == "block" else x.saved_bytes * frac / t for x in layers)
-                    works.append(max(x.saved_bytes * frac / t for x in layers if x.kind == "block"))
+                              if x.kind == "block" else saved[x.index] for x in layers)
+                    works.append(max(saved[x.index] for x in layers if x.kind == "block"))
                 else:
-                    act = sum(x.saved_bytes for x in layers) * frac / t
+                    act = sum(saved.values())
                 acts.append(act * (1 if "activations" in off else inflight[r]))
             for d in pipe.stages[r].devices:
                 peaks[d] = static + max(acts) + max(works)
@@ -119,7 +132,7 @@ def check_plan(plan: Plan, cm: CostModel) -> None:
         assert 1 <= p.num_microbatches <= p.batch_share
         seen += [d for g in p.device_groups() for d in g]
     assert sorted(seen) == list(range(cm.cluster.world_size))
-    peaks = independent_peaks(plan, cm.graph)
+    peaks = independent_peaks(plan, cm.graph, cm.cluster)
     for d, need in plan.predicted["peak_memory_bytes"].items():
         capacity = cm.cluster.devices[d].spec.memory
         assert need <= capacity * (1 - plan.memory_reserve)
@@ -158,6 +171,59 @@ def test_tied_embeddings_are_held_by_both_end_stages() -> None:
     # the last stage keeps a copy of the embedding it shares with the head: as much state as untied
     assert tied_plan.predicted["peak_memory_bytes"][1] == untied_plan.predicted["peak_memory_bytes"][1]
     assert cm.graph.num_params() < untied.graph.num_params()
+
+
+def test_tied_embedding_gradients_are_all_reduced_over_every_copy() -> None:
+    """The runtime sums a tied embedding's gradient once over all its copies (first and last stage of every
+    replica); the end stages' sync is priced with that all-reduce in place of their data-parallel one."""
+    from autopar.cost_models.comm import collective_time
+
+    cm = cm_for("2x2xA100-80GB", batch=4, layers=2, hidden=64, seq=32, tie_embeddings=True)
+    est = price_strategy(cm, Strategy(dp=2, pp=2, microbatch_size=1))
+    (numel, _, _), = cm.shared
+    g = cm.state.grads
+    for pipe in est.plan.pipelines:
+        for j, st in enumerate(pipe.stages):
+            dp = tuple(p.stages[j].devices[0] for p in est.plan.pipelines)
+            base = cm.base(*st.layers, cm.cluster.devices[st.devices[0]].spec.name, 1, tuple(st.devices))
+            plain = cm.stage_times(base, Option(), "A100-80GB", tuple(st.devices), dp).sync
+            every_copy = tuple(sorted(p.stages[k].devices[0] for p in est.plan.pipelines for k in (0, 1)))
+            extra = (collective_time("all_reduce", numel * g, every_copy, cm.cluster)
+                     - collective_time("all_reduce", numel * g, dp, cm.cluster))
+            assert extra > 0
+            assert st.predicted["sync_s"] == pytest.approx(plain + extra, rel=1e-12)
+
+
+def test_interleaved_chunks_share_their_device_memory() -> None:
+    """The bisection split checks a device's chunks together (as `rank_peak` prices them): with a budget
+    that holds the even split without recompute but not one chunk's peak in half of it, the split fits
+    whole devices and is no slower than that even (Megatron) split."""
+    from autopar.solver.pricing import inflight_closed_form, rank_peak
+    from autopar.solver.split import Slot, Splitter
+
+    cm = cm_for("1x2xA100-80GB", batch=8, layers=12, hidden=256, seq=128)
+    dtype, m, n = "A100-80GB", 4, 2
+    inflight = inflight_closed_form("interleaved_1f1b", 2, m, 2)
+    edges = (0, 4, 7, 10, 14)  # prologue + 3 blocks, 3 blocks, 3 blocks, 3 blocks + epilogue
+    mems = [cm.stage_memory(cm.base(edges[j], edges[j + 1], dtype, n, (j % 2,)), Option(), 1, 1) for j in range(4)]
+    budget = 1.0001 * max(rank_peak(mems[r::2], inflight[r]) for r in range(2))
+    assert any(mem.peak(inflight[j % 2]) > budget / 2 for j, mem in enumerate(mems))
+    slots = [Slot(dtype, (j % 2,), (j % 2,), inflight[j % 2], budget,
+                  (cm.group_sig((j % 2,)), cm.group_sig((j % 2,)))) for j in range(4)]
+    splitter = Splitter(cm)
+    split = splitter.split(slots, 8, m, "interleaved_1f1b", 2)
+    assert split is not None
+    got = [c.memory for _, _, c in split.stages]
+    assert all(rank_peak(got[r::2], inflight[r]) <= budget for r in range(2))
+    even = [splitter.stage(slots[j], edges[j], edges[j + 1], m, n) for j in range(4)]
+    assert not any(c.option.recompute for c in even if c is not None)
+    from autopar.plan import simulate_stages
+    from autopar.solver.split import Split
+
+    step = simulate_stages("interleaved_1f1b", 2, 8, m, splitter.values(slots, split, 0)).step_time
+    even_split = Split([(edges[j], edges[j + 1], even[j]) for j in range(4)], 0.0)
+    even_step = simulate_stages("interleaved_1f1b", 2, 8, m, splitter.values(slots, even_split, 0)).step_time
+    assert step <= even_step * (1 + 1e-9)
 
 
 def test_plan_on_cpu_defaults_to_fp32() -> None:

@@ -33,6 +33,12 @@ for backward in the layout they are produced in. Costs are integer picoseconds a
 tie-break sum, which prefers earlier (simpler) strategies among equal-cost optima and makes the answer
 deterministic. Tensors crossing a layer boundary all use one layout (R, S(0) or S(1) of batch-leading
 activations), enumerated in `solve_intra_op`; CP-SAT solves each case.
+
+Micro-batch sizes: `solve_intra_op(batch=n)` (and `_Context.frac` = n / captured batch) re-prices every
+kernel at n samples (FLOPs and bytes scaled, as `pricing.CostModel.layer_compute` does) and scales the
+activations, their resharding collectives and the strategies' own collectives; parameters do not scale.
+The planner prices tensor-parallel blocks through `intra_op_pricing.LayerPricer`, which solves at the
+micro-batch size buckets and prices a known answer with `_build(..., choice)`.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class IntraOpResult:
     param_bytes_per_device: float  # weights only, comparable to Layer.param_bytes
     activation_bytes_per_device: float  # saved for backward per global batch, like Layer.saved_bytes
     strategies: dict[str, str]  # node name -> strategy name
+    comm_fwd: float = 0.0  # the communication parts of time_fwd and time_bwd
+    comm_bwd: float = 0.0
 
 
 @dataclass
@@ -174,8 +182,9 @@ class _Context:
     """Everything one (graph, mesh, device type) needs, with memo tables for op strategies and collectives."""
 
     def __init__(self, graph: TrainingGraph, tp: int, device_type: str, cluster: Cluster,
-                 group: Sequence[int]) -> None:
+                 group: Sequence[int], frac: float = 1.0) -> None:
         self.graph, self.tp, self.device_type = graph, tp, device_type
+        self.frac = frac  # micro-batch / captured batch: activations, FLOPs and their bytes scale by it
         self.cluster, self.group = cluster, tuple(group)
         self.model = ComputeModel(cluster.spec(device_type), dtype=graph.dtype)
         self.scale = PRECISIONS.get(graph.dtype, 4) / 4
@@ -203,7 +212,8 @@ class _Context:
         return g.params[name].meta if name in g.params else g.input_meta[name]
 
     def tensor_bytes(self, meta: TensorMeta) -> float:
-        return meta.nbytes * (self.scale if meta.dtype.startswith(("float", "bfloat")) else 1.0)
+        """Bytes of an activation (never called on parameters) at the micro-batch."""
+        return meta.nbytes * self.frac * (self.scale if meta.dtype.startswith(("float", "bfloat")) else 1.0)
 
     def needs_grad(self, name: str) -> bool:
         return name in self.graph.nodes and self.graph.nodes[name].requires_grad
@@ -232,9 +242,10 @@ class _Context:
 
     def compute(self, node: OpNode, split_fwd: int, split_bwd: int) -> tuple[float, float]:
         def priced(kernels: list, base: dict[str, float], split: int) -> float:
-            if split == 1:
+            if split == 1 and self.frac == 1:
                 return base.get(self.device_type, 0.0)
-            return sum(self.model.op_time(k.kind, k.flops / split, k.nbytes / split) for k in kernels)
+            scale = self.frac / split
+            return sum(self.model.op_time(k.kind, k.flops * scale, k.nbytes * scale) for k in kernels)
 
         return (priced(node.kernels_fwd, node.time_fwd, split_fwd),
                 priced(node.kernels_bwd, node.time_bwd, split_bwd))
@@ -284,7 +295,7 @@ class _Context:
         ring = zip(self.group, self.group[1:] + self.group[:1], strict=True)
         links = tuple(self.cluster.link(a, b) for a, b in ring)
         nodes = [self.cluster.devices[i].node for i in self.group]
-        return (h.hexdigest(), self.tp, self.graph.dtype, repr(spec), links, tuple(nodes),
+        return (h.hexdigest(), self.tp, self.frac, self.graph.dtype, repr(spec), links, tuple(nodes),
                 tuple(self.cluster.nodes[i].intra_node for i in nodes), self.cluster.network)
 
     def leaves(self, name: str, inside: Container[str]) -> bool:
@@ -341,7 +352,7 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
             f, b = ctx.compute(node, s.base.split_fwd, s.base.split_bwd)
             c.compute_fwd += f
             c.compute_bwd += b
-            c.comm_fwd += sum(ctx.collective(kind, nbytes) for kind, nbytes in s.base.comm_fwd)
+            c.comm_fwd += sum(ctx.collective(kind, nbytes * ctx.frac) for kind, nbytes in s.base.comm_fwd)
             partial_grads = 0.0  # bytes of replicated weights whose gradients are partial: one all-reduce
             for a, layout in s.ins.items():
                 if a in graph.params:
@@ -366,7 +377,7 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
             for r in owned[m]:
                 idx = int(r.partition("#")[2] or 0)
                 c.act_bytes += ctx.tensor_bytes(node.outputs[idx]) / shard
-            c.act_bytes += node.saved_internal_bytes / s.base.split_fwd
+            c.act_bytes += node.saved_internal_bytes * ctx.frac / s.base.split_fwd
             if ctx.leaves(m, inside):
                 dst = ctx.boundary_layout(m, boundary)
                 nbytes = ctx.tensor_bytes(node.outputs[0])
@@ -398,13 +409,16 @@ def _edge_costs(ctx: _Context, gu: _Group, gv: _Group) -> list[list[tuple[float,
 
 
 def build_layer_problem(graph: TrainingGraph, layer_index: int, tp: int, device_type: str, cluster: Cluster,
-                        group: Sequence[int], boundary: int = R) -> Problem:
-    """The ILP data of one layer, with tensors crossing its boundary in layout `boundary` (R, 0 or 1)."""
+                        group: Sequence[int], boundary: int = R, batch: int | None = None) -> Problem:
+    """The ILP data of one layer, with tensors crossing its boundary in layout `boundary` (R, 0 or 1), for
+    `batch` samples (default the captured batch)."""
     _check(graph, [layer_index], tp, device_type, cluster, group)
-    return _build(_Context(graph, tp, device_type, cluster, group), graph.layers[layer_index], boundary)
+    frac = (batch or graph.batch_size) / graph.batch_size
+    return _build(_Context(graph, tp, device_type, cluster, group, frac), graph.layers[layer_index], boundary)
 
 
-def _build(ctx: _Context, layer: Layer, boundary: int) -> Problem:
+def _build(ctx: _Context, layer: Layer, boundary: int, choice: Sequence[int] | None = None) -> Problem:
+    """The layer's ILP data; with `choice`, only those strategies (one per group: pricing a known answer)."""
     graph = ctx.graph
     members = [n for n in layer.nodes if graph.nodes[n].outputs]
     inside = set(members)
@@ -414,6 +428,8 @@ def _build(ctx: _Context, layer: Layer, boundary: int) -> Problem:
             if a in graph.params and (graph.params[a].tied_to or a) in layer.params:
                 first_use.setdefault(graph.params[a].tied_to or a, m)
     groups = _merge_followers(ctx, members)
+    if choice is not None:
+        groups = [_Group(g.members, [g.choices[i]]) for g, i in zip(groups, choice, strict=True)]
     detail = [_group_costs(ctx, layer, g, inside, boundary, first_use) for g in groups]
     index = {m: i for i, g in enumerate(groups) for m in g.members}
     edge_detail = {}
@@ -516,18 +532,21 @@ def _check(graph: TrainingGraph, layer_indices: Sequence[int], tp: int, device_t
 
 def solve_intra_op(graph: TrainingGraph, layer_indices: Sequence[int], tp: int, device_type: str,
                    cluster: Cluster, group: Sequence[int], memory_budget: float | None = None,
-                   time_limit_s: float = 10.0) -> IntraOpResult:
+                   time_limit_s: float = 10.0, batch: int | None = None) -> IntraOpResult:
     """Best per-op sharding of `graph.layers[layer_indices]` over the `tp` devices `group` of `cluster`.
 
-    Times are for the graph's captured global batch on `device_type`; `memory_budget` bounds the bytes per
+    Times are for `batch` samples (default: the graph's captured global batch; the kernels' FLOPs and bytes,
+    activations and their collectives scale with it) on `device_type`; `memory_budget` bounds the bytes per
     device of parameter training state (AdamW) plus saved activations. Raises InfeasibleError when no
     strategy fits the budget.
     """
     _check(graph, layer_indices, tp, device_type, cluster, group)
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise PlanError(f"batch must be a positive integer, got {batch!r}.")
     layers = [graph.layers[i] for i in layer_indices]
-    if tp == 1:
+    if tp == 1 and batch in (None, graph.batch_size):
         return _unsharded(graph, layers, device_type, memory_budget)
-    ctx = _Context(graph, tp, device_type, cluster, group)
+    ctx = _Context(graph, tp, device_type, cluster, group, (batch or graph.batch_size) / graph.batch_size)
     base = [ctx.layer_key(layer) for layer in layers]
     plain = [ctx.boundary_key(layer, R) for layer in layers]
     best: tuple[int, IntraOpResult] | None = None
@@ -587,7 +606,8 @@ def _result(tp: int, layers: list[Layer], keys: list[tuple], sols: dict[tuple, _
         total.add(sols[k].cost)
         names.update((n, s) for n, s in zip(layer.nodes, sols[k].names, strict=True) if s)
     return IntraOpResult(tp, total.compute_fwd + total.comm_fwd, total.compute_bwd + total.comm_bwd,
-                         total.comm_fwd + total.comm_bwd, total.param_bytes, total.act_bytes, names)
+                         total.comm_fwd + total.comm_bwd, total.param_bytes, total.act_bytes, names,
+                         total.comm_fwd, total.comm_bwd)
 
 
 def _unsharded(graph: TrainingGraph, layers: list[Layer], device_type: str,
@@ -606,5 +626,5 @@ def _unsharded(graph: TrainingGraph, layers: list[Layer], device_type: str,
                          {n: "R" for layer in layers for n in layer.nodes if graph.nodes[n].outputs})
 
 
-__all__ = ["IntraOpResult", "Problem", "build_layer_problem", "cache_info", "clear_cache", "solve_intra_op",
-           "solve_problems"]
+__all__ = ["IntraOpResult", "Problem", "build_layer_problem", "cache_info", "clear_cache",
+           "solve_intra_op", "solve_problems"]

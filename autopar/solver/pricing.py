@@ -11,8 +11,14 @@ Per micro-batch, stage [a, e) on device type T (`tp_layer_cost`, summed by `Cost
     compute      layer kernels re-priced at n/(B t) of the captured batch (FLOPs and bytes scaled), so
                  small micro-batches pay launch overhead and lower efficiency; at n = B, t = 1 this is
                  the annotated layer time
-    tensor par.  Megatron: 2 all-reduces of the block's output activation in forward, 2 in backward
-                 (1 + 1 for the layers before/after the blocks) over the tp group's link
+    tensor par.  t > 1, a repeated block: the intra-op ILP's optimum at micro-batch n
+                 (`intra_op_pricing.LayerPricer`, one solve per block class, device type, tp group and n):
+                 its per-op strategies' compute (kernels split by their sharding) and collectives, its
+                 parameter share per rank (N counts it) and its saved activations per rank (replicated
+                 tensors, e.g. layernorm inputs, count whole); `StageBase.tp_source` = "ilp".
+                 Else (the layers around the blocks, or no ILP solution in time): Megatron's closed form,
+                 compute / t, 2 all-reduces of the block's output activation in forward and 2 in backward
+                 (1 + 1 for the layers before/after the blocks), parameters and activations / t
 
 `stage_times` adds the per-stage option costs (AR/RS/AG = all-reduce/reduce-scatter/all-gather over
 the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
@@ -23,6 +29,20 @@ the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
     sync = AR(N g) | RS(N g) + AG(N w) | AG(N w) | 0          for zero 0 | 1 | 2 | 3  (per step)
            + optimizer step: 2 (w + g + o) N' / memory bandwidth, or with the optimizer offloaded
            h2d(N' g) + h2d(N' w) (the CPU's own update time is not modelled); N' = N / D for zero >= 1
+           + [parameters several stages hold, e.g. tied embeddings] AR(E g) over every copy (all holding
+           stages of all replicas) - AR(E g) over D, E their elements per rank (`tied_sync`, added by `price`
+           and `split.Splitter.values`: it needs the whole pipeline)
+    send = latency + bytes / bandwidth to the next stage, the same for the gradient sent back; compressed
+           (`Stage.compress`): 2-byte elements on the wire plus a cast on each end (read + write of the
+           elements at the device's memory bandwidth)
+
+Compressed sends (`CostModel.compress_choice`): a stage boundary is sent in COMPRESS_DTYPE (bf16, fp32's
+exponent range, so gradients neither overflow nor flush to zero; relative rounding error <= 2^-9 per
+element and transfer) when (1) the plan trains in fp32/tf32 (in bf16/fp16 mixed precision the activations
+already travel in 2 bytes), (2) the link is slow (<= 10 Gb/s, SLOW_LINK_BYTES_PER_S: on faster links the
+saving is too small to be worth the numerical change) and (3) the cast-inclusive send is faster. The search
+plans every eligible boundary compressed (the simulated step only grows with a send time) and
+`search.Search.run` drops compression from the final plan unless it shortens the predicted step.
 
 `stage_memory` (per device; peak = static + in-flight x act + work):
 
@@ -62,8 +82,19 @@ from ..plan import (
     cached_schedule,
     plan_from_strategy,
 )
-from ..report import fmt_bytes
-from ..schedule import SCHEDULES, peak_inflight
+from ..schedule import peak_inflight
+from . import experts
+from .intra_op_pricing import LayerPricer
+from .pricing_plan import (
+    ACT_BYTES,
+    COMPRESS_DTYPE,
+    SLOW_LINK_BYTES_PER_S,
+    WIRE_BYTES,
+    check_plan,
+    lower_bound,
+    memory_problem,
+    tied_sync,
+)
 
 
 class Option(NamedTuple):
@@ -79,6 +110,9 @@ class LayerCost(NamedTuple):
     bwd: float
     fwd_comm: float  # tensor-parallel communication seconds
     bwd_comm: float
+    param_frac: float = 1.0  # the share of the layer's own parameters each tensor-parallel rank holds
+    act: float = -1.0  # saved activation bytes per device per micro-batch (< 0: saved x n / B / t)
+    ilp: bool = False  # priced from the intra-op ILP's strategies (else the Megatron closed form)
 
 
 @dataclass(frozen=True)
@@ -97,6 +131,14 @@ class StageBase:
     act_work: float  # one block's activations, live while it is recomputed
     out_bytes: float  # activation bytes sent to the next stage
     has_blocks: bool
+    tp_source: str = "none"  # tp > 1: "ilp" when every block was priced by the ILP, else "closed_form"
+    # parameters per tensor-parallel rank beyond params / t (the ILP's strategies may replicate weights),
+    # and the largest layer's parameters per rank under those strategies
+    tp_extra: float = 0.0
+    tp_max_layer: float = 0.0
+    moe_layers: int = 0  # expert-parallel MoE layers in the range (solver/experts.py)
+    moe_bytes: float = 0.0  # per such layer and micro-batch: bytes each rank dispatches (tokens x top_k x hidden)
+    expert_params: float = 0.0  # of `params`, the expert parameters this device holds
 
 
 @dataclass(frozen=True)
@@ -136,7 +178,8 @@ class CostModel:
     """
 
     def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
-                 optimizer: object = "adamw", memory_reserve: float = 0.1) -> None:
+                 optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
+                 intra_op_time_limit_s: float = 2.0) -> None:
         if not 0 <= memory_reserve < 1:
             raise PlanError(f"memory_reserve must be in [0, 1), got {memory_reserve!r}.")
         if not graph.layers:
@@ -153,6 +196,8 @@ class CostModel:
         self._memo: dict[tuple, object] = {}
         self._sigs: dict[tuple, int] = {}
         self._sig_of_group: dict[tuple[int, ...], int] = {}
+        self.intra_op, self.intra_op_time_limit_s = intra_op, intra_op_time_limit_s
+        self._pricers: dict[tuple, LayerPricer | None] = {}
 
     # ---- layer data ---------------------------------------------------------------------------
     def _init_layers(self) -> None:
@@ -245,16 +290,39 @@ class CostModel:
         link = self.specs[dtype].host_link
         return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
 
-    def send_time(self, nbytes: float, src: int, dst: int) -> float:
-        """Point-to-point seconds for one activation (or its gradient) between two stages."""
+    def send_time(self, nbytes: float, src: int, dst: int, compress: str | None = None) -> float:
+        """Point-to-point seconds for one activation (or its gradient) of `nbytes` (in the plan's precision)
+        between two stages; with `compress` the wire carries 2-byte elements, cast on both ends."""
         if src == dst:
             return 0.0
         link = self.cluster.link(src, dst)
-        key = ("p2p", nbytes, link)
+        key = ("p2p", nbytes, link, compress, self.cluster.devices[src].spec.name,
+               self.cluster.devices[dst].spec.name)
         t = self._memo.get(key)
         if t is None:
-            t = self._memo[key] = float(p2p_time(nbytes, src, dst, self.cluster))
+            if compress is None:
+                t = float(p2p_time(nbytes, src, dst, self.cluster))
+            else:
+                elems = nbytes / ACT_BYTES[self.precision]
+                cast = elems * (ACT_BYTES[self.precision] + WIRE_BYTES[compress])  # read + write, each end
+                t = float(p2p_time(elems * WIRE_BYTES[compress], src, dst, self.cluster)) + sum(
+                    cast / self.cluster.devices[d].spec.memory_bandwidth for d in (src, dst))
+            self._memo[key] = t
         return t  # type: ignore[return-value]
+
+    def compress_choice(self, nbytes: float, src: int, dst: int) -> str | None:
+        """The wire dtype for a stage boundary under the planner's rule (module docstring, "Compressed
+        sends"): COMPRESS_DTYPE when the plan trains in fp32/tf32, the link is slow and the send gets
+        faster; else None."""
+        if (src == dst or self.precision not in ("fp32", "tf32")
+                or self.cluster.link(src, dst).bandwidth > SLOW_LINK_BYTES_PER_S):
+            return None
+        faster = self.send_time(nbytes, src, dst, COMPRESS_DTYPE) < self.send_time(nbytes, src, dst)
+        return COMPRESS_DTYPE if faster else None
+
+    def boundary_send(self, nbytes: float, src: int, dst: int) -> float:
+        """Send seconds of a stage boundary as the search plans it (compressed where `compress_choice` says)."""
+        return self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst))
 
     def peak_inflight(self, schedule: str, ranks: int, microbatches: int, chunks: int) -> dict[int, int]:
         """`schedule.peak_inflight` of the generated schedule (memoised: replicas share it)."""
@@ -290,19 +358,35 @@ class CostModel:
     def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
         t, frac = len(tp_group), n / self.B
         f = b = fc = bc = rc = act = act_rc = work = 0.0
+        extra = tp_max = 0.0
+        ilp = t > 1 and any(self.is_block[a:e])
         for i in range(a, e):
             c = tp_layer_cost(self, i, dtype, n, tp_group)
             f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
-            act += self.saved[i] * frac / t
+            saved = c.act if c.act >= 0 else self.saved[i] * frac / t
+            act += saved
+            extra += self.own_params[i] * (c.param_frac - 1 / t)
+            tp_max = max(tp_max, self.own_params[i] * c.param_frac)
+            ilp = ilp and (c.ilp or not self.is_block[i])
             if self.is_block[i]:
                 rc += c.fwd + c.fwd_comm
                 act_rc += self.in_bytes[i] * frac
-                work = max(work, self.saved[i] * frac / t)
+                work = max(work, saved)
             else:
-                act_rc += self.saved[i] * frac / t
+                act_rc += saved
         params, biggest = self.range_params(a, e)
-        return StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
-                         any(self.is_block[a:e]))
+        base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
+                         any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
+                         extra, tp_max)
+        return experts.adjust_base(self, a, e, dtype, n, t, base)
+
+    def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
+        """The intra-op ILP's per-layer pricer for a tensor-parallel group (None when it is switched off)."""
+        key = (dtype, self.group_sig(tp_group))
+        if key not in self._pricers:
+            self._pricers[key] = LayerPricer(self.graph, len(tp_group), dtype, self.cluster, tp_group,
+                                             self.intra_op_time_limit_s) if self.intra_op else None
+        return self._pricers[key]
 
     # ---- options ------------------------------------------------------------------------------
     def stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
@@ -311,7 +395,7 @@ class CostModel:
         `dp_sig` is `group_sig(dp_group)` when the caller has it."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         t, D = len(tp_group), len(dp_group)
-        N = base.params / t
+        N = base.params / t + base.tp_extra
         z = opt.zero if D > 1 else 0
         key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig)  # same for every option
         hit = self._memo.get(key)
@@ -320,9 +404,13 @@ class CostModel:
                                      self.collective("reduce_scatter", N * g, dp_group),
                                      self.collective("all_reduce", N * g, dp_group))
         ag, rs, ar = hit  # type: ignore[misc]
-        h2d = lambda x: self.host_transfer(dtype, x)
+        host = self.specs[dtype].host_link
+        h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # `host_transfer`, inlined: hot
         act = base.act_recompute if opt.recompute else base.act
-        fc, bc = base.fwd_comm, base.bwd_comm
+        # expert parallelism: all-to-alls, and expert gradients synced among their holders only
+        a2a_f, a2a_b, moe_sync = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
+            else (0.0, 0.0, 0.0)
+        fc, bc = base.fwd_comm + a2a_f, base.bwd_comm + a2a_b
         if z == 3:
             fc, bc = fc + ag, bc + ag
         if z >= 2:
@@ -331,7 +419,7 @@ class CostModel:
             fc, bc = fc + h2d(N * w), bc + h2d(N * w) + h2d(N * g)
         if "activations" in opt.offload:
             fc, bc = fc + h2d(act), bc + h2d(act)
-        sync = (ar, rs + ag, ag, 0.0)[z]
+        sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync
         local = N / D if z >= 1 else N
         if "optimizer" in opt.offload:
             sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
@@ -343,7 +431,7 @@ class CostModel:
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int) -> StageMemory:
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
-        N, P = base.params / tp, base.max_layer_params / tp
+        N, P = base.params / tp + base.tp_extra, max(base.max_layer_params / tp, base.tp_max_layer)
         z = opt.zero if dp > 1 else 0
         on_host = "params" in opt.offload
         static = 0.0 if on_host else N * w / (dp if z == 3 else 1) + N * g / (dp if z >= 2 else 1)
@@ -356,17 +444,30 @@ class CostModel:
 
 
 def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost:
-    """One layer on a tensor-parallel group, Megatron closed form: compute / t plus all-reduces.
-
-    The single place where tensor parallelism is priced; the intra-op sharding ILP plugs in here.
+    """One layer on a tensor-parallel group: a repeated block from the intra-op ILP's strategies
+    (`intra_op.LayerPricer`, memoised per block class, device type, group and micro-batch size), else (the
+    layers around the blocks, or no ILP solution in time) the Megatron closed form: compute / t plus
+    all-reduces. The single place where tensor parallelism is priced.
     """
     tp = len(tp_group)
+    if tp > 1 and cm.is_block[layer]:
+        key = ("ilp", cm.cls[layer], dtype, n, cm.group_sig(tp_group))
+        hit = cm._memo.get(key)
+        if hit is None:
+            pricer = cm.layer_pricer(dtype, tp_group)
+            res = pricer.cost(layer, n) if pricer is not None else None
+            hit = cm._memo[key] = (None if res is None else LayerCost(
+                res.time_fwd - res.comm_fwd, res.time_bwd - res.comm_bwd, res.comm_fwd, res.comm_bwd,
+                res.param_bytes_per_device / cm.graph.layers[layer].param_bytes
+                if cm.graph.layers[layer].param_bytes else 1 / tp, res.activation_bytes_per_device, True))
+        if hit is not None:
+            return hit  # type: ignore[return-value]
     fwd, bwd = cm.layer_compute(layer, dtype, n, tp)
     if tp == 1:
         return LayerCost(fwd, bwd, 0.0, 0.0)
     nbytes = (cm.boundary[layer] or cm.in_bytes[layer]) * n / cm.B
     ar = (2 if cm.is_block[layer] else 1) * cm.collective("all_reduce", nbytes, tp_group)
-    return LayerCost(fwd, bwd, ar, ar)
+    return LayerCost(fwd, bwd, ar, ar, 1 / tp)
 
 
 # ---- pricing a plan ---------------------------------------------------------------------------------
@@ -392,79 +493,6 @@ def stage_option(stage: Stage) -> Option:
     return Option(stage.zero, stage.recompute, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
 
 
-def check_plan(cm: CostModel, plan: Plan) -> None:
-    """Raise PlanError unless `plan` places every layer once per pipeline and every device at most once."""
-    if plan.schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-    if sum(p.batch_share for p in plan.pipelines) != cm.B:
-        raise PlanError(f"batch shares {[p.batch_share for p in plan.pipelines]} sum to "
-                        f"{sum(p.batch_share for p in plan.pipelines)}, not the global batch {cm.B}.")
-    used: dict[int, str] = {}
-    for i, p in enumerate(plan.pipelines):
-        if not 1 <= p.num_microbatches <= p.batch_share:
-            raise PlanError(f"pipeline {i}: {p.num_microbatches} micro-batches for a batch share of "
-                            f"{p.batch_share}; need 1 <= micro-batches <= share.")
-        if p.microbatch_size != -(-p.batch_share // p.num_microbatches):
-            raise PlanError(f"pipeline {i}: microbatch_size {p.microbatch_size} should be "
-                            f"ceil({p.batch_share} / {p.num_microbatches}).")
-        ranks = len(p.stages) // plan.chunks
-        if ranks < 1 or len(p.stages) % plan.chunks:
-            raise PlanError(f"pipeline {i} has {len(p.stages)} stages, not a multiple of "
-                            f"chunks={plan.chunks}.")
-        if plan.schedule == "interleaved_1f1b" and p.num_microbatches % ranks:
-            raise PlanError(f"pipeline {i}: interleaved_1f1b needs the micro-batch count "
-                            f"({p.num_microbatches}) to be a multiple of the pipeline depth ({ranks}).")
-        edge = 0
-        for j, st in enumerate(p.stages):
-            a, e = st.layers
-            if a != edge or e <= a or e > cm.L:
-                raise PlanError(f"pipeline {i} stage {j} covers layers [{a}, {e}); expected [{edge}, ...) "
-                                f"with at least one layer, within the {cm.L} layers of the model.")
-            edge = e
-            if st.devices != p.stages[j % ranks].devices:
-                raise PlanError(f"pipeline {i} stage {j} must run on the devices of stage {j % ranks} "
-                                f"(chunks={plan.chunks}).")
-            if not st.devices or any(not 0 <= d < cm.cluster.world_size for d in st.devices):
-                raise PlanError(f"pipeline {i} stage {j} names devices {st.devices}; the cluster has "
-                                f"0..{cm.cluster.world_size - 1}.")
-            if len({cm.cluster.devices[d].spec.name for d in st.devices}) > 1:
-                raise PlanError(f"pipeline {i} stage {j}: a tensor-parallel group must hold one device type.")
-            if not 0 <= st.zero <= 3 or set(st.offload) - set(OFFLOAD_KINDS):
-                raise PlanError(f"pipeline {i} stage {j}: zero must be 0-3 and offload a subset of "
-                                f"{list(OFFLOAD_KINDS)}, got zero={st.zero}, offload={st.offload}.")
-            if j < ranks:
-                for d in st.devices:
-                    if d in used:
-                        raise PlanError(f"device {d} is used twice ({used[d]} and pipeline {i} stage {j}).")
-                    used[d] = f"pipeline {i} stage {j}"
-        if edge != cm.L:
-            raise PlanError(f"pipeline {i} stops at layer {edge}; the model has {cm.L} layers.")
-
-
-def lower_bound(stages: list[tuple[float, float, float, float, float, float]], sizes: list[int],
-                ranks: int) -> float:
-    """A bound no simulated step of this pipeline beats; stages[j] = (fwd, fwd_small, bwd, bwd_small,
-    send, sync) with sizes[0] the largest micro-batch.
-
-    Device r first computes F(stage r, 0), which waits for the forward of stages < r; its last compute is
-    B(stage r, last), followed on its comm stream by the gradient send to stage r - 1 and stage r's sync,
-    and by the backward chain back to stage 0, which stage 0's sync follows.
-    """
-    full = sizes[0]
-    n_full = sum(s == full for s in sizes)
-    last_small = sizes[-1] != full
-    best = 0.0
-    pre_f = pre_b = 0.0
-    for r in range(ranks):
-        work = sum(n_full * (st[0] + st[2]) + (len(sizes) - n_full) * (st[1] + st[3])
-                   for st in stages[r::ranks])
-        send_back = stages[r - 1][4] if r else 0.0
-        best = max(best, pre_f + work + max(pre_b + stages[0][5], send_back + stages[r][5]))
-        pre_f += stages[r][0] + stages[r][4]
-        pre_b += (stages[r][3] if last_small else stages[r][2]) + stages[r][4]
-    return best
-
-
 def rank_peak(mems: list[StageMemory], inflight: int) -> float:
     """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches."""
     act = max((min(inflight, 1) if m.offload_act else inflight) * m.act for m in mems)
@@ -479,6 +507,8 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
     sizes, full = pipe.microbatch_sizes(), pipe.microbatch_size
     n_small = sum(s != full for s in sizes)
     preds, vals, mems = [], [], []
+    tied = tied_sync(cm, [(st.layers[0], st.layers[1], tuple(st.devices), dp_groups[j])
+                          for j, st in enumerate(pipe.stages)])
     for j, st in enumerate(pipe.stages):
         dtype = devices[st.devices[0]].spec.name
         tp_group, dp_group = tuple(st.devices), dp_groups[j]
@@ -487,16 +517,17 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
         tf = cm.stage_times(base, opt, dtype, tp_group, dp_group)
         ts = cm.stage_times(cm.base(st.layers[0], st.layers[1], dtype, full - 1, tp_group), opt, dtype,
                             tp_group, dp_group) if n_small else StageTimes(0.0, 0.0, 0.0, tf.sync)
-        send = (cm.send_time(base.out_bytes, st.devices[0], pipe.stages[j + 1].devices[0])
+        send = (cm.send_time(base.out_bytes, st.devices[0], pipe.stages[j + 1].devices[0], st.compress)
                 if j + 1 < len(pipe.stages) else 0.0)
-        vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, tf.sync))
+        sync = tf.sync + tied[j]
+        vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, sync))
         mems.append(cm.stage_memory(base, opt, len(tp_group), len(dp_group)))
         m_full = len(sizes) - n_small
         preds.append({"fwd_s": tf.fwd, "bwd_s": tf.bwd, "fwd_small_s": ts.fwd, "bwd_small_s": ts.bwd,
-                      "send_s": send, "sync_s": tf.sync,
+                      "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
                       "compute_s": m_full * (tf.fwd + tf.bwd - tf.comm)
                       + n_small * (ts.fwd + ts.bwd - ts.comm),
-                      "comm_s": m_full * tf.comm + n_small * ts.comm + tf.sync
+                      "comm_s": m_full * tf.comm + n_small * ts.comm + sync
                       + len(sizes) * (send + (vals[j - 1][4] if j else 0.0))})
     return preds, vals, mems
 
@@ -507,6 +538,7 @@ def price(cm: CostModel, plan: Plan) -> Priced:
     Raises PlanError when the plan is inconsistent (`check_plan`); a plan that does not fit is priced
     anyway, with `fits` False and the `problems` spelled out."""
     check_plan(cm, plan)
+    cm = experts.checked(cm, plan)
     devices = cm.cluster.devices
     pipes: list[Pipeline] = []
     peak: dict[int, int] = {}
@@ -520,7 +552,7 @@ def price(cm: CostModel, plan: Plan) -> Priced:
         # replicas that differ only in which (equivalent) devices they use are priced once
         key = (pipe.batch_share, pipe.num_microbatches, tuple(
             (tuple(st.layers), devices[st.devices[0]].spec.name, cm.group_sig(tuple(st.devices)),
-             cm.group_sig(dp_groups[j]), stage_option(st),
+             cm.group_sig(dp_groups[j]), stage_option(st), st.compress,
              cm.group_sig((st.devices[0], pipe.stages[j + 1].devices[0])) if j + 1 < len(pipe.stages) else -1)
             for j, st in enumerate(pipe.stages)))
         if key not in seen:
@@ -535,7 +567,7 @@ def price(cm: CostModel, plan: Plan) -> Priced:
             for d in pipe.stages[r].devices:
                 peak[d] = math.ceil(need)
                 if need > cm.usable(d):
-                    problems.append(_memory_problem(cm, d, i, r, need, mems[r::ranks], inflight[r]))
+                    problems.append(memory_problem(cm, d, i, r, need, mems[r::ranks], inflight[r]))
         bound = max(bound, lower_bound(vals, sizes, ranks))
         pipes.append(replace(pipe, stages=stages))
     out = replace(plan, pipelines=pipes)
@@ -566,16 +598,6 @@ def price_strategy(cm: CostModel, strategy: Strategy) -> Estimate:
         first_block=cm.first_block if cm.num_blocks else cm.L, num_blocks=cm.num_blocks,
         precision=cm.precision, optimizer=cm.optimizer, cluster=cm.cluster.to_dict(),
         model=model_summary(cm.graph), memory_reserve=cm.reserve)
+    skeleton.experts = experts.describe(experts.with_degree(cm, strategy.ep), skeleton)
     priced = price(cm, skeleton)
     return Estimate(priced.plan, priced.fits, priced.problems)
-
-
-def _memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,
-                    mems: list[StageMemory], inflight: int) -> str:
-    spec = cm.cluster.devices[device].spec
-    static = sum(m.static for m in mems)
-    act = need - static
-    return (f"device {device} ({spec.name}, pipeline {pipeline} stage {rank}) needs {fmt_bytes(need)} "
-            f"(parameters, gradients and optimizer state {fmt_bytes(static)}, activations of {inflight} "
-            f"in-flight micro-batch(es) {fmt_bytes(act)}) but has {fmt_bytes(cm.usable(device))} usable of "
-            f"{fmt_bytes(spec.memory)} ({100 * cm.reserve:.0f}% reserve).")

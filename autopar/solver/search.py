@@ -8,27 +8,35 @@ batch B, choose
     t                tensor-parallel degree (divides every node's device count: tp stays inside a node)
     pipelines        a partition of the tp groups into D pipelines of p ranks each
     sigma, v         schedule (gpipe, 1f1b, interleaved_1f1b with v chunks per rank) and chunks
-    b                micro-batch size (pipeline d runs m_d = ceil(s_d / b) micro-batches)
+    b                micro-batch size (pipeline d runs m_d = ceil(s_d / min(b, s_d)) micro-batches)
     [a_j, e_j)       per pipeline, the layer range of each of its p*v stages
     o_j              per stage, ZeRO level 0-3, recompute, CPU offload of optimizer/activations/params
+    c_j              per stage boundary, the dtype its sends travel in (compressed or not)
     s_d              per pipeline, its integer batch share
 
 to minimise the simulated step time  max_d simulate(schedule(sigma, p, m_d, v), stage times)  subject to
 
     (C1) every pipeline's stages tile [0, L), one layer at least each     `Splitter.split`, `check_plan`
-    (C2) every device's peak memory (static state of its stages + peak in-flight micro-batches x
-         activations + recompute workspace) <= (1 - reserve) x capacity   `Splitter.stage`, `price`
+    (C2) every device's peak memory (static state of all its stages, i.e. interleaved chunks together,
+         + peak in-flight micro-batches x activations + recompute workspace; `pricing.rank_peak`)
+         <= (1 - reserve) x capacity              `Splitter.stage` with `split.RankState`, `_fits`, `price`
     (C3) sum_d s_d = B, 1 <= m_d <= s_d, m_d % p == 0 for interleaved            `_batch_split`, `_solve`
     (C4) every device in exactly one tp group of one pipeline rank              `_groupings`
+    (C5) c_j compressed only where `CostModel.compress_choice` allows it (fp32/tf32 plan, link <= 10 Gb/s,
+         faster send) and only if it shortens the step             `CostModel.boundary_send`, `run`
 
 Decomposition
 -------------
-Outer (`_configs`): enumerate (t, grouping, sigma, v, b). Groupings on one device type: Megatron's
-stage-major order (stage s of replica d = tp group s*D + d) and replica-major order (a replica on
-consecutive groups). On several types: "mixed" pipelines (each holds an equal slice of every type,
-its stages in cluster order, so one pipeline spans device types and the split gives the faster ones
-more layers) and "by-type" pipelines (each on one device type; the batch split gives faster replicas
-more samples). Every config gets a valid lower
+Outer (`_configs`): enumerate (t, grouping, sigma, v, b). Micro-batch sizes (`config_microbatch_sizes`):
+with replicas of one kind, every size giving a distinct micro-batch count up to the even share when it
+is at most MICROBATCH_ENUMERATION samples, else powers of two and the share; with replicas that differ
+(uneven shares) and a largest possible share of at most MICROBATCH_ENUMERATION, every size up to it, so
+a replica with a small share runs it as one micro-batch while another splits its larger one. Groupings
+on one device type: Megatron's stage-major order (stage s of replica d = tp group s*D + d) and
+replica-major order (a replica on consecutive groups). On several types: "mixed" pipelines (each holds
+an equal slice of every type, its stages in cluster order, so one pipeline spans device types and the
+split gives the faster ones more layers) and "by-type" pipelines (each on one device type; the batch
+split gives faster replicas more samples). Every config gets a valid lower
 bound on its step time (`_config_bound`): for a single pipeline class with X the work of its largest
 share at the fastest device type's per-sample cost, X/m / (1 - (1 - 1/m)^p) for gpipe/1f1b (the min
 over real stage splits of max_s [prefix forward + stage work]), max(X/p, X/m) for interleaved, and the
@@ -49,7 +57,9 @@ Inner, per config and pipeline class:
     the prefix sums on non-interleaved chains of moderate size, else by bisection on E between the
     config's bound and the memory-only split with a greedy test (each stage takes the most layers that
     keep its term under the threshold and its memory under budget; costs grow with the range, so each
-    stage is a binary search).
+    stage is a binary search). An interleaved device's chunks are checked together: each chunk's option
+    must fit with the chunks placed before it on the device, counting the chunks still to come at its
+    own static size (`split.RankState`, exact for the last chunk).
   * batch split (`_batch_split`, CP-SAT) when replicas differ (by-type groupings): integer s_c
     (per-replica share of class c with k_c replicas), r_c replicas taking one more sample,
         min Z  s.t.  sum_c k_c s_c + r_c = B,   Z >= E_c(s_c + [r_c > 0])
@@ -71,17 +81,20 @@ import math
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 from ..errors import InfeasibleError
 from ..plan import Pipeline, Plan, Stage, simulate_stages
 from ..report import fmt_bytes, fmt_time
-from .pricing import CostModel, inflight_closed_form, lower_bound, model_summary, price
+from . import experts
+from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price, rank_peak
 from .split import Slot, Split, Splitter, Unit, surrogate
 
 Progress = Callable[[int, int, float | None], None]
 CHUNKS = (2, 4)
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
+MICROBATCH_ENUMERATION = 32  # batch shares up to which every micro-batch size is tried
 
 
 class Config(NamedTuple):
@@ -140,11 +153,25 @@ def _groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[
 
 
 def _microbatch_sizes(share: int) -> list[int]:
-    """Candidate micro-batch sizes b; a replica then runs the fewest micro-batches of at most b samples."""
-    if share <= 8:
-        return list(range(1, share + 1))
+    """Candidate micro-batch sizes b; a replica then runs the fewest micro-batches of at most b samples.
+    Up to MICROBATCH_ENUMERATION samples every size giving a distinct micro-batch count, else powers of two."""
+    if share <= MICROBATCH_ENUMERATION:
+        return sorted({-(-share // m) for m in range(1, share + 1)})
     sizes = [1 << k for k in range(share.bit_length()) if (1 << k) < share]
     return sizes + [share]
+
+
+def config_microbatch_sizes(cm: CostModel, pipes: tuple[tuple[Unit, ...], ...]) -> list[int]:
+    """The micro-batch sizes b the search tries on one grouping (one b shared by its pipelines). Replicas
+    of one kind get even shares, so b up to that share; replicas that differ may get uneven shares, so
+    when that is at most MICROBATCH_ENUMERATION, every size up to the largest share one can take (a smaller
+    share then runs as one micro-batch of itself, so each replica can have its own micro-batch count);
+    beyond that (large batches: planning time) the sizes of the even share."""
+    kinds = {tuple(cm.cluster.devices[u[0]].spec.name for u in pipe) for pipe in pipes}
+    top = cm.B - (len(pipes) - 1)
+    if len(kinds) == 1 or top > MICROBATCH_ENUMERATION:
+        return _microbatch_sizes(-(-cm.B // len(pipes)))
+    return list(range(1, top + 1))
 
 
 def _schedules(p: int, L: int) -> list[tuple[str, int]]:
@@ -210,9 +237,11 @@ class Search:
         out: list[Config] = []
         for t in _divisors(gcd):
             for name, pipes in _groupings(cm, _units(cm, t)):
+                if not experts.config_ok(cm, t, pipes):
+                    continue
                 p = len(pipes[0])
                 for schedule, v in _schedules(p, cm.L):
-                    for b in _microbatch_sizes(-(-cm.B // len(pipes))):
+                    for b in config_microbatch_sizes(cm, pipes):
                         cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
                         bound = self._config_bound(cfg)
                         if bound is not None:
@@ -259,7 +288,7 @@ class Search:
             self._dp_cache = (cfg.pipelines, groups)
         dp = self._dp_cache[1]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
-                     min(cm.usable(d) for d in pipe[j % p]) / v,
+                     min(cm.usable(d) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p]))) for j in range(p * v)]
 
     # -- batch split --
@@ -334,7 +363,7 @@ class Search:
                 table.append(None)
                 continue
             sends = [0.0 if j + 1 == len(slots) else
-                     cm.send_time(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
+                     cm.boundary_send(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
                      for j, (_, _, c) in enumerate(split.stages)]
             table.append(round(surrogate([c.times for _, _, c in split.stages], sends, p, s / n_a) * 1e9))
         return table
@@ -343,13 +372,12 @@ class Search:
         """Whether `split`'s stages and options fit with m micro-batches of n samples."""
         cm, p = self.cm, len(slots) // cfg.chunks
         inflight = inflight_closed_form(cfg.schedule, p, m, cfg.chunks)
+        mems: list[list[StageMemory]] = [[] for _ in range(p)]
         for j, (a, e, c) in enumerate(split.stages):
             slot = slots[j]
             base = cm.base(a, e, slot.dtype, n, slot.tp_group)
-            mem = cm.stage_memory(base, c.option, len(slot.tp_group), len(slot.dp_group))
-            if mem.peak(inflight[j % p]) > slot.budget:
-                return False
-        return True
+            mems[j % p].append(cm.stage_memory(base, c.option, len(slot.tp_group), len(slot.dp_group)))
+        return all(rank_peak(mems[r], inflight[r]) <= slots[r].budget for r in range(p))
 
     # -- one config --
     def _solve(self, cfg: Config) -> Solved | None:
@@ -394,8 +422,11 @@ class Search:
             out = []
             for pipe, key in zip(pipes, keys, strict=True):
                 _, share, m = key
+                last = len(splits[key][1].stages) - 1
                 stages = [Stage([a, e], list(pipe[j % p]), c.option.zero, c.option.recompute,
-                                list(c.option.offload)) for j, (a, e, c) in enumerate(splits[key][1].stages)]
+                                list(c.option.offload), None if j == last else
+                                cm.compress_choice(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0]))
+                          for j, (a, e, c) in enumerate(splits[key][1].stages)]
                 out.append(Pipeline(share, -(-share // m), m, stages))
             return Plan(cm.B, cm.precision, cm.optimizer, cfg.schedule, cfg.chunks, cm.cluster.to_dict(),
                         model_summary(cm.graph), out, {}, cm.reserve)
@@ -427,6 +458,12 @@ class Search:
                 self.progress(k + 1, len(configs), best_step if best is not None else None)
         if best is None:
             raise InfeasibleError(self._infeasible_message())
+        if any(st.compress for pipe in best.pipelines for st in pipe.stages):
+            # compression changes numerics: keep it only where it shortens the predicted step
+            plain = price(self.cm, replace(best, pipelines=[
+                replace(pipe, stages=[replace(st, compress=None) for st in pipe.stages]) for pipe in best.pipelines]))
+            if plain.plan.predicted["step_time_s"] <= best_step:
+                best = plain.plan
         if stopped_early:
             warnings.warn(f"planning stopped at the time limit ({self.time_limit_s:g} s) after {k} of "
                           f"{len(configs)} configurations; returning the best plan so far "
@@ -461,7 +498,7 @@ class Search:
 
 def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None) -> Plan:
     """The fastest plan that fits; see the module docstring for the formulation."""
-    return Search(cm, time_limit_s, progress).run()
+    return experts.choose(cm, lambda c, seconds: Search(c, seconds, progress).run(), time_limit_s)
 
 
 __all__ = ["Config", "Search", "search"]

@@ -1,10 +1,13 @@
 """Layer split of one pipeline: which layers each stage runs, with which memory options.
 
 A pipeline is a list of `Slot`s (stage positions: device type, tensor- and data-parallel groups,
-in-flight micro-batches, memory budget). `Splitter.stage` picks a stage's option (ZeRO level,
-recompute, CPU offload) for a layer range: the one minimising m (fwd + bwd) + sync among those whose
-peak memory fits (offload and sharding only add time, so they enter only when memory requires them).
-`Splitter.split` chooses the ranges (see its docstring); `surrogate` is the objective it minimises.
+in-flight micro-batches, the device's memory budget). `Splitter.stage` picks a stage's option (ZeRO
+level, recompute, CPU offload) for a layer range: the one minimising m (fwd + bwd) + sync among those
+with which the device still fits (offload and sharding only add time, so they enter only when memory
+requires them). A device running several stages (interleaved chunks) is checked as `pricing.rank_peak`
+prices it: its chunks' static memory summed, the largest in-flight activations and workspace once
+(`RankState`). `Splitter.split` chooses the ranges (see its docstring); `surrogate` is the objective it
+minimises. Sends between stages are priced as the plan will send them (`CostModel.boundary_send`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..plan import simulate_stages
-from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound
+from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
 
 OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
                   ("optimizer", "activations", "params"))
@@ -33,6 +36,29 @@ class Slot(NamedTuple):
     inflight: int
     budget: float
     sigs: tuple[int, int]  # CostModel.group_sig of the tp and dp groups
+
+
+class RankState(NamedTuple):
+    """What one device's already placed chunks hold (interleaved schedules), for `rank_peak`."""
+
+    static: float = 0.0  # their static memory
+    act: float = 0.0  # the largest in-flight activation term among them
+    work: float = 0.0  # the largest recompute workspace among them
+    later: int = 0  # chunks of this device still to place after the one being checked
+
+    def need(self, mem: StageMemory, inflight: int) -> float:
+        """The device's peak with `mem` added, projecting `later` more chunks of the same static size
+        (exactly `rank_peak` for the last chunk)."""
+        act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
+        return self.static + (1 + self.later) * mem.static + max(self.act, act) + max(self.work, mem.work)
+
+    def add(self, mem: StageMemory, inflight: int) -> RankState:
+        act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
+        return RankState(self.static + mem.static, max(self.act, act), max(self.work, mem.work),
+                         max(self.later - 1, 0))
+
+
+NO_CHUNKS = RankState()
 
 
 class Choice(NamedTuple):
@@ -69,6 +95,11 @@ def surrogate(times: list[StageTimes], sends: list[float], ranks: int, mult: flo
     return worst
 
 
+def _even_counts(total: int, parts: int) -> list[int]:
+    q, r = divmod(total, parts)
+    return [q + 1 if i < r else q for i in range(parts)]
+
+
 def _pareto(states: list[tuple]) -> list[tuple]:
     """The states no other state beats on all of its first four fields (first found wins ties); the
     fifth, the last send, is the same for every state of a front."""
@@ -89,10 +120,13 @@ class Splitter:
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
         self.closest: tuple[float, float, str] | None = None  # (need, budget, device type) nearest to fitting
 
-    def stage(self, slot: Slot, a: int, e: int, m: int, n: int) -> Choice | None:
+    def stage(self, slot: Slot, a: int, e: int, m: int, n: int, rank: RankState = NO_CHUNKS) -> Choice | None:
+        """The fastest option for layers [a, e) on `slot` whose device still fits: `rank` holds what the
+        device's earlier chunks (interleaved schedules) already use and how many chunks follow, which are
+        assumed to need this one's static memory each (`RankState.need`)."""
         cm = self.cm
         key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n)
-        ck = (key, slot.inflight, slot.budget)
+        ck = (key, slot.inflight, slot.budget, rank)
         if ck in self._choices:
             return self._choices[ck]
         ranked = self._sorted.get(key)
@@ -114,11 +148,11 @@ class Splitter:
             self._sorted[key] = ranked
         choice = None
         for _, opt, tm, mem in ranked:
-            if mem.peak(slot.inflight) <= slot.budget:
+            if rank.need(mem, slot.inflight) <= slot.budget:
                 choice = Choice(opt, tm, mem, base.out_bytes)
                 break
         if choice is None:
-            need = min(mem.peak(slot.inflight) for _, _, _, mem in ranked)
+            need = min(rank.need(mem, slot.inflight) for _, _, _, mem in ranked)
             if self.closest is None or need - slot.budget < self.closest[0] - self.closest[1]:
                 self.closest = (need, slot.budget, slot.dtype)
         self._choices[ck] = choice
@@ -126,9 +160,11 @@ class Splitter:
 
     def greedy(self, slots: list[Slot], T: float, m: int, n: int, chunks: int) -> Split | None:
         """Each stage in chain order takes the most layers that keep its surrogate term (see `surrogate`)
-        under T and its memory under budget, leaving one layer for each later stage."""
+        under T and its device's memory (all its chunks together, `RankState`) under budget, leaving one
+        layer for each later stage."""
         cm, S, p = self.cm, len(slots), len(slots) // chunks
         fwd_pre, bwd_pre, work = [0.0] * p, [0.0] * p, [0.0] * p
+        held = [RankState(later=chunks - 1)] * p
         a, pf, pb, worst, prev_send = 0, 0.0, 0.0, 0.0, 0.0
         out: list[tuple[int, int, Choice]] = []
 
@@ -139,7 +175,7 @@ class Splitter:
             return fwd_pre[r] + max(work[r] + w, chunks * w) + tail
 
         def fits(e: int) -> bool:
-            c = self.stage(slot, a, e, m, n)
+            c = self.stage(slot, a, e, m, n, held[r])
             return c is not None and term(c) <= T
 
         for j, slot in enumerate(slots):
@@ -155,12 +191,13 @@ class Splitter:
                     lo = mid
                 else:
                     hi = mid - 1
-            c = self.stage(slot, a, lo, m, n)
+            c = self.stage(slot, a, lo, m, n, held[r])
             assert c is not None
+            held[r] = held[r].add(c.memory, slot.inflight)
             worst = max(worst, term(c))
             work[r] += m * (c.times.fwd + c.times.bwd)
             nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
-            prev_send = cm.send_time(c.out_bytes, slot.tp_group[0], nxt)  # 0 to itself
+            prev_send = cm.boundary_send(c.out_bytes, slot.tp_group[0], nxt)  # 0 to itself
             if j < p:
                 pf, pb = pf + c.times.fwd + prev_send, pb + c.times.bwd + prev_send
             out.append((a, lo, c))
@@ -174,9 +211,8 @@ class Splitter:
         Few possible splits: all are scored by their lower bound and simulated in bound order (exact).
         Otherwise the surrogate is minimised, exactly by `_exact` on non-interleaved medium chains,
         else by bisection between `lo` (a bound the surrogate cannot beat) and the memory-only split,
-        with the greedy feasibility test (always, with `fast`). Interleaved chunks of one device get
-        1/chunks of its memory each on the bisection path (sufficient; enumeration lets each take what
-        the earlier ones left).
+        with the greedy feasibility test (always, with `fast`). The chunks of one device (interleaved
+        schedules) are checked together against its memory, as `pricing.rank_peak` prices them.
         """
         n = -(-share // m)
         if not fast and math.comb(self.cm.L - 1, len(slots) - 1) <= SPLIT_ENUMERATION:
@@ -185,7 +221,8 @@ class Splitter:
         if best is None:
             return None
         if not fast and chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
-            return self._exact(slots, m, n, best)
+            return self._simulated_best([self._exact(slots, m, n, best), self.even(slots, m, n, chunks)],
+                                        slots, share, m, schedule, chunks)
         hi = best.surrogate
         while hi - lo > 1e-3 * hi:  # the surrogate only guides the split; 0.1% is plenty
             mid = (lo + hi) / 2
@@ -196,6 +233,51 @@ class Splitter:
                 hi = got.surrogate
                 if got.surrogate < best.surrogate:
                     best = got
+        if fast:
+            return best
+        return self._simulated_best([best, self.even(slots, m, n, chunks)], slots, share, m, schedule, chunks)
+
+    def even(self, slots: list[Slot], m: int, n: int, chunks: int) -> Split | None:
+        """Megatron's split: the repeated blocks evenly over the stages (the first ones one more when they
+        do not divide), the layers before/after them on the first/last stage; None if it does not fit or
+        the stages run on several device types."""
+        cm, S, p = self.cm, len(slots), len(slots) // chunks
+        if cm.num_blocks < S or len({slot.dtype for slot in slots}) > 1:
+            return None  # on mixed device types an even split is no natural candidate
+        edges = [0]
+        for j, count in enumerate(_even_counts(cm.num_blocks, S)):
+            edges.append((cm.first_block if j == 0 else edges[-1]) + count)
+        edges[-1] = cm.L
+        # options: each chunk the fastest that fits with the chunks before it, first without, then with
+        # the projection of the later chunks (`RankState`); the faster of the two that fit
+        found = []
+        for later in (0, chunks - 1):
+            held = [RankState(later=later)] * p
+            out = []
+            for j, slot in enumerate(slots):
+                c = self.stage(slot, edges[j], edges[j + 1], m, n, held[j % p])
+                if c is None:
+                    break
+                held[j % p] = held[j % p].add(c.memory, slot.inflight)
+                out.append((edges[j], edges[j + 1], c))
+            if len(out) == S:
+                found.append(Split(out, surrogate([c.times for _, _, c in out], [0.0] * S, p, m)))
+        return min(found, key=lambda sp: sp.surrogate) if found else None
+
+    def _simulated_best(self, splits: list[Split | None], slots: list[Slot], share: int, m: int, schedule: str,
+                        chunks: int) -> Split:
+        """The candidate whose simulated step is shortest (the first on ties)."""
+        if sum(split is not None for split in splits) == 1:
+            return next(split for split in splits if split is not None)
+        q, r = divmod(share, m)
+        best, best_step = None, math.inf
+        for split in splits:
+            if split is None:
+                continue
+            step = simulate_stages(schedule, chunks, share, m, self.values(slots, split, q if r else 0)).step_time
+            if step < best_step:
+                best, best_step = split, step
+        assert best is not None
         return best
 
     def _enumerate(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int) -> Split | None:
@@ -206,14 +288,15 @@ class Splitter:
         p = S // chunks
         for cuts in itertools.combinations(range(1, cm.L), S - 1):
             edges = (0, *cuts, cm.L)
-            # a device's chunks share its memory: each takes what the ones before it left (sufficient)
-            left = [slot.budget * chunks for slot in slots[:p]]
+            # a device's chunks share its memory: each takes the fastest option that fits with the ones
+            # before it (exact device peak, `rank_peak`; an option choice that is sufficient, not optimal)
+            held = [NO_CHUNKS] * p
             stages = []
             for j in range(S):
-                c = self.stage(slots[j]._replace(budget=left[j % p]), edges[j], edges[j + 1], m, n)
+                c = self.stage(slots[j], edges[j], edges[j + 1], m, n, held[j % p])
                 if c is None:
                     break
-                left[j % p] -= c.memory.peak(slots[j].inflight)
+                held[j % p] = held[j % p].add(c.memory, slots[j].inflight)
                 stages.append((edges[j], edges[j + 1], c))
             if len(stages) == S:
                 split = Split(stages, 0.0)  # type: ignore[arg-type]
@@ -245,7 +328,7 @@ class Splitter:
                     if c is None:
                         break  # longer ranges need more memory still
                     nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
-                    send = cm.send_time(c.out_bytes, slot.tp_group[0], nxt)
+                    send = cm.boundary_send(c.out_bytes, slot.tp_group[0], nxt)
                     w = m * (c.times.fwd + c.times.bwd)
                     f, b = c.times.fwd + send, c.times.bwd + send
                     for st in states:
@@ -272,14 +355,15 @@ class Splitter:
         if pipe is None:
             pipe = tuple(slot.tp_group for slot in slots[:len({s.tp_group for s in slots})])
         p = len(pipe)
+        tied = tied_sync(cm, [(a, e, slots[j].tp_group, slots[j].dp_group) for j, (a, e, _) in enumerate(split.stages)])
         for j, (a, e, c) in enumerate(split.stages):
             slot = slots[j]
             ts = (cm.stage_times(cm.base(a, e, slot.dtype, small, slot.tp_group), c.option, slot.dtype,
                                  slot.tp_group, slot.dp_group) if small else StageTimes(0.0, 0.0, 0.0, 0.0))
             last = j + 1 == len(slots)
-            send = 0.0 if last else cm.send_time(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
-            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync))
+            send = 0.0 if last else cm.boundary_send(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
+            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync + tied[j]))
         return vals
 
 
-__all__ = ["Choice", "Slot", "Split", "Splitter", "Unit", "surrogate"]
+__all__ = ["NO_CHUNKS", "Choice", "RankState", "Slot", "Split", "Splitter", "Unit", "surrogate"]

@@ -1,0 +1,125 @@
+"""Plan-level pieces of the pricing (`pricing`): consistency checks, the step's lower bound, the sync of
+parameters several stages hold, the wire dtypes of compressed sends and memory problem messages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import PlanError
+from ..plan import OFFLOAD_KINDS, Plan
+from ..report import fmt_bytes
+from ..schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from .pricing import CostModel, StageMemory
+
+ACT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}  # bytes of an activation element per precision
+WIRE_BYTES = {"bf16": 2, "fp16": 2}  # the wire dtypes a stage boundary may be compressed to
+COMPRESS_DTYPE = "bf16"  # fp32's exponent range: gradients sent back cannot overflow or flush to zero
+SLOW_LINK_BYTES_PER_S = 1.25e9  # 10 Gb/s: links at most this fast count as slow for compression
+
+
+def check_plan(cm: CostModel, plan: Plan) -> None:
+    """Raise PlanError unless `plan` places every layer once per pipeline and every device at most once."""
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    if sum(p.batch_share for p in plan.pipelines) != cm.B:
+        raise PlanError(f"batch shares {[p.batch_share for p in plan.pipelines]} sum to "
+                        f"{sum(p.batch_share for p in plan.pipelines)}, not the global batch {cm.B}.")
+    used: dict[int, str] = {}
+    for i, p in enumerate(plan.pipelines):
+        if not 1 <= p.num_microbatches <= p.batch_share:
+            raise PlanError(f"pipeline {i}: {p.num_microbatches} micro-batches for a batch share of "
+                            f"{p.batch_share}; need 1 <= micro-batches <= share.")
+        if p.microbatch_size != -(-p.batch_share // p.num_microbatches):
+            raise PlanError(f"pipeline {i}: microbatch_size {p.microbatch_size} should be "
+                            f"ceil({p.batch_share} / {p.num_microbatches}).")
+        ranks = len(p.stages) // plan.chunks
+        if ranks < 1 or len(p.stages) % plan.chunks:
+            raise PlanError(f"pipeline {i} has {len(p.stages)} stages, not a multiple of "
+                            f"chunks={plan.chunks}.")
+        if plan.schedule == "interleaved_1f1b" and p.num_microbatches % ranks:
+            raise PlanError(f"pipeline {i}: interleaved_1f1b needs the micro-batch count "
+                            f"({p.num_microbatches}) to be a multiple of the pipeline depth ({ranks}).")
+        edge = 0
+        for j, st in enumerate(p.stages):
+            a, e = st.layers
+            if a != edge or e <= a or e > cm.L:
+                raise PlanError(f"pipeline {i} stage {j} covers layers [{a}, {e}); expected [{edge}, ...) "
+                                f"with at least one layer, within the {cm.L} layers of the model.")
+            edge = e
+            if st.devices != p.stages[j % ranks].devices:
+                raise PlanError(f"pipeline {i} stage {j} must run on the devices of stage {j % ranks} "
+                                f"(chunks={plan.chunks}).")
+            if not st.devices or any(not 0 <= d < cm.cluster.world_size for d in st.devices):
+                raise PlanError(f"pipeline {i} stage {j} names devices {st.devices}; the cluster has "
+                                f"0..{cm.cluster.world_size - 1}.")
+            if len({cm.cluster.devices[d].spec.name for d in st.devices}) > 1:
+                raise PlanError(f"pipeline {i} stage {j}: a tensor-parallel group must hold one device type.")
+            if not 0 <= st.zero <= 3 or set(st.offload) - set(OFFLOAD_KINDS):
+                raise PlanError(f"pipeline {i} stage {j}: zero must be 0-3 and offload a subset of "
+                                f"{list(OFFLOAD_KINDS)}, got zero={st.zero}, offload={st.offload}.")
+            if st.compress is not None and st.compress not in WIRE_BYTES:
+                raise PlanError(f"pipeline {i} stage {j}: compress={st.compress!r}; use one of "
+                                f"{sorted(WIRE_BYTES)} (the dtype sends to the next stage travel in) or None.")
+            if j < ranks:
+                for d in st.devices:
+                    if d in used:
+                        raise PlanError(f"device {d} is used twice ({used[d]} and pipeline {i} stage {j}).")
+                    used[d] = f"pipeline {i} stage {j}"
+        if edge != cm.L:
+            raise PlanError(f"pipeline {i} stops at layer {edge}; the model has {cm.L} layers.")
+
+
+def lower_bound(stages: list[tuple[float, float, float, float, float, float]], sizes: list[int],
+                ranks: int) -> float:
+    """A bound no simulated step of this pipeline beats; stages[j] = (fwd, fwd_small, bwd, bwd_small,
+    send, sync) with sizes[0] the largest micro-batch.
+
+    Device r first computes F(stage r, 0), which waits for the forward of stages < r; its last compute is
+    B(stage r, last), followed on its comm stream by the gradient send to stage r - 1 and stage r's sync,
+    and by the backward chain back to stage 0, which stage 0's sync follows.
+    """
+    full = sizes[0]
+    n_full = sum(s == full for s in sizes)
+    last_small = sizes[-1] != full
+    best = 0.0
+    pre_f = pre_b = 0.0
+    for r in range(ranks):
+        work = sum(n_full * (st[0] + st[2]) + (len(sizes) - n_full) * (st[1] + st[3])
+                   for st in stages[r::ranks])
+        send_back = stages[r - 1][4] if r else 0.0
+        best = max(best, pre_f + work + max(pre_b + stages[0][5], send_back + stages[r][5]))
+        pre_f += stages[r][0] + stages[r][4]
+        pre_b += (stages[r][3] if last_small else stages[r][2]) + stages[r][4]
+    return best
+
+
+def tied_sync(cm: CostModel, stages: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]) -> list[float]:
+    """Per stage (a, e, tp group, data-parallel group) of one pipeline, the seconds its per-step sync takes
+    beyond `stage_times` for parameters several stages hold (tied embeddings on the first and last stage):
+    the runtime all-reduces such a gradient once over every copy (all holding stages of all replicas), not
+    within each stage's data-parallel group. Priced as that all-reduce minus the one `stage_times` counts."""
+    out = [0.0] * len(stages)
+    g = cm.state.grads
+    for numel, _, users in cm.shared:
+        holders = [j for j, (a, e, _, _) in enumerate(stages) if any(a <= u < e for u in users)]
+        union = tuple(sorted({d for j in holders for d in stages[j][3]}))
+        if len(holders) < 2 or len(union) < 2:
+            continue
+        for j in holders:
+            nbytes = numel * g / len(stages[j][2])
+            out[j] += max(0.0, cm.collective("all_reduce", nbytes, union)
+                          - cm.collective("all_reduce", nbytes, stages[j][3]))
+    return out
+
+
+def memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,
+                    mems: list[StageMemory], inflight: int) -> str:
+    spec = cm.cluster.devices[device].spec
+    static = sum(m.static for m in mems)
+    act = need - static
+    return (f"device {device} ({spec.name}, pipeline {pipeline} stage {rank}) needs {fmt_bytes(need)} "
+            f"(parameters, gradients and optimizer state {fmt_bytes(static)}, activations of {inflight} "
+            f"in-flight micro-batch(es) {fmt_bytes(act)}) but has {fmt_bytes(cm.usable(device))} usable of "
+            f"{fmt_bytes(spec.memory)} ({100 * cm.reserve:.0f}% reserve).")
