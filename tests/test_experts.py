@@ -58,17 +58,18 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
                            rank, world, timeout_s=60)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         names = {f"{path}.{rel}" for path, m, a in supported_moe(case.model) for rel, _ in a.params(m)}
-        held = sum(p.numel() for n, p in prog.params.items() if n in names)
+        # local elements: under tensor parallelism experts stay whole (replicated in the tp group)
+        held = sum(getattr(p, "_local_tensor", p).numel() for n, p in prog.params.items() if n in names)
+        tp_sharded = sorted(n for n, p in prog.params.items() if getattr(p, "_local_tensor", p).shape != p.shape)
         stage_total = sum(dict(case.model.named_parameters())[n].numel() for n in names
                           if any(n in st.params for st in prog._stages.values()))
         sd = prog.state_dict()
-        # back into this layout: each rank takes its experts (shards) again; load_state_dict also wants the
-        # non-persistent buffers (Mixtral's rotary inv_freq) that state_dict leaves out
-        prog.load_state_dict({**sd, "model": {**{n: b.clone() for n, b in prog.buffers.items()}, **sd["model"]}})
+        # back into this layout: each rank takes its experts (shards) again
+        prog.load_state_dict(sd)
         again = prog.state_dict()
         same = all(torch.equal(again["model"][k], v) for k, v in sd["model"].items()) and all(
             torch.equal(again["optimizer"][n][k], v) for n, st in sd["optimizer"].items() for k, v in st.items())
-        out.append((losses, sd["model"], held, stage_total, same))
+        out.append((losses, sd["model"], held, stage_total, same, tp_sharded))
     return out
 
 
@@ -97,13 +98,14 @@ def _check(results: list, cases: list, index: int) -> None:
     name, kwargs, spec = cases[index]
     ref_losses, ref_params = reference(name, kwargs)
     for rank, per_rank in enumerate(results):
-        losses, params, held, stage_total, round_trip = per_rank[index]
+        losses, params, held, stage_total, round_trip, tp_sharded = per_rank[index]
         assert round_trip, f"rank {rank}: state_dict -> load_state_dict -> state_dict changed the state"
         assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
         assert params.keys() == ref_params.keys()
         for k, v in ref_params.items():
             torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
         assert held * spec["ep"] == stage_total  # each rank holds 1/ep of its stage's experts
+        assert bool(tp_sharded) == (spec.get("tp", 1) > 1)  # tensor parallelism shards the rest of the stage
     assert ref_losses[-1] < ref_losses[0]
 
 

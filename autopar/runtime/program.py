@@ -35,7 +35,7 @@ from .expert_parallel import expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
 from .layout import COMPRESS_DTYPES, Layout, PipelineLayout
 from .straggler import StageTimer, StragglerReport
-from .tensor_parallel import TPSpec, TPStage, megatron_spec
+from .tensor_parallel import TPSpec, TPStage, megatron_spec, sharding_spec
 from .zero import ZeroRuntime, check_stage_options, offload_activations, params_by_layer, zero_levels
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -86,6 +86,8 @@ class Program:
         self.step_count = 0
         self.timer = StageTimer(rank)  # forward/backward seconds per step, for straggler_report()
         self._model = model
+        # where received messages land: the model's device (NCCL needs CUDA buffers, gloo takes CPU ones)
+        self.device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         self._has_target = loss_fn is not None
         self.graph = capture(model, example_inputs, loss_fn, example_target)
         if layout is None:
@@ -115,11 +117,18 @@ class Program:
                 mesh = DeviceMesh.from_group(self.groups.get(my_group), "cuda" if torch.cuda.is_available()
                                              else "cpu")
                 spec = TPSpec()
+                # with experts, placements come from the graph the stages run (MoE blocks dispatching)
+                spec_graph = self.experts.capture(model, example_inputs, loss_fn, example_target) \
+                    if self.experts else self.graph
                 for s in self.position.stages:
-                    part = megatron_spec(self.graph, self.pipeline.stages[s].layers)
+                    st = self.pipeline.stages[s]
+                    part = (megatron_spec(spec_graph, st.layers) if st.sharding is None
+                            else sharding_spec(spec_graph, st.layers, dict(st.sharding)))
                     spec.params.update(part.params)
                     spec.relayout.update(part.relayout)
                 self.tp = TPStage(mesh, spec)
+                if self.experts:
+                    self.experts.adapt_tp(self.tp, spec_graph)
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(dict(model.named_buffers(remove_duplicate=False)))
         self._stages: dict[tuple[int, int], StageProgram] = {}  # (stage, micro-batch size) -> program
@@ -322,7 +331,7 @@ class Program:
               grad: bool, compress: str | None = None) -> list[torch.Tensor]:
         metas = [(tuple(st.value_meta[n].shape), getattr(torch, st.value_meta[n].dtype)) for n in names]
         wire = COMPRESS_DTYPES[compress]
-        flat = torch.empty(message_bytes(metas, wire), dtype=torch.uint8)
+        flat = torch.empty(message_bytes(metas, wire), dtype=torch.uint8, device=self.device)
         wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer,
              self.timeout_s)
         out = unpack(flat, metas, wire)
@@ -395,7 +404,8 @@ class Program:
             self.zero.load_opt_state(name, self.optimizer, state)
         with torch.no_grad():
             for name, b in self.buffers.items():
-                b.copy_(model_sd[name])
+                if name in model_sd:  # non-persistent buffers (e.g. rotary tables) are not in state dicts
+                    b.copy_(model_sd[name])
         self.step_count = int(sd.get("step", self.step_count))
 
     def save(self, path: str) -> None:
