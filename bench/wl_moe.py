@@ -3,7 +3,8 @@
 `moe_workloads()` prices, without running anything, an 8-expert top-2 MoE GPT with GPT-1.3B's dense shape
 (24 layers, hidden 2048, 16 heads, seq 2048, every MLP replaced by 8 experts; built on meta) on two
 clusters: autopar's plan (the searcher tries ep = 1 and every admissible ep > 1, see solver/experts.py),
-data parallelism only (one replica per device, experts replicated: `Strategy(dp=world)`), and expert
+data parallelism only as a user would run it (one replica per device, experts replicated, the smallest
+ZeRO stage that fits: `planner.dp_only`, the ratio's baseline), plain DP without ZeRO, and expert
 parallelism across all replicas (`Strategy(dp=world, ep=8)`), each with its predicted samples/s and
 whether it fits in memory (a plan that does not fit is priced anyway; its speed is not attainable).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from common import print_table, write_results
+from planner import dp_only
 
 import autopar
 from autopar import models
@@ -57,10 +59,13 @@ def moe_workloads(time_limit_s: float = 60.0) -> list[dict[str, Any]]:
         plan_s = time.perf_counter() - t0
         dp = price_strategy(cm, Strategy(dp=world))
         ep = price_strategy(cm, Strategy(dp=world, ep=8))
+        dp_fit, dp_fit_strategy, _ = dp_only(cm)  # the baseline: DP with the smallest ZeRO stage that fits
         ours = plan.predicted["samples_per_s"]
+        base = dp_fit.predicted["samples_per_s"] if dp_fit is not None else None
         rows.append({"case": "moe-gpt-1.3b-8e-top2", "cluster": cluster, "autopar_samples_per_s": ours,
+                     "dp_zero_samples_per_s": base, "dp_zero": dp_fit_strategy.zero if dp_fit_strategy else None,
+                     "ratio": ours / base if base else None,
                      "dp_samples_per_s": dp.predicted["samples_per_s"], "dp_fits": dp.fits,
-                     "ratio": ours / dp.predicted["samples_per_s"],
                      "ep8_dp_samples_per_s": ep.predicted["samples_per_s"], "ep8_dp_fits": ep.fits,
                      **_summary(plan), "plan_s": plan_s,
                      "autopar_peak_gb": max(plan.predicted["peak_memory_bytes"].values()) / 1e9,
@@ -105,7 +110,8 @@ def measured_moe(steps: int = 5) -> list[dict[str, Any]]:
 
 def main() -> None:
     rows = moe_workloads()
-    print_table(rows, ["cluster", "autopar_samples_per_s", "dp_samples_per_s", "dp_fits", "ratio",
+    print_table(rows, ["cluster", "autopar_samples_per_s", "dp_zero_samples_per_s", "dp_zero", "ratio",
+                       "dp_samples_per_s", "dp_fits",
                        "ep8_dp_samples_per_s", "ep8_dp_fits", "ep", "dp", "tp", "pp", "plan_s"])
     measured = measured_moe()
     print_table(measured, ["case", "measured_samples_per_s"])

@@ -78,8 +78,8 @@ def edge_measured(steps: int = 5) -> list[dict[str, Any]]:
 def main() -> None:
     moe, gnn, edge = moe_workloads(), gnn_workloads(), edge_workloads()
     print("MoE (predicted)")
-    print_table(moe, ["cluster", "autopar_samples_per_s", "dp_samples_per_s", "dp_fits", "ratio", "ep", "dp", "tp",
-                      "pp", "plan_s"])
+    print_table(moe, ["cluster", "autopar_samples_per_s", "dp_zero_samples_per_s", "dp_zero", "ratio", "ep", "dp",
+                      "tp", "pp", "plan_s"])
     print("\nGraphSAGE 1M nodes / 20M edges (predicted)")
     print_table(gnn, ["mode", "chosen", "fits", "predicted_nodes_per_s", "step_time_s", "comm_s", "shares"])
     print("\nBERT-base on 4 Jetson-AGX-Orin (predicted, fp32)")

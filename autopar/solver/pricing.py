@@ -15,7 +15,9 @@ Per micro-batch, stage [a, e) on device type T (`tp_layer_cost`, summed by `Cost
                  (`intra_op_pricing.LayerPricer`, one solve per block class, device type, tp group and n):
                  its per-op strategies' compute (kernels split by their sharding) and collectives, its
                  parameter share per rank (N counts it) and its saved activations per rank (replicated
-                 tensors, e.g. layernorm inputs, count whole); `StageBase.tp_source` = "ilp".
+                 tensors, e.g. layernorm inputs, count whole); `StageBase.tp_source` = "ilp". The ILP is
+                 restricted to what the DTensor runtime runs, and its parameter placements become
+                 `Stage.sharding` (`stage_sharding`; intra_op_pricing.py's docstring).
                  Else (the layers around the blocks, or no ILP solution in time): Megatron's closed form,
                  compute / t, 2 all-reduces of the block's output activation in forward and 2 in backward
                  (1 + 1 for the layers before/after the blocks), parameters and activations / t
@@ -28,7 +30,8 @@ the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
            + [zero >= 2] RS(N g) + [offload params] h2d(N w) + h2d(N g) + [offload act.] h2d(act)
     sync = AR(N g) | RS(N g) + AG(N w) | AG(N w) | 0          for zero 0 | 1 | 2 | 3  (per step)
            + optimizer step: 2 (w + g + o) N' / memory bandwidth, or with the optimizer offloaded
-           h2d(N' g) + h2d(N' w) (the CPU's own update time is not modelled); N' = N / D for zero >= 1
+           h2d(N' g) + h2d(N' w) + 2 (w + g + o) N' / HOST_UPDATE_BANDWIDTH (the host CPU's update, bound by
+           its memory bandwidth as ZeRO-Offload's CPU Adam is); N' = N / D for zero >= 1
            + [parameters several stages hold, e.g. tied embeddings] AR(E g) over every copy (all holding
            stages of all replicas) - AR(E g) over D, E their elements per rank (`tied_sync`, added by `price`
            and `split.Splitter.values`: it needs the whole pipeline)
@@ -84,7 +87,7 @@ from ..plan import (
 )
 from ..schedule import peak_inflight
 from . import experts
-from .intra_op_pricing import LayerPricer
+from .intra_op_pricing import LayerPricer, layer_params
 from .pricing_plan import (
     ACT_BYTES,
     COMPRESS_DTYPE,
@@ -95,6 +98,11 @@ from .pricing_plan import (
     memory_problem,
     tied_sync,
 )
+
+
+# Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
+# bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
+HOST_UPDATE_BANDWIDTH = 25e9
 
 
 class Option(NamedTuple):
@@ -113,6 +121,9 @@ class LayerCost(NamedTuple):
     param_frac: float = 1.0  # the share of the layer's own parameters each tensor-parallel rank holds
     act: float = -1.0  # saved activation bytes per device per micro-batch (< 0: saved x n / B / t)
     ilp: bool = False  # priced from the intra-op ILP's strategies (else the Megatron closed form)
+    # with ilp: the placements priced for the layer's parameters, in `layer_params` order (identical blocks
+    # share one LayerCost, so names come from the layer at hand; `stage_sharding`)
+    sharding: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -423,6 +434,7 @@ class CostModel:
         local = N / D if z >= 1 else N
         if "optimizer" in opt.offload:
             sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
+            sync += 2 * (w + g + o) * local / HOST_UPDATE_BANDWIDTH
         else:
             sync += 2 * (w + g + o) * local / self.models[dtype].bandwidth
         fwd = base.fwd + fc
@@ -459,7 +471,9 @@ def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple
             hit = cm._memo[key] = (None if res is None else LayerCost(
                 res.time_fwd - res.comm_fwd, res.time_bwd - res.comm_bwd, res.comm_fwd, res.comm_bwd,
                 res.param_bytes_per_device / cm.graph.layers[layer].param_bytes
-                if cm.graph.layers[layer].param_bytes else 1 / tp, res.activation_bytes_per_device, True))
+                if cm.graph.layers[layer].param_bytes else 1 / tp, res.activation_bytes_per_device, True,
+                tuple(res.sharding[name] for _, name in layer_params(cm.graph, cm.graph.layers[layer]))
+                if res.sharding else ()))
         if hit is not None:
             return hit  # type: ignore[return-value]
     fwd, bwd = cm.layer_compute(layer, dtype, n, tp)
@@ -468,6 +482,22 @@ def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple
     nbytes = (cm.boundary[layer] or cm.in_bytes[layer]) * n / cm.B
     ar = (2 if cm.is_block[layer] else 1) * cm.collective("all_reduce", nbytes, tp_group)
     return LayerCost(fwd, bwd, ar, ar, 1 / tp)
+
+
+def stage_sharding(cm: CostModel, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]
+                   ) -> dict[str, str] | None:
+    """`Stage.sharding` of layers [a, e): the ILP's parameter placements for every block, when all of them
+    were priced by the ILP (tp_source "ilp"); else None (the runtime's Megatron placements, closed form)."""
+    if len(tp_group) < 2 or not any(cm.is_block[a:e]) or cm.base(a, e, dtype, n, tp_group).moe_layers:
+        return None  # (expert-parallel stages run Megatron's placements with their MoE adaptations)
+    out: dict[str, str] = {}
+    for i in range(a, e):
+        if cm.is_block[i]:
+            c, names = tp_layer_cost(cm, i, dtype, n, tp_group), layer_params(cm.graph, cm.graph.layers[i])
+            if not c.ilp or len(c.sharding) != len(names):
+                return None
+            out.update(zip((name for _, name in names), c.sharding, strict=True))
+    return out
 
 
 # ---- pricing a plan ---------------------------------------------------------------------------------
@@ -558,7 +588,9 @@ def price(cm: CostModel, plan: Plan) -> Priced:
         if key not in seen:
             seen[key] = _stage_values(cm, pipe, dp_groups)
         preds, vals, mems = seen[key]
-        stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr))
+        stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr),
+                          sharding=stage_sharding(cm, st.layers[0], st.layers[1], devices[st.devices[0]].spec.name,
+                                                  pipe.microbatch_size, tuple(st.devices)))
                   for st, pr in zip(pipe.stages, preds, strict=True)]
         sizes = pipe.microbatch_sizes()
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
