@@ -41,6 +41,9 @@ class Stage:
     # dtype ("bf16" | "fp16") that activations sent to the next stage and gradients sent back are cast to
     # on the wire (cast back to the compute dtype on arrival); None sends them uncompressed
     compress: str | None = None
+    # tensor-parallel placements the intra-op ILP chose for the stage's repeated blocks (predicted
+    # tp_source "ilp"): model parameter name -> "replicate" | "shard(d)"; None runs Megatron's placements
+    sharding: dict[str, str] | None = None
     # fwd_s/bwd_s: one full micro-batch; fwd_small_s/bwd_small_s: one of microbatch_size - 1 samples;
     # send_s: activation transfer to the next stage; sync_s: end-of-step gradient sync and optimizer step;
     # compute_s, comm_s, bubble_s: per step. Seconds throughout.

@@ -183,8 +183,9 @@ class Pricer:
             ak = (key, tuple(c.device_types()), precision)
             if ak not in self.annotated:
                 self.annotated[ak] = annotate(self.graphs[key], c, precision=precision)
+            # the measured runs used Megatron-LM's tensor parallelism: price that sharding, not the ILP's
             self.cost_models[ck] = CostModel(self.annotated[ak], c, precision, OPTIMIZER,
-                                                 MEMORY_RESERVE)
+                                             MEMORY_RESERVE, intra_op=False)
         return self.cost_models[ck]
 
     def estimate(self, key: tuple, cluster: dict, strategy: Strategy, precision: str) -> Estimate:

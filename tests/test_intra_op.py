@@ -206,6 +206,9 @@ def test_reshape_carries_shards() -> None:
     assert reshape_map((4, 32, 128), (128, 128), 0, 2) == 0
     assert reshape_map((4, 32, 128), (128, 128), 2, 2) == 1
     assert reshape_map((4, 32, 128), (128, 128), 1, 2) is None
+    # DTensor's view propagation keeps a split shard only on the first factor (the runtime's ILP mode)
+    assert reshape_map((4, 32, 192), (4, 32, 3, 4, 16), 2, 2, first_only=True) is None
+    assert reshape_map((4, 32, 64), (4, 32, 4, 16), 2, 2, first_only=True) == 2
 
 
 MEGATRON = {"attn.qkv": "col", "attn.proj": "row", "mlp.fc": "col", "mlp.proj": "row"}
@@ -233,23 +236,35 @@ def _megatron_choice(graph: autopar.TrainingGraph, prob: intra_op.Problem) -> tu
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_planner_ilp_never_worse_than_megatron_on_a_gpt_block(tp: int) -> None:
-    """The planner's tensor-parallel price of a GPT block (pricing.tp_layer_cost, from the ILP) is at most
-    the ILP model's price of Megatron's sharding, at several micro-batch sizes, including uneven ones."""
+    """The planner's tensor-parallel price of a GPT block (pricing.tp_layer_cost, from the ILP in runtime
+    mode) is at most the ILP model's price of the runtime's Megatron placements (`megatron_spec`, laid out
+    by DTensor's propagation as `runtime_choice` models it), at several micro-batch sizes, including uneven
+    ones. The unrestricted ILP (`solve_intra_op`) is at most its own Megatron sharding, whose column-parallel
+    fused QKV the runtime cannot run (it would need the weight's features permuted)."""
     from autopar.api import cost_model
+    from autopar.solver import intra_op_pricing as iop
     from autopar.solver.pricing import tp_layer_cost
 
     case = models.gpt(batch=6, seq=256, vocab=1024, hidden=1024, heads=16, layers=2, device="meta")
     cm = cost_model(case.model, FAST, case.example_inputs, case.example_target, case.loss_fn)
     block = next(layer.index for layer in cm.graph.layers if layer.kind == "block")
+    layer = cm.graph.layers[block]
     group = tuple(range(tp))
+    pricer = iop.LayerPricer(cm.graph, tp, DEV, FAST, group)
     for n in (1, 2, 4, 3, 6):
         priced = tp_layer_cost(cm, block, DEV, n, group)
         assert priced.ilp
-        prob = build_layer_problem(cm.graph, block, tp, DEV, FAST, group, boundary=R, batch=n)
-        megatron = prob.breakdown(_megatron_choice(cm.graph, prob))
         total = priced.fwd + priced.bwd + priced.fwd_comm + priced.bwd_comm
-        assert total <= megatron.seconds * (1 + 1e-9)
-        assert megatron.comm_fwd > 0 and megatron.comm_bwd > 0  # Megatron's all-reduces are there
+        ctx = pricer._at(n)
+        ctx.forbid = False
+        prob = intra_op._build(ctx, layer, R)
+        runtime_megatron = prob.breakdown(iop.runtime_choice(ctx, layer, prob.groups,
+                                                             iop.megatron_layouts(ctx, layer)))
+        assert total <= runtime_megatron.seconds * (1 + 1e-9)
+        assert runtime_megatron.comm_fwd > 0 and runtime_megatron.comm_bwd > 0  # Megatron's all-reduces
+        free = solve_intra_op(cm.graph, [block], tp, DEV, FAST, list(group), batch=n)
+        prob = build_layer_problem(cm.graph, block, tp, DEV, FAST, group, boundary=R, batch=n)
+        assert free.time_fwd + free.time_bwd <= prob.breakdown(_megatron_choice(cm.graph, prob)).seconds * (1 + 1e-9)
     est = autopar.estimate(case.model, FAST, autopar.Strategy(tp=tp, dp=4 // tp), case.example_inputs,
                            case.example_target, case.loss_fn)
     assert {s.predicted["tp_source"] for p in est.plan.pipelines for s in p.stages} == {"ilp"}

@@ -33,6 +33,7 @@ def layout_from_plan(plan: Any, num_layers: int) -> Layout:
             StageLayout(
                 (int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute, tuple(s.offload),
                 getattr(s, "compress", None),
+                None if getattr(s, "sharding", None) is None else tuple(sorted(s.sharding.items())),
             )
             for s in p.stages
         )

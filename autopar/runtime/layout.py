@@ -27,6 +27,9 @@ class StageLayout:
     # "bf16" | "fp16": floating activations this stage sends to the next one, and the gradients sent back
     # to it, travel in that dtype (see dist.py, `wire_dtype`); None sends them exactly
     compress: str | None = None
+    # (parameter name, "replicate" | "shard(d)") pairs: the intra-op ILP's placements (`plan.Stage.sharding`,
+    # `tensor_parallel.sharding_spec`); None runs `megatron_spec`
+    sharding: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)

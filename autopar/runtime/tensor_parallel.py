@@ -11,6 +11,8 @@ DTensor has no sharding rule for runs replicated on every rank of the group, and
 from __future__ import annotations
 
 import operator
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from ..errors import PlanError
 from ..graph import TrainingGraph
 from .vocab_parallel import vocab_parallel_embedding, vocab_parallel_loss
 
@@ -76,20 +79,58 @@ def _weight_of(graph: TrainingGraph, node_name: str) -> tuple[str, int] | None:
     return None
 
 
+def _users(graph: TrainingGraph, names: list[str]) -> dict[str, list[str]]:
+    users: dict[str, list[str]] = {}
+    for name in names:
+        for a in graph.nodes[name].args:
+            users.setdefault(a, []).append(name)
+    return users
+
+
+def _next_linear(graph: TrainingGraph, users: dict[str, list[str]], start: str, through: set[str]) -> str | None:
+    """The first linear-like node reading `start`'s value through ops in `through`."""
+    frontier, seen = [start], set()
+    while frontier:
+        cur = frontier.pop()
+        for u in users.get(cur, []):
+            if u in seen:
+                continue
+            seen.add(u)
+            if _weight_of(graph, u) and graph.nodes[u].args[
+                0 if graph.nodes[u].target != "aten.addmm.default" else 1
+            ] in ({cur} | seen | {start}):
+                return u
+            if graph.nodes[u].target in through:
+                frontier.append(u)
+    return None
+
+
+def canonical(graph: TrainingGraph, p: str) -> str:
+    """The model's name of parameter placeholder `p` (a tied parameter's original)."""
+    info = graph.params[p]
+    return graph.params[info.tied_to].name if info.tied_to else info.name
+
+
+def attention_projection(graph: TrainingGraph, attention: str, names: list[str]) -> tuple[str, Shard] | None:
+    """(weight placeholder, its row-parallel placement) of the linear projecting attention node `attention`'s
+    output (through views, within `names`): attention runs head-parallel when that weight is so placed."""
+    proj = _next_linear(graph, _users(graph, names), attention, _VIEWS)
+    if proj is None:
+        return None
+    w, out_dim = _weight_of(graph, proj)
+    return w, Shard(1 - out_dim)
+
+
 def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
     """Megatron-style placements derived from the graph: an MLP's first linear column-parallel and its
     second row-parallel; attention head-parallel with its output projection row-parallel. Fused QKV
     projections stay replicated (their output is split by a view DTensor cannot shard evenly)."""
     spec = TPSpec()
     names = [n for layer in graph.layers[layers[0] : layers[1]] for n in layer.nodes]
-    users: dict[str, list[str]] = {}
-    for name in names:
-        for a in graph.nodes[name].args:
-            users.setdefault(a, []).append(name)
+    users = _users(graph, names)
 
-    def canonical(p: str) -> str:
-        info = graph.params[p]
-        return graph.params[info.tied_to].name if info.tied_to else info.name
+    def canonical_(p: str) -> str:
+        return canonical(graph, p)
 
     def bias_of(node_name: str) -> str | None:
         n = graph.nodes[node_name]
@@ -100,20 +141,7 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
         return None
 
     def next_linear(start: str, through: set[str]) -> str | None:
-        frontier, seen = [start], set()
-        while frontier:
-            cur = frontier.pop()
-            for u in users.get(cur, []):
-                if u in seen:
-                    continue
-                seen.add(u)
-                if _weight_of(graph, u) and graph.nodes[u].args[
-                    0 if graph.nodes[u].target != "aten.addmm.default" else 1
-                ] in ({cur} | seen | {start}):
-                    return u
-                if graph.nodes[u].target in through:
-                    frontier.append(u)
-        return None
+        return _next_linear(graph, users, start, through)
 
     row_done: set[str] = set()
     for name in names:
@@ -125,7 +153,7 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
             proj = next_linear(name, _VIEWS)
             if proj:
                 w, out_dim = _weight_of(graph, proj)
-                spec.params[canonical(w)] = Shard(1 - out_dim)
+                spec.params[canonical_(w)] = Shard(1 - out_dim)
                 row_done.add(proj)
     for name in names:
         if name in row_done or not _weight_of(graph, name):
@@ -135,15 +163,67 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
             continue
         w1, d1 = _weight_of(graph, name)
         w2, d2 = _weight_of(graph, second)
-        if canonical(w1) in spec.params or canonical(w2) in spec.params:
+        if canonical_(w1) in spec.params or canonical_(w2) in spec.params:
             continue
-        spec.params[canonical(w1)] = Shard(d1)
+        spec.params[canonical_(w1)] = Shard(d1)
         b1 = bias_of(name)
         if b1:
-            spec.params[canonical(b1)] = Shard(0)
-        spec.params[canonical(w2)] = Shard(1 - d2)
+            spec.params[canonical_(b1)] = Shard(0)
+        spec.params[canonical_(w2)] = Shard(1 - d2)
         row_done.update({name, second})
-    _vocab_parallel(graph, names, spec, row_done, canonical, bias_of)
+    _vocab_parallel(graph, names, spec, row_done, canonical_, bias_of)
+    return spec
+
+
+def parse_placement(text: str) -> Placement:
+    """A `Stage.sharding` value ("replicate" or "shard(d)") as a DTensor placement."""
+    m = re.fullmatch(r"shard\((\d+)\)", text)
+    if text != "replicate" and m is None:
+        raise PlanError(f"sharding placement {text!r} is not one of 'replicate', 'shard(d)' (d a dim index).")
+    return Replicate() if m is None else Shard(int(m.group(1)))
+
+
+def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mapping[str, str]) -> TPSpec:
+    """Placements of a plan's `Stage.sharding` (the intra-op ILP's choice, solver/intra_op_pricing.py).
+
+    Every layer holding a parameter named there runs as the ILP priced it: parameters take the given
+    placements, DTensor propagates them; attention is head-parallel exactly when the linear projecting its
+    output is row-parallel, a row-parallel linear's partial sums are all-reduced right away, and values
+    read outside the layer leave it replicated. Other layers (the ones around the blocks) keep
+    `megatron_spec`'s placements.
+    """
+    spec = megatron_spec(graph, layers)
+    chosen = {k: parse_placement(v) for k, v in sharding.items()}
+    params = {canonical(graph, p): p for p in graph.params}
+    for name, placement in chosen.items():
+        if name not in params:
+            raise PlanError(f"the plan's sharding names parameter {name!r}, which the model does not have; "
+                            f"plan again for this model.")
+        rank = len(graph.params[params[name]].meta.shape)
+        if isinstance(placement, Shard) and placement.dim >= rank:
+            raise PlanError(f"sharding {sharding[name]!r} of parameter {name!r} needs a dim < {rank}.")
+    covered = [layer for layer in graph.layers[layers[0] : layers[1]]
+               if any(canonical(graph, p) in chosen for p in layer.params)]
+    users = _users(graph, list(graph.nodes))
+    for layer in covered:
+        for p in layer.params:
+            spec.params.pop(canonical(graph, p), None)
+        for n in layer.nodes:
+            spec.relayout.pop(n, None)
+    spec.params.update(chosen)
+    for layer in covered:
+        inside = set(layer.nodes)
+        for n in layer.nodes:
+            node = graph.nodes[n]
+            if node.target == "aten.scaled_dot_product_attention.default":
+                proj = attention_projection(graph, n, layer.nodes)
+                if proj and spec.params.get(canonical(graph, proj[0])) == proj[1]:
+                    spec.relayout.update((a, Shard(1)) for a in node.args[:3] if a in graph.nodes)
+            weight = _weight_of(graph, n)
+            if weight and spec.params.get(canonical(graph, weight[0])) == Shard(1 - weight[1]):
+                spec.relayout[n] = Replicate()
+            if node.outputs and any(u not in inside for u in users.get(n, [])):
+                spec.relayout[n] = Replicate()
     return spec
 
 

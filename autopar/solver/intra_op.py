@@ -32,13 +32,14 @@ reads (weights, gradients, AdamW moments; divided by tp where sharded) plus the 
 for backward in the layout they are produced in. Costs are integer picoseconds and bytes; W exceeds the
 tie-break sum, which prefers earlier (simpler) strategies among equal-cost optima and makes the answer
 deterministic. Tensors crossing a layer boundary all use one layout (R, S(0) or S(1) of batch-leading
-activations), enumerated in `solve_intra_op`; CP-SAT solves each case.
+activations), enumerated in `solve_intra_op`; CP-SAT solves each case (`intra_op_ilp`).
 
 Micro-batch sizes: `solve_intra_op(batch=n)` (and `_Context.frac` = n / captured batch) re-prices every
 kernel at n samples (FLOPs and bytes scaled, as `pricing.CostModel.layer_compute` does) and scales the
 activations, their resharding collectives and the strategies' own collectives; parameters do not scale.
 The planner prices tensor-parallel blocks through `intra_op_pricing.LayerPricer`, which solves at the
-micro-batch size buckets and prices a known answer with `_build(..., choice)`.
+micro-batch size buckets and prices a known answer with `_build(..., choice)`; it solves in runtime mode
+(`_Context.runtime`: only the strategies and reshardings the DTensor runtime performs; see intra_op_pricing).
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ from collections import Counter
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
-from ortools.sat.python import cp_model
-
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time
 from ..cost_models.compute import ComputeModel
@@ -57,9 +56,11 @@ from ..cost_models.memory import state_bytes_per_param
 from ..errors import InfeasibleError, PlanError
 from ..graph import Layer, OpNode, TensorMeta, TrainingGraph
 from ..passes.annotate import PRECISIONS
+from .intra_op_ilp import _STATS, solve_problems
 from .intra_op_strategies import OpSpec, P, R, Strategy, enumerate_strategies, layout_name, op_spec
 
 PS = 1e12  # objective unit: picoseconds
+FORBIDDEN = 1.0  # seconds: the price of a resharding the runtime would not do (runtime mode)
 
 
 @dataclass
@@ -73,6 +74,8 @@ class IntraOpResult:
     strategies: dict[str, str]  # node name -> strategy name
     comm_fwd: float = 0.0  # the communication parts of time_fwd and time_bwd
     comm_bwd: float = 0.0
+    # model parameter name -> "replicate" | "shard(d)": what the runtime runs (intra_op_pricing, runtime mode)
+    sharding: dict[str, str] | None = None
 
 
 @dataclass
@@ -161,7 +164,6 @@ class _Solution:
 
 
 _CACHE: dict[tuple, tuple[_Solution, ...]] = {}
-_STATS = {"ilp_solves": 0, "hits": 0, "misses": 0}
 
 
 def cache_info() -> dict[str, int]:
@@ -182,8 +184,10 @@ class _Context:
     """Everything one (graph, mesh, device type) needs, with memo tables for op strategies and collectives."""
 
     def __init__(self, graph: TrainingGraph, tp: int, device_type: str, cluster: Cluster,
-                 group: Sequence[int], frac: float = 1.0) -> None:
+                 group: Sequence[int], frac: float = 1.0, runtime: bool = False) -> None:
         self.graph, self.tp, self.device_type = graph, tp, device_type
+        self.runtime = runtime  # only what the DTensor runtime runs as priced (`reshard`, `strategies`)
+        self.forbid = runtime  # price the reshardings the runtime would not do FORBIDDEN (off: a known answer)
         self.frac = frac  # micro-batch / captured batch: activations, FLOPs and their bytes scale by it
         self.cluster, self.group = cluster, tuple(group)
         self.model = ComputeModel(cluster.spec(device_type), dtype=graph.dtype)
@@ -231,7 +235,15 @@ class _Context:
             self._comm[key] = float(collective_time(kind, nbytes, self.group, self.cluster))
         return self._comm[key]
 
-    def reshard(self, src: int, dst: int, nbytes: float) -> float:
+    def reshard(self, src: int, dst: int, nbytes: float, forced: bool | None = None,
+                takes: Container[int] = ()) -> float:
+        """Seconds to turn layout `src` into `dst`. For an op's input (`forced` given) in runtime mode, the
+        transitions DTensor does not make before an op cost FORBIDDEN: a partial sum or a shard into another
+        shard (it replicates them), a slice of a replicated input unless the op needs it (`_forced`), and
+        gathering a shard or partial sum the op can take as it is (`takes`)."""
+        if self.forbid and forced is not None and src != dst and (
+                (dst >= 0 and (src != R or not forced)) or (dst == R and src != R and src in takes)):
+            return FORBIDDEN
         if src == dst or src == R or dst == P:
             return 0.0
         if src == P:
@@ -255,7 +267,7 @@ class _Context:
         if name not in self._strategies:
             spec, names = self.op_spec(name)
             found = []
-            for s in enumerate_strategies(spec, self.tp):
+            for s in enumerate_strategies(spec, self.tp, self.runtime):
                 ins: dict[str, int] = {}
                 grads: dict[str, int] = {}
                 if all(ins.setdefault(a, x) == x for a, x in zip(names, s.ins, strict=True)):
@@ -295,7 +307,7 @@ class _Context:
         ring = zip(self.group, self.group[1:] + self.group[:1], strict=True)
         links = tuple(self.cluster.link(a, b) for a, b in ring)
         nodes = [self.cluster.devices[i].node for i in self.group]
-        return (h.hexdigest(), self.tp, self.frac, self.graph.dtype, repr(spec), links, tuple(nodes),
+        return (h.hexdigest(), self.tp, self.frac, self.runtime, self.graph.dtype, repr(spec), links, tuple(nodes),
                 tuple(self.cluster.nodes[i].intra_node for i in nodes), self.cluster.network)
 
     def leaves(self, name: str, inside: Container[str]) -> bool:
@@ -354,6 +366,7 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
             c.compute_bwd += b
             c.comm_fwd += sum(ctx.collective(kind, nbytes * ctx.frac) for kind, nbytes in s.base.comm_fwd)
             partial_grads = 0.0  # bytes of replicated weights whose gradients are partial: one all-reduce
+            forced = _forced(graph, m, s)
             for a, layout in s.ins.items():
                 if a in graph.params:
                     p = graph.params[a]
@@ -367,7 +380,7 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
                 elif a not in inside:  # read from another layer (boundary layout) or a graph input (R)
                     src = ctx.boundary_layout(a, boundary) if a in graph.nodes else R
                     nbytes = ctx.tensor_bytes(ctx.meta(a))
-                    c.comm_fwd += ctx.reshard(src, layout, nbytes)
+                    c.comm_fwd += ctx.reshard(src, layout, nbytes, forced)
                     if ctx.needs_grad(a):
                         c.comm_bwd += ctx.reshard(s.grads[a], src, nbytes)
             if partial_grads:
@@ -388,19 +401,31 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
     return costs
 
 
+def _forced(graph: TrainingGraph, node: str, s: _NodeStrategy) -> bool:
+    """Whether the strategy may slice a replicated input: it shards one of its parameters (DTensor slices
+    the input to match), or is head-parallel attention (the runtime re-lays its inputs out by heads,
+    `tensor_parallel.py`). DTensor also slices a replicated input to match another, sharded one; that
+    depends on two edges at once, so the ILP does not choose it (FORBIDDEN) and `runtime_choice` prices it."""
+    if graph.nodes[node].target == "aten.scaled_dot_product_attention.default":
+        return s.base.name != "R"
+    return any(layout >= 0 for a, layout in s.ins.items() if a in graph.params)
+
+
 def _edge_costs(ctx: _Context, gu: _Group, gv: _Group) -> list[list[tuple[float, float]]]:
     """(forward, backward) seconds of resharding every tensor group v's root reads from group u."""
     root = gv.members[0]
     reads = [a for a in gv.choices[0][root].ins if a in gu.choices[0]]
+    takes = {a: {c[root].ins[a] for c in gv.choices} for a in reads}
     out = []
     for cu in gu.choices:
         row = []
         for cv in gv.choices:
             f = b = 0.0
             s = cv[root]
+            forced = _forced(ctx.graph, root, s)
             for a in reads:
                 src, nbytes = cu[a].base.out, ctx.tensor_bytes(ctx.graph.nodes[a].outputs[0])
-                f += ctx.reshard(src, s.ins[a], nbytes)
+                f += ctx.reshard(src, s.ins[a], nbytes, forced, takes[a])
                 if ctx.needs_grad(a):
                     b += ctx.reshard(s.grads[a], R if src == P else src, nbytes)
             row.append((f, b))
@@ -442,67 +467,6 @@ def _build(ctx: _Context, layer: Layer, boundary: int, choice: Sequence[int] | N
     return Problem(groups, [[round(c.seconds * PS) for c in d] for d in detail],
                    [[round(c.state_bytes + c.act_bytes) for c in d] for d in detail], edges, detail,
                    edge_detail, const)
-
-
-# ---- the ILP ----------------------------------------------------------------------------------------
-
-
-def _one_hot(model: cp_model.CpModel, n: int) -> list:
-    xs = [model.new_bool_var("") for _ in range(n)]
-    model.add_exactly_one(xs)
-    return xs
-
-
-def _linearize(model: cp_model.CpModel, xu: list, xv: list) -> list[list]:
-    e = [[model.new_bool_var("") for _ in xv] for _ in xu]
-    for i, row in enumerate(e):
-        model.add(sum(row) == xu[i])
-    for j in range(len(xv)):
-        model.add(sum(row[j] for row in e) == xv[j])
-    return e
-
-
-def _memory_limit(model: cp_model.CpModel, terms: list, budget: float) -> None:
-    model.add(sum(terms) <= int(budget))
-
-
-def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float | None = None,
-                   time_limit_s: float = 10.0) -> list[tuple[int, ...]]:
-    """Optimal strategy index per group of each problem; problem k's costs and memory count `weight` times."""
-    model = cp_model.CpModel()
-    cost_terms: list = []
-    mem_terms: list = []
-    tie_terms: list = []
-    const_mem = 0
-    xs_all = []
-    for prob, weight in problems:
-        xs = [_one_hot(model, len(c)) for c in prob.cost]
-        xs_all.append(xs)
-        const_mem += weight * prob.const_memory
-        for x, c, m in zip(xs, prob.cost, prob.memory, strict=True):
-            cost_terms += [weight * ci * xi for ci, xi in zip(c, x, strict=True)]
-            mem_terms += [weight * mi * xi for mi, xi in zip(m, x, strict=True)]
-            tie_terms += [i * xi for i, xi in enumerate(x)]
-        for (u, v), mat in prob.edges.items():
-            if not any(any(row) for row in mat):
-                continue
-            e = _linearize(model, xs[u], xs[v])
-            cost_terms += [weight * mat[i][j] * e[i][j] for i in range(len(mat)) for j in range(len(mat[0]))]
-    if memory_budget is not None:
-        _memory_limit(model, [*mem_terms, const_mem], memory_budget)
-    w = 1 + sum(len(x) - 1 for xs in xs_all for x in xs)
-    model.minimize(w * sum(cost_terms) + sum(tie_terms))
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 8
-    solver.parameters.random_seed = 0
-    solver.parameters.max_time_in_seconds = time_limit_s
-    status = solver.solve(model)
-    _STATS["ilp_solves"] += 1
-    if status == cp_model.INFEASIBLE:
-        raise InfeasibleError("no sharding strategy fits the memory budget")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise PlanError(f"the intra-op ILP found no solution within {time_limit_s} s; raise time_limit_s.")
-    return [tuple(next(i for i, xi in enumerate(x) if solver.boolean_value(xi)) for x in xs) for xs in xs_all]
 
 
 # ---- entry point ------------------------------------------------------------------------------------

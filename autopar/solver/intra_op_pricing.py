@@ -1,4 +1,20 @@
-"""The intra-op ILP (`intra_op`) as the planner's price of a tensor-parallel layer (`pricing.tp_layer_cost`)."""
+"""The intra-op ILP (`intra_op`) as the planner's price of a tensor-parallel layer (`pricing.tp_layer_cost`).
+
+Plans are run by the DTensor runtime (runtime/tensor_parallel.py), which takes parameter placements
+(`Stage.sharding`, from `IntraOpResult.sharding`) and lets DTensor's sharding propagation lay the
+activations out. So the planner prices what that runs (`LayerPricer(runtime=True)`, the default):
+
+* the ILP runs in runtime mode (`_Context.runtime`): only strategies and input reshardings DTensor makes
+  (views keep a shard on a split's first factor; attention is replicated or head-parallel; no partial sum
+  or shard turns into another shard before an op, a replicated input is sliced only for an op whose
+  sharded parameters ask for it), tensors crossing the layer replicated (the runtime replicates them);
+* the ILP's parameter layouts are then run through `runtime_choice`, a model of the propagation (each op
+  takes the strategy its inputs' layouts reach cheapest: same layout free, a free slice of a replicated
+  input where a sharded parameter or an input already so sharded asks for it, else a partial sum or
+  shard replicated), and that strategy set is priced with the ILP's cost model (`_build(..., choice)`).
+  Fully replicated parameters are priced the same way, and the faster of the two is the layer's price
+  and sharding. Where propagation agrees with the ILP (the usual case) the price is the ILP's optimum.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +24,23 @@ from collections.abc import Sequence
 from ..cluster import Cluster
 from ..errors import PlanError
 from ..graph import Layer, TrainingGraph
-from .intra_op import _CACHE, _STATS, IntraOpResult, _build, _check, _Context, _result, _solution, solve_problems
-from .intra_op_strategies import R
+from .intra_op import (
+    _CACHE,
+    _STATS,
+    FORBIDDEN,
+    PS,
+    IntraOpResult,
+    Problem,
+    _build,
+    _check,
+    _Context,
+    _Group,
+    _merge_followers,
+    _result,
+    _solution,
+    solve_problems,
+)
+from .intra_op_strategies import P, R
 
 
 class LayerPricer:
@@ -17,23 +48,31 @@ class LayerPricer:
 
     The ILP is solved per (layer signature, micro-batch size bucket): at the powers of two just below and
     above the size (`buckets`), and both optima are priced at the exact size, the faster kept. So a size
-    that is a power of two gets the ILP's optimum there (never worse than Megatron's sharding, which is in
-    its space), and the planner, which meets dozens of sizes (every share of a batch split), runs a few
-    solves per layer class and group (~0.1 s each). Solutions are kept in the module cache. `cost` returns
-    None when the ILP finds no solution within the time limit.
+    that is a power of two gets the ILP's optimum there (never worse than Megatron's sharding: in runtime
+    mode the runtime's `megatron_spec` placements are priced alongside), and the planner, which meets dozens
+    of sizes (every share of a batch split), runs a few solves per layer class and group (~0.1 s each).
+    Solutions are kept in the module cache. `cost` returns None when the ILP finds no solution in time.
     """
 
     def __init__(self, graph: TrainingGraph, tp: int, device_type: str, cluster: Cluster, group: Sequence[int],
-                 time_limit_s: float = 2.0) -> None:
+                 time_limit_s: float = 2.0, runtime: bool = True) -> None:
         _check(graph, [0], tp, device_type, cluster, group)
-        self.ctx = _Context(graph, tp, device_type, cluster, group)
+        self.ctx = _Context(graph, tp, device_type, cluster, group, runtime=runtime)
         self.time_limit_s = time_limit_s
-        self._choices: dict[tuple, tuple[int, tuple[int, ...]] | None] = {}
+        self._megatron: dict[int, dict[str, int]] = {}  # layer index -> megatron_layouts
 
     def _at(self, batch: int) -> _Context:
         ctx = copy.copy(self.ctx)  # shares the strategy and collective memo tables: neither depends on frac
         ctx.frac = batch / ctx.graph.batch_size
         return ctx
+
+    @staticmethod
+    def problem(ctx: _Context, layer: Layer, boundary: int = R) -> Problem:
+        """The ILP the pricer solves for `layer` (in runtime mode with `couple_attention`)."""
+        prob = _build(ctx, layer, boundary)
+        if ctx.runtime:
+            couple_attention(ctx, layer, prob)
+        return prob
 
     def _choice(self, layer: Layer, batch: int) -> tuple[int, tuple[int, ...]] | None:
         """(boundary layout, strategy index per group) of the ILP optimum for `layer` at `batch` samples."""
@@ -45,10 +84,10 @@ class LayerPricer:
         _STATS["misses"] += 1
         plain = ctx.boundary_key(layer, R)
         best: tuple[int, int, tuple[int, ...]] | None = None
-        for boundary in (R, 0, 1):
+        for boundary in (R,) if ctx.runtime else (R, 0, 1):
             if boundary != R and ctx.boundary_key(layer, boundary) == plain:
                 continue
-            prob = _build(ctx, layer, boundary)
+            prob = self.problem(ctx, layer, boundary)
             try:
                 (choice,) = solve_problems([(prob, 1)], None, self.time_limit_s)
             except PlanError:
@@ -60,21 +99,140 @@ class LayerPricer:
         return _CACHE[key]  # type: ignore[return-value]
 
     def cost(self, layer_index: int, batch: int) -> IntraOpResult | None:
-        """The layer's times and memory per device for one micro-batch of `batch` samples."""
+        """The layer's times and memory per device for one micro-batch of `batch` samples; in runtime mode
+        with `sharding`, the parameter placements the runtime is to run it with (module docstring)."""
         layer = self.ctx.graph.layers[layer_index]
         ctx = self._at(batch)
         key = ctx.layer_key(layer)
-        best: tuple[float, IntraOpResult] | None = None
+        options: list[tuple[int, tuple[int, ...], dict[str, int] | None]] = []
+        groups = _merge_followers(ctx, [n for n in layer.nodes if ctx.graph.nodes[n].outputs])
         for size in buckets(batch):
             picked = self._choice(layer, size)
             if picked is None:
                 continue
-            boundary, choice = picked
+            if not ctx.runtime:
+                options.append((*picked, None))
+                continue
+            layouts = param_layouts(ctx, groups, picked[1])
+            if layouts is not None and all(layouts != o[2] for o in options):
+                options.append((R, runtime_choice(ctx, layer, groups, layouts), layouts))
+        if ctx.runtime and options:  # also replicated parameters (no communication) and Megatron's placements
+            if layer.index not in self._megatron:
+                self._megatron[layer.index] = megatron_layouts(ctx, layer)
+            for layouts in (dict.fromkeys(param_layouts(ctx, groups, (0,) * len(groups)) or {}, R),
+                            self._megatron[layer.index]):
+                if all(layouts != o[2] for o in options):
+                    options.append((R, runtime_choice(ctx, layer, groups, layouts), layouts))
+        best: tuple[float, IntraOpResult] | None = None
+        ctx.forbid = False  # a known answer: every resharding at its price
+        for boundary, choice, layouts in options:
             sol = _solution(_build(ctx, layer, boundary, choice), layer, (0,) * len(choice))
             res = _result(ctx.tp, [layer], [key], {key: sol})
+            if layouts is not None:
+                res.sharding = sharding_of(ctx, layer, layouts)
             if best is None or res.time_fwd + res.time_bwd < best[0]:
                 best = (res.time_fwd + res.time_bwd, res)
         return None if best is None else best[1]
+
+
+def param_layouts(ctx: _Context, groups: list[_Group], choice: Sequence[int]) -> dict[str, int] | None:
+    """Parameter placeholder -> the layout the chosen strategies read it in (None where two reads differ)."""
+    out: dict[str, int] = {}
+    for g, i in zip(groups, choice, strict=True):
+        for s in g.choices[i].values():
+            for a, layout in s.ins.items():
+                if a in ctx.graph.params and out.setdefault(a, layout) != layout:
+                    return None
+    return out
+
+
+def couple_attention(ctx: _Context, layer: Layer, prob: Problem) -> None:
+    """Make head-parallel attention and a row-parallel output projection go together in `prob`, as the
+    runtime runs them (`tensor_parallel.sharding_spec`): the other pairings cost FORBIDDEN."""
+    from ..runtime.tensor_parallel import attention_projection
+
+    g = ctx.graph
+    index = {m: i for i, grp in enumerate(prob.groups) for m in grp.members}
+    for m in layer.nodes:
+        if g.nodes[m].target != "aten.scaled_dot_product_attention.default" or m not in index:
+            continue
+        proj = attention_projection(g, m, layer.nodes)
+        v = next((i for i, grp in enumerate(prob.groups) if proj and proj[0] in grp.choices[0][grp.members[0]].ins),
+                 None)
+        if v is None:
+            continue
+        u, pen = index[m], round(FORBIDDEN * PS)
+        root = prob.groups[v].members[0]
+        mat = prob.edges.setdefault((u, v), [[0] * len(prob.groups[v].choices) for _ in prob.groups[u].choices])
+        for i, cu in enumerate(prob.groups[u].choices):
+            for j, cv in enumerate(prob.groups[v].choices):
+                if (cu[m].base.name != "R") != (cv[root].ins[proj[0]] == proj[1].dim):
+                    mat[i][j] += pen
+
+
+def megatron_layouts(ctx: _Context, layer: Layer) -> dict[str, int]:
+    """The layouts `tensor_parallel.megatron_spec` gives the layer's parameters (placeholder -> layout)."""
+    from ..runtime.tensor_parallel import megatron_spec
+
+    spec = megatron_spec(ctx.graph, (layer.index, layer.index + 1))
+    return {p: getattr(spec.params.get(name), "dim", R) for p, name in layer_params(ctx.graph, layer)}
+
+
+def layer_params(graph: TrainingGraph, layer: Layer) -> list[tuple[str, str]]:
+    """(placeholder, model name) of a layer's parameters, in the layer's order (identical blocks align)."""
+    from ..runtime.tensor_parallel import canonical
+
+    return [(p, canonical(graph, p)) for p in layer.params if not graph.params[p].is_buffer]
+
+
+def sharding_of(ctx: _Context, layer: Layer, layouts: dict[str, int]) -> dict[str, str]:
+    """`Stage.sharding` entries of one layer: the model's name of each of its parameters -> placement."""
+    return {name: "replicate" if layouts.get(p, R) < 0 else f"shard({layouts[p]})"
+            for p, name in layer_params(ctx.graph, layer)}
+
+
+def runtime_choice(ctx: _Context, layer: Layer, groups: list[_Group], layouts: dict[str, int]) -> tuple[int, ...]:
+    """Strategy index per group that DTensor's propagation reaches from parameter `layouts` with the
+    layer's inputs replicated (module docstring); a group whose members do not follow their root takes
+    the replicated strategy of every member."""
+    from ..runtime.tensor_parallel import attention_projection
+
+    g = ctx.graph
+    out: dict[str, int] = {}
+    picked: dict[str, object] = {}
+    for m in (n for grp in groups for n in grp.members):
+        node, heads = g.nodes[m], False
+        if node.target == "aten.scaled_dot_product_attention.default":
+            proj = attention_projection(g, m, layer.nodes)
+            heads = proj is not None and layouts.get(proj[0]) == proj[1].dim
+        best: tuple[float, int, int] | None = None
+        strategies = ctx.strategies(m)
+        for k, s in enumerate(strategies):
+            if heads and s.base.name == "R":
+                continue  # the runtime re-lays the inputs out by heads
+            acts = {a: out.get(a, R) for a in s.ins if a not in g.params}
+            forced = heads or any(layouts.get(a, R) >= 0 for a in s.ins if a in g.params)
+            comm, inexact = 0.0, 0
+            for a, need in s.ins.items():
+                have = layouts.get(a, R) if a in g.params else acts[a]
+                if a in g.params or have == need:
+                    comm += 0.0 if have == need else float("inf")
+                elif have == R and (need == P or need >= 0 and (forced or need in (x for b, x in acts.items()
+                                                                                   if b != a))):
+                    inexact += 1  # a local slice, or a local share of a partial sum
+                elif need == R and have != R:
+                    comm += ctx.reshard(have, R, ctx.tensor_bytes(ctx.meta(a)))
+                else:
+                    comm = float("inf")
+            if comm < float("inf") and (best is None or (comm, inexact, k) < best):
+                best = (comm, inexact, k)
+        s = strategies[best[2] if best is not None else 0]
+        picked[m], out[m] = s, s.base.out
+    choice = []
+    for grp in groups:
+        i = next((i for i, c in enumerate(grp.choices) if all(c[m] == picked[m] for m in grp.members)), 0)
+        choice.append(i)
+    return tuple(choice)
 
 
 def buckets(batch: int) -> tuple[int, ...]:
@@ -83,4 +241,4 @@ def buckets(batch: int) -> tuple[int, ...]:
     return (lo,) if lo == batch else (lo, 2 * lo)
 
 
-__all__ = ["LayerPricer", "buckets"]
+__all__ = ["LayerPricer", "buckets", "layer_params", "param_layouts", "runtime_choice", "sharding_of"]

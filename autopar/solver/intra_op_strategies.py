@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -93,13 +93,14 @@ def _norm_dim(d: int, rank: int) -> int:
     return d % rank if rank else 0
 
 
-def reshape_map(src: Sequence[int], dst: Sequence[int], d: int, tp: int) -> int | None:
+def reshape_map(src: Sequence[int], dst: Sequence[int], d: int, tp: int, first_only: bool = False) -> int | None:
     """The output dim a shard of input dim `d` lands on through a reshape `src` -> `dst`, or None.
 
     Merging `d` with the dims after it keeps its shard contiguous. Splitting `d` puts the shard on the
     outermost factor divisible by `tp`; when that is not the first factor, each device's slice is whole
     only if the producer's features are permuted (Megatron permutes the fused QKV weight this way so a
-    column shard holds whole heads), which codegen must do for that strategy.
+    column shard holds whole heads), which codegen must do for that strategy. With `first_only` (what
+    DTensor's view propagation does) only the first factor may carry the shard.
     """
     prefix = math.prod(src[:d])
     size = src[d]
@@ -114,12 +115,14 @@ def reshape_map(src: Sequence[int], dst: Sequence[int], d: int, tp: int) -> int 
         return e if any(math.prod(src[:k]) == merged for k in range(d + 1, len(src) + 1)) else None
     for e2 in range(e + 1, len(dst) + 1):
         if math.prod(dst[e:e2]) == size:
-            return next((f for f in range(e, e2) if dst[f] % tp == 0 and dst[f] >= tp), None)
+            found = [f for f in range(e, e2) if dst[f] % tp == 0 and dst[f] >= tp][:1]
+            return found[0] if found and (not first_only or found[0] == e) else None
     return None
 
 
-def view_map(spec: OpSpec, layout: int, tp: int) -> int | None:
-    """Output layout of view-like `spec` when its first input has `layout`; None where it cannot follow."""
+def view_map(spec: OpSpec, layout: int, tp: int, runtime: bool = False) -> int | None:
+    """Output layout of view-like `spec` when its first input has `layout`; None where it cannot follow
+    (with `runtime`, also where DTensor's propagation cannot: a split shard on a later factor)."""
     if layout in (R, P):
         return layout
     src, dst = spec.ins[0].shape, spec.outs[0].shape
@@ -127,7 +130,7 @@ def view_map(spec: OpSpec, layout: int, tp: int) -> int | None:
     if op in IDENTITIES:
         return d if len(src) == len(dst) else None
     if op in RESHAPES:
-        return reshape_map(src, dst, d, tp)
+        return reshape_map(src, dst, d, tp, runtime)
     if op == "expand":
         e = d + len(dst) - len(src)
         return e if dst[e] == src[d] else None
@@ -313,6 +316,20 @@ def _elementwise(spec: OpSpec, tp: int) -> list[Strategy] | None:
     return _loop(spec, tp, operands, labels, {x: f"S({i})" for i, x in enumerate(labels)}, {})
 
 
+def _partial(spec: OpSpec) -> list[Strategy]:
+    """DTensor's partial-sum rules of linear elementwise ops: a sum or difference of partial sums (replicated
+    inputs are turned into partial ones locally), a partial sum times or divided by a replicated value, and
+    dropout with p = 0 (the identity)."""
+    n = len(spec.ins)
+    if spec.op in ("add", "sub"):
+        return [Strategy("P", P, (P,) * n, (R,) * n)]
+    if spec.op in ("mul", "div") and n == 1 or spec.op == "dropout" and n == 1 and spec.arg(1, "p", 0.5) == 0:
+        return [Strategy("P", P, (P,), (R,))]
+    if spec.op in ("mul", "div") and n == 2:
+        return [Strategy("P", P, (P, R), (R, P))] + ([Strategy("P1", P, (R, P), (P, R))] if spec.op == "mul" else [])
+    return []
+
+
 def _softmax(spec: OpSpec, tp: int) -> list[Strategy] | None:
     dim = spec.arg(1, "dim", -1)
     if dim is MISSING:
@@ -347,14 +364,14 @@ def _cat(spec: OpSpec, tp: int) -> list[Strategy] | None:
     return _loop(spec, tp, [labels] * len(spec.ins), labels, keep, {})
 
 
-def _view(spec: OpSpec, tp: int) -> list[Strategy]:
+def _view(spec: OpSpec, tp: int, runtime: bool = False) -> list[Strategy]:
     rank = len(spec.ins[0].shape)
     n = len(spec.ins)
     found, names = [], set()
     for layout in (R, P, *range(rank)):
         if layout >= 0 and not _divides(spec.ins[0].shape[layout], tp):
             continue
-        out = view_map(spec, layout, tp)
+        out = view_map(spec, layout, tp, runtime)
         if out is None or layout_name(out) in names:
             continue
         names.add(layout_name(out))
@@ -385,18 +402,29 @@ _HANDLERS = {
 }
 
 
-def enumerate_strategies(spec: OpSpec, tp: int) -> list[Strategy]:
-    """Every strategy of `spec` on `tp` devices; the first is always replicated execution ("R")."""
+def enumerate_strategies(spec: OpSpec, tp: int, runtime: bool = False) -> list[Strategy]:
+    """Every strategy of `spec` on `tp` devices; the first is always replicated execution ("R"). With
+    `runtime`, only those the DTensor runtime (runtime/tensor_parallel.py) executes as priced."""
     if not spec.outs:
         return [replicated(len(spec.ins))]
     if not spec.ins:
         return _source(spec, tp)
     if spec.op in VIEWS:
-        return _view(spec, tp)
+        return _view(spec, tp, runtime)
     handler = _HANDLERS.get(spec.op)
     if handler is None and classify(spec.target) == "elementwise":
         handler = _elementwise
     found = handler(spec, tp) if handler is not None else None
+    if runtime and handler is _elementwise and found:
+        found += _partial(spec)
+    if runtime and handler is _matmul and found:
+        # the runtime all-reduces a row-parallel linear's output right away (tensor_parallel.sharding_spec)
+        reduce = (("all_reduce", float(spec.outs[0].nbytes)),)
+        found = [replace(s, out=R, comm_fwd=reduce) if s.name == "row" else s for s in found]
+    if runtime and found and handler is _attention:
+        # the runtime shards attention over heads only (the dim before the sequence), never from a batch dim
+        heads = f"S({len(spec.ins[0].shape) - 3})" if len(spec.ins[0].shape) >= 4 else "R"
+        found = [s for s in found if s.name in ("R", heads)]
     return found or [replicated(len(spec.ins))]
 
 

@@ -99,7 +99,6 @@ from .pricing_plan import (
     tied_sync,
 )
 
-
 # Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
 # bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
 HOST_UPDATE_BANDWIDTH = 25e9

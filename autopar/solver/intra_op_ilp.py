@@ -1,0 +1,78 @@
+"""The intra-op ILP itself (`intra_op` builds the problems): one-hot strategy choices, linearized products
+for resharding edges, an optional memory budget; solved with CP-SAT. The formulation is in `intra_op`'s
+docstring."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ortools.sat.python import cp_model
+
+from ..errors import InfeasibleError, PlanError
+
+if TYPE_CHECKING:
+    from .intra_op import Problem
+
+_STATS = {"ilp_solves": 0, "hits": 0, "misses": 0}
+
+
+def _one_hot(model: cp_model.CpModel, n: int) -> list:
+    xs = [model.new_bool_var("") for _ in range(n)]
+    model.add_exactly_one(xs)
+    return xs
+
+
+def _linearize(model: cp_model.CpModel, xu: list, xv: list) -> list[list]:
+    e = [[model.new_bool_var("") for _ in xv] for _ in xu]
+    for i, row in enumerate(e):
+        model.add(sum(row) == xu[i])
+    for j in range(len(xv)):
+        model.add(sum(row[j] for row in e) == xv[j])
+    return e
+
+
+def _memory_limit(model: cp_model.CpModel, terms: list, budget: float) -> None:
+    model.add(sum(terms) <= int(budget))
+
+
+def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float | None = None,
+                   time_limit_s: float = 10.0) -> list[tuple[int, ...]]:
+    """Optimal strategy index per group of each problem; problem k's costs and memory count `weight` times."""
+    model = cp_model.CpModel()
+    cost_terms: list = []
+    mem_terms: list = []
+    tie_terms: list = []
+    const_mem = 0
+    xs_all = []
+    for prob, weight in problems:
+        xs = [_one_hot(model, len(c)) for c in prob.cost]
+        xs_all.append(xs)
+        const_mem += weight * prob.const_memory
+        for x, c, m in zip(xs, prob.cost, prob.memory, strict=True):
+            cost_terms += [weight * ci * xi for ci, xi in zip(c, x, strict=True)]
+            mem_terms += [weight * mi * xi for mi, xi in zip(m, x, strict=True)]
+            tie_terms += [i * xi for i, xi in enumerate(x)]
+        for (u, v), mat in prob.edges.items():
+            if not any(any(row) for row in mat):
+                continue
+            e = _linearize(model, xs[u], xs[v])
+            cost_terms += [weight * mat[i][j] * e[i][j] for i in range(len(mat)) for j in range(len(mat[0]))]
+    if memory_budget is not None:
+        _memory_limit(model, [*mem_terms, const_mem], memory_budget)
+    w = 1 + sum(len(x) - 1 for xs in xs_all for x in xs)
+    model.minimize(w * sum(cost_terms) + sum(tie_terms))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 8
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.solve(model)
+    _STATS["ilp_solves"] += 1
+    if status == cp_model.INFEASIBLE:
+        raise InfeasibleError("no sharding strategy fits the memory budget")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise PlanError(f"the intra-op ILP found no solution within {time_limit_s} s; raise time_limit_s.")
+    return [tuple(next(i for i, xi in enumerate(x) if solver.boolean_value(xi)) for x in xs) for xs in xs_all]
+
+
+__all__ = ["solve_problems"]
