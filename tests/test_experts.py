@@ -12,12 +12,13 @@ from autopar import models
 from autopar.errors import PlanError
 from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
+from autopar.runtime.layout import make_layout
 from autopar.runtime.program import Program
 from autopar.solver import experts
 from autopar.solver.pricing import Option, price_strategy
 from autopar.solver.search import Search, search
 
-from .runtime_cases import STEPS, build, layout_for, optimizer, reference
+from .runtime_cases import STEPS, build, custom_layout, layout_for, optimizer, reference
 
 RTOL, ATOL = 1e-4, 1e-5
 COMPILE_CLUSTER = "1x2xA100-80GB"
@@ -54,6 +55,10 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
             g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
             blocks = sum(1 for layer in g.layers if layer.kind == "block")
             lay = replace(layout_for(case, len(g.layers), blocks, world, spec), ep=spec["ep"])
+            if "sharding" in spec:  # an ILP-style Stage.sharding on every stage
+                pipes = [replace(p, stages=tuple(replace(st, sharding=tuple(sorted(spec["sharding"].items())))
+                                                 for st in p.stages)) for p in lay.pipelines]
+                lay = make_layout(pipes, lay.world_size, lay.global_batch, len(g.layers), spec["ep"])
             prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
                            rank, world, timeout_s=60)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
@@ -61,6 +66,7 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
         # local elements: under tensor parallelism experts stay whole (replicated in the tp group)
         held = sum(getattr(p, "_local_tensor", p).numel() for n, p in prog.params.items() if n in names)
         tp_sharded = sorted(n for n, p in prog.params.items() if getattr(p, "_local_tensor", p).shape != p.shape)
+        zero_levels = {n: prog.zero.state[n].level for n in prog.params}
         stage_total = sum(dict(case.model.named_parameters())[n].numel() for n in names
                           if any(n in st.params for st in prog._stages.values()))
         sd = prog.state_dict()
@@ -69,7 +75,7 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
         again = prog.state_dict()
         same = all(torch.equal(again["model"][k], v) for k, v in sd["model"].items()) and all(
             torch.equal(again["optimizer"][n][k], v) for n, st in sd["optimizer"].items() for k, v in st.items())
-        out.append((losses, sd["model"], held, stage_total, same, tp_sharded))
+        out.append((losses, sd["model"], held, stage_total, same, tp_sharded, zero_levels))
     return out
 
 
@@ -98,7 +104,7 @@ def _check(results: list, cases: list, index: int) -> None:
     name, kwargs, spec = cases[index]
     ref_losses, ref_params = reference(name, kwargs)
     for rank, per_rank in enumerate(results):
-        losses, params, held, stage_total, round_trip, tp_sharded = per_rank[index]
+        losses, params, held, stage_total, round_trip, tp_sharded, levels = per_rank[index]
         assert round_trip, f"rank {rank}: state_dict -> load_state_dict -> state_dict changed the state"
         assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
         assert params.keys() == ref_params.keys()
@@ -106,6 +112,13 @@ def _check(results: list, cases: list, index: int) -> None:
             torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
         assert held * spec["ep"] == stage_total  # each rank holds 1/ep of its stage's experts
         assert bool(tp_sharded) == (spec.get("tp", 1) > 1)  # tensor parallelism shards the rest of the stage
+        # ZeRO partitions what more than one replica holds: experts when dp / ep > 1 (stacked ones stay whole)
+        replicas = spec.get("dp", 1) // spec["ep"]
+        expected = {n: spec.get("zero", 0) if replicas > 1 and "experts.gate_up" not in n
+                    and "experts.down" not in n else 0 for n in levels if ".experts." in n}
+        assert {n: v for n, v in levels.items() if ".experts." in n} == expected
+        if spec.get("zero", 0):
+            assert any(v == spec["zero"] for n, v in levels.items() if ".experts." not in n)
     assert ref_losses[-1] < ref_losses[0]
 
 
@@ -204,8 +217,12 @@ def test_expert_groups_follow_the_layout_and_reject_what_the_runtime_cannot_run(
     assert expert_groups(lay) == [(0, 1), (4, 5), (2, 3), (6, 7)]
     with pytest.raises(PlanError, match="must divide the 3 data-parallel replicas"):
         expert_groups(replace(megatron_layout(3, 1, 1, 6, 4, 2, 1), ep=2))
-    with pytest.raises(PlanError, match="tensor parallelism"):
-        expert_groups(replace(megatron_layout(2, 2, 1, 4, 4, 2, 1), ep=2))
+    tp = replace(megatron_layout(2, 2, 1, 4, 4, 2, 1), ep=2)  # with tp: one group per tensor-parallel index
+    ranks = [p.stages[0].ranks for p in tp.pipelines]
+    assert expert_groups(tp) == [(ranks[0][t], ranks[1][t]) for t in range(2)]
+    uneven = custom_layout([{"batch": 2, "stages": [(2, [0, 1])]}, {"batch": 2, "stages": [(2, [2])]}], 3, 4, 4)
+    with pytest.raises(PlanError, match="same tp per stage"):
+        expert_groups(replace(uneven, ep=2))
     with pytest.raises(PlanError, match="identical pipelines"):
         expert_groups(replace(megatron_layout(2, 1, 1, 4, 4, 2, 2, batch_split=[3, 1]), ep=2))
 

@@ -1,12 +1,20 @@
 """Expert parallelism (MoE) in the per-rank program.
 
 Groups. With `Layout.ep` = ep > 1, consecutive data-parallel replicas (pipelines 0..ep-1, ep..2ep-1, ...)
-form expert-parallel groups: for every stage, the ranks running that stage in the ep replicas of a chunk.
-Position i of a group (the i-th smallest rank, its rank in the process group) owns experts
-[i E/ep, (i+1) E/ep) of every MoE layer on that stage and holds only their parameters. The replicas of a
-group must run identical pipelines (stage bounds, micro-batch count, schedule, recompute) so that their
-all-to-alls meet in one order; tensor parallelism, ZeRO and offload are not combined with ep > 1 on this
-runtime (PlanError).
+form expert-parallel groups: for every stage and tensor-parallel index, the ranks at that index of the
+stage's group in the ep replicas of a chunk. Position i of a group (the i-th smallest rank, its rank in
+the process group) owns experts [i E/ep, (i+1) E/ep) of every MoE layer on that stage and holds only
+their parameters. The replicas of a group must run identical pipelines (stage bounds, micro-batch count,
+schedule, recompute, tp per stage) so that their all-to-alls meet in one order.
+
+Tensor parallelism. Experts are not split over a tp group: every rank of it holds the same whole experts
+(same position in its group; the tp groups must order their ranks alike across the replicas) and runs
+the op on the group's replicated tokens as plain local tensors (`adapt_tp`: the op's nodes run
+replicated, expert parameters stay out of the TP spec, Replicate DTensors). Each tp index thus runs the
+same dispatch with its own ranks; the router and the rest of the block stay under the TP spec. Gradients
+of expert parameters are then identical inside a tp group and are summed over the tp groups holding the
+expert (their first ranks, then broadcast in the group: `ZeroRuntime`'s usual path), never over the tp
+group itself. ZeRO partitions each expert among the replicas holding it; offload needs nothing special.
 
 Dispatch. Before the stage capture, each supported MoE module's forward is swapped (for the capture only;
 the user's model is restored afterwards) for one that computes the router exactly as the original and
@@ -41,12 +49,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PlanError
+from ..graph import TrainingGraph
 from .dist import DEFAULT_TIMEOUT_S, Groups, wait
 from .layout import Layout
+from .tensor_parallel import TPStage
 
 _CONTEXTS: dict[str, _Context] = {}  # op key -> the rank's context; the op can only carry a string
 _KEYS = itertools.count()
 SHARD_TAG = "@expert-shard"
+_OP = "autopar.moe_experts.default"  # the op's node target in a captured graph
 
 
 @dataclass
@@ -282,11 +293,21 @@ def expert_groups(layout: Layout) -> list[tuple[int, ...]]:
                                 f"stage bounds, micro-batch count, schedule or recompute; expert-parallel "
                                 f"replicas must run identical pipelines.")
             for s, st in enumerate(p.stages):
-                if len(st.ranks) > 1 or st.zero or st.offload:
-                    raise PlanError(f"pipeline {p.index} stage {s}: expert parallelism (ep={ep}) is not "
-                                    f"combined with tensor parallelism, ZeRO or offload on this runtime; "
-                                    f"use tp=1, zero=0, no offload, or ep=1.")
-        groups += [tuple(p.stages[s].ranks[0] for p in chunk) for s in range(first.num_groups)]
+                if len(st.ranks) != len(first.stages[s].ranks):
+                    raise PlanError(f"pipelines {first.index} and {p.index} share experts (ep={ep}) but stage {s} "
+                                    f"has tensor-parallel degrees {len(first.stages[s].ranks)} and {len(st.ranks)}; "
+                                    f"expert-parallel replicas must use the same tp per stage.")
+        for s in range(first.num_groups):
+            tp_groups = [p.stages[s].ranks for p in chunk]
+            per_index = [tuple(g[t] for g in tp_groups) for t in range(len(tp_groups[0]))]
+            # a tensor-parallel group computes on the same tokens, so all its ranks must own the same experts:
+            # the same position (process-group rank order) in their per-index groups
+            order = {tuple(sorted(range(ep), key=lambda i, g=g: g[i])) for g in per_index}
+            if len(order) > 1:
+                raise PlanError(f"pipelines {[p.index for p in chunk]} stage {s}: the tensor-parallel groups "
+                                f"{tp_groups} do not order their ranks alike, so a group's ranks would own "
+                                f"different experts; number the ranks of every group in the same replica order.")
+            groups += per_index
     return groups
 
 
@@ -372,6 +393,28 @@ class ExpertRuntime:
         finally:
             for m in done:
                 del m.forward
+
+    def capture(self, model: nn.Module, inputs: tuple, loss_fn: object, target: object) -> TrainingGraph:
+        """The model captured as its stages run: supported MoE modules dispatching through the op."""
+        from ..passes.capture import capture
+
+        with self.swapped(model):
+            return capture(model, inputs, loss_fn, target)
+
+    def adapt_tp(self, tp: TPStage, graph: TrainingGraph) -> None:
+        """Tensor parallelism on a stage with experts (`graph` from `capture`): the experts stay whole and
+        replicated in the tensor-parallel group (every rank of it holds the same experts and sees the same
+        tokens), and the dispatching op runs on local tensors, each rank exchanging with the ranks at its
+        tensor-parallel index in the other replicas (its expert-parallel group)."""
+        for name in self.names:
+            tp.spec.params.pop(name, None)
+        tp.replicated.update(n for n, node in graph.nodes.items() if node.target == _OP)
+
+    def zero_levels(self, levels: dict[str, int]) -> dict[str, int]:
+        """ZeRO levels with stacked expert tensors at 0: ranks at different group positions hold different
+        shards under one name (their holder views differ), so ZeRO's owner choice, which must come out the
+        same on every rank, leaves them out; they are partitioned by expert parallelism already."""
+        return {k: 0 if k in self.names and self.names[k][2] < 0 else v for k, v in levels.items()}
 
     def check_checkpoint(self) -> None:
         """DCP checkpoints name one tensor per parameter; stacked expert shards are not written as such."""

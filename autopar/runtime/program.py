@@ -170,7 +170,10 @@ class Program:
                 for name in st.params:
                     offload.setdefault(name, set()).update(self.pipeline.stages[s].offload)
         sizes = {info.name: info.meta.numel for info in self.graph.params.values() if not info.is_buffer}
-        return ZeroRuntime(self.params, self.holders, zero_levels(self.graph, self.layout), sizes, offload,
+        levels = zero_levels(self.graph, self.layout)
+        if self.experts:
+            levels = self.experts.zero_levels(levels)
+        return ZeroRuntime(self.params, self.holders, levels, sizes, offload,
                            self.rank, my_group, self.groups, self.tp, self.timeout_s)
 
     def _bucketed_sync(self) -> BucketedGradSync | None:

@@ -13,21 +13,27 @@ top_k / E; Mixtral's `batched_mm` experts are already routed in the graph. So th
 module; under ep > 1 the runtime is genuinely sparse (it dispatches tokens). With ep > 1 the busiest
 rank of an expert-parallel group gets IMBALANCE times the mean routed tokens (router load imbalance with
 the usual balancing loss), and the backward recomputes the local experts' forward once (the runtime
-keeps no received tokens between forward and backward).
+keeps no received tokens between forward and backward). With tensor parallelism (tp > 1) and ep > 1 the
+experts are not split over the tp group: each of its ranks runs its whole experts on all of the group's
+(replicated) tokens, so routed expert compute and activations are not divided by tp.
 
 Communication, per MoE layer and micro-batch of T tokens with hidden size H (bytes per element w, the
-graph's activation dtype), over the expert-parallel group (`collective_time("all_to_all")`, so a group
-inside a node is priced on NVLink-class links and one spanning nodes on the network):
+graph's activation dtype), over the expert-parallel group, i.e. the ranks at one tensor-parallel index of
+ep consecutive replicas (`collective_time("all_to_all")`, so a group inside a node is priced on
+NVLink-class links and one spanning nodes on the network; the tp indices run theirs side by side):
     forward   2 all-to-alls of T k H w   (dispatch, combine)
     backward  one of 2 T k H w (tokens re-sent with their output gradients) and one of T k H w.
 
-Memory. A rank holds E / ep experts' weights, gradients and optimizer state; per in-flight micro-batch
+Memory. A rank holds E / ep experts' weights, gradients and optimizer state, whole under any tp (they
+count in `tp_extra`, the parameters per rank beyond params / tp); per in-flight micro-batch
 the routed expert activations (dense graph activations scaled by top_k / E for autopar's MoE) plus the
 dispatch buffers, send and receive, of T k H w each (times IMBALANCE with ep > 1).
 
 Choice. The searcher runs once per candidate degree: ep = 1 and every ep > 1 dividing E and the world
-size; a config is admissible for ep > 1 when it has tp = 1 and its replicas group into chunks of ep
-identical pipelines (`config_ok`), which is what the runtime needs. The fastest predicted plan wins.
+size; a config (any tp) is admissible for ep > 1 when its replicas group into chunks of ep identical
+pipelines (`config_ok`), which is what the runtime needs. The fastest predicted plan wins. ZeRO is not
+priced with ep > 1 (its expert state would partition over the dp / ep holders of each expert, which
+`stage_memory` does not model), so plans with ep > 1 keep zero = 0; the runtime itself combines them.
 """
 
 from __future__ import annotations
@@ -154,14 +160,18 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
     frac = n / cm.B
     fwd, bwd, rc, act, act_rc, params, biggest = (base.fwd, base.bwd, base.recompute, base.act,
                                                   base.act_recompute, base.params, base.max_layer_params)
+    extra, tp_max = base.tp_extra, base.tp_max_layer
     a2a_bytes = held = 0.0
     count = 0
     for m in layers:
         ep_m = ep if m.supported else 1
+        # with ep > 1 the experts are not split by tensor parallelism: each rank of a tp group runs its whole
+        # experts on all of the group's (replicated) tokens
+        t_ex = 1 if ep_m > 1 else tp
         key = ("moe", m.layer, dtype, n, tp)
         hit = cm._memo.get(key)
         if hit is None:
-            hit = cm._memo[key] = tuple(_expert_time(cm, m, ks, dtype, n, tp, routed)
+            hit = cm._memo[key] = tuple(_expert_time(cm, m, ks, dtype, n, tp if not routed else t_ex, routed)
                                         for ks in (m.kernels_fwd, m.kernels_bwd) for routed in (False, True))
         dense_f, routed_f, dense_b, routed_b = hit
         fwd += routed_f - dense_f
@@ -170,7 +180,7 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
             rc += routed_f - dense_f
         slots = m.tokens * frac * m.top_k * m.hidden * m.elem_bytes
         buffers = 2 * slots * (IMBALANCE if ep_m > 1 else 1.0)
-        routed_act = m.saved * frac / tp * (m.top_k / m.experts if m.dense else 1.0)
+        routed_act = m.saved * frac / t_ex * (m.top_k / m.experts if m.dense else 1.0)
         act += routed_act - m.saved * frac / tp + buffers
         act_rc += buffers if not cm.is_block[m.layer] else 0.0
         params -= m.params * (1 - 1 / ep_m)
@@ -179,13 +189,16 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
             held += m.params / ep_m
             a2a_bytes += slots
             count += 1
+            extra += m.params / ep_m * (1 - 1 / tp)  # per rank: params / tp + tp_extra counts them whole
+            tp_max = max(tp_max, m.params / ep_m) if tp > 1 else tp_max
     return replace(base, fwd=fwd, bwd=bwd, recompute=rc, act=max(act, 0.0), act_recompute=act_rc,
-                   params=int(params), max_layer_params=int(max(biggest, 1)),
+                   params=int(params), max_layer_params=int(max(biggest, 1)), tp_extra=extra, tp_max_layer=tp_max,
                    moe_layers=count, moe_bytes=a2a_bytes / count if count else 0.0, expert_params=held)
 
 
 def ep_group(cm: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...]) -> tuple[int, ...]:
-    """The expert-parallel group of a stage: its chunk of ep consecutive replicas."""
+    """The expert-parallel group of a stage: its chunk of ep consecutive replicas, at the tensor-parallel
+    index of `dp_group` (index 0; the other indices run the same all-to-all on their own ranks at once)."""
     ep = degree(cm)
     i = dp_group.index(tp_group[0]) if tp_group[0] in dp_group else 0
     start = i - i % ep
@@ -204,8 +217,8 @@ def a2a_times(cm: Any, base: Any, tp_group: tuple[int, ...], dp_group: tuple[int
     one = cm.collective("all_to_all", base.moe_bytes, group)
     two = cm.collective("all_to_all", 2 * base.moe_bytes, group)
     sync = 0.0
-    if zero == 0:
-        g, n, ne = cm.state.grads, base.params, base.expert_params
+    if zero == 0:  # n: parameters per rank as stage_times all-reduces them; experts are held whole
+        g, n, ne = cm.state.grads, base.params / len(tp_group) + base.tp_extra, base.expert_params
         i = dp_group.index(tp_group[0]) if tp_group[0] in dp_group else 0
         holders = dp_group[i % ep::ep]
         sync = (cm.collective("all_reduce", (n - ne) * g, dp_group) + cm.collective("all_reduce", ne * g, holders)
@@ -228,12 +241,13 @@ def candidates(cm: Any) -> list[int]:
 
 
 def config_ok(cm: Any, tp: int, pipelines: tuple[tuple[tuple[int, ...], ...], ...]) -> bool:
-    """Whether a search config can run expert degree `degree(cm)`: tp = 1 and chunks of ep consecutive
-    replicas on identical device types (so they get identical pipelines)."""
+    """Whether a search config can run expert degree `degree(cm)`: chunks of ep consecutive replicas on
+    identical device types (so they get identical pipelines). Any tp: a config's tp groups all have tp
+    ranks, and the tp ranks at one index across a chunk's replicas form the expert-parallel groups."""
     ep = degree(cm)
     if ep == 1:
         return True
-    if tp != 1 or len(pipelines) % ep:
+    if len(pipelines) % ep:
         return False
     types = [tuple(cm.cluster.devices[u[0]].spec.name for u in p) for p in pipelines]
     return all(len(set(types[c:c + ep])) == 1 for c in range(0, len(types), ep))
@@ -263,11 +277,17 @@ def describe(cm: Any, plan: Any) -> dict | None:
         for c in range(0, len(pipes), ep):
             chunk = pipes[c:c + ep]
             shape = {(tuple(tuple(s.layers) for s in p.stages), p.num_microbatches,
-                      tuple(s.recompute for s in p.stages)) for p in chunk}
-            if len(shape) > 1 or any(len(s.devices) > 1 or s.zero or s.offload for p in chunk for s in p.stages):
+                      tuple(s.recompute for s in p.stages), tuple(len(s.devices) for s in p.stages)) for p in chunk}
+            if len(shape) > 1:
                 raise PlanError(f"ep={ep}: replicas {list(range(c, c + ep))} must run identical pipelines "
-                                f"(stage bounds, micro-batches, recompute) with tp=1, no ZeRO and no offload.")
-            groups += [[p.stages[s].devices[0] for p in chunk] for s in range(len(chunk[0].stages) // plan.chunks)]
+                                f"(stage bounds, micro-batches, recompute, tp per stage).")
+            if any(s.zero for p in chunk for s in p.stages):
+                raise PlanError(f"ep={ep}: the planner does not price ZeRO with expert parallelism (expert "
+                                f"state would partition over the dp / ep replicas holding each expert, not the "
+                                f"whole data-parallel group); use zero=0 in the plan.")
+            # one group per stage and tensor-parallel index: the ranks at that index in the chunk's replicas
+            groups += [[p.stages[s].devices[t] for p in chunk] for s in range(len(chunk[0].stages) // plan.chunks)
+                       for t in range(len(chunk[0].stages[s].devices))]
     first = supported[0] if supported else next(iter(layers.values()))
     return {"degree": ep, "groups": groups, "layers": [m.layer for m in supported],
             "modules": [m.module for m in supported], "experts": first.experts, "top_k": first.top_k,
@@ -293,8 +313,8 @@ def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> An
     """Run the search (`run(cost model, seconds)`) once per candidate degree; the fastest plan wins.
 
     Degrees > 1 go first (their configs are few) and ep = 1 gets the time left. The search may hand out
-    ZeRO-1 where it costs nothing; the expert-parallel runtime does not combine ZeRO with ep > 1, so such
-    stages fall back to ZeRO-0, and the plan is re-priced and kept only if it still fits."""
+    ZeRO-1 where it costs nothing; ZeRO is not priced with ep > 1 (module docstring), so such stages fall
+    back to ZeRO-0, and the plan is re-priced and kept only if it still fits."""
     from .pricing import price
 
     cands = candidates(cm)
