@@ -225,7 +225,7 @@ class Program:
         """Forward, backward and optimizer step on one global batch; returns the global mean loss."""
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
-        local_loss = torch.zeros((), dtype=torch.float64)
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         with naming_lost_ranks(self.rank, f"step {self.step_count + 1}"):
             summed, loss_work = None, None
             if self.position is not None:
