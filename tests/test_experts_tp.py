@@ -1,5 +1,6 @@
-"""Expert parallelism combined with tensor parallelism: EP x TP programs on 4 gloo processes train
-exactly like one process, and the planner prices and searches ep x tp configurations."""
+"""Expert parallelism combined with tensor parallelism and ZeRO: EP x TP / EP x ZeRO programs on 4 gloo
+processes train exactly like one process, and the planner prices and searches ep x tp and ep x ZeRO
+configurations (expert state partitioned over the dp / ep replicas holding it)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.plan import Strategy
+from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.solver import experts
-from autopar.solver.pricing import price_strategy
+from autopar.solver.pricing import Option, price_strategy
 from autopar.solver.search import Search
 
 from .test_experts import _check, estimated_plan, run_ep_cases
@@ -36,14 +37,17 @@ CASES_TP = [
 
 
 PLAN_CASE = ("moe_gpt", {"layers": 2, "batch": 4}, {"dp": 2, "tp": 2, "ep": 2})
+# a plan the planner prices with ZeRO and ep: its zero level must reach the runtime's layout
+PLAN_CASE_ZERO = ("moe_gpt", {"layers": 2, "batch": 8}, {"dp": 4, "ep": 2, "zero": 2})
 PLAN_CLUSTER = "1x4xA100-80GB"
 
 
 @pytest.fixture(scope="module")
 def results_tp() -> list:
-    name, kwargs, _ = PLAN_CASE
-    plan = estimated_plan(name, kwargs, PLAN_CLUSTER, Strategy(dp=2, tp=2, ep=2))
-    cases = CASES_TP + [(name, kwargs, {"ep": 2, "plan": plan, "cluster": PLAN_CLUSTER})]
+    cases = list(CASES_TP)
+    for name, kwargs, spec in (PLAN_CASE, PLAN_CASE_ZERO):
+        plan = estimated_plan(name, kwargs, PLAN_CLUSTER, Strategy(**spec))
+        cases.append((name, kwargs, {"ep": spec["ep"], "plan": plan, "cluster": PLAN_CLUSTER}))
     return spawn_local(run_ep_cases, 4, cases, timeout_s=400)
 
 
@@ -55,6 +59,12 @@ def test_expert_and_tensor_parallel_match_single_process(results_tp: list, index
 def test_compiled_expert_and_tensor_parallel_plan_matches_single_process(results_tp: list) -> None:
     """autopar.estimate(dp=2, tp=2, ep=2) -> Plan (JSON) -> autopar.compile trains exactly."""
     _check(results_tp, CASES_TP + [PLAN_CASE], len(CASES_TP))
+
+
+def test_compiled_expert_parallel_zero_plan_matches_single_process(results_tp: list) -> None:
+    """autopar.estimate(dp=4, ep=2, zero=2) -> Plan (JSON) -> autopar.compile trains exactly, and its ranks
+    run ZeRO-2 on the experts (partitioned among the 2 replicas holding each) and on the rest."""
+    _check(results_tp, CASES_TP + [PLAN_CASE, PLAN_CASE_ZERO], len(CASES_TP) + 1)
 
 
 def test_tensor_parallel_groups_must_order_their_ranks_alike() -> None:
@@ -119,15 +129,144 @@ def test_search_considers_tensor_parallelism_with_expert_parallelism(cm_2x2: obj
     assert plan.predicted["step_time_s"] <= hand.predicted["step_time_s"] * (1 + 1e-9)
 
 
-def test_planner_keeps_zero_out_of_expert_parallel_plans_but_prices_offload(cm_2x2: object) -> None:
-    """ZeRO with ep > 1 runs (tests above) but is not priced: a plan asking for it is a clear error;
-    offload with ep > 1 is priced (it moves whole experts' state to the host)."""
-    from autopar.errors import PlanError
-
-    with pytest.raises(PlanError, match="does not price ZeRO with expert parallelism"):
-        price_strategy(cm_2x2, Strategy(dp=2, tp=2, ep=2, zero=1))
+def test_planner_prices_offload_with_expert_parallelism(cm_2x2: object) -> None:
+    """Offload with ep > 1 is priced: it moves whole experts' state to the host."""
     plain = price_strategy(cm_2x2, Strategy(dp=2, tp=2, ep=2))
     off = price_strategy(cm_2x2, Strategy(dp=2, tp=2, ep=2, offload=("optimizer",)))
     assert off.plan.experts == plain.plan.experts
     peak = {k: max(e.predicted["peak_memory_bytes"].values()) for k, e in (("plain", plain), ("off", off))}
     assert peak["off"] < peak["plain"]
+
+
+# ---- ZeRO with expert parallelism (single process) -----------------------------------------------------
+
+
+def _counts(model: object, ep: int) -> dict:
+    """Parameter elements per rank of a one-stage ep plan, from the model: the rest (held by every replica),
+    the experts a rank holds (E / ep of each layer), and its largest layer (a block, experts / ep)."""
+    named = dict(model.named_parameters())
+    total = sum(p.numel() for p in named.values())
+    expert = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    blocks = {n.split(".")[1] for n in named if n.startswith("blocks.")}
+    block = {b: sum(p.numel() / (ep if ".experts." in n else 1) for n, p in named.items()
+                    if n.startswith(f"blocks.{b}.")) for b in blocks}
+    outside = total - sum(p.numel() for n, p in named.items() if n.startswith("blocks."))
+    largest = max(block.values()) if block else 0
+    assert largest > outside  # so the largest coarse layer is a block, whatever the split of the rest
+    return {"rest": total - expert, "held": expert / ep, "largest": largest}
+
+
+@pytest.fixture(scope="module")
+def meta_1x4() -> tuple:
+    c = models.moe_gpt(layers=2, batch=8, device="meta")
+    return c.model, autopar.api.cost_model(c.model, "1x4xA100-80GB", c.example_inputs, c.example_target,
+                                           c.loss_fn)
+
+
+def test_zero_with_expert_parallelism_partitions_experts_over_their_holders(meta_1x4: tuple) -> None:
+    """dp=4, ep=2: a rank's experts are held by 2 replicas, the rest by 4. Per-device static memory is
+    weights + grads + optimizer state with ZeRO's partitions: rest / 4 + experts / 2 (not / 4), plus
+    ZeRO-3's gathered-layer buffers; everything else in the peak is the same at every zero level."""
+    model, cm = meta_1x4
+    D, ep, s = 4, 2, cm.state
+    k = _counts(model, ep)
+
+    def static(z: int) -> float:
+        part, whole = k["rest"] / D + k["held"] / (D // ep), k["rest"] + k["held"]
+        return (s.weights * (part if z == 3 else whole) + s.grads * (part if z >= 2 else whole)
+                + s.optimizer * (part if z >= 1 else whole) + (2 * k["largest"] * s.weights if z == 3 else 0))
+
+    est = {z: price_strategy(cm, Strategy(dp=D, ep=ep, zero=z)) for z in range(4)}
+    c2 = experts.with_degree(cm, ep)
+    dtype = cm.cluster.devices[0].spec.name
+    base = c2.base(0, cm.L, dtype, cm.B // D, (0,))
+    for z in range(4):
+        assert [st.zero for p in est[z].plan.pipelines for st in p.stages] == [z] * D
+        assert c2.stage_memory(base, Option(z), 1, D).static == pytest.approx(static(z), rel=1e-9)
+        for d, peak in est[z].predicted["peak_memory_bytes"].items():
+            assert peak - est[0].predicted["peak_memory_bytes"][d] == pytest.approx(static(z) - static(0), abs=2)
+    # ZeRO with ep lowers the peak
+    peak = {z: max(e.predicted["peak_memory_bytes"].values()) for z, e in est.items()}
+    assert peak[2] < peak[1] < peak[0] and peak[3] < peak[0]
+
+
+def test_zero_with_expert_parallelism_syncs_experts_among_their_holders(meta_1x4: tuple) -> None:
+    """The step's sync and ZeRO's gathers / reduce-scatters: the rest over the 4 replicas, the experts
+    over the 2 ranks holding the same ones (the plan's expert groups' ranks at one position), and the
+    optimizer step on the partitioned state."""
+    model, cm = meta_1x4
+    D, ep, s = 4, 2, cm.state
+    k = _counts(model, ep)
+    est = {z: price_strategy(cm, Strategy(dp=D, ep=ep, zero=z)) for z in range(4)}
+    groups = est[0].plan.experts["groups"]
+    dp = tuple(p.stages[0].devices[0] for p in est[0].plan.pipelines)
+    rank = dp[0]
+    pos = next(g.index(rank) for g in groups if rank in g)
+    hold = tuple(g[pos] for g in groups)
+    assert len(hold) == D // ep
+    col = cm.collective
+    ag = col("all_gather", k["rest"] * s.weights, dp) + col("all_gather", k["held"] * s.weights, hold)
+    rs = col("reduce_scatter", k["rest"] * s.grads, dp) + col("reduce_scatter", k["held"] * s.grads, hold)
+    ar = col("all_reduce", k["rest"] * s.grads, dp) + col("all_reduce", k["held"] * s.grads, hold)
+    bw = cm.models[cm.cluster.devices[rank].spec.name].bandwidth
+    step = {z: 2 * s.total * (k["rest"] / D + k["held"] / (D // ep) if z else k["rest"] + k["held"]) / bw
+            for z in range(4)}
+    pred = {z: e.plan.pipelines[0].stages[0].predicted for z, e in est.items()}
+    for z, comm in enumerate((ar, rs + ag, ag, 0.0)):
+        assert pred[z]["sync_s"] == pytest.approx(comm + step[z], rel=1e-9)
+    assert pred[3]["fwd_s"] - pred[0]["fwd_s"] == pytest.approx(ag, rel=1e-6)
+    assert pred[3]["bwd_s"] - pred[0]["bwd_s"] == pytest.approx(ag + rs, rel=1e-6)
+    assert pred[2]["bwd_s"] - pred[0]["bwd_s"] == pytest.approx(rs, rel=1e-6)
+    assert pred[1]["fwd_s"] == pred[0]["fwd_s"] and pred[1]["bwd_s"] == pred[0]["bwd_s"]
+
+
+def test_zero_leaves_stacked_mixtral_experts_whole() -> None:
+    """Mixtral's stacked expert tensors stay out of ZeRO in the runtime (`zero_levels`): the planner
+    partitions only the rest of the stage."""
+    pytest.importorskip("transformers")
+    c = models.hf_mixtral(layers=2, batch=4, device="meta")
+    cm = autopar.api.cost_model(c.model, "1x4xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+    named = dict(c.model.named_parameters())
+    held = sum(p.numel() for n, p in named.items() if ".experts." in n) / 2  # a rank's half of every stack
+    rest = sum(p.numel() for p in named.values()) - 2 * held
+    assert held and all(m.stacked for m in experts.find_moe(cm.graph))
+    s = cm.state
+    peak = {z: price_strategy(cm, Strategy(dp=4, ep=2, zero=z)).predicted["peak_memory_bytes"][0] for z in (0, 1, 2)}
+    assert peak[1] - peak[0] == pytest.approx(-s.optimizer * rest * 3 / 4, abs=2)
+    assert peak[2] - peak[0] == pytest.approx(-(s.optimizer + s.grads) * rest * 3 / 4, abs=2)
+
+
+def test_search_chooses_zero_with_expert_parallelism_when_memory_requires_it() -> None:
+    """With each device's usable memory between the dp=4 plans' peaks without and with ZeRO-1 at the
+    largest expert degree, no expert-parallel data-parallel plan fits without ZeRO: the search returns an
+    ep > 1 plan whose ZeRO is needed (the same plan at zero 0 does not fit), and its JSON lowers to a
+    runtime layout with the same zero levels and expert degree."""
+    from autopar.runtime.compile import layout_from_plan
+    from autopar.runtime.expert_parallel import expert_groups
+    from autopar.solver.pricing import CostModel, price
+    from autopar.solver.search import search
+
+    c = models.moe_gpt(layers=2, batch=8, seq=128, hidden=1024, heads=16, vocab=1024, ffn=8192, experts=8,
+                       top_k=1, device="meta")
+    cm = autopar.api.cost_model(c.model, "1x4xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+    top = max(experts.candidates(cm))
+    assert top > 1
+    peak = {(ep, z): max(price_strategy(cm, Strategy(dp=4, ep=ep, zero=z)).predicted["peak_memory_bytes"].values())
+            for ep in experts.candidates(cm) if ep > 1 for z in (0, 1)}
+    usable = (peak[top, 0] + peak[top, 1]) / 2
+    assert all(peak[ep, 0] > usable for ep, _ in peak) and peak[top, 1] < usable
+    capacity = cm.cluster.devices[0].spec.memory
+    tight = CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, memory_reserve=1 - usable / capacity)
+    plan = search(tight, time_limit_s=30)
+    assert plan.experts["degree"] > 1
+    zeros = [st.zero for p in plan.pipelines for st in p.stages]
+    assert any(zeros)
+    assert price(tight, replace(plan, predicted={})).fits
+    plain = replace(plan, predicted={}, pipelines=[replace(p, stages=[replace(st, zero=0) for st in p.stages])
+                                                   for p in plan.pipelines])
+    assert not price(tight, plain).fits
+    again = Plan.from_json(plan.to_json())
+    lay = layout_from_plan(again, cm.L)
+    assert lay.ep == plan.experts["degree"]
+    assert [st.zero for p in lay.pipelines for st in p.stages] == zeros
+    assert sorted(map(list, expert_groups(lay))) == sorted(plan.experts["groups"])

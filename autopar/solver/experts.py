@@ -29,11 +29,21 @@ count in `tp_extra`, the parameters per rank beyond params / tp); per in-flight 
 the routed expert activations (dense graph activations scaled by top_k / E for autopar's MoE) plus the
 dispatch buffers, send and receive, of T k H w each (times IMBALANCE with ep > 1).
 
+ZeRO. A stage's N parameters per rank (pricing.py) include the X = Xp + Xs expert elements it holds (Xs in
+Mixtral's stacked tensors, which the runtime leaves out of ZeRO: `expert_parallel.zero_levels`). The
+experts a rank holds are held by only H = D / ep data-parallel ranks, its position in every chunk of ep
+replicas (`holders`), so ZeRO partitions them over H, the rest of the stage over the D replicas:
+    weights (zero 3), grads (zero >= 2), optimizer state (zero >= 1), and the optimizer step's N':
+        (N - X) / D + Xp / H + Xs     per rank, i.e. N / D + `zero_extra`
+    communication, by level z (`_zero_comm`: AR for zero 0, RS + AG for 1, AG for 2, none for 3 in the
+    step's sync; AG in forward and backward for 3, RS in backward for >= 2):
+        comm(N - X over the dp group, z) + comm(Xp over the H holders, z) + comm(Xs over the holders, 0)
+`a2a_times` returns that minus the comm(N over the dp group, z) `stage_times` already counts.
+
 Choice. The searcher runs once per candidate degree: ep = 1 and every ep > 1 dividing E and the world
 size; a config (any tp) is admissible for ep > 1 when its replicas group into chunks of ep identical
-pipelines (`config_ok`), which is what the runtime needs. The fastest predicted plan wins. ZeRO is not
-priced with ep > 1 (its expert state would partition over the dp / ep holders of each expert, which
-`stage_memory` does not model), so plans with ep > 1 keep zero = 0; the runtime itself combines them.
+pipelines (`config_ok`), which is what the runtime needs. The fastest predicted plan wins; its stages
+may use any ZeRO level and offload (priced as above).
 """
 
 from __future__ import annotations
@@ -70,6 +80,11 @@ class MoELayer:
     saved: float  # bytes of the expert nodes' outputs in the graph (their activations)
     kernels_fwd: tuple  # ((kind, flops, bytes), count) of the expert nodes, as CostModel.kernels
     kernels_bwd: tuple
+
+    @property
+    def stacked(self) -> bool:
+        """Mixtral's layout: all experts in (E, ...) tensors, which ZeRO leaves whole under ep."""
+        return self.supported and not self.dense
 
 
 def find_moe(graph: TrainingGraph) -> list[MoELayer]:
@@ -161,7 +176,8 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
     fwd, bwd, rc, act, act_rc, params, biggest = (base.fwd, base.bwd, base.recompute, base.act,
                                                   base.act_recompute, base.params, base.max_layer_params)
     extra, tp_max = base.tp_extra, base.tp_max_layer
-    a2a_bytes = held = 0.0
+    a2a_bytes = held = stacked = 0.0
+    saved: dict[int, float] = {}  # expert elements a rank does not hold, per layer
     count = 0
     for m in layers:
         ep_m = ep if m.supported else 1
@@ -184,16 +200,21 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
         act += routed_act - m.saved * frac / tp + buffers
         act_rc += buffers if not cm.is_block[m.layer] else 0.0
         params -= m.params * (1 - 1 / ep_m)
-        biggest = max(0, biggest - m.params * (1 - 1 / ep_m))
+        saved[m.layer] = saved.get(m.layer, 0.0) + m.params * (1 - 1 / ep_m)
         if ep_m > 1:
             held += m.params / ep_m
+            stacked += m.params / ep_m if m.stacked else 0.0
             a2a_bytes += slots
             count += 1
             extra += m.params / ep_m * (1 - 1 / tp)  # per rank: params / tp + tp_extra counts them whole
             tp_max = max(tp_max, m.params / ep_m) if tp > 1 else tp_max
+    if any(saved.values()):  # the largest layer as held: each layer less its own experts' savings
+        biggest = max(cm.own_params[i] - saved.get(i, 0.0) for i in range(a, e))
+        tp_max = biggest if tp == 1 else tp_max  # (with tp > 1: its share / tp, or its experts / ep, at most)
     return replace(base, fwd=fwd, bwd=bwd, recompute=rc, act=max(act, 0.0), act_recompute=act_rc,
                    params=int(params), max_layer_params=int(max(biggest, 1)), tp_extra=extra, tp_max_layer=tp_max,
-                   moe_layers=count, moe_bytes=a2a_bytes / count if count else 0.0, expert_params=held)
+                   moe_layers=count, moe_bytes=a2a_bytes / count if count else 0.0, expert_params=held,
+                   expert_stacked=stacked)
 
 
 def ep_group(cm: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...]) -> tuple[int, ...]:
@@ -205,25 +226,66 @@ def ep_group(cm: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...]) -> t
     return dp_group[start:start + ep]
 
 
+def holders(cm: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks of `dp_group` holding the same experts as the stage's rank there: its position in every
+    chunk of ep consecutive replicas (dp / ep of them)."""
+    ep = degree(cm)
+    i = dp_group.index(tp_group[0]) if tp_group[0] in dp_group else 0
+    return dp_group[i % ep::ep]
+
+
+def _zero_comm(cm: Any, n: float, group: tuple[int, ...], z: int) -> tuple[float, float, float]:
+    """(forward, backward, sync) seconds of `stage_times`'s data-parallel collectives for n elements per
+    rank over `group` at ZeRO level z (pricing.py's docstring)."""
+    w, g = cm.state.weights, cm.state.grads
+    if z == 0:
+        return 0.0, 0.0, cm.collective("all_reduce", n * g, group)
+    ag, rs = cm.collective("all_gather", n * w, group), cm.collective("reduce_scatter", n * g, group)
+    gather = ag if z == 3 else 0.0
+    return gather, gather + (rs if z >= 2 else 0.0), (0.0, rs + ag, ag, 0.0)[z]
+
+
+def zero_extra(cm: Any, base: Any, dp: int) -> float:
+    """Elements per rank of a ZeRO-partitioned state beyond the N / dp `stage_memory` counts: the experts
+    are partitioned over their dp / ep holders only, stacked ones not at all (module docstring)."""
+    held = max(1, dp // degree(cm))
+    part = base.expert_params - base.expert_stacked
+    return part * (1 / held - 1 / dp) + base.expert_stacked * (1 - 1 / dp)
+
+
+def zero_bytes(cm: Any, base: Any, opt: Any, dp: int) -> float:
+    """`CostModel.stage_memory` hook (zero >= 1): bytes per rank beyond its N / dp partitions."""
+    s, z = cm.state, opt.zero
+    on_host = "params" in opt.offload
+    per = (0.0 if on_host else (s.weights if z == 3 else 0.0) + (s.grads if z >= 2 else 0.0)) \
+        + (0.0 if "optimizer" in opt.offload else s.optimizer)
+    return zero_extra(cm, base, dp) * per if per else 0.0
+
+
 def a2a_times(cm: Any, base: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...], zero: int = 0
               ) -> tuple[float, float, float]:
-    """`CostModel.stage_times` hook: (forward, backward) all-to-all seconds of one micro-batch, and the
-    correction to the step's gradient all-reduce: expert gradients are summed only among the dp / ep
-    ranks holding the same experts, the rest over the whole data-parallel group."""
+    """`CostModel.stage_times` hook: (forward, backward) seconds of one micro-batch's all-to-alls, plus
+    the ZeRO-3 gathers / ZeRO >= 2 reduce-scatters correction, and the correction to the step's sync:
+    expert state is synced (and ZeRO-partitioned) among the dp / ep ranks holding the same experts, the
+    rest over the whole data-parallel group (module docstring, "ZeRO")."""
     if not getattr(base, "moe_layers", 0) or degree(cm) == 1:
         return 0.0, 0.0, 0.0
-    ep = degree(cm)
-    group = ep_group(cm, tp_group, dp_group)
-    one = cm.collective("all_to_all", base.moe_bytes, group)
-    two = cm.collective("all_to_all", 2 * base.moe_bytes, group)
-    sync = 0.0
-    if zero == 0:  # n: parameters per rank as stage_times all-reduces them; experts are held whole
-        g, n, ne = cm.state.grads, base.params / len(tp_group) + base.tp_extra, base.expert_params
-        i = dp_group.index(tp_group[0]) if tp_group[0] in dp_group else 0
-        holders = dp_group[i % ep::ep]
-        sync = (cm.collective("all_reduce", (n - ne) * g, dp_group) + cm.collective("all_reduce", ne * g, holders)
-                - cm.collective("all_reduce", n * g, dp_group))
-    return base.moe_layers * 2 * one, base.moe_layers * (two + one), sync
+    group, hold = ep_group(cm, tp_group, dp_group), holders(cm, tp_group, dp_group)
+    n = base.params / len(tp_group) + base.tp_extra  # per rank, as stage_times counts it; experts whole
+    ne, ns = base.expert_params, base.expert_stacked
+    key = ("ep", base.moe_layers, base.moe_bytes, n, ne, ns, zero, cm.group_sig(group), cm.group_sig(dp_group),
+           cm.group_sig(hold))
+    hit = cm._memo.get(key)
+    if hit is None:
+        one = cm.collective("all_to_all", base.moe_bytes, group)
+        two = cm.collective("all_to_all", 2 * base.moe_bytes, group)
+        parts = (_zero_comm(cm, n - ne, dp_group, zero),) + (
+            (_zero_comm(cm, ne, hold, 0),) if zero == 0 else (_zero_comm(cm, ne - ns, hold, zero),
+                                                             _zero_comm(cm, ns, hold, 0)))
+        counted = _zero_comm(cm, n, dp_group, zero)
+        f, b, s = (sum(p[k] for p in parts) - counted[k] for k in range(3))
+        hit = cm._memo[key] = (base.moe_layers * 2 * one + f, base.moe_layers * (two + one) + b, s)
+    return hit
 
 
 # ---- choosing the degree ----------------------------------------------------------------------------
@@ -281,10 +343,6 @@ def describe(cm: Any, plan: Any) -> dict | None:
             if len(shape) > 1:
                 raise PlanError(f"ep={ep}: replicas {list(range(c, c + ep))} must run identical pipelines "
                                 f"(stage bounds, micro-batches, recompute, tp per stage).")
-            if any(s.zero for p in chunk for s in p.stages):
-                raise PlanError(f"ep={ep}: the planner does not price ZeRO with expert parallelism (expert "
-                                f"state would partition over the dp / ep replicas holding each expert, not the "
-                                f"whole data-parallel group); use zero=0 in the plan.")
             # one group per stage and tensor-parallel index: the ranks at that index in the chunk's replicas
             groups += [[p.stages[s].devices[t] for p in chunk] for s in range(len(chunk[0].stages) // plan.chunks)
                        for t in range(len(chunk[0].stages[s].devices))]
@@ -312,11 +370,7 @@ def checked(cm: Any, plan: Any) -> Any:
 def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> Any:
     """Run the search (`run(cost model, seconds)`) once per candidate degree; the fastest plan wins.
 
-    Degrees > 1 go first (their configs are few) and ep = 1 gets the time left. The search may hand out
-    ZeRO-1 where it costs nothing; ZeRO is not priced with ep > 1 (module docstring), so such stages fall
-    back to ZeRO-0, and the plan is re-priced and kept only if it still fits."""
-    from .pricing import price
-
+    Degrees > 1 go first (their configs are few) and ep = 1 gets the time left."""
     cands = candidates(cm)
     if len(cands) == 1 and not moe_layers(cm):
         return run(cm, time_limit_s)
@@ -326,12 +380,6 @@ def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> An
         c = with_degree(cm, ep)
         try:
             plan = run(c, max(1.0, (deadline - time.perf_counter()) / (len(cands) - k)))
-            if ep > 1 and any(s.zero for p in plan.pipelines for s in p.stages):
-                pipes = [replace(p, stages=[replace(s, zero=0) for s in p.stages]) for p in plan.pipelines]
-                priced = price(c, replace(plan, pipelines=pipes, predicted={}))
-                if not priced.fits:
-                    continue
-                plan = priced.plan
             plan.experts = describe(c, plan)
         except (InfeasibleError, PlanError) as e:
             error = error or e
@@ -344,4 +392,4 @@ def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> An
 
 
 __all__ = ["IMBALANCE", "MoELayer", "a2a_times", "adjust_base", "candidates", "checked", "choose", "config_ok",
-           "describe", "find_moe", "for_plan", "with_degree"]
+           "describe", "find_moe", "for_plan", "holders", "with_degree", "zero_bytes", "zero_extra"]

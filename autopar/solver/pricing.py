@@ -57,6 +57,12 @@ plans every eligible boundary compressed (the simulated step only grows with a s
              (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
              while it is recomputed; with activations offloaded only one micro-batch stays on the device
 
+Expert parallelism (ep > 1, solver/experts.py): of N, the X expert elements a device holds have only
+H = D / ep holders (its position in every chunk of ep replicas). X = Xp + Xs, Xs those in stacked (E, ...)
+tensors (Mixtral), which the runtime keeps out of ZeRO. So ZeRO-partitioned state (the N / D above, and N'
+of the optimizer step) is (N - X) / D + Xp / H + Xs per device, and every AR/RS/AG(N) above is
+AR/RS/AG(N - X) over the dp group + AR/RS/AG(Xp) over the H holders + AR(Xs g) over them in sync.
+
 The in-flight count per device is `schedule.peak_inflight` (for interleaved schedules, the most
 micro-batch chunks held at once times the largest chunk's activations). A device fits when its peak is
 at most (1 - memory_reserve) of its capacity.
@@ -149,6 +155,7 @@ class StageBase:
     moe_layers: int = 0  # expert-parallel MoE layers in the range (solver/experts.py)
     moe_bytes: float = 0.0  # per such layer and micro-batch: bytes each rank dispatches (tokens x top_k x hidden)
     expert_params: float = 0.0  # of `params`, the expert parameters this device holds
+    expert_stacked: float = 0.0  # of those, the ones in stacked (E, ...) tensors, which ZeRO leaves whole
 
 
 @dataclass(frozen=True)
@@ -417,7 +424,7 @@ class CostModel:
         host = self.specs[dtype].host_link
         h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # `host_transfer`, inlined: hot
         act = base.act_recompute if opt.recompute else base.act
-        # expert parallelism: all-to-alls, and expert gradients synced among their holders only
+        # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
         a2a_f, a2a_b, moe_sync = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
             else (0.0, 0.0, 0.0)
         fc, bc = base.fwd_comm + a2a_f, base.bwd_comm + a2a_b
@@ -430,7 +437,7 @@ class CostModel:
         if "activations" in opt.offload:
             fc, bc = fc + h2d(act), bc + h2d(act)
         sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync
-        local = N / D if z >= 1 else N
+        local = N / D + (experts.zero_extra(self, base, D) if base.moe_layers else 0.0) if z >= 1 else N
         if "optimizer" in opt.offload:
             sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
             sync += 2 * (w + g + o) * local / HOST_UPDATE_BANDWIDTH
@@ -447,6 +454,8 @@ class CostModel:
         on_host = "params" in opt.offload
         static = 0.0 if on_host else N * w / (dp if z == 3 else 1) + N * g / (dp if z >= 2 else 1)
         static += 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
+        if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
+            static += experts.zero_bytes(self, base, opt, dp)
         if z == 3 or on_host:
             static += 2 * P * w + (P * g if on_host else 0.0)
         if opt.recompute and base.has_blocks:
