@@ -93,7 +93,7 @@ from ..plan import (
 )
 from ..schedule import peak_inflight
 from . import experts
-from .intra_op_pricing import LayerPricer, layer_params
+from .intra_op_pricing import LayerPricer, stage_sharding, tp_layer_cost
 from .pricing_plan import (
     ACT_BYTES,
     COMPRESS_DTYPE,
@@ -116,19 +116,6 @@ class Option(NamedTuple):
     zero: int = 0
     recompute: bool = False
     offload: tuple[str, ...] = ()
-
-
-class LayerCost(NamedTuple):
-    fwd: float  # compute seconds, one micro-batch
-    bwd: float
-    fwd_comm: float  # tensor-parallel communication seconds
-    bwd_comm: float
-    param_frac: float = 1.0  # the share of the layer's own parameters each tensor-parallel rank holds
-    act: float = -1.0  # saved activation bytes per device per micro-batch (< 0: saved x n / B / t)
-    ilp: bool = False  # priced from the intra-op ILP's strategies (else the Megatron closed form)
-    # with ilp: the placements priced for the layer's parameters, in `layer_params` order (identical blocks
-    # share one LayerCost, so names come from the layer at hand; `stage_sharding`)
-    sharding: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -461,51 +448,6 @@ class CostModel:
         if opt.recompute and base.has_blocks:
             return StageMemory(static, base.act_recompute, base.act_work, "activations" in opt.offload)
         return StageMemory(static, base.act, 0.0, "activations" in opt.offload)
-
-
-def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost:
-    """One layer on a tensor-parallel group: a repeated block from the intra-op ILP's strategies
-    (`intra_op.LayerPricer`, memoised per block class, device type, group and micro-batch size), else (the
-    layers around the blocks, or no ILP solution in time) the Megatron closed form: compute / t plus
-    all-reduces. The single place where tensor parallelism is priced.
-    """
-    tp = len(tp_group)
-    if tp > 1 and cm.is_block[layer]:
-        key = ("ilp", cm.cls[layer], dtype, n, cm.group_sig(tp_group))
-        hit = cm._memo.get(key)
-        if hit is None:
-            pricer = cm.layer_pricer(dtype, tp_group)
-            res = pricer.cost(layer, n) if pricer is not None else None
-            hit = cm._memo[key] = (None if res is None else LayerCost(
-                res.time_fwd - res.comm_fwd, res.time_bwd - res.comm_bwd, res.comm_fwd, res.comm_bwd,
-                res.param_bytes_per_device / cm.graph.layers[layer].param_bytes
-                if cm.graph.layers[layer].param_bytes else 1 / tp, res.activation_bytes_per_device, True,
-                tuple(res.sharding[name] for _, name in layer_params(cm.graph, cm.graph.layers[layer]))
-                if res.sharding else ()))
-        if hit is not None:
-            return hit  # type: ignore[return-value]
-    fwd, bwd = cm.layer_compute(layer, dtype, n, tp)
-    if tp == 1:
-        return LayerCost(fwd, bwd, 0.0, 0.0)
-    nbytes = (cm.boundary[layer] or cm.in_bytes[layer]) * n / cm.B
-    ar = (2 if cm.is_block[layer] else 1) * cm.collective("all_reduce", nbytes, tp_group)
-    return LayerCost(fwd, bwd, ar, ar, 1 / tp)
-
-
-def stage_sharding(cm: CostModel, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]
-                   ) -> dict[str, str] | None:
-    """`Stage.sharding` of layers [a, e): the ILP's parameter placements for every block, when all of them
-    were priced by the ILP (tp_source "ilp"); else None (the runtime's Megatron placements, closed form)."""
-    if len(tp_group) < 2 or not any(cm.is_block[a:e]) or cm.base(a, e, dtype, n, tp_group).moe_layers:
-        return None  # (expert-parallel stages run Megatron's placements with their MoE adaptations)
-    out: dict[str, str] = {}
-    for i in range(a, e):
-        if cm.is_block[i]:
-            c, names = tp_layer_cost(cm, i, dtype, n, tp_group), layer_params(cm.graph, cm.graph.layers[i])
-            if not c.ilp or len(c.sharding) != len(names):
-                return None
-            out.update(zip((name for _, name in names), c.sharding, strict=True))
-    return out
 
 
 # ---- pricing a plan ---------------------------------------------------------------------------------
