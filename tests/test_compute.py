@@ -49,7 +49,7 @@ def _no_saved_profiles(tmp_path, monkeypatch):
     ("aten.mean.dim", "reduction"), ("aten.nll_loss_forward.default", "reduction"),
     ("aten.max_pool2d_with_indices_backward.default", "reduction"),
     ("aten.embedding.default", "embedding"), ("aten.embedding_dense_backward.default", "embedding"),
-    ("aten.index_select.default", "embedding"),
+    ("aten.index_select.default", "gather"), ("aten.index_add.default", "gather"),
     ("aten.relu.default", "elementwise"), ("aten.relu_.default", "elementwise"),
     ("aten.add.Tensor", "elementwise"),
     ("aten.add_.Tensor", "elementwise"), ("aten.gelu.default", "elementwise"),
@@ -112,7 +112,7 @@ def test_efficiency_rises_with_size():
 
 def test_tiny_op_costs_the_overhead():
     m = _gpu_model()
-    for kind in ("matmul", "elementwise", "norm", "softmax", "embedding", "other"):
+    for kind in ("matmul", "elementwise", "norm", "softmax", "embedding", "gather", "other"):
         # The launch overhead plus the kernel's minimum latency (half / (peak * eff_max)).
         assert m.overhead < m.op_time(kind, 100, 400) < 2 * m.overhead
     assert m.op_time("view", 1e9, 1e9) == 0.0
@@ -201,7 +201,7 @@ def test_calibrate_quick_predicts_a_matmul():
     assert loaded == prof
     assert loaded.meta["threads"] == torch.get_num_threads()
     assert set(loaded.curves) >= {"matmul", "elementwise", "norm", "softmax", "attention", "embedding",
-                                  "conv"}
+                                  "gather", "conv"}
     spec = cpu_spec()
     assert spec.flops("fp32") == pytest.approx(loaded.peak_flops)
     assert spec.memory_bandwidth == pytest.approx(loaded.memory_bandwidth)

@@ -7,7 +7,7 @@ count torch already uses, with the FLOP and byte conventions of `compute`. Fits:
   autograd bookkeeping and views between kernels, spread over the kernels): what a small op costs
   in a real step. Isolated timings carry only the bare dispatch cost, so they are shifted by the
   difference before fitting;
-- bandwidth-bound kinds (elementwise, norm, softmax, reduction, embedding): a table of efficiency
+- bandwidth-bound kinds (elementwise, norm, softmax, reduction, embedding, gather): a table of efficiency
   against log10(bytes), a running median of the measured points (cache levels make it non-monotone);
   elementwise and softmax also get a constant flop efficiency, the median over their
   transcendental ops (GELU, exp) where moving the data cannot explain the time;
@@ -200,6 +200,24 @@ def _embedding_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
         yield "embedding", "embedding_backward", False, lambda make=make: make(True)
 
 
+def _gather_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
+    # Message passing: gather node rows per edge (index_select) and scatter-add them back (index_add), with
+    # random indices; bytes as annotation counts them (every tensor argument and the output).
+    graphs = ((1024, 8192, 64), (4096, 32768, 128), (16384, 131072, 64), (2048, 16384, 256))
+    for nodes, edges, dim in graphs[: 2 if quick else 4]:
+
+        def make_graph(scatter: bool, nodes: int = nodes, edges: int = edges, dim: int = dim) -> Made:
+            x = torch.randn(nodes, dim, device=dev)
+            idx = torch.randint(0, nodes, (edges,), device=dev)
+            msg = torch.randn(edges, dim, device=dev)
+            if not scatter:
+                return 0.0, _nb(x, idx, msg), lambda: torch.index_select(x, 0, idx)
+            return float(msg.numel()), _nb(x, idx, msg, x), lambda: torch.index_add(x, 0, idx, msg)
+
+        yield "gather", "index_select", False, lambda make_graph=make_graph: make_graph(False)
+        yield "gather", "index_add", False, lambda make_graph=make_graph: make_graph(True)
+
+
 def _attention_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
     F = torch.nn.functional
     shapes = [(8, 4, 64, 32), (8, 8, 128, 64), (16, 8, 256, 64), (4, 8, 512, 64), (32, 8, 128, 32)]
@@ -251,7 +269,7 @@ LAST_SAMPLES: dict[str, list[Sample]] = {}
 
 _SWEEPS = {"matmul": _matmul_jobs, "elementwise": _elementwise_jobs, "norm": _norm_jobs,
            "softmax": _softmax_jobs, "reduction": _reduction_jobs, "embedding": _embedding_jobs,
-           "attention": _attention_jobs, "conv": _conv_jobs}
+           "gather": _gather_jobs, "attention": _attention_jobs, "conv": _conv_jobs}
 
 
 def _run(job: Job, timer: Timer) -> Sample:
@@ -365,7 +383,7 @@ def _fit(groups: dict[str, list[Sample]], overhead: float, peak: float, bw: floa
         flop = {"eff_max": _flop_eff(heavy, overhead, peak, table, bw)} if heavy else None
         curves[kind] = {"flop": flop, "bw": {"table": table}}
     ew_table = curves["elementwise"]["bw"]["table"]
-    for kind in ("norm", "reduction", "embedding"):
+    for kind in ("norm", "reduction", "embedding", "gather"):
         curves[kind] = {"flop": None, "bw": {"table": _bw_table(groups[kind], overhead, bw)}}
     curves["other"] = {"flop": None, "bw": {"table": ew_table}}
     roof = max(p[1] for p in ew_table)  # compute kinds: the fastest bandwidth seen is the roof

@@ -23,7 +23,7 @@ Each op kind has a `flop` curve and a `bw` curve (see `Profile`):
 - `{"table": [[log10(size), eff], ...]}`: measured efficiencies, interpolated in log size and
   clamped at the ends. CPU calibration writes bandwidth tables, because a CPU's bandwidth is that of
   L2, L3 or DRAM (plus page faults for fresh allocations) depending on the working set.
-Kinds without a flop curve (norm, reduction, embedding, other) are modelled bandwidth-bound: their
+Kinds without a flop curve (norm, reduction, embedding, gather, other) are modelled bandwidth-bound: their
 FLOPs are ignored. Elementwise and softmax ops do have one, for transcendentals (GELU, softmax's
 exp) that are compute-bound on CPUs: count their FLOPs with `pointwise_flops`, the per-element
 scale calibration uses.
@@ -37,7 +37,8 @@ bf16/fp16/tf32, CUDA-core peak for fp32):
 - conv: 60% (cuDNN convolutions run 50-70% of tensor peak), half at 5 us.
 - elementwise: 80% of HBM bandwidth (STREAM-like kernels reach 80-90%), half at 1 us.
 - norm, softmax, reduction: 70% (two passes or a cross-thread reduction); embedding (a gather of
-  scattered rows) and other: 50%.
+  scattered rows) and other: 50%; gather (index_select / scatter-add of rows at random positions, as in
+  message passing; scatter-adds serialise on colliding rows): 30%.
 - overhead: 6 us per kernel (eager PyTorch launch + dispatch is 5-10 us; CUDA launch alone ~3-5 us).
 With eff = e * s / (s + h), time = overhead + (s + h) / (peak * e): an empty op still costs
 h / (peak * e), the kernel's minimum latency (4 us for a GEMM, ~1.3 us for an elementwise kernel).
@@ -61,8 +62,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..cluster import DeviceSpec
 
-OP_KINDS = ("matmul", "attention", "conv", "elementwise", "norm", "softmax", "reduction", "embedding", "view",
-            "other")
+OP_KINDS = ("matmul", "attention", "conv", "elementwise", "norm", "softmax", "reduction", "embedding", "gather",
+            "view", "other")
 COMPUTE_KINDS = ("matmul", "attention", "conv")
 
 # ---- op classification ------------------------------------------------------------------------
@@ -114,8 +115,11 @@ _KIND_NAMES: dict[str, set[str]] = {
     """.split()),
     "embedding": set("""
         embedding embedding_bag _embedding_bag _embedding_bag_forward_only
-        embedding_dense_backward embedding_backward embedding_sparse_backward index_select
-        gather index _index_put_impl index_put index_add index_copy index_fill take
+        embedding_dense_backward embedding_backward embedding_sparse_backward
+    """.split()),
+    # indexed reads and writes of rows at random positions (message passing in GNNs, scatter-adds)
+    "gather": set("""
+        index_select gather index _index_put_impl index_put index_add index_copy index_fill take
         take_along_dim scatter scatter_add scatter_reduce masked_select masked_scatter nonzero
         _unsafe_index _unsafe_index_put put
     """.split()),
@@ -330,12 +334,12 @@ def default_curves(kind: str = "gpu") -> tuple[dict[str, dict], float]:
         # Relative to cpu_spec()'s 512^3 matmul and large copy; small ops lose to threading startup.
         flop = {"matmul": (1.0, 2e-6), "attention": (0.5, 5e-6), "conv": (0.5, 5e-6)}
         bw = {"elementwise": 0.9, "norm": 0.6, "softmax": 0.5, "reduction": 0.7, "embedding": 0.3,
-              "other": 0.5}
+              "gather": 0.2, "other": 0.5}
         scale, overhead, bw_half_s = 1.0, 3e-6, 1e-6
     else:
         flop = {"matmul": (0.75, 3e-6), "attention": (0.5, 5e-6), "conv": (0.6, 5e-6)}
         bw = {"elementwise": 0.8, "norm": 0.7, "softmax": 0.7, "reduction": 0.7, "embedding": 0.5,
-              "other": 0.5}
+              "gather": 0.3, "other": 0.5}
         scale, overhead, bw_half_s = (0.85, 15e-6, 1e-6) if kind == "edge" else (1.0, 6e-6, 1e-6)
     curves: dict[str, dict] = {}
     for k in OP_KINDS:

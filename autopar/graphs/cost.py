@@ -122,8 +122,8 @@ def layer_work(cm: ComputeModel, s: LayerShape, rows_in: float, rows_out: float,
         w.flops += 3 * fl
     if s.kind != "dense":
         sparse = b * (3 * edges * s.msg + 2 * rows * s.msg)
-        w.fwd += cm.op_time("embedding", edges * s.msg, sparse, launches=2)
-        w.bwd += 2 * cm.op_time("embedding", edges * s.msg, sparse, launches=2)
+        w.fwd += cm.op_time("gather", edges * s.msg, sparse, launches=2)
+        w.bwd += 2 * cm.op_time("gather", edges * s.msg, sparse, launches=2)
         w.act += b * (edges * s.msg + rows * s.d_out)
         if s.kind == "gat":
             extra = 4 * b * edges * s.heads
@@ -309,7 +309,7 @@ class GraphCostModel:
         base = self.state + work.act + 16 * sum(edges) + feat
         if base + graph_bytes <= self.usable(d):
             where, mem = "device", base + graph_bytes
-            fetch = self.cm(d).op_time("embedding", 0, 2 * feat)
+            fetch = self.cm(d).op_time("gather", 0, 2 * feat)
         else:
             where, mem = "host", base
             link = self.cluster.devices[d].spec.host_link
