@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import PlanError, close_matches
 from .runtime.dist import all_reduce, broadcast
@@ -199,7 +200,9 @@ class _GradAverager:
         self.params: list[weakref.ref] = []
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.pending: list[nn.Parameter] = []
-        self.weight: float | None = None  # this rank's slice of the global batch, b_r / B (unknown: 1 / world)
+        # per parameter: this rank's slice of its graph's global batch, b_r / B (unknown: 1 / world); kept
+        # per parameter so models compiled with different batch sizes each get their own
+        self.weights: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def watch(self, params: list[nn.Parameter]) -> None:
         new = [p for p in params if p.requires_grad and p not in self.seen]
@@ -210,6 +213,10 @@ class _GradAverager:
             self.seen.add(p)
             self.params.append(weakref.ref(p))
             p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def weigh(self, params: list[nn.Parameter], weight: float) -> None:
+        for p in params:
+            self.weights[p] = weight
 
     def _accumulated(self, p: nn.Parameter) -> None:
         if not self.pending:
@@ -222,7 +229,8 @@ class _GradAverager:
         ps = [p for r in self.params if (p := r()) is not None and id(p) in mine and p.grad is not None]
         if not ps:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in ps]) * (self.weight or 1 / dist.get_world_size())
+        even = 1 / dist.get_world_size()
+        flat = torch.cat([p.grad.reshape(-1) * self.weights.get(p, even) for p in ps])
         all_reduce(flat, dist.group.WORLD, "gradient all-reduce (autopar backend)")
         offset = 0
         for p in ps:
@@ -230,7 +238,12 @@ class _GradAverager:
             offset += p.grad.numel()
 
 
-_AVERAGER = _GradAverager()
+_AVERAGER = _GradAverager()  # one per process, like the hooks it installs on the parameters
+
+
+def _parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> list[nn.Parameter]:
+    """The graph's parameters: lifted ones arrive among the inputs, the rest are the module's own."""
+    return [x for x in example_inputs if isinstance(x, nn.Parameter)] + list(gm.parameters())
 
 
 # ---------------------------------------------------------------------------------------------- process group
@@ -250,7 +263,7 @@ def _plan_for_group(gm: fx.GraphModule, example_inputs: list[Any], opts: dict,
     if not all(sizes):  # e.g. the scalar pieces around a .item() break: nothing to split or to train
         record.parallel = "parallel: no batched tensor input: the graph runs as is on every rank"
         return None
-    _AVERAGER.weight = sizes[rank] / sum(sizes)
+    _AVERAGER.weigh(_parameters(gm, example_inputs), sizes[rank] / sum(sizes))
     cluster = bd.group_cluster(opts.get("cluster"), world)
     lifted = bd.Lifted(gm, list(example_inputs), state)
     plan, why, err = None, "", None
@@ -314,12 +327,12 @@ def autopar_backend(gm: fx.GraphModule, example_inputs: list[Any], *, options: d
         dump = dump / f"rank{dist.get_rank()}"
     log = _LOGS.setdefault(str(dump) if dump is not None else "", [])
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    params = [x for x in example_inputs if isinstance(x, nn.Parameter)] + list(gm.parameters())
+    params = _parameters(gm, example_inputs)
     record = GraphRecord(len(log), len(calls), _source(calls[0]) if calls else "",
                          _source(calls[-1]) if calls else "", sum(p.numel() for p in params))
     log.append(record)
     if _world() > 1:
-        _AVERAGER.watch([p for p in params if isinstance(p, nn.Parameter)])
+        _AVERAGER.watch(params)
         tp = _plan_for_group(gm, example_inputs, opts, record)
         if tp is not None:
             _write_log(dump, log)
