@@ -270,3 +270,13 @@ def test_search_chooses_zero_with_expert_parallelism_when_memory_requires_it() -
     assert lay.ep == plan.experts["degree"]
     assert [st.zero for p in lay.pipelines for st in p.stages] == zeros
     assert sorted(map(list, expert_groups(lay))) == sorted(plan.experts["groups"])
+
+
+# all three together needs 8 ranks: dp=2 replicas of a 2-stage pipeline of tp=2 groups, experts shared (ep=2)
+CASES_TP_PP = [("moe_gpt", {"layers": 2, "batch": 4}, {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "m": 2})]
+
+
+@pytest.mark.slow
+def test_expert_tensor_and_pipeline_parallel_match_single_process() -> None:
+    results = spawn_local(run_ep_cases, 8, CASES_TP_PP, timeout_s=600)
+    _check(results, CASES_TP_PP, 0)
