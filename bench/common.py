@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,3 +34,22 @@ def _fmt(x: object) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
+
+
+def samples_per_s(build: Any, cluster: Any, plans: dict[str, str], steps: int, batch: int) -> dict[str, float]:
+    """On this rank: for each plan (JSON), compile a fresh `build()` case under it and time `steps` training
+    steps after one warm-up; samples/s from the median step. Call from every rank of a process group."""
+    import autopar
+
+    out = {}
+    for name, plan in plans.items():
+        case = build()
+        prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                               plan=plan, timeout_s=120)
+        times = []
+        for _ in range(steps + 1):
+            t = time.perf_counter()
+            prog.step(*case.example_inputs, target=case.example_target)
+            times.append(time.perf_counter() - t)
+        out[name] = batch / statistics.median(times[1:])  # the first step warms up
+    return out

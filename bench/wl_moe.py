@@ -18,13 +18,12 @@ measured samples/s (median step over a few steps). On CPU with a tiny model this
 
 from __future__ import annotations
 
-import statistics
 import time
 import warnings
 from typing import Any
 
 import torch
-from common import print_table, write_results
+from common import print_table, samples_per_s, write_results
 from planner import dp_only
 
 import autopar
@@ -79,19 +78,12 @@ SMALL = {"layers": 2, "batch": 8, "seq": 32, "hidden": 64, "experts": 4, "top_k"
 MEASURE_CLUSTER = "1x2xA100-80GB"  # two stand-in devices: one gloo process each
 
 
+def _small_moe() -> models.ModelCase:
+    return models.moe_gpt(seed=0, **SMALL)
+
+
 def _train(rank: int, world: int, plans: dict[str, str], steps: int) -> dict[str, float]:
-    out = {}
-    for name, plan in plans.items():
-        case = models.moe_gpt(seed=0, **SMALL)
-        prog = autopar.compile(case.model, MEASURE_CLUSTER, case.example_inputs, case.example_target,
-                               case.loss_fn, plan=plan, timeout_s=60)
-        times = []
-        for _ in range(steps + 1):
-            t = time.perf_counter()
-            prog.step(*case.example_inputs, target=case.example_target)
-            times.append(time.perf_counter() - t)
-        out[name] = SMALL["batch"] / statistics.median(times[1:])  # the first step warms up
-    return out
+    return samples_per_s(_small_moe, MEASURE_CLUSTER, plans, steps, SMALL["batch"])
 
 
 def measured_moe(steps: int = 5) -> list[dict[str, Any]]:

@@ -19,12 +19,10 @@ such as all-to-all and halo latency, not the GPU-scale trade-offs above):
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
-from common import print_table, write_results
+from common import print_table, samples_per_s, write_results
 from wl_edge import edge_workloads
 from wl_gnn import gnn_measured, gnn_workloads
 from wl_moe import measured_moe, moe_workloads
@@ -39,19 +37,12 @@ EDGE_PAIR = {"name": "orin-pair-wifi", "nodes": [{"device": "Jetson-AGX-Orin", "
              "network": {"bandwidth_GBps": 0.0125, "latency_us": 3000}}
 
 
+def _small_bert() -> Any:
+    return hf_bert(seed=0, **EDGE_SMALL)
+
+
 def _edge_train(rank: int, world: int, plans: dict[str, str], steps: int) -> dict[str, float]:
-    out = {}
-    for name, plan in plans.items():
-        case = hf_bert(seed=0, **EDGE_SMALL)
-        prog = autopar.compile(case.model, EDGE_PAIR, case.example_inputs, case.example_target, case.loss_fn,
-                               plan=plan, timeout_s=120)
-        times = []
-        for _ in range(steps + 1):
-            t = time.perf_counter()
-            prog.step(*case.example_inputs, target=case.example_target)
-            times.append(time.perf_counter() - t)
-        out[name] = EDGE_SMALL["batch"] / statistics.median(times[1:])  # the first step warms up
-    return out
+    return samples_per_s(_small_bert, EDGE_PAIR, plans, steps, EDGE_SMALL["batch"])
 
 
 def edge_measured(steps: int = 5) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import PlanError
 from ..passes.capture import LossFn
 from ..runtime.dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
+from ..runtime.fallback import WholeModelState
 from ..runtime.program import OptimizerFactory, make_optimizer
 from .data import check_graph_inputs
 from .layers import LocalGraph, local_layers, message_passing_layers
@@ -55,7 +56,7 @@ def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: 
     return float(flat[-1])
 
 
-class GraphProgram:
+class GraphProgram(WholeModelState):
     """One rank's program for full-graph partitioned or sampled data-parallel GNN training."""
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: LossFn | None, optimizer: str | OptimizerFactory,
@@ -145,15 +146,6 @@ class GraphProgram:
         self.step_count += 1
         return value
 
-    def state_dict(self) -> dict:
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"])
-        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
-            self.optimizer.load_state_dict(sd["optimizer"])
-        self.step_count = int(sd.get("step", self.step_count))
 
 
 __all__ = ["GraphProgram", "reduce_step", "sync_replicas"]

@@ -28,6 +28,7 @@ from ..cluster import Cluster
 from ..errors import PlanError
 from ..models import ModelCase, building
 from ..runtime.dist import DEFAULT_TIMEOUT_S
+from ..runtime.fallback import WholeModelState
 from ..runtime.program import OptimizerFactory, make_optimizer
 from .program import reduce_step, sync_replicas
 from .sampling import edge_scores
@@ -194,7 +195,7 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
                 memory_reserve, graph=graph)
 
 
-class TemporalProgram:
+class TemporalProgram(WholeModelState):
     """One rank's exact data-parallel TGN training: `step(src, dst, t, msg, eid)` on a global batch."""
 
     def __init__(self, model: TGN, plan: Any, optimizer: str | OptimizerFactory, rank: int, world_size: int,
@@ -224,10 +225,6 @@ class TemporalProgram:
         self.model.commit(src, dst, t, msg)
         self.step_count += 1
         return value
-
-    def state_dict(self) -> dict:
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
 
 
 __all__ = ["TGN", "TemporalProgram", "event_batch", "plan_temporal", "random_events", "tgn_case",

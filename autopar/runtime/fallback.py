@@ -31,7 +31,26 @@ def speed_shares(cluster: Cluster, batch: int) -> list[int]:
     return shares
 
 
-class ReplicatedProgram:
+class WholeModelState:
+    """`state_dict` / `load_state_dict` of a program whose every rank holds the whole model and optimizer
+    (`self.model`, `self.optimizer`, `self.step_count`): the replicated fallback and the graph programs."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step_count: int
+
+    def state_dict(self) -> dict:
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd.get("step", self.step_count))
+
+
+class ReplicatedProgram(WholeModelState):
     """Data-parallel eager training: the model as written, replicated on every rank."""
 
     def __init__(self, model: nn.Module, cluster: Cluster, batch: int, loss_fn: LossFn | None,
@@ -86,12 +105,3 @@ class ReplicatedProgram:
         return torch.utils._pytree.tree_unflatten(
             [next(full) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
-    def state_dict(self) -> dict:
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"])
-        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
-            self.optimizer.load_state_dict(sd["optimizer"])
-        self.step_count = int(sd.get("step", self.step_count))
