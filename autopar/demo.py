@@ -45,6 +45,11 @@ def worker(out_dir: str, cluster: str, steps: int) -> None:
     state = prog.state_dict()["model"]
     if prog.rank == 0:
         torch.save({"losses": losses, "state": state}, Path(out_dir) / "result.pt")
+    # a clean shutdown: the heartbeat thread stops before the process group (and its store) is destroyed
+    from autopar.runtime.elastic import stop_heartbeat
+
+    stop_heartbeat()
+    torch.distributed.destroy_process_group()
     del autopar
 
 

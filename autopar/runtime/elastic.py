@@ -101,7 +101,7 @@ def stop_heartbeat() -> None:
     daemon thread caught inside the store's C++ call then aborts the process (std::terminate)."""
     if _beat is not None:
         _beat.stop.set()
-        _beat.thread.join(timeout=5)
+        _beat.thread.join(timeout=30)  # a loaded host can hold a store call for seconds
 
 
 def _prefix() -> str:

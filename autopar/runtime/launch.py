@@ -49,6 +49,9 @@ def _worker(
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
+        from .elastic import stop_heartbeat
+
+        stop_heartbeat()  # before the store goes away: its thread may be inside a store call
         dist.destroy_process_group()
 
 
