@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 
 from autopar import models
@@ -13,6 +14,16 @@ from autopar.runtime.program import Program
 
 STEPS = 3
 LR = 1e-3
+RTOL, ATOL = 1e-4, 1e-5  # fp32: parallel training matches one process to reduction-order noise
+
+
+def assert_matches_reference(losses: list[float], params: dict, ref_losses: list[float], ref_params: dict,
+                             who: str) -> None:
+    """Every step's loss and every final parameter (or state entry) equal the single-process run's."""
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{who} losses"
+    assert params.keys() == ref_params.keys()
+    for k, v in ref_params.items():
+        torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"{who} param {k}")
 
 
 def build(name: str, **kwargs: Any) -> models.ModelCase:

@@ -18,7 +18,7 @@ from autopar.solver import experts
 from autopar.solver.pricing import Option, price_strategy
 from autopar.solver.search import Search, search
 
-from .runtime_cases import STEPS, build, custom_layout, layout_for, optimizer, reference
+from .runtime_cases import STEPS, assert_matches_reference, build, custom_layout, layout_for, optimizer, reference
 
 RTOL, ATOL = 1e-4, 1e-5
 COMPILE_CLUSTER = "1x2xA100-80GB"
@@ -106,10 +106,7 @@ def _check(results: list, cases: list, index: int) -> None:
     for rank, per_rank in enumerate(results):
         losses, params, held, stage_total, round_trip, tp_sharded, levels = per_rank[index]
         assert round_trip, f"rank {rank}: state_dict -> load_state_dict -> state_dict changed the state"
-        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
-        assert params.keys() == ref_params.keys()
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
         assert held * spec["ep"] == stage_total  # each rank holds 1/ep of its stage's experts
         assert bool(tp_sharded) == (spec.get("tp", 1) > 1)  # tensor parallelism shards the rest of the stage
         # ZeRO partitions what more than one replica holds: experts when dp / ep > 1 (stacked ones stay whole)

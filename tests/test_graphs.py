@@ -22,6 +22,8 @@ from autopar.models import train_reference
 from autopar.plan import Plan
 from autopar.runtime.launch import spawn_local
 
+from .runtime_cases import assert_matches_reference
+
 pytest.importorskip("torch_geometric")
 
 RTOL, ATOL, STEPS = 1e-4, 1e-5, 3
@@ -110,10 +112,7 @@ def check(results: list, cases: list, index: int) -> None:
     assert len(set(shares)) > 1, f"expected uneven shares on mixed devices, got {shares}"
     for rank, per_rank in enumerate(results):
         losses, state, _ = per_rank[index]
-        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
-        assert state.keys() == ref_state.keys()
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} {k}")
+        assert_matches_reference(losses, state, ref_losses, ref_state, f"rank {rank}")
     assert ref_losses[-1] != ref_losses[0]
 
 

@@ -29,6 +29,17 @@ CLUSTER = st.fixed_dictionaries({}, optional={"name": st.text(max_size=5),
                                               "network": LINK})
 
 
+def _load_valid_or_fail_clearly(source: object, error: type[Exception] = ClusterError) -> None:
+    """Loading `source` gives a valid cluster, or `error` with a message (no traceback in it)."""
+    try:
+        c = autopar.Cluster.load(source)
+    except error as e:
+        msg = str(e)
+        assert msg and "Traceback" not in msg
+        return
+    _check_valid(c)
+
+
 def _check_valid(c: autopar.Cluster) -> None:
     assert c.world_size >= 1
     assert [d.index for d in c.devices] == list(range(c.world_size))
@@ -44,24 +55,13 @@ def _check_valid(c: autopar.Cluster) -> None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(CLUSTER)
 def test_random_cluster_dicts_load_or_fail_clearly(d: dict) -> None:
-    try:
-        c = autopar.Cluster.load(d)
-    except ClusterError as e:
-        msg = str(e)
-        assert msg and "Traceback" not in msg
-        return
-    _check_valid(c)
+    _load_valid_or_fail_clearly(d)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=40))
 def test_random_shorthand_strings(s: str) -> None:
-    try:
-        c = autopar.Cluster.load(s)
-    except AutoparError as e:
-        assert str(e)
-        return
-    _check_valid(c)
+    _load_valid_or_fail_clearly(s, AutoparError)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,9 +70,4 @@ def test_random_cluster_files_even_truncated(tmp_path_factory, d: dict, cut: int
     path = tmp_path_factory.mktemp("c") / "cluster.yaml"
     text = yaml.safe_dump(d)
     path.write_text(text[: len(text) - cut] if cut < len(text) else text)
-    try:
-        c = autopar.Cluster.load(path)
-    except ClusterError as e:
-        assert str(e)
-        return
-    _check_valid(c)
+    _load_valid_or_fail_clearly(path)

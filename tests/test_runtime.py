@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from autopar.runtime.launch import spawn_local
 
-from .runtime_cases import build, reference, run_cases, run_sharding_cases
+from .runtime_cases import assert_matches_reference, build, reference, run_cases, run_sharding_cases
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -50,10 +49,7 @@ def test_parallel_training_matches_single_process(results_4: list, index: int) -
     ref_losses, ref_params = reference(name, kwargs)
     for rank, per_rank in enumerate(results_4):
         losses, params = per_rank[index]
-        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
-        assert params.keys() == ref_params.keys()
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
     assert ref_losses[-1] < ref_losses[0]  # the run trains: the loss falls
 
 
@@ -78,9 +74,7 @@ def test_vocab_parallel_matches_single_process(results_tp2: list, index: int) ->
     ref_losses, ref_params = reference(name, kwargs)
     full = dict(build(name, **kwargs).model.named_parameters())
     for rank, (losses, params, shapes, replicated, vp_losses) in enumerate(r[index] for r in results_tp2):
-        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
         held = [p for p in VOCAB_PARAMS[name] if p in shapes]  # a tied head is the embedding's parameter
         assert held and all(shapes[p][0] == full[p].shape[0] // 2 for p in held), shapes
         assert replicated == [], f"ops gathered sharded values to run replicated: {replicated}"

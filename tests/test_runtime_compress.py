@@ -23,7 +23,7 @@ from autopar.runtime.dist import pack, unpack
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.layout import PipelineLayout, StageLayout, make_layout
 
-from .runtime_cases import reference, run_cases
+from .runtime_cases import assert_matches_reference, reference, run_cases
 
 RTOL, ATOL = 1e-4, 1e-5
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
@@ -50,9 +50,7 @@ def test_compressed_pipeline_trains_like_single_process(results_2: list, index: 
     compress = spec.get("compress")
     for rank, (losses, params) in enumerate(r[index] for r in results_2):
         if compress is None:
-            assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
-            for k, v in ref_params.items():
-                torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+            assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
         else:
             assert losses == pytest.approx(ref_losses, rel=UNIT_ROUNDOFF[compress]), f"rank {rank} losses"
     assert ref_losses[-1] < ref_losses[0]

@@ -20,7 +20,7 @@ from autopar.runtime.launch import spawn_local
 from autopar.runtime.layout import StageLayout
 from autopar.runtime.zero import BUCKET_BYTES, check_stage_options
 
-from .runtime_cases import STEPS, build, layout_for, optimizer, reference
+from .runtime_cases import STEPS, assert_matches_reference, build, layout_for, optimizer, reference
 
 RTOL, ATOL = 1e-4, 1e-5
 GPT = ("gpt", {"layers": 4, "batch": 8})
@@ -169,20 +169,12 @@ def refs() -> dict:
     return get  # type: ignore[return-value]
 
 
-def _assert_matches(losses: list[float], params: dict, ref: tuple[list[float], dict], who: str) -> None:
-    ref_losses, ref_params = ref
-    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{who} losses"
-    assert params.keys() == ref_params.keys()
-    for k, v in ref_params.items():
-        torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"{who} param {k}")
-
-
 @pytest.mark.parametrize("cid", list(CASES))
 def test_training_matches_single_process(results: list[dict], refs: Any, cid: str) -> None:
     name, kwargs, _ = CASES[cid]
     for rank, per_rank in enumerate(results):
         r = per_rank[cid]
-        _assert_matches(r["losses"], r["model"], refs(name, kwargs), f"{cid} rank {rank}")
+        assert_matches_reference(r["losses"], r["model"], *refs(name, kwargs), f"{cid} rank {rank}")
 
 
 def test_zero1_partitions_optimizer_state(results: list[dict]) -> None:
@@ -242,8 +234,8 @@ def test_zero2_state_dict_round_trip(results: list[dict], refs: Any, target: str
     for rank, per_rank in enumerate(results):
         r = per_rank[f"reload-{target}"]
         assert r["step"] == STEPS + 1
-        _assert_matches([r["loss"]], r["model"], ([ref_losses[-1]], ref_params),
-                        f"reload into {target} rank {rank}")
+        assert_matches_reference([r["loss"]], r["model"], [ref_losses[-1]], ref_params,
+                                 f"reload into {target} rank {rank}")
 
 
 def test_zero2_state_dict_loads_into_plain_model(results: list[dict], refs: Any) -> None:
@@ -259,7 +251,7 @@ def test_zero2_state_dict_loads_into_plain_model(results: list[dict], refs: Any)
     loss.backward()
     opt.step()
     ref_losses, ref_params = refs(*GPT, steps=STEPS + 1)
-    _assert_matches([loss.item()], case.model.state_dict(), ([ref_losses[-1]], ref_params), "plain model")
+    assert_matches_reference([loss.item()], case.model.state_dict(), [ref_losses[-1]], ref_params, "plain model")
 
 
 def test_bad_stage_options_raise() -> None:

@@ -12,7 +12,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import torch
 
 import autopar
 from autopar.cluster import Cluster
@@ -25,7 +24,7 @@ from autopar.solver import intra_op_pricing as iop
 from autopar.solver.intra_op import _build
 from autopar.solver.intra_op_ilp import solve_problems
 
-from .runtime_cases import STEPS, build, layout_for, optimizer, reference
+from .runtime_cases import STEPS, assert_matches_reference, build, layout_for, optimizer, reference
 
 RTOL, ATOL = 1e-4, 1e-5
 FAST = Cluster.load("1x4xA100-80GB")
@@ -189,15 +188,14 @@ def _cases() -> list[tuple[str, dict, dict[str, str]]]:
 def _priced_layouts(name: str, kwargs: dict, cluster: Cluster, sharding: dict[str, str]) -> dict[str, str]:
     """Node -> the output layout of the strategy the plan priced for it (`runtime_choice`), block layers."""
     from autopar.api import cost_model
-    from autopar.runtime.tensor_parallel import canonical
 
     case = build(name, **kwargs)
     cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
                     precision="fp32")
     pricer = iop.LayerPricer(cm.graph, 2, cluster.devices[0].spec.name, cluster, [0, 1])
     ctx = pricer._at(cm.B)
-    layouts = {p: -1 if sharding[canonical(cm.graph, p)] == "replicate" else int(sharding[canonical(cm.graph, p)][6:-1])
-               for p in cm.graph.params if canonical(cm.graph, p) in sharding}
+    layouts = {p: -1 if sharding[cm.graph.canonical(p)] == "replicate" else int(sharding[cm.graph.canonical(p)][6:-1])
+               for p in cm.graph.params if cm.graph.canonical(p) in sharding}
     out = {}
     for layer in cm.graph.layers:
         if layer.kind != "block":
@@ -231,10 +229,7 @@ def test_ilp_sharding_trains_like_one_process(trained: tuple[list, list], index:
         ran = {k: v for k, v in placed.items() if k in priced}
         assert len(ran) > len(priced) // 2, sorted(placed)
         assert {k: relayout.get(k, priced[k]) for k in ran} == ran
-        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
-        assert params.keys() == ref_params.keys()
-        for k, v in ref_params.items():
-            torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
         for k, placement in sharding.items():  # each rank holds the shard the plan says
             want = list(full[k].shape)
             if placement != "replicate":
