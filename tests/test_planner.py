@@ -498,3 +498,16 @@ def test_cli_plan_reports_infeasible(tmp_path, capsys) -> None:
     path.write_text(json.dumps({"nodes": [_custom("speck", "T4", 0.00001, 1)]}))
     assert main(["plan", "autopar.models:mlp", "--cluster", str(path)]) == 2
     assert "no plan fits in memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cluster", ["1x2xcpu", "1x1xA100-80GB"])
+def test_layer_compute_at_the_captured_batch_is_the_annotated_time(cluster: str) -> None:
+    """Re-pricing a layer's kernels at the captured batch (n = B, t = 1) reproduces annotation exactly,
+    transcendental elementwise work (GELU, softmax's exp) included."""
+    case = gpt(layers=2, seed=0)
+    cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn, precision="fp32")
+    dev = cm.cluster.devices[0].spec.name
+    for i, layer in enumerate(cm.graph.layers):
+        fwd, bwd = cm.layer_compute(i, dev, cm.B, 1)
+        assert fwd == pytest.approx(layer.time_fwd[dev], rel=1e-9), layer.name
+        assert bwd == pytest.approx(layer.time_bwd[dev], rel=1e-9), layer.name

@@ -246,6 +246,12 @@ POINTWISE_FLOPS_PER_ELEMENT: dict[str, float] = {
 }
 
 
+def kernel_flops(k: Any) -> float:
+    """The FLOPs a recorded kernel (`graph.Kernel`) is priced at: elementwise and softmax kernels recorded
+    without FLOPs are charged `pointwise_flops` over their elements (transcendentals cost more than adds)."""
+    return pointwise_flops(k.op, k.elems) if k.kind in ("elementwise", "softmax") and not k.flops else k.flops
+
+
 def pointwise_flops(target: str, numel: int | float) -> float:
     """FLOPs to charge an elementwise or softmax op over `numel` elements (1 per element for add,
     more for transcendentals and softmax's exp): the scale their flop curves are calibrated on."""

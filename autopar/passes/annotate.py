@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..cluster import Cluster
-from ..cost_models.compute import ComputeModel, classify, pointwise_flops
+from ..cost_models.compute import ComputeModel, classify, kernel_flops
 from ..graph import Kernel, Layer, OpNode, TrainingGraph
 from .fusion_pricing import apply_overrides, check_mode, fused_overrides, fusing_types
 
@@ -180,8 +180,7 @@ def _measure(target: Any, arg_specs: tuple, kwarg_specs: tuple) -> _NodeCost:
 
 
 def _kernel_time(model: ComputeModel, k: Kernel) -> float:
-    flops = pointwise_flops(k.op, k.elems) if k.kind in ("elementwise", "softmax") and not k.flops else k.flops
-    return model.op_time(k.kind, flops, k.nbytes)
+    return model.op_time(k.kind, kernel_flops(k), k.nbytes)
 
 
 def _fallback_cost(node: OpNode, arg_bytes: float) -> _NodeCost:

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..cost_models.compute import kernel_flops
 from ..errors import InfeasibleError, PlanError
 from ..graph import DTYPE_BYTES, TrainingGraph
 
@@ -95,13 +96,8 @@ def find_moe(graph: TrainingGraph) -> list[MoELayer]:
         by_layer.setdefault(n.layer, []).append(n)
     for layer, nodes in sorted(by_layer.items()):
         topk = [n for n in nodes if n.target == "aten.topk.default"]
-        experts: dict[str, int] = {}
-        for n in nodes:
-            for a in n.args:
-                info = graph.params.get(a)
-                if info is not None and ".experts" in info.name and not info.is_buffer:
-                    prefix = info.name.split(".experts")[0]
-                    experts[prefix] = experts.get(prefix, 0) + (info.meta.numel if a not in experts else 0)
+        experts = {graph.params[a].name.split(".experts")[0] for n in nodes for a in n.args
+                   if a in graph.params and ".experts" in graph.params[a].name and not graph.params[a].is_buffer}
         if not topk or not experts:
             continue
         names = {graph.params[a].name for n in nodes for a in n.args if a in graph.params}
@@ -120,8 +116,8 @@ def find_moe(graph: TrainingGraph) -> list[MoELayer]:
                        and len(graph.params[a].meta.shape) == 2]
             hidden = routers[0][1] if routers else min(i.meta.shape[-1] for i in infos)
             ex_nodes = [n for n in nodes if "experts" in n.module.split(".")]
-            fwd = Counter((k_.kind, k_.flops, k_.nbytes) for n in ex_nodes for k_ in n.kernels_fwd)
-            bwd = Counter((k_.kind, k_.flops, k_.nbytes) for n in ex_nodes for k_ in n.kernels_bwd)
+            fwd = Counter((k_.kind, kernel_flops(k_), k_.nbytes) for n in ex_nodes for k_ in n.kernels_fwd)
+            bwd = Counter((k_.kind, kernel_flops(k_), k_.nbytes) for n in ex_nodes for k_ in n.kernels_bwd)
             saved = float(sum(o.nbytes for n in ex_nodes if not n.is_view for o in n.outputs))
             out.append(MoELayer(layer, prefix, E, k, hidden, tokens,
                                 DTYPE_BYTES.get(k_node.outputs[0].dtype, 4), own, supported, params, saved,

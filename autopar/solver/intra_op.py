@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time
-from ..cost_models.compute import ComputeModel
+from ..cost_models.compute import ComputeModel, kernel_flops
 from ..cost_models.memory import state_bytes_per_param
 from ..errors import InfeasibleError, PlanError
 from ..graph import Layer, OpNode, TensorMeta, TrainingGraph
@@ -257,7 +257,7 @@ class _Context:
             if split == 1 and self.frac == 1:
                 return base.get(self.device_type, 0.0)
             scale = self.frac / split
-            return sum(self.model.op_time(k.kind, k.flops * scale, k.nbytes * scale) for k in kernels)
+            return sum(self.model.op_time(k.kind, kernel_flops(k) * scale, k.nbytes * scale) for k in kernels)
 
         return (priced(node.kernels_fwd, node.time_fwd, split_fwd),
                 priced(node.kernels_bwd, node.time_bwd, split_bwd))

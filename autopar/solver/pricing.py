@@ -77,7 +77,7 @@ from typing import NamedTuple
 
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
-from ..cost_models.compute import ComputeModel
+from ..cost_models.compute import ComputeModel, kernel_flops
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from ..errors import PlanError
 from ..graph import TrainingGraph
@@ -239,8 +239,8 @@ class CostModel:
             if key not in classes:
                 classes[key] = len(classes)
                 nodes = [g.nodes[n] for n in layer.nodes]
-                fwd = Counter((k.kind, k.flops, k.nbytes) for node in nodes for k in node.kernels_fwd)
-                bwd = Counter((k.kind, k.flops, k.nbytes) for node in nodes for k in node.kernels_bwd)
+                fwd = Counter((k.kind, kernel_flops(k), k.nbytes) for node in nodes for k in node.kernels_fwd)
+                bwd = Counter((k.kind, kernel_flops(k), k.nbytes) for node in nodes for k in node.kernels_bwd)
                 self.kernels.append((tuple(sorted(fwd.items())), tuple(sorted(bwd.items()))))
             self.cls.append(classes[key])
         blocks = [i for i in range(L) if self.is_block[i]]
@@ -289,10 +289,6 @@ class CostModel:
         if t is None:
             t = self._memo[key] = float(collective_time(kind, nbytes, group, self.cluster))
         return t  # type: ignore[return-value]
-
-    def host_transfer(self, dtype: str, nbytes: float) -> float:
-        link = self.specs[dtype].host_link
-        return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
 
     def send_time(self, nbytes: float, src: int, dst: int, compress: str | None = None) -> float:
         """Point-to-point seconds for one activation (or its gradient) of `nbytes` (in the plan's precision)
@@ -409,7 +405,7 @@ class CostModel:
                                      self.collective("all_reduce", N * g, dp_group))
         ag, rs, ar = hit  # type: ignore[misc]
         host = self.specs[dtype].host_link
-        h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # `host_transfer`, inlined: hot
+        h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # host link: latency + bytes / bandwidth
         act = base.act_recompute if opt.recompute else base.act
         # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
         a2a_f, a2a_b, moe_sync = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
