@@ -29,6 +29,12 @@ from .simulate import SimResult, simulate
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
 
 
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` in `parts` parts as even as possible, larger ones first (like torch.tensor_split)."""
+    q, r = divmod(total, parts)
+    return [q + 1 if i < r else q for i in range(parts)]
+
+
 @dataclass
 class Stage:
     """Layers [layers[0], layers[1]) of the coarse chain on one tensor-parallel device group."""
@@ -63,8 +69,7 @@ class Pipeline:
 
     def microbatch_sizes(self) -> list[int]:
         """Sizes of the micro-batches, larger ones first."""
-        q, r = divmod(self.batch_share, self.num_microbatches)
-        return [q + 1 if i < r else q for i in range(self.num_microbatches)]
+        return even_split(self.batch_share, self.num_microbatches)
 
     def device_groups(self) -> list[list[int]]:
         """The distinct device groups (pipeline ranks), in stage order."""

@@ -52,7 +52,7 @@ import autopar
 from autopar import models
 from autopar.api import cost_model
 from autopar.errors import PlanError
-from autopar.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, simulate_stages
+from autopar.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, even_split, simulate_stages
 from autopar.solver.pricing import (
     CostModel,
     Option,
@@ -65,7 +65,7 @@ from autopar.solver.pricing import (
     stage_option,
     tied_sync,
 )
-from autopar.solver.search import _groupings, _microbatches, _schedules, _units, config_microbatch_sizes
+from autopar.solver.search import _divisors, _groupings, _microbatches, _schedules, _units, config_microbatch_sizes
 
 TIME_LIMIT_S = 60.0  # autopar.plan's default
 EXACT_RTOL = 1e-9
@@ -151,11 +151,6 @@ def strategy_label(st: Strategy) -> str:
 # ---- baselines ----------------------------------------------------------------------------------------
 
 
-def _even(total: int, parts: int) -> list[int]:
-    q, r = divmod(total, parts)
-    return [q + 1 if i < r else q for i in range(parts)]
-
-
 def _try(cm: CostModel, st: Strategy) -> Estimate | None:
     try:
         return price_strategy(cm, st)
@@ -170,7 +165,7 @@ def _faster(est: Estimate | None, best: Estimate | None) -> bool:
 
 def dp_only(cm: CostModel) -> tuple[Estimate | None, Strategy | None, int]:
     W = cm.cluster.world_size
-    shares = _even(cm.B, W) if cm.B >= W else None
+    shares = even_split(cm.B, W) if cm.B >= W else None
     if shares is None:
         return None, None, 0
     split = None if cm.B % W == 0 else shares
@@ -191,10 +186,6 @@ def dp_only(cm: CostModel) -> tuple[Estimate | None, Strategy | None, int]:
         if best[0] is not None:
             return best[0], best[1], priced
     return None, None, priced
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def grid_strategies(cm: CostModel) -> Iterator[Strategy]:

@@ -133,8 +133,6 @@ class OtherLoad:
 
     @staticmethod
     def _read() -> tuple[float, float, float]:
-        import os
-
         try:
             with open("/proc/stat") as fh:
                 v = [float(x) for x in fh.readline().split()[1:]]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import PlanError
+from ..plan import even_split  # noqa: F401  (re-exported: the runtime's callers import it from here)
 
 COMPRESS_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,8 +53,7 @@ class PipelineLayout:
     @property
     def microbatch_sizes(self) -> list[int]:
         """Sizes of the micro-batches, as even as possible (larger ones first, like torch.tensor_split)."""
-        q, r = divmod(self.batch_size, self.num_microbatches)
-        return [q + 1 if i < r else q for i in range(self.num_microbatches)]
+        return even_split(self.batch_size, self.num_microbatches)
 
     def bounds(self) -> list[tuple[int, int]]:
         return [s.layers for s in self.stages]
@@ -188,7 +188,3 @@ def megatron_layout(
         offset += shares[d]
     return make_layout(pipelines, dp * tp * pp, global_batch, num_layers)
 
-
-def even_split(total: int, parts: int) -> list[int]:
-    q, r = divmod(total, parts)
-    return [q + 1 if i < r else q for i in range(parts)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import PlanError
+from ..passes.annotate import PRECISIONS
 from ..plan import OFFLOAD_KINDS, Plan
 from ..report import fmt_bytes
 from ..schedule import SCHEDULES
@@ -13,7 +14,7 @@ from ..schedule import SCHEDULES
 if TYPE_CHECKING:
     from .pricing import CostModel, StageMemory
 
-ACT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}  # bytes of an activation element per precision
+ACT_BYTES = PRECISIONS  # bytes of an activation element per precision
 WIRE_BYTES = {"bf16": 2, "fp16": 2}  # the wire dtypes a stage boundary may be compressed to
 COMPRESS_DTYPE = "bf16"  # fp32's exponent range: gradients sent back cannot overflow or flush to zero
 SLOW_LINK_BYTES_PER_S = 1.25e9  # 10 Gb/s: links at most this fast count as slow for compression

@@ -85,7 +85,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..errors import InfeasibleError
-from ..plan import Pipeline, Plan, Stage, simulate_stages
+from ..plan import Pipeline, Plan, Stage, even_split, simulate_stages
 from ..report import fmt_bytes, fmt_time
 from . import experts
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price, rank_peak
@@ -178,11 +178,6 @@ def _schedules(p: int, L: int) -> list[tuple[str, int]]:
     if p == 1:
         return [("1f1b", 1)]
     return [("gpipe", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in CHUNKS if p * v <= L]
-
-
-def _even(total: int, parts: int) -> list[int]:
-    q, r = divmod(total, parts)
-    return [q + 1 if i < r else q for i in range(parts)]
 
 
 def _microbatches(share: int, b: int, ranks: int, schedule: str) -> int | None:
@@ -387,7 +382,7 @@ class Search:
         classes: dict[tuple, list[int]] = {}
         for d, key in enumerate(types):
             classes.setdefault(key, []).append(d)
-        shares = _even(cm.B, len(pipes)) if len(classes) == 1 else self._batch_split(cfg, classes)
+        shares = even_split(cm.B, len(pipes)) if len(classes) == 1 else self._batch_split(cfg, classes)
         if shares is None or min(shares) < 1:
             return None
         splits: dict[tuple, tuple[list[Slot], Split]] = {}
@@ -415,8 +410,7 @@ class Search:
                 distinct[key + (links,)] = (share, m, self.splitter.values(slots, split, small, pipe))
         bound = 0.0
         for share, m, vals in distinct.values():
-            q, r = divmod(share, m)
-            bound = max(bound, lower_bound(vals, [q + 1] * r + [q] * (m - r), p))
+            bound = max(bound, lower_bound(vals, even_split(share, m), p))
 
         def build() -> Plan:
             out = []

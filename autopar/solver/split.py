@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..plan import simulate_stages
+from ..plan import even_split, simulate_stages
 from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
 
 OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
@@ -93,11 +93,6 @@ def surrogate(times: list[StageTimes], sends: list[float], ranks: int, mult: flo
         tail = max(bwd_pre[r] + times[0].sync, (sends[j - 1] if j else 0.0) + t.sync)
         worst = max(worst, fwd_pre[r] + max(work[r], chunks * w) + tail)
     return worst
-
-
-def _even_counts(total: int, parts: int) -> list[int]:
-    q, r = divmod(total, parts)
-    return [q + 1 if i < r else q for i in range(parts)]
 
 
 def _pareto(states: list[tuple]) -> list[tuple]:
@@ -245,7 +240,7 @@ class Splitter:
         if cm.num_blocks < S or len({slot.dtype for slot in slots}) > 1:
             return None  # on mixed device types an even split is no natural candidate
         edges = [0]
-        for j, count in enumerate(_even_counts(cm.num_blocks, S)):
+        for j, count in enumerate(even_split(cm.num_blocks, S)):
             edges.append((cm.first_block if j == 0 else edges[-1]) + count)
         edges[-1] = cm.L
         # options: each chunk the fastest that fits with the chunks before it, first without, then with
@@ -283,7 +278,7 @@ class Splitter:
     def _enumerate(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int) -> Split | None:
         cm, S, n = self.cm, len(slots), -(-share // m)
         q, r = divmod(share, m)
-        sizes = [q + 1] * r + [q] * (m - r)
+        sizes = even_split(share, m)
         scored = []
         p = S // chunks
         for cuts in itertools.combinations(range(1, cm.L), S - 1):
