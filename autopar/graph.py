@@ -132,6 +132,11 @@ class TrainingGraph:
                 groups.setdefault(layer.signature, []).append(layer.index)
         return [g for g in groups.values() if len(g) > 1]
 
+    def canonical(self, placeholder: str) -> str:
+        """The model's name of parameter placeholder `placeholder` (a tied parameter's original)."""
+        info = self.params[placeholder]
+        return self.params[info.tied_to].name if info.tied_to else info.name
+
     def param_bytes(self) -> int:
         return sum(p.meta.nbytes for p in self.params.values() if p.counts)
 

@@ -35,16 +35,10 @@ class StageProgram:
     value_meta: dict[str, TensorMeta]  # shape/dtype of every received or sent value
     is_last: bool
     eval_gm: fx.GraphModule | None = None  # last stage: the model output instead of the loss
-    eval_outputs: list[str] | None = None  # node names of the model output values, in output order
 
     @property
     def code(self) -> str:
         return self.gm.code
-
-
-def _canonical(graph: TrainingGraph, placeholder: str) -> str:
-    info = graph.params[placeholder]
-    return graph.params[info.tied_to].name if info.tied_to else info.name
 
 
 def _in_model(node: fx.Node) -> bool:
@@ -133,10 +127,10 @@ def _build_stage(
             continue
         if n.name in graph.params:
             info = graph.params[n.name]
-            (buffers if info.is_buffer else params).append(_canonical(graph, n.name))
+            (buffers if info.is_buffer else params).append(graph.canonical(n.name))
     # placeholders: parameters, buffers, user inputs, received values (deterministic order)
     for name in dict.fromkeys(params + buffers):
-        env_key = [p for p, i in graph.params.items() if _canonical(graph, p) == name and p in needed]
+        env_key = [p for p, i in graph.params.items() if graph.canonical(p) == name and p in needed]
         ph = g.placeholder(_safe(name))
         for k in env_key:
             env[k] = ph
@@ -176,7 +170,6 @@ def _build_stage(
         value_meta=meta,
         is_last=is_last,
         eval_gm=eval_gm,
-        eval_outputs=eval_outputs,
     )
 
 

@@ -59,7 +59,7 @@ def first_use_order(graph: TrainingGraph, names: set[str]) -> list[str]:
             info = graph.params.get(a)
             if info is None or info.is_buffer:
                 continue
-            canon = graph.params[info.tied_to].name if info.tied_to else info.name
+            canon = graph.canonical(a)
             if canon in names and canon not in order:
                 order.append(canon)
     return order + sorted(names - set(order))
@@ -92,7 +92,7 @@ class BucketedGradSync:
             for n in names:
                 self.offsets[n] = off
                 off += params[n].numel()
-            extra = 1 if carry_loss and b == len(self.buckets) - 1 else 0
+            extra = 1 if self.carry_loss and b == len(self.buckets) - 1 else 0
             self.flats.append(torch.zeros(off + extra, dtype=params[names[0]].dtype,
                                           device=params[names[0]].device))
         self.final = False  # set around the step's last backward of this rank

@@ -15,6 +15,7 @@ floating values in the boundary's `StageLayout.compress` dtype (bf16 / fp16; see
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from ..codegen.split import StageProgram, split_stages
 from ..errors import PlanError
 from ..graph import TrainingGraph
 from ..passes.capture import LossFn, capture
-from ..schedule import make_schedule
+from ..plan import cached_schedule
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_runtime
@@ -206,10 +207,10 @@ class Program:
 
     def _with_kernels(self, st: StageProgram, stage: int, size: int) -> StageProgram:
         """Swap fusible regions of a stage program for generated Triton kernels (see codegen/kernels.py)."""
-        from ..codegen.kernels import MODES, apply_kernels
+        from ..codegen.kernels import apply_kernels
+        from ..passes.fusion_pricing import check_mode
 
-        if self.kernels not in MODES:
-            raise PlanError(f"kernels={self.kernels!r}: choose one of {sorted(MODES)}.")
+        check_mode(self.kernels)
         if self.kernels == "torch" or self.tp is not None:  # DTensor stages keep torch ops
             return st
         st.gm, self.kernel_reports[(stage, size)] = apply_kernels(st.gm, self.kernels)
@@ -264,7 +265,7 @@ class Program:
         n_mb = len(sizes)
         starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(n_mb)]
         args = tuple(inputs) + ((target,) if self._has_target else ())
-        sched = make_schedule(pipe.schedule, pipe.num_groups, n_mb, chunks=pipe.chunks)
+        sched = cached_schedule(pipe.schedule, pipe.num_groups, n_mb, pipe.chunks)  # built once per shape
         tag = lambda stage, m, backward: (stage * n_mb + m) * 2 + backward  # receiver's stage
         recv_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int], Any] = {}
@@ -386,12 +387,10 @@ class Program:
             model_sd[fqn] = params.get(canon, buffers.get(fqn, t)).clone()
         return {"model": model_sd, "optimizer": opt, "step": self.step_count}
 
-    @property
+    @functools.cached_property
     def _canonical(self) -> dict[str, str]:
-        out = {}
-        for info in self.graph.params.values():
-            out[info.name] = self.graph.params[info.tied_to].name if info.tied_to else info.name
-        return out
+        """Model parameter name -> the name its values are kept under (a tied parameter's original)."""
+        return {info.name: self.graph.canonical(p) for p, info in self.graph.params.items()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a full state (from `state_dict`, any layout): each rank keeps its shards and, under ZeRO,

@@ -105,12 +105,6 @@ def _next_linear(graph: TrainingGraph, users: dict[str, list[str]], start: str, 
     return None
 
 
-def canonical(graph: TrainingGraph, p: str) -> str:
-    """The model's name of parameter placeholder `p` (a tied parameter's original)."""
-    info = graph.params[p]
-    return graph.params[info.tied_to].name if info.tied_to else info.name
-
-
 def attention_projection(graph: TrainingGraph, attention: str, names: list[str]) -> tuple[str, Shard] | None:
     """(weight placeholder, its row-parallel placement) of the linear projecting attention node `attention`'s
     output (through views, within `names`): attention runs head-parallel when that weight is so placed."""
@@ -128,9 +122,6 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
     spec = TPSpec()
     names = [n for layer in graph.layers[layers[0] : layers[1]] for n in layer.nodes]
     users = _users(graph, names)
-
-    def canonical_(p: str) -> str:
-        return canonical(graph, p)
 
     def bias_of(node_name: str) -> str | None:
         n = graph.nodes[node_name]
@@ -153,7 +144,7 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
             proj = next_linear(name, _VIEWS)
             if proj:
                 w, out_dim = _weight_of(graph, proj)
-                spec.params[canonical_(w)] = Shard(1 - out_dim)
+                spec.params[graph.canonical(w)] = Shard(1 - out_dim)
                 row_done.add(proj)
     for name in names:
         if name in row_done or not _weight_of(graph, name):
@@ -163,15 +154,15 @@ def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
             continue
         w1, d1 = _weight_of(graph, name)
         w2, d2 = _weight_of(graph, second)
-        if canonical_(w1) in spec.params or canonical_(w2) in spec.params:
+        if graph.canonical(w1) in spec.params or graph.canonical(w2) in spec.params:
             continue
-        spec.params[canonical_(w1)] = Shard(d1)
+        spec.params[graph.canonical(w1)] = Shard(d1)
         b1 = bias_of(name)
         if b1:
-            spec.params[canonical_(b1)] = Shard(0)
-        spec.params[canonical_(w2)] = Shard(1 - d2)
+            spec.params[graph.canonical(b1)] = Shard(0)
+        spec.params[graph.canonical(w2)] = Shard(1 - d2)
         row_done.update({name, second})
-    _vocab_parallel(graph, names, spec, row_done, canonical_, bias_of)
+    _vocab_parallel(graph, names, spec, row_done, graph.canonical, bias_of)
     return spec
 
 
@@ -194,7 +185,7 @@ def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mappi
     """
     spec = megatron_spec(graph, layers)
     chosen = {k: parse_placement(v) for k, v in sharding.items()}
-    params = {canonical(graph, p): p for p in graph.params}
+    params = {graph.canonical(p): p for p in graph.params}
     for name, placement in chosen.items():
         if name not in params:
             raise PlanError(f"the plan's sharding names parameter {name!r}, which the model does not have; "
@@ -203,11 +194,11 @@ def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mappi
         if isinstance(placement, Shard) and placement.dim >= rank:
             raise PlanError(f"sharding {sharding[name]!r} of parameter {name!r} needs a dim < {rank}.")
     covered = [layer for layer in graph.layers[layers[0] : layers[1]]
-               if any(canonical(graph, p) in chosen for p in layer.params)]
+               if any(graph.canonical(p) in chosen for p in layer.params)]
     users = _users(graph, list(graph.nodes))
     for layer in covered:
         for p in layer.params:
-            spec.params.pop(canonical(graph, p), None)
+            spec.params.pop(graph.canonical(p), None)
         for n in layer.nodes:
             spec.relayout.pop(n, None)
     spec.params.update(chosen)
@@ -217,10 +208,10 @@ def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mappi
             node = graph.nodes[n]
             if node.target == "aten.scaled_dot_product_attention.default":
                 proj = attention_projection(graph, n, layer.nodes)
-                if proj and spec.params.get(canonical(graph, proj[0])) == proj[1]:
+                if proj and spec.params.get(graph.canonical(proj[0])) == proj[1]:
                     spec.relayout.update((a, Shard(1)) for a in node.args[:3] if a in graph.nodes)
             weight = _weight_of(graph, n)
-            if weight and spec.params.get(canonical(graph, weight[0])) == Shard(1 - weight[1]):
+            if weight and spec.params.get(graph.canonical(weight[0])) == Shard(1 - weight[1]):
                 spec.relayout[n] = Replicate()
             if node.outputs and any(u not in inside for u in users.get(n, [])):
                 spec.relayout[n] = Replicate()
@@ -233,10 +224,7 @@ _TO_LOSS = _VIEWS | {"aten.to.dtype", "aten._to_copy.default", "aten.alias.defau
 
 def _loss_heads(graph: TrainingGraph) -> list[str]:
     """Linear-like nodes whose output reaches a cross-entropy through views and casts only (LM heads)."""
-    users: dict[str, list[str]] = {}
-    for name, n in graph.nodes.items():
-        for a in n.args:
-            users.setdefault(a, []).append(name)
+    users = _users(graph, list(graph.nodes))
     heads = []
     for start in graph.nodes:
         if not _weight_of(graph, start):

@@ -99,9 +99,7 @@ def params_by_layer(graph: TrainingGraph) -> dict[int, set[str]]:
     for n in graph.nodes.values():
         for a in n.args:
             if a in graph.params and not graph.params[a].is_buffer:
-                info = graph.params[a]
-                by_layer.setdefault(n.layer, set()).add(graph.params[info.tied_to].name if info.tied_to
-                                                        else info.name)
+                by_layer.setdefault(n.layer, set()).add(graph.canonical(a))
     return by_layer
 
 

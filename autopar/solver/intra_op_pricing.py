@@ -184,9 +184,7 @@ def megatron_layouts(ctx: _Context, layer: Layer) -> dict[str, int]:
 
 def layer_params(graph: TrainingGraph, layer: Layer) -> list[tuple[str, str]]:
     """(placeholder, model name) of a layer's parameters, in the layer's order (identical blocks align)."""
-    from ..runtime.tensor_parallel import canonical
-
-    return [(p, canonical(graph, p)) for p in layer.params if not graph.params[p].is_buffer]
+    return [(p, graph.canonical(p)) for p in layer.params if not graph.params[p].is_buffer]
 
 
 def sharding_of(ctx: _Context, layer: Layer, layouts: dict[str, int]) -> dict[str, str]:
