@@ -40,6 +40,7 @@ from torch import fx, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import PlanError, close_matches
+from .passes.fusion_pricing import check_mode
 from .runtime.dist import all_reduce, broadcast
 
 OPTIONS = ("cluster", "dump_dir", "kernels", "recompute", "strategy", "time_limit_s")
@@ -109,11 +110,7 @@ def _options(options: dict | None) -> dict[str, Any]:
         if k not in OPTIONS:
             raise PlanError(f"unknown autopar backend option {k!r}; valid options: {', '.join(OPTIONS)}."
                             + close_matches(k, OPTIONS))
-    kernels = opts.setdefault("kernels", "auto")
-    from .codegen.kernels import MODES
-
-    if kernels not in MODES:
-        raise PlanError(f"unknown kernels mode {kernels!r}: use one of {', '.join(repr(m) for m in MODES)}.")
+    check_mode(opts.setdefault("kernels", "auto"))
     if opts.setdefault("recompute", "auto") not in ("auto", True, False):
         raise PlanError(f"recompute must be 'auto', True or False, not {opts['recompute']!r}.")
     if opts.get("cluster") is not None:

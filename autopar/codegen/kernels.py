@@ -24,11 +24,10 @@ import torch
 from torch import fx, nn
 
 from ..errors import PlanError
+from ..passes.fusion_pricing import MODES, check_mode
 from . import triton_gen
 from .fusion import Region, find_regions, fused_bytes, lower, meta
 from .triton_gen import CompiledRegion, Instr, Program, Unfusible, interpreted_stdlib
-
-MODES = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -424,8 +423,7 @@ def apply_kernels(gm: fx.GraphModule, mode: str = "auto", dump_dir: str | os.Pat
     input kinds up front; without them that happens at the first call. It records shapes in `gm`'s
     node metadata.
     """
-    if mode not in MODES:
-        raise PlanError(f"unknown kernels mode {mode!r}: use one of {', '.join(repr(m) for m in MODES)}.")
+    check_mode(mode)
     if mode == "triton" and not triton_gen.triton_available():
         raise PlanError("kernels mode 'triton' needs the triton package: pip install 'autopar[kernels]'.")
     if example_inputs is not None:

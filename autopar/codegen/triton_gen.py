@@ -27,7 +27,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -509,7 +509,6 @@ class CompiledRegion:
     bwd: Any
     interpret: bool
     key: str = ""
-    host: list[Instr] = field(default_factory=list)
 
 
 _LOADED: dict[tuple[str, bool], CompiledRegion] = {}
@@ -538,7 +537,7 @@ def load(p: Program, source: str, interpret: bool) -> CompiledRegion:
     key = source_hash(source)
     hit = _LOADED.get((key, interpret))
     if hit is not None:
-        return CompiledRegion(p, source, hit.fwd, hit.bwd, interpret, key, p.host)
+        return CompiledRegion(p, source, hit.fwd, hit.bwd, interpret, key)
     _import_triton()
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -556,7 +555,7 @@ def load(p: Program, source: str, interpret: bool) -> CompiledRegion:
     spec.loader.exec_module(mod)
     wrap: Callable[[Any], Any] = InterpretedFunction if interpret else (
         lambda f: JITFunction(f, do_not_specialize=["SEED"]))  # a fresh seed per call must not recompile
-    region = CompiledRegion(p, source, wrap(mod.fwd), wrap(mod.bwd), interpret, key, p.host)
+    region = CompiledRegion(p, source, wrap(mod.fwd), wrap(mod.bwd), interpret, key)
     _LOADED[(key, interpret)] = region
     return region
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import AutoparError
+from .zero import _local
 
 if TYPE_CHECKING:
     from .program import Program
@@ -130,10 +131,6 @@ def _put(prog: Program, sd: dict[str, Any], key: str, name: str, local: torch.Te
 
 def _first_of_group(prog: Program) -> bool:
     return prog.zero.my_group[0] == prog.rank
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
 
 
 def _persistent_state(prog: Program) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Iterable
 
@@ -115,19 +116,15 @@ def unpack(flat: torch.Tensor, metas: list[tuple[tuple[int, ...], torch.dtype]],
     out, offset = [], 0
     for shape, dtype in metas:
         wire = wire_dtype(dtype, compress)
-        n = wire.itemsize
-        for d in shape:
-            n *= d
+        n = _wire_bytes(shape, dtype, compress)
         out.append(flat[offset:offset + n].clone().view(wire).view(shape).to(dtype))
         offset += n
     return out
 
 
 def message_bytes(metas: list[tuple[tuple[int, ...], torch.dtype]], compress: torch.dtype | None = None) -> int:
-    total = 0
-    for shape, dtype in metas:
-        n = wire_dtype(dtype, compress).itemsize
-        for d in shape:
-            n *= d
-        total += n
-    return total
+    return sum(_wire_bytes(shape, dtype, compress) for shape, dtype in metas)
+
+
+def _wire_bytes(shape: tuple[int, ...], dtype: torch.dtype, compress: torch.dtype | None) -> int:
+    return wire_dtype(dtype, compress).itemsize * math.prod(shape)
