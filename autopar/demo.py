@@ -27,8 +27,8 @@ def _optimizer(params: list) -> torch.optim.Optimizer:
 
 def worker(out_dir: str, cluster: str, steps: int) -> None:
     """Runs on every rank (started by torchrun): compile the saved plan and train."""
-    import autopar
     from autopar.runtime.compile import compile as compile_program
+    from autopar.runtime.elastic import shutdown
 
     case = _case()
     plan = (Path(out_dir) / "plan.json").read_text()
@@ -45,12 +45,7 @@ def worker(out_dir: str, cluster: str, steps: int) -> None:
     state = prog.state_dict()["model"]
     if prog.rank == 0:
         torch.save({"losses": losses, "state": state}, Path(out_dir) / "result.pt")
-    # a clean shutdown: the heartbeat thread stops before the process group (and its store) is destroyed
-    from autopar.runtime.elastic import stop_heartbeat
-
-    stop_heartbeat()
-    torch.distributed.destroy_process_group()
-    del autopar
+    shutdown()
 
 
 def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:

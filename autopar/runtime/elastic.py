@@ -104,6 +104,14 @@ def stop_heartbeat() -> None:
         _beat.thread.join(timeout=30)  # a loaded host can hold a store call for seconds
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly: the heartbeat thread stops before the group (and its store) is
+    destroyed, since it may be inside a store call."""
+    stop_heartbeat()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _prefix() -> str:
     # torchrun's store outlives a restart: keep one attempt's keys apart from the previous one's
     return f"autopar/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

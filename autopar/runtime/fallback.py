@@ -14,7 +14,7 @@ from torch import nn
 from ..cluster import Cluster
 from ..errors import CaptureError
 from ..passes.capture import LossFn, model_loss
-from .dist import DEFAULT_TIMEOUT_S, all_reduce
+from .dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
 from .program import OptimizerFactory, make_optimizer
 
 
@@ -64,7 +64,7 @@ class ReplicatedProgram(WholeModelState):
         self.optimizer = make_optimizer(optimizer, list(model.parameters()))
         if world_size > 1:
             for p in model.parameters():  # every replica starts from rank 0's weights
-                dist.broadcast(p.data, src=0)
+                broadcast(p.data, 0, "broadcasting the replicated fallback's parameters from rank 0", timeout_s)
         warnings.warn(f"autopar could not capture the model, so it runs replicated (data parallel, eager): "
                       f"{reason}", stacklevel=3)
 
@@ -85,7 +85,7 @@ class ReplicatedProgram(WholeModelState):
             all_reduce(flat, dist.group.WORLD, "gradient all-reduce of the replicated fallback", self.timeout_s)
         offset = 0
         for p in params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = flat[offset:offset + p.numel()].view_as(p)  # flat is fresh each step
             offset += p.numel()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

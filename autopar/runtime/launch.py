@@ -49,10 +49,9 @@ def _worker(
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        from .elastic import stop_heartbeat
+        from .elastic import shutdown
 
-        stop_heartbeat()  # before the store goes away: its thread may be inside a store call
-        dist.destroy_process_group()
+        shutdown()
 
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
