@@ -43,15 +43,16 @@ def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: 
     A parameter no rank computed a gradient for keeps grad None, as in single-process training (the optimizer
     then skips it: no weight decay, no step count)."""
     dtype = params[0].dtype if params else torch.float32
-    has = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=dtype)
+    has = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=dtype,
+                       device=weighted_loss.device)  # NCCL reduces device tensors
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                      + [has, weighted_loss.detach().reshape(1).to(dtype)])
     if world > 1:
         all_reduce(flat, dist.group.WORLD, what, timeout_s)
     offset, total = 0, sum(p.numel() for p in params)
+    used = (flat[total:total + len(params)] > 0).tolist()  # one device sync, not one per parameter
     for i, p in enumerate(params):
-        used = bool(flat[total + i] > 0)
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if used else None
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if used[i] else None
         offset += p.numel()
     return float(flat[-1])
 
