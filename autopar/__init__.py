@@ -8,12 +8,14 @@ from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, P
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
 from .runtime.compile import compile  # noqa: A004 (autopar.compile, as users spell it)
+from .runtime.weights import materialize
 
 __all__ = [
     "analyze",
     "plan",
     "estimate",
     "compile",
+    "materialize",
     "Plan",
     "Strategy",
     "Estimate",

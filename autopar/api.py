@@ -9,13 +9,16 @@ from typing import Any
 
 from torch import nn
 
+from .checks import check_memory_reserve, check_seconds
 from .cluster import Cluster
+from .errors import PlanError
 from .graph import TrainingGraph
 from .passes.annotate import annotate
 from .passes.capture import LossFn, capture
 from .plan import Estimate, Plan, Strategy
 from .report import dump_dir as _dump_dir
 from .report import dump_graph
+from .runtime.precision import check_precision, unsupported
 from .solver.pricing import CostModel, price_strategy
 from .solver.search import search
 
@@ -30,6 +33,7 @@ def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
     times are priced for (fused regions on the device types it fuses; recorded as `graph.kernels`).
     """
     cluster = Cluster.load(cluster)
+    precision = resolve_precision(cluster, precision)
     graph = annotate(capture(model, example_inputs, loss_fn, example_target), cluster, precision=precision,
                      kernels=kernels)
     dump_graph(graph, dump_dir)
@@ -37,16 +41,30 @@ def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
 
 
 def default_precision(cluster: Cluster) -> str:
-    """fp32 on CPU-only clusters, else bf16 mixed precision."""
-    return "fp32" if all(d.spec.kind == "cpu" for d in cluster.devices) else "bf16"
+    """A precision every device of `cluster` computes in: fp32 on CPU-only clusters; else bf16 mixed precision
+    where every device has bf16 (tensor cores: NVIDIA Ampere or later, AMD CDNA2 or later), else fp16 mixed
+    precision with loss scaling (a cluster with a V100, T4, Turing board or Jetson Xavier, which have fp16
+    tensor cores but no bf16: catalog `tflops_bf16` None). Both mixed precisions keep fp32 master weights,
+    optimizer state and gradient reduction (runtime/precision.py)."""
+    if all(d.spec.kind == "cpu" for d in cluster.devices):
+        return "fp32"
+    return "fp16" if unsupported(cluster, "bf16") else "bf16"
+
+
+def resolve_precision(cluster: Cluster, precision: str | None) -> str:
+    """`precision`, or the cluster's default; PlanError when a device of the cluster cannot run it."""
+    precision = precision or default_precision(cluster)
+    check_precision(cluster, precision)
+    return precision
 
 
 def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
                example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
                precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto") -> CostModel:
     """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use)."""
+    check_memory_reserve(memory_reserve)
     cluster = Cluster.load(cluster)
-    precision = precision or default_precision(cluster)
+    precision = resolve_precision(cluster, precision)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     graph = annotate(capture(model, tuple(inputs), loss_fn, example_target), cluster, precision=precision,
                      kernels=kernels)
@@ -74,9 +92,12 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     """
     from .graphs.planner import graph_kind
 
+    check_seconds("time_limit_s", time_limit_s)
+    check_memory_reserve(memory_reserve)
     if graph_kind(model, example_inputs) is not None:
         from .graphs.entry import plan_workload
 
+        precision = resolve_precision(Cluster.load(cluster), precision)
         return plan_workload(model, cluster, example_inputs, example_target, optimizer, precision,
                              memory_reserve=memory_reserve, options=graph_options)
     start = time.perf_counter()
@@ -97,7 +118,14 @@ def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, stra
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
              optimizer: object = "adamw", precision: str | None = None, *,
              memory_reserve: float = 0.1, kernels: str = "auto") -> Estimate:
-    """Price a hand-written Strategy with the planner's cost model (Megatron rank order)."""
+    """Price a hand-written Strategy with the planner's cost model (Megatron rank order).
+
+    A strategy that does not fit is priced anyway: `predicted["fits"]` is False, `predicted["memory_problems"]`
+    says which devices overflow by how much, and `explain()` starts with DOES NOT FIT."""
+    if not isinstance(strategy, Strategy):
+        raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)), got "
+                        f"{type(strategy).__name__}.")
+    check_memory_reserve(memory_reserve)
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
                     memory_reserve, kernels)
     est = price_strategy(cm, strategy)

@@ -3,9 +3,22 @@
 Sources: ../shared/reference/devices.md where it lists the device, else the vendor datasheet.
 Memory is taken as GiB (what the driver reports for "80 GB" parts is ~80 GiB).
 Bandwidths are per device and per direction, in GB/s (1e9 bytes/s).
-`tflops_bf16` is the FP16/BF16 tensor-core peak (fp32 accumulate); devices without bf16 tensor
-cores (V100, T4, Turing boards) list their fp16 tensor peak there, since mixed-precision training
-on them runs in fp16.
+
+`tflops_fp16` and `tflops_bf16` are the FP16 and BF16 tensor-core peaks with fp32 accumulate (what
+mixed-precision training runs). They are equal on every device that has both. BF16 tensor cores need
+NVIDIA compute capability 8.0 (Ampere) or later (NVIDIA Transformer Engine support matrix; PyTorch's
+`torch.cuda.is_bf16_supported` checks the same): Volta (V100 cc 7.0, Jetson Xavier cc 7.2) and Turing
+(T4, RTX 2080 Ti, TITAN RTX, cc 7.5) have FP16 tensor cores only, so their `tflops_bf16` is None and a
+bf16 plan on them is refused (`DeviceSpec.flops`). Their FP16 figures:
+* V100 SXM2: 125 TFLOP/s "Tensor Performance" (NVIDIA Tesla V100 datasheet; devices.md).
+* T4: 65 TFLOP/s "Mixed Precision (FP16/FP32)" (NVIDIA T4 datasheet; devices.md).
+* RTX 2080 Ti: 53.8 TFLOP/s FP16 with FP32 accumulate at the reference boost clock (NVIDIA Turing
+  architecture whitepaper, appendix table; GeForce boards run FP32 accumulate at half the 107.6 FP16-
+  accumulate rate).
+* TITAN RTX: 130 TFLOP/s (576 tensor cores x 128 FLOP x 1.77 GHz; NVIDIA's TITAN RTX page says "130
+  Tensor TFLOPs", full-rate FP32 accumulate).
+* Jetson Xavier NX: 48 Volta tensor cores x 64 FMA x 2 x 1.1 GHz = 6.76 TFLOP/s.
+AMD MI250X / MI300X matrix cores run FP16 and BF16 at the same rate (AMD CDNA2 / CDNA3 datasheets).
 """
 
 from __future__ import annotations
@@ -19,48 +32,49 @@ def _nvlink(gbps: float, gen: str) -> dict:
     return {"bandwidth_GBps": gbps, "latency_us": 2.0, "kind": gen}
 
 
-# name: tflops (fp32, tf32, bf16), memory GiB, memory bandwidth GB/s, intra-node link, host link, kind
+# name: tflops (fp32, tf32, fp16, bf16; bf16 None without bf16 tensor cores), memory GiB, memory bandwidth
+# GB/s, intra-node link, host link, kind
 CATALOG: dict[str, dict] = {
-    "H100-SXM": dict(tflops_fp32=67.0, tflops_tf32=494.5, tflops_bf16=989.0, memory_GiB=80,
+    "H100-SXM": dict(tflops_fp32=67.0, tflops_tf32=494.5, tflops_fp16=989.0, tflops_bf16=989.0, memory_GiB=80,
                      memory_bandwidth_GBps=3350, intra_node=_nvlink(450, "NVLink4"), host_link=PCIE5),
-    "H200": dict(tflops_fp32=67.0, tflops_tf32=494.5, tflops_bf16=989.0, memory_GiB=141,
+    "H200": dict(tflops_fp32=67.0, tflops_tf32=494.5, tflops_fp16=989.0, tflops_bf16=989.0, memory_GiB=141,
                  memory_bandwidth_GBps=4800, intra_node=_nvlink(450, "NVLink4"), host_link=PCIE5),
-    "A100-40GB": dict(tflops_fp32=19.5, tflops_tf32=156.0, tflops_bf16=312.0, memory_GiB=40,
+    "A100-40GB": dict(tflops_fp32=19.5, tflops_tf32=156.0, tflops_fp16=312.0, tflops_bf16=312.0, memory_GiB=40,
                       memory_bandwidth_GBps=1555, intra_node=_nvlink(300, "NVLink3"), host_link=PCIE4),
-    "A100-80GB": dict(tflops_fp32=19.5, tflops_tf32=156.0, tflops_bf16=312.0, memory_GiB=80,
+    "A100-80GB": dict(tflops_fp32=19.5, tflops_tf32=156.0, tflops_fp16=312.0, tflops_bf16=312.0, memory_GiB=80,
                       memory_bandwidth_GBps=2039, intra_node=_nvlink(300, "NVLink3"), host_link=PCIE4),
-    "V100-16GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_bf16=125.0, memory_GiB=16,
+    "V100-16GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_fp16=125.0, tflops_bf16=None, memory_GiB=16,
                       memory_bandwidth_GBps=900, intra_node=_nvlink(150, "NVLink2"), host_link=PCIE3),
-    "V100-32GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_bf16=125.0, memory_GiB=32,
+    "V100-32GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_fp16=125.0, tflops_bf16=None, memory_GiB=32,
                       memory_bandwidth_GBps=900, intra_node=_nvlink(150, "NVLink2"), host_link=PCIE3),
-    "T4": dict(tflops_fp32=8.1, tflops_tf32=8.1, tflops_bf16=65.0, memory_GiB=16,
+    "T4": dict(tflops_fp32=8.1, tflops_tf32=8.1, tflops_fp16=65.0, tflops_bf16=None, memory_GiB=16,
                memory_bandwidth_GBps=320, intra_node=PCIE3, host_link=PCIE3),
-    "A10": dict(tflops_fp32=31.2, tflops_tf32=62.5, tflops_bf16=125.0, memory_GiB=24,
+    "A10": dict(tflops_fp32=31.2, tflops_tf32=62.5, tflops_fp16=125.0, tflops_bf16=125.0, memory_GiB=24,
                 memory_bandwidth_GBps=600, intra_node=PCIE4, host_link=PCIE4),
-    "A10G": dict(tflops_fp32=31.2, tflops_tf32=35.0, tflops_bf16=70.0, memory_GiB=24,
+    "A10G": dict(tflops_fp32=31.2, tflops_tf32=35.0, tflops_fp16=70.0, tflops_bf16=70.0, memory_GiB=24,
                  memory_bandwidth_GBps=600, intra_node=PCIE4, host_link=PCIE4),
-    "L4": dict(tflops_fp32=30.3, tflops_tf32=60.0, tflops_bf16=121.0, memory_GiB=24,
+    "L4": dict(tflops_fp32=30.3, tflops_tf32=60.0, tflops_fp16=121.0, tflops_bf16=121.0, memory_GiB=24,
                memory_bandwidth_GBps=300, intra_node=PCIE4, host_link=PCIE4),
-    "L40S": dict(tflops_fp32=91.6, tflops_tf32=183.0, tflops_bf16=362.0, memory_GiB=48,
+    "L40S": dict(tflops_fp32=91.6, tflops_tf32=183.0, tflops_fp16=362.0, tflops_bf16=362.0, memory_GiB=48,
                  memory_bandwidth_GBps=864, intra_node=PCIE4, host_link=PCIE4),
-    "RTX-3090": dict(tflops_fp32=35.6, tflops_tf32=35.6, tflops_bf16=71.0, memory_GiB=24,
+    "RTX-3090": dict(tflops_fp32=35.6, tflops_tf32=35.6, tflops_fp16=71.0, tflops_bf16=71.0, memory_GiB=24,
                      memory_bandwidth_GBps=936, intra_node=PCIE4, host_link=PCIE4),
-    "RTX-4090": dict(tflops_fp32=82.6, tflops_tf32=82.6, tflops_bf16=165.0, memory_GiB=24,
+    "RTX-4090": dict(tflops_fp32=82.6, tflops_tf32=82.6, tflops_fp16=165.0, tflops_bf16=165.0, memory_GiB=24,
                      memory_bandwidth_GBps=1008, intra_node=PCIE4, host_link=PCIE4),
-    "RTX-2080Ti": dict(tflops_fp32=13.4, tflops_tf32=13.4, tflops_bf16=53.8, memory_GiB=11,
+    "RTX-2080Ti": dict(tflops_fp32=13.4, tflops_tf32=13.4, tflops_fp16=53.8, tflops_bf16=None, memory_GiB=11,
                        memory_bandwidth_GBps=616, intra_node=PCIE3, host_link=PCIE3),
-    "TITAN-RTX": dict(tflops_fp32=16.3, tflops_tf32=16.3, tflops_bf16=130.0, memory_GiB=24,
+    "TITAN-RTX": dict(tflops_fp32=16.3, tflops_tf32=16.3, tflops_fp16=130.0, tflops_bf16=None, memory_GiB=24,
                       memory_bandwidth_GBps=672, intra_node=PCIE3, host_link=PCIE3),
-    "MI250X": dict(tflops_fp32=47.9, tflops_tf32=95.7, tflops_bf16=383.0, memory_GiB=128,
+    "MI250X": dict(tflops_fp32=47.9, tflops_tf32=95.7, tflops_fp16=383.0, tflops_bf16=383.0, memory_GiB=128,
                    memory_bandwidth_GBps=3200, intra_node={"bandwidth_GBps": 200.0, "latency_us": 3.0,
                                                            "kind": "InfinityFabric"}, host_link=PCIE4),
-    "MI300X": dict(tflops_fp32=163.4, tflops_tf32=653.7, tflops_bf16=1307.0, memory_GiB=192,
+    "MI300X": dict(tflops_fp32=163.4, tflops_tf32=653.7, tflops_fp16=1307.0, tflops_bf16=1307.0, memory_GiB=192,
                    memory_bandwidth_GBps=5300, intra_node={"bandwidth_GBps": 448.0, "latency_us": 3.0,
                                                            "kind": "InfinityFabric"}, host_link=PCIE5),
     # 32 GB of memory (shared with the board's CPU) as on the 32 GB module; the compute figures are the 64 GB
     # module's (2048 cores at 1.3 GHz); the 32 GB module's GPU (1792 cores at 930 MHz) peaks at ~3.3 fp32 and
     # ~26.7 fp16 TFLOP/s.
-    "Jetson-AGX-Orin": dict(tflops_fp32=5.3, tflops_tf32=5.3, tflops_bf16=42.5, memory_GiB=32,
+    "Jetson-AGX-Orin": dict(tflops_fp32=5.3, tflops_tf32=5.3, tflops_fp16=42.5, tflops_bf16=42.5, memory_GiB=32,
                             memory_bandwidth_GBps=204.8, intra_node={"bandwidth_GBps": 100.0,
                                                                      "latency_us": 1.0, "kind": "shared"},
                             host_link={"bandwidth_GBps": 100.0, "latency_us": 1.0, "kind": "unified"},
@@ -68,15 +82,14 @@ CATALOG: dict[str, dict] = {
     # Jetson Orin NX 16GB module: 1024-core Ampere GPU (8 SMs, 32 tensor cores) at 918 MHz, 16 GB LPDDR5
     # (128-bit, 102.4 GB/s) shared with the CPU; fp32 = 1024 x 2 x 0.918 GHz, tensor fp16 dense = 60 sparse
     # INT8 GPU TOPS / 4.
-    "Jetson-Orin-NX-16GB": dict(tflops_fp32=1.88, tflops_tf32=1.88, tflops_bf16=15.0, memory_GiB=16,
+    "Jetson-Orin-NX-16GB": dict(tflops_fp32=1.88, tflops_tf32=1.88, tflops_fp16=15.0, tflops_bf16=15.0, memory_GiB=16,
                                 memory_bandwidth_GBps=102.4, intra_node={"bandwidth_GBps": 50.0,
                                                                          "latency_us": 1.0, "kind": "shared"},
                                 host_link={"bandwidth_GBps": 50.0, "latency_us": 1.0, "kind": "unified"},
                                 kind="edge"),
     # Jetson Xavier NX 8GB module: 384-core Volta GPU (48 tensor cores) at 1.1 GHz, 8 GB LPDDR4x (59.7 GB/s)
-    # shared with the CPU; no bf16 tensor cores, so tflops_bf16 lists the fp16 tensor peak (48 x 64 FMA x 2
-    # x 1.1 GHz).
-    "Jetson-Xavier-NX-8GB": dict(tflops_fp32=0.845, tflops_tf32=0.845, tflops_bf16=6.76, memory_GiB=8,
+    # shared with the CPU; fp16 tensor cores only (48 x 64 FMA x 2 x 1.1 GHz), no bf16.
+    "Jetson-Xavier-NX-8GB": dict(tflops_fp32=0.845, tflops_tf32=0.845, tflops_fp16=6.76, tflops_bf16=None, memory_GiB=8,
                                  memory_bandwidth_GBps=59.7, intra_node={"bandwidth_GBps": 30.0,
                                                                          "latency_us": 1.0, "kind": "shared"},
                                  host_link={"bandwidth_GBps": 30.0, "latency_us": 1.0, "kind": "unified"},

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from .checks import describe_range, in_range
 from .errors import AutoparError
 
 
@@ -95,11 +97,90 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 CLUSTER_HELP = "cluster file (YAML/JSON) or shorthand like 1x8xA100-80GB"
 
 
+def number(integer: bool = False, **bounds: Any) -> Callable[[str], Any]:
+    """An argparse type: the number, or a usage error naming the valid range (the checks of autopar.checks)."""
+    def parse(text: str) -> Any:
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            value = None
+        if value is None or not in_range(value, integer=integer, **bounds):
+            raise argparse.ArgumentTypeError(f"must be {describe_range(integer=integer, **bounds)}, got {text!r}")
+        return value
+
+    return parse
+
+
+# `autopar run`'s own options: recognized before or after the script (up to a `--`), see split_run_args
+RUN_OPTIONS: dict[str, dict[str, Any]] = {
+    "--cluster": dict(required=True, help=CLUSTER_HELP),
+    "--nproc": dict(type=number(integer=True, low=1), default=None,
+                    help="local processes (default: one per device)"),
+    "--node-rank": dict(type=number(integer=True, low=0), default=None,
+                        help="on a GPU cluster: run this node's share"),
+    "--master": dict(default=None, help="HOST:PORT of the rendezvous (multi-node)"),
+    "--max-restarts": dict(type=number(integer=True, low=0), default=0,
+                           help="torchrun elastic restarts after a failure"),
+    "--dry-run": dict(action="store_true", help="print the torchrun command(s) only"),
+}
+RUN_RULE = ("autopar's own options (" + ", ".join(RUN_OPTIONS) + ") may come before or after the script; every "
+            "other argument after the script goes to the script, and so does everything after `--` (e.g. a "
+            "script option named like one of autopar's): autopar run train.py --cluster c.yaml --lr 0.1 -- "
+            "--nproc 4")
+
+
+def split_run_args(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """`autopar run`'s arguments as (its own options, the script and the script's arguments), by RUN_RULE.
+    Before the script, an unambiguous prefix of an own option counts (argparse's abbreviations)."""
+    own: list[str] = []
+    script: list[str] = []
+    seen: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            script += tokens[i + 1:]
+            break
+        name = tok.split("=", 1)[0]
+        if not script and name.startswith("--") and name not in RUN_OPTIONS:
+            prefixed = [k for k in RUN_OPTIONS if k.startswith(name)]
+            name = prefixed[0] if len(prefixed) == 1 and len(name) > 2 else name
+        if name in RUN_OPTIONS:
+            n = 1 if "=" in tok or RUN_OPTIONS[name].get("action") == "store_true" else 2
+            given = " ".join(tokens[i:i + n])
+            if name in seen:
+                raise AutoparError(f"autopar run: {name} is given twice ({seen[name]!r} and {given!r}); to pass "
+                                   f"{name} to the script, put it after `--`.")
+            seen[name] = given
+            own += tokens[i:i + n]
+            i += n
+        elif not script and tok == "-m":  # `-m module`: the module and what follows are the script
+            script += tokens[i:i + 2]
+            i += 2
+        else:
+            # before the script an unknown option (or -h) is argparse's to report
+            (own if not script and tok.startswith("-") else script).append(tok)
+            i += 1
+    return own, script
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; `autopar run`'s options are first taken out from around the script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        own, script = split_run_args(argv[1:])
+        argv = ["run", *own, *(["--", *script] if script else [])]
+    args = build_parser().parse_args(argv)
+    if args.cmd == "run" and args.script[:1] == ["--"]:  # argparse keeps the `--` in a REMAINDER
+        args.script = args.script[1:]
+    return args
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from .runtime.run import run
 
     if not args.script:
-        raise AutoparError("autopar run needs a script: autopar run --cluster CLUSTER train.py [args...]")
+        raise AutoparError("autopar run needs a script: autopar run train.py --cluster CLUSTER [args...]")
     code = run(args.script, args.cluster, nproc=args.nproc, node_rank=args.node_rank, master=args.master,
                max_restarts=args.max_restarts, dry_run=args.dry_run)
     if code:
@@ -126,32 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     s.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
     s.add_argument("--dump", default=None, help="directory for graph.txt/json/dot (default: $AUTOPAR_DUMP)")
-    s.add_argument("--max-rows", type=int, default=200)
+    s.add_argument("--max-rows", type=number(integer=True, low=1), default=200)
     s.set_defaults(func=cmd_analyze)
     s = sub.add_parser("plan", help="find the fastest parallel plan for a model on a cluster")
     s.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, loss_fn, target])")
     s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     s.add_argument("--json", default=None, help="also write the plan as JSON to this file")
-    s.add_argument("--time-limit", type=float, default=60.0, help="seconds to search (default 60)")
+    s.add_argument("--time-limit", type=number(low=0, low_open=True), default=60.0,
+                   help="seconds to search (default 60)")
     s.add_argument("--precision", default=None, choices=["fp32", "tf32", "bf16", "fp16"],
                    help="default: bf16 mixed precision, fp32 on CPU-only clusters")
     s.add_argument("--optimizer", default="adamw")
-    s.add_argument("--memory-reserve", type=float, default=0.1,
+    s.add_argument("--memory-reserve", type=number(low=0, high=1, high_open=True), default=0.1,
                    help="fraction of each device's memory kept free (default 0.1)")
     s.set_defaults(func=cmd_plan)
-    s = sub.add_parser("run", help="start one process per device of the cluster (torchrun) running a script")
-    s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
-    s.add_argument("--nproc", type=int, default=None, help="local processes (default: one per device)")
-    s.add_argument("--node-rank", type=int, default=None, help="on a GPU cluster: run this node's share")
-    s.add_argument("--master", default=None, help="HOST:PORT of the rendezvous (multi-node)")
-    s.add_argument("--max-restarts", type=int, default=0, help="torchrun elastic restarts after a failure")
-    s.add_argument("--dry-run", action="store_true", help="print the torchrun command(s) only")
+    s = sub.add_parser("run", help="start one process per device of the cluster (torchrun) running a script",
+                       description="Start one process per device of the cluster (torchrun) running a script. "
+                       + RUN_RULE + ".")
+    for name, kwargs in RUN_OPTIONS.items():
+        s.add_argument(name, **kwargs)
     s.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (or -m module [args...])")
     s.set_defaults(func=cmd_run)
     s = sub.add_parser("demo", help="plan a small GPT for a mixed cluster, train it on local processes, "
                        "check it against single-process training")
     s.add_argument("--cluster", default=None, help="default: 1x2xA100-80GB+1x2xT4")
-    s.add_argument("--steps", type=int, default=5)
+    s.add_argument("--steps", type=number(integer=True, low=1), default=5)
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("calibrate", help="time kernels on the local device and save a cost profile")
     s.add_argument("--device", default="local")
@@ -161,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(argv)
         args.func(args)
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)

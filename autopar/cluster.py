@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import ALIASES, CATALOG, DEFAULT_NETWORK, EDGE_NETWORK
-from .errors import ClusterError, close_matches
+from .errors import ClusterError, PlanError, close_matches
+from .host_memory import UNIFIED_KINDS, default_host_memory, total_ram
 
 GiB = 1024**3
 
@@ -50,7 +51,11 @@ class DeviceSpec:
     kind: str = "gpu"  # gpu | cpu | edge
 
     def flops(self, dtype: str) -> float:
-        """Peak FLOP/s for a compute dtype ('fp32', 'tf32', 'bf16', 'fp16')."""
+        """Peak FLOP/s for a compute dtype ('fp32', 'tf32', 'bf16', 'fp16'). PlanError for bf16 on a device
+        without bf16 tensor cores (`tflops_bf16` None: Volta, Turing)."""
+        if dtype == "bf16" and "bf16" not in self.peak_flops:
+            raise PlanError(f"{self.name} cannot compute in bf16 (no bf16 tensor cores); train in fp16 "
+                            f"(precision='fp16', loss-scaled) or fp32 on it.")
         return self.peak_flops.get(dtype, self.peak_flops["fp32"])
 
     def to_dict(self) -> dict:
@@ -58,7 +63,8 @@ class DeviceSpec:
             "name": self.name,
             "tflops_fp32": self.peak_flops["fp32"] / 1e12,
             "tflops_tf32": self.peak_flops["tf32"] / 1e12,
-            "tflops_bf16": self.peak_flops["bf16"] / 1e12,
+            "tflops_fp16": self.peak_flops["fp16"] / 1e12,
+            "tflops_bf16": self.peak_flops["bf16"] / 1e12 if "bf16" in self.peak_flops else None,
             "memory_GiB": self.memory / GiB,
             "memory_bandwidth_GBps": self.memory_bandwidth / 1e9,
             "intra_node": self.intra_node.to_dict(),
@@ -81,6 +87,7 @@ class Node:
     group: int  # node group in the file
     devices: tuple[int, ...]
     intra_node: Link
+    host_memory: int  # bytes of host (CPU) memory the node's devices offload to (host_memory.py)
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,8 @@ class Cluster:
                 if groups and groups[-1]["device"] == n:
                     groups[-1]["devices_per_node"] += 1
                 else:
-                    groups.append({"device": n, "devices_per_node": 1})
+                    # this machine's RAM, measured, rather than a typical server's
+                    groups.append({"device": n, "devices_per_node": 1, "host_memory_GiB": total_ram() / GiB})
             c = _from_dict({"name": "local", "nodes": groups}, where="local")
             if len(groups) == 1:
                 return c
@@ -130,7 +138,7 @@ class Cluster:
             slow = Link(min(x.bandwidth for x in links), max(x.latency for x in links),
                         min(links, key=lambda x: x.bandwidth).kind)
             devices = tuple(Device(d.index, 0, d.index, d.spec) for d in c.devices)
-            node = Node(0, 0, tuple(range(len(devices))), slow)
+            node = Node(0, 0, tuple(range(len(devices))), slow, c.nodes[0].host_memory)
             return Cluster(devices, (node,), c.network, "local", source=c.source)
         cpu = {"name": "local", "nodes": [{"device": "cpu", "devices_per_node": 1}]}
         return _from_dict(cpu, where="local")
@@ -180,7 +188,7 @@ class Cluster:
             if d.node not in node_map:
                 old = self.nodes[d.node]
                 node_map[d.node] = len(nodes)
-                nodes.append(Node(len(nodes), old.group, (), old.intra_node))
+                nodes.append(Node(len(nodes), old.group, (), old.intra_node, old.host_memory))
             n = node_map[d.node]
             local = len(nodes[n].devices)
             nodes[n] = replace(nodes[n], devices=nodes[n].devices + (new_i,))
@@ -188,7 +196,8 @@ class Cluster:
         # Renumber node groups the way to_dict() + load() would: consecutive alike nodes of one old group.
         prev, key, gid = None, None, -1
         for k, node in enumerate(nodes):
-            key = (node.group, len(node.devices), devices[node.devices[0]].spec, node.intra_node)
+            key = (node.group, len(node.devices), devices[node.devices[0]].spec, node.intra_node,
+                   node.host_memory)
             if key != prev:
                 gid += 1
             prev = key
@@ -209,7 +218,7 @@ class Cluster:
                                    f"cannot be written as one.")
             next_index += len(node.devices)
             entry = {"device": spec.to_dict(), "devices_per_node": len(node.devices), "count": 1,
-                     "intra_node": node.intra_node.to_dict()}
+                     "intra_node": node.intra_node.to_dict(), "host_memory_GiB": node.host_memory / GiB}
             last = groups[-1] if groups else None
             if last and node.group == last_group and {k: v for k, v in last.items() if k != "count"} == {
                     k: v for k, v in entry.items() if k != "count"}:
@@ -311,7 +320,7 @@ def _read_file(path: Path) -> dict:
 
 
 _TOP_KEYS = ("name", "nodes", "network")
-_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node")
+_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node", "host_memory_GiB")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us", "kind")
 _DEVICE_KEYS = ("name", "based_on", "tflops_fp32", "tflops_tf32", "tflops_bf16", "tflops_fp16", "memory_GiB",
                 "memory_bandwidth_GBps", "intra_node", "host_link", "kind")
@@ -425,12 +434,15 @@ def _spec_from_mapping(m: dict, where: str) -> DeviceSpec:
                                              if hint else ""))
     fp32 = _number(m["tflops_fp32"], f"{where}.tflops_fp32")
     tf32 = _number(m.get("tflops_tf32", fp32), f"{where}.tflops_tf32")
-    bf16 = _number(m.get("tflops_bf16", fp32), f"{where}.tflops_bf16")
-    fp16 = _number(m.get("tflops_fp16", bf16), f"{where}.tflops_fp16")
+    # tflops_bf16 None (the catalog's Volta/Turing boards): no bf16; absent: runs bf16 at the fp32 rate
+    bf16 = None if m.get("tflops_bf16", fp32) is None else _number(m.get("tflops_bf16", fp32),
+                                                                    f"{where}.tflops_bf16")
+    fp16 = _number(m.get("tflops_fp16", fp32 if bf16 is None else bf16), f"{where}.tflops_fp16")
     kind = str(m.get("kind", "gpu"))
     return DeviceSpec(
         name=str(m["name"]),
-        peak_flops={"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": fp16 * 1e12},
+        peak_flops={"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "fp16": fp16 * 1e12,
+                    **({} if bf16 is None else {"bf16": bf16 * 1e12})},
         memory=int(_number(m["memory_GiB"], f"{where}.memory_GiB") * GiB),
         memory_bandwidth=_number(m["memory_bandwidth_GBps"], f"{where}.memory_bandwidth_GBps") * 1e9,
         intra_node=_link(m.get("intra_node"), f"{where}.intra_node", _PCIE3_DEFAULT),
@@ -464,13 +476,25 @@ def _from_dict(d: dict, where: str) -> Cluster:
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ClusterError(f"{gw}.{key} must be a positive integer, got {val!r}.")
         intra = _link(g.get("intra_node"), f"{gw}.intra_node", spec.intra_node.to_dict())
+        host = _host_memory(g, gw, spec, per)
         for _ in range(count):
             idx = tuple(range(len(devices), len(devices) + per))
-            nodes.append(Node(len(nodes), g_i, idx, intra))
+            nodes.append(Node(len(nodes), g_i, idx, intra, host))
             devices.extend(Device(i, len(nodes) - 1, k, spec) for k, i in enumerate(idx))
     default_net = EDGE_NETWORK if all(dev.spec.kind == "edge" for dev in devices) else DEFAULT_NETWORK
     network = _link(d.get("network"), f"{where}: network", default_net)
     return Cluster(tuple(devices), tuple(nodes), network, str(d.get("name") or "cluster"), source=d)
+
+
+def _host_memory(g: dict, where: str, spec: DeviceSpec, per: int) -> int:
+    """Bytes of host memory of one node of group `g`: its `host_memory_GiB`, else the default for its
+    device type (host_memory.py)."""
+    if g.get("host_memory_GiB") is None:
+        dev = g["device"]
+        based_on = str(dev.get("based_on")) if isinstance(dev, dict) and dev.get("based_on") else None
+        return default_host_memory(spec.name, spec.kind, spec.memory, per, based_on)
+    return int(_number(g["host_memory_GiB"], f"{where}.host_memory_GiB (GiB of CPU memory per node)",
+                       allow_zero=True) * GiB)
 
 
 def _catalog_name_for_gpu(name: str, index: int) -> str | dict:
@@ -497,16 +521,18 @@ def _catalog_name_for_gpu(name: str, index: int) -> str | dict:
 
 def catalog_table() -> str:
     """The device catalog as a text table (what `autopar devices` prints)."""
-    rows = [("device", "fp32 TF", "tf32 TF", "bf16 TF", "mem GiB", "mem GB/s", "intra-node link",
-             "host link")]
+    rows = [("device", "fp32 TF", "tf32 TF", "fp16 TF", "bf16 TF", "mem GiB", "mem GB/s", "intra-node link",
+             "host link", "host GiB/dev")]
     for name in CATALOG:
         s = _spec_from_mapping({"name": name, **CATALOG[name]}, name)
-        rows.append((name, f"{s.peak_flops['fp32'] / 1e12:g}", f"{s.peak_flops['tf32'] / 1e12:g}",
-                     f"{s.peak_flops['bf16'] / 1e12:g}", f"{s.memory / GiB:g}",
+        tf = {k: f"{v / 1e12:g}" for k, v in s.peak_flops.items()}
+        rows.append((name, tf["fp32"], tf["tf32"], tf["fp16"], tf.get("bf16", "-"), f"{s.memory / GiB:g}",
                      f"{s.memory_bandwidth / 1e9:g}",
                      f"{s.intra_node.kind} {s.intra_node.bandwidth / 1e9:g} GB/s",
-                     f"{s.host_link.kind} {s.host_link.bandwidth / 1e9:g} GB/s"))
-    rows.append(("cpu", "measured", "", "", "host RAM", "measured", "-", "-"))
+                     f"{s.host_link.kind} {s.host_link.bandwidth / 1e9:g} GB/s",
+                     "shared" if s.kind in UNIFIED_KINDS
+                     else f"{default_host_memory(name, s.kind, s.memory, 1) / GiB:g}"))
+    rows.append(("cpu", "measured", "", "", "", "host RAM", "measured", "-", "-", "shared"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

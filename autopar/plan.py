@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checks import check_number
 from .errors import PlanError
 from .report import dump_dir, fmt_bytes, fmt_count, fmt_time, render_table
 from .schedule import Schedule, make_schedule
@@ -52,7 +53,7 @@ class Stage:
     sharding: dict[str, str] | None = None
     # fwd_s/bwd_s: one full micro-batch; fwd_small_s/bwd_small_s: one of microbatch_size - 1 samples;
     # send_s: activation transfer to the next stage; sync_s: end-of-step gradient sync and optimizer step;
-    # compute_s, comm_s, bubble_s: per step. Seconds throughout.
+    # compute_s, comm_s, bubble_s (pipeline bubble, see Plan.predicted): per step. Seconds throughout.
     predicted: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -91,7 +92,10 @@ class Plan:
     model: dict  # name, num_layers (coarse chain), params, layer_names
     pipelines: list[Pipeline]
     # step_time_s, samples_per_s, tflops_per_device, mfu, peak_memory_bytes and memory_capacity_bytes
-    # (device index -> bytes), bubble_fraction
+    # (device index -> bytes); fits and memory_problems (why not); the step's idle time per device, as
+    # fractions of it averaged over devices: bubble_fraction (the pipeline bubble: waiting for other
+    # stages while the pipeline computes), exposed_sync_fraction (its gradient sync and optimizer step
+    # after the last backward), replica_wait_fraction (waiting for slower replicas)
     predicted: dict[str, Any] = field(default_factory=dict)
     memory_reserve: float = 0.1
     # expert parallelism (MoE): None, or a dict describing how experts are spread (see solver/experts.py)
@@ -257,6 +261,35 @@ def _layer_label(plan: Plan, start: int, end: int) -> str:
     return names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]} ({end - start})"
 
 
+MAX_PROBLEM_LINES = 8  # the rest are in predicted["memory_problems"]
+
+
+def _does_not_fit(problems: list[str]) -> list[str]:
+    shown = problems[:MAX_PROBLEM_LINES]
+    more = [f"  ... and {len(problems) - len(shown)} more (predicted['memory_problems'])"] \
+        if len(problems) > len(shown) else []
+    return ([f"DOES NOT FIT in memory ({len(problems)} problem(s)); the predictions below are for a run that "
+             f"would fail:"] + [f"  {p}" for p in shown] + more)
+
+
+def _idle_tail(pr: dict[str, Any]) -> str:
+    """The idle time that is not pipeline bubble: the end-of-step gradient sync and optimizer step after the
+    last backward (nothing left to overlap them with) and waiting for slower data-parallel replicas."""
+    text = f", gradient sync not overlapped {100 * pr.get('exposed_sync_fraction', 0.0):.1f}%"
+    wait = pr.get("replica_wait_fraction", 0.0)
+    return text + (f", waiting for slower replicas {100 * wait:.1f}%" if wait >= 5e-4 else "")
+
+
+def compute_description(precision: str, device: str = "") -> str:
+    """What a device computes in under a plan's precision (what runtime/precision.py runs)."""
+    if precision in ("bf16", "fp16"):
+        scaled = ", dynamic loss scaling" if precision == "fp16" else ""
+        return f"{precision} autocast, fp32 master weights / optimizer state / gradient reduction{scaled}"
+    if precision == "tf32":
+        return "fp32 (no TF32 on CPUs)" if device == "cpu" else "fp32 storage, TF32 matmuls and convolutions"
+    return f"{precision} throughout"
+
+
 def explain(plan: Plan) -> str:
     pr = plan.predicted
     names = plan.device_names()
@@ -264,18 +297,24 @@ def explain(plan: Plan) -> str:
     cap = pr.get("memory_capacity_bytes", {})
     n_dp = len(plan.pipelines)
     sched = plan.schedule + (f" x{plan.chunks} chunks" if plan.chunks > 1 else "")
-    lines = [
+    wire = plan.precision if plan.precision in ("bf16", "fp16") else "-"  # mixed precision sends 2-byte values
+    # a plan that does not fit says so before any figure: its speed is that of a run that would fail
+    lines = _does_not_fit(pr.get("memory_problems") or []) if pr.get("fits") is False else []
+    lines += [
         f"model {plan.model.get('name', '?')}: {fmt_count(plan.model.get('params', 0))} params, "
         f"{plan.model.get('num_layers', '?')} layers in the coarse chain",
         f"cluster {plan.cluster.get('name', '?')}: {plan.world_size} devices; "
         f"global batch {plan.global_batch}, {plan.precision}, optimizer {plan.optimizer}, schedule {sched}, "
         f"{n_dp} data-parallel "
         f"pipeline(s)",
+        "compute: " + "; ".join(f"{t}: {compute_description(plan.precision, t)}"
+                                for t in dict.fromkeys(names.values())),
     ]
     if "step_time_s" in pr:
         lines.append(f"predicted: {fmt_time(pr['step_time_s'])}/step, {pr['samples_per_s']:.4g} samples/s, "
                      f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
-                     f"bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%")
+                     f"pipeline bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%"
+                     + _idle_tail(pr))
     if plan.experts:
         ex = plan.experts
         lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"
@@ -299,7 +338,8 @@ def explain(plan: Plan) -> str:
                 label, str(j), _layer_label(plan, *s.layers), _ranges(devs), names.get(s.devices[0], "?"),
                 str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
                 f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), "yes" if s.recompute else "no",
-                "+".join(s.offload) or "-", s.compress or "-", fmt_time(sp.get("compute_s", 0.0)),
+                "+".join(s.offload) or "-", s.compress or (wire if j + 1 < len(p.stages) else "-"),
+                fmt_time(sp.get("compute_s", 0.0)),
                 fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
                 f"{fmt_bytes(mem)} / {fmt_bytes(capacity)}"
                 + (f" ({100 * mem / capacity:.0f}%)" if capacity else ""),
@@ -308,7 +348,7 @@ def explain(plan: Plan) -> str:
     lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
                  f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
                  f"gradient sync")
-    if any(s.compress for p in plan.pipelines for s in p.stages):
+    if any(s.compress or (wire != "-" and len(p.stages) > 1) for p in plan.pipelines for s in p.stages):
         lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
                      "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "
                      "element and transfer; fp16 2^-11 but overflows above 65504)")
@@ -344,15 +384,29 @@ class Strategy:
     compress: str | None = None
     ep: int = 1  # expert-parallel degree: consecutive groups of ep replicas share their MoE experts
 
+    def check(self) -> None:
+        """PlanError naming the field when a count or size is not a number of the right kind (ranges that
+        need the model and the cluster to judge are `plan_from_strategy`'s, which calls this)."""
+        for name in ("dp", "tp", "pp", "ep"):
+            check_number(f"Strategy.{name}", getattr(self, name), integer=True, low=1)
+        for name in ("microbatch_size", "chunks"):
+            check_number(f"Strategy.{name}", getattr(self, name), integer=True, low=1, optional=True)
+        check_number("Strategy.zero", self.zero, integer=True)
+        for name in ("layer_split", "batch_split"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+                raise PlanError(f"Strategy.{name} must be a list of integers or None, got {value!r}.")
+            for i, v in enumerate(value):
+                check_number(f"Strategy.{name}[{i}]", v, integer=True)
+
 
 def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int, num_layers: int,
                        first_block: int, num_blocks: int, **plan_fields: Any) -> Plan:
     """The Plan (without predictions) a Strategy describes; PlanError when it is inconsistent."""
     st = strategy
-    for name in ("dp", "tp", "pp"):
-        v = getattr(st, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PlanError(f"Strategy.{name} must be a positive integer, got {v!r}.")
+    st.check()
     if st.dp * st.tp * st.pp != world_size:
         raise PlanError(f"dp * tp * pp = {st.dp} * {st.tp} * {st.pp} = {st.dp * st.tp * st.pp}, but the "
                         f"cluster has {world_size} devices; every device must get one tensor-parallel "
@@ -418,7 +472,8 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
 
 @dataclass
 class Estimate:
-    """The priced form of a Strategy: the same figures as Plan.predicted, and whether it fits."""
+    """The priced form of a Strategy: its Plan, whose `predicted` also says whether it fits (`fits`) and,
+    when not, why (`memory_problems`); `explain()` starts with DOES NOT FIT then."""
 
     plan: Plan
     fits: bool
@@ -429,10 +484,7 @@ class Estimate:
         return self.plan.predicted
 
     def explain(self) -> str:
-        text = self.plan.explain()
-        if self.memory_problems:
-            text += "\nDOES NOT FIT:\n  " + "\n  ".join(self.memory_problems)
-        return text
+        return self.plan.explain()
 
 
 __all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule", "explain",

@@ -22,8 +22,12 @@ CUDA = torch.cuda.is_available()
 R, H, V = (8192, 1024, 8192) if CUDA else (256, 96, 512)  # rows, hidden, classes; small under the interpreter
 
 
-def cases() -> dict[str, tuple[Callable, list[tuple[int, ...]], dict]]:
+Case = tuple[Callable, list[tuple[int, ...]], dict]
+
+
+def cases(rows: int = R, hidden: int = H, classes: int = V) -> dict[str, Case]:
     """region kind -> (function, input shapes, integer inputs {index: (high, shape)})."""
+    R, H, V = rows, hidden, classes
     return {
         "elementwise": (lambda x, y: torch.tanh(x) * torch.sigmoid(y) + x * 0.5 - torch.exp(-y.abs()),
                         [(R, H), (R, H)], {}),
@@ -66,49 +70,61 @@ def _step(fn: Callable, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], lis
     return [o.detach() for o in outs], list(grads)
 
 
-def _time_ms(fn: Callable, xs: list[torch.Tensor], reps: int = 20) -> float:
-    for _ in range(3):
-        _step(fn, xs)
+def cuda_ms(call: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of `call()` timed by CUDA events, after `warmup` calls."""
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _step(fn, xs)
+        call()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
+def _time_ms(fn: Callable, xs: list[torch.Tensor], reps: int = 20) -> float:
+    return cuda_ms(lambda: _step(fn, xs), reps)
+
+
+def check(kind: str, case: Case, device: str, timed: bool, inductor: bool = True) -> dict:
+    """One region kind: capture, fuse with apply_kernels("triton"), compare forward and gradients with the
+    unfused graph (not for dropout) and, when `timed` (CUDA), median ms of eager, fused (and inductor)."""
+    fn, shapes, ints = case
+    xs = _inputs(shapes, ints, device)
+    gm = torch.export.export(_Fn(fn), tuple(xs), strict=False).graph_module
+    fused, report = apply_kernels(gm, "triton")
+    row: dict = {"kind": kind, "shape": "x".join(map(str, shapes[0])),
+                 "regions": ",".join(r.kind for r in report.fused) or "-"}
+    if kind != "dropout":  # a different random stream than torch's: compared by its own test
+        ref_out, ref_grads = _step(gm, xs)
+        out, grads = _step(fused, xs)
+        err = lambda xs, ys: max((a - b).abs().max().item() for a, b in zip(xs, ys, strict=True))
+        row["max_abs_err_fwd"], row["max_abs_err_bwd"] = err(out, ref_out), err(grads, ref_grads)
+        row["max_rel_err"] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+                                 for a, b in zip(out + grads, ref_out + ref_grads, strict=True))
+    # forward bytes the cost model prices: as separate torch ops, as the fused kernel(s)
+    row["bytes_torch"] = sum(r.bytes_before for r in report.fused)
+    row["bytes_fused"] = sum(r.bytes_after for r in report.fused)
+    notes = [n for r in report.regions for n in r.notes]
+    row["kernels_ran"] = "no: " + notes[0][:60] if notes else "yes"  # a failed kernel falls back to torch
+    if timed:
+        row["eager_ms"] = _time_ms(fn, xs)
+        row["kernel_ms"] = _time_ms(fused, xs)
+        row["speedup_vs_eager"] = row["eager_ms"] / row["kernel_ms"]
+        if inductor:
+            row["inductor_ms"] = _time_ms(torch.compile(fn), xs)
+            row["speedup_vs_inductor"] = row["inductor_ms"] / row["kernel_ms"]
+    return row
+
+
 def main() -> None:
     device = "cuda" if CUDA else "cpu"
     rows = []
-    for kind, (fn, shapes, ints) in cases().items():
-        xs = _inputs(shapes, ints, device)
-        gm = torch.export.export(_Fn(fn), tuple(xs), strict=False).graph_module
-        fused, report = apply_kernels(gm, "triton")
-        row: dict = {"kind": kind, "shape": "x".join(map(str, shapes[0])),
-                     "regions": ",".join(r.kind for r in report.fused) or "-"}
-        if kind != "dropout":  # a different random stream than torch's: compared by its own test
-            ref_out, ref_grads = _step(gm, xs)
-            out, grads = _step(fused, xs)
-            err = lambda xs, ys: max((a - b).abs().max().item() for a, b in zip(xs, ys, strict=True))
-            row["max_abs_err_fwd"], row["max_abs_err_bwd"] = err(out, ref_out), err(grads, ref_grads)
-            row["max_rel_err"] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-                                     for a, b in zip(out + grads, ref_out + ref_grads, strict=True))
-        # forward bytes the cost model prices: as separate torch ops, as the fused kernel(s)
-        row["bytes_torch"] = sum(r.bytes_before for r in report.fused)
-        row["bytes_fused"] = sum(r.bytes_after for r in report.fused)
-        notes = [n for r in report.regions for n in r.notes]
-        row["kernels_ran"] = "no: " + notes[0][:60] if notes else "yes"  # a failed kernel falls back to torch
-        if CUDA:
-            inductor = torch.compile(fn)
-            row["eager_ms"] = _time_ms(fn, xs)
-            row["kernel_ms"] = _time_ms(fused, xs)
-            row["inductor_ms"] = _time_ms(inductor, xs)
-            row["speedup_vs_eager"] = row["eager_ms"] / row["kernel_ms"]
-            row["speedup_vs_inductor"] = row["inductor_ms"] / row["kernel_ms"]
-        rows.append(row)
+    for kind, case in cases().items():
+        rows.append(check(kind, case, device, timed=CUDA))
         print(f"{kind}: done", file=sys.stderr)
     cols = ["kind", "shape", "regions", "kernels_ran", "bytes_torch", "bytes_fused", "max_abs_err_fwd",
             "max_abs_err_bwd", "max_rel_err"]

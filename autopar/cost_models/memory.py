@@ -1,9 +1,19 @@
 """Training-state memory: parameters, gradients and optimizer state per parameter.
 
-Mixed precision ("bf16"/"fp16") keeps low-precision weights and gradients plus an fp32 master copy
-(2 + 2 + 4 bytes per parameter, Micikevicius et al.); fp32 training keeps 4 + 4. Optimizer state on top:
-SGD with momentum 4 bytes per parameter (plain SGD 0), Adam/AdamW 8 (exp_avg, exp_avg_sq in fp32).
-Mixed-precision AdamW therefore costs 16 bytes per parameter, as in the ZeRO paper.
+What the runtime keeps (runtime/precision.py). fp32/tf32 training: 4-byte weights and 4-byte gradients.
+Mixed precision ("bf16"/"fp16") runs the forward under torch.autocast: the parameters stay fp32 and are
+the master weights themselves, their gradients arrive and are reduced in fp32, so the state is the same
+4 + 4 bytes (not 2 + 2 + a 4-byte master copy as in Micikevicius et al.'s scheme, which the runtime does
+not use). Optimizer state on top: SGD with momentum 4 bytes per parameter (plain SGD 0), Adam/AdamW 8
+(exp_avg, exp_avg_sq in fp32); AdamW therefore costs 16 bytes per parameter in every precision.
+
+Besides the state, autocast makes a 2-byte copy of each weight a matmul / linear / convolution uses, once
+per stage forward, and the op keeps it for its backward: `cast_copy` = 2 bytes per such parameter per
+micro-batch in flight (0 in fp32/tf32); it is not part of `total`. Activations in mixed precision are
+priced at 2 bytes per element (passes/annotate.py PRECISIONS): autocast's matmul outputs are bf16/fp16,
+but ops on its fp32 list (softmax, log-softmax, cross-entropy, norms on CUDA) and type promotion (a
+residual add of an fp32 stream) keep some activations in fp32, so the 2-byte figure is a lower bound
+there; stage transfers do travel in 2 bytes (runtime/precision.py).
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ class StateBytes:
 
     weights: int
     grads: int
-    optimizer: int  # optimizer moments plus the fp32 master copy in mixed precision
+    optimizer: int  # optimizer moments (the fp32 weights are the master weights in mixed precision)
+    cast_copy: int = 0  # autocast's low-precision weight copy, per parameter and micro-batch in flight
 
     @property
     def total(self) -> int:
@@ -44,10 +55,9 @@ def optimizer_name(optimizer: object) -> str:
 
 
 def state_bytes_per_param(optimizer: object = "adamw", precision: str = "fp32") -> StateBytes:
+    """Bytes per parameter the runtime keeps for `optimizer` in `precision` (module docstring)."""
     opt = OPTIMIZER_STATE_BYTES[optimizer_name(optimizer)]
-    if precision in ("bf16", "fp16"):
-        return StateBytes(weights=2, grads=2, optimizer=opt + 4)
-    return StateBytes(weights=4, grads=4, optimizer=opt)
+    return StateBytes(weights=4, grads=4, optimizer=opt, cast_copy=2 if precision in ("bf16", "fp16") else 0)
 
 
 def training_state_bytes(graph: TrainingGraph, optimizer: object = "adamw", precision: str = "fp32") -> dict:

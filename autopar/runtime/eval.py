@@ -39,7 +39,7 @@ def eval_step(prog: Program, inputs: tuple) -> Any:
     with naming_lost_ranks(prog.rank, f"eval after step {prog.step_count}"), torch.no_grad():
         local = None
         if prog.position is not None:
-            prog.zero.prepare()
+            prog.zero.prepare(whole=True)
             local = _forward(prog, inputs)
             prog.zero.release()
         sources = [p.stages[-1].ranks[0] for p in sorted(prog.layout.pipelines, key=lambda p: p.batch_offset)]

@@ -20,7 +20,7 @@ from .program import OptimizerFactory, make_optimizer
 
 def speed_shares(cluster: Cluster, batch: int) -> list[int]:
     """Integer batch shares proportional to each device's peak FLOP/s (largest remainders), each >= 1."""
-    speeds = [d.spec.flops("bf16" if d.spec.kind != "cpu" else "fp32") for d in cluster.devices]
+    speeds = [d.spec.flops("fp16" if d.spec.kind != "cpu" else "fp32") for d in cluster.devices]
     if batch < len(speeds):
         raise CaptureError(f"the replicated fallback needs a global batch of at least {len(speeds)} samples "
                            f"(one per device), got {batch}.")

@@ -34,10 +34,14 @@ from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack,
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
-from .layout import COMPRESS_DTYPES, Layout, PipelineLayout
+from .layered import layer_calls, layered, node_layers
+from .layout import Layout, PipelineLayout
+from .precision import PrecisionPolicy
 from .straggler import StageTimer, StragglerReport
 from .tensor_parallel import TPSpec, TPStage, megatron_spec, sharding_spec
+from .weights import ModelWeights, WeightsArg
 from .zero import ZeroRuntime, check_stage_options, offload_activations, params_by_layer, zero_levels
+from .zero_layers import LayerwiseMemory, layerwise_params, streamed_params
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -77,7 +81,8 @@ class Program:
     def __init__(self, model: nn.Module, layout: Layout | None, example_inputs: tuple, example_target: Any,
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
                  plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 layout_fn: Callable[[int], Layout] | None = None, kernels: str = "auto") -> None:
+                 layout_fn: Callable[[int], Layout] | None = None, kernels: str = "auto",
+                 weights: WeightsArg = None) -> None:
         self.plan = plan
         self.kernels = kernels
         self.kernel_reports: dict[tuple[int, int], Any] = {}
@@ -87,8 +92,12 @@ class Program:
         self.step_count = 0
         self.timer = StageTimer(rank)  # forward/backward seconds per step, for straggler_report()
         self._model = model
+        # values of this rank's tensors (weights.py): `weights` is checked against the model before any collective
+        self._weights = ModelWeights(model, weights)
+        example_inputs, example_target = self._weights.capture_args(example_inputs, example_target)
         # where received messages land: the model's device (NCCL needs CUDA buffers, gloo takes CPU ones)
-        self.device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        self.device = self._weights.device
+        self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
         self.graph = capture(model, example_inputs, loss_fn, example_target)
         if layout is None:
@@ -130,8 +139,6 @@ class Program:
                 self.tp = TPStage(mesh, spec)
                 if self.experts:
                     self.experts.adapt_tp(self.tp, spec_graph)
-        named = dict(model.named_parameters(remove_duplicate=False))
-        named.update(dict(model.named_buffers(remove_duplicate=False)))
         self._stages: dict[tuple[int, int], StageProgram] = {}  # (stage, micro-batch size) -> program
         self.params: dict[str, nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
@@ -140,17 +147,22 @@ class Program:
             for size in sorted(set(pipe.microbatch_sizes)):
                 programs = self._capture_stages(model, example_inputs, example_target, pipe, size)
                 for s in self.position.stages:
-                    self._stages[(s, size)] = self._with_kernels(programs[s], s, size)
+                    self._stages[(s, size)] = self.amp.prepare(programs[s])
             for st in self._stages.values():
+                self._weights.retarget(st)  # a meta capture names the meta device
                 for name in st.params:
                     if name not in self.params:
-                        full = named[name].detach().clone()
-                        if self.experts and (full := self.experts.local_value(name, full)) is None:
+                        value = self._weights.param(name, self.tp, self.experts)
+                        if value is None:
                             continue  # another rank's expert: the stage gets a placeholder
-                        self.params[name] = nn.Parameter(self.tp.shard(name, full) if self.tp else full)
+                        self.params[name] = nn.Parameter(value)
                 for name in st.buffers:
-                    self.buffers.setdefault(name, named[name].detach().clone())
+                    if name not in self.buffers:
+                        self.buffers[name] = self._weights.buffer(name)
         self.zero = self._zero_runtime()
+        self.layers = self._layer_hooks()
+        for (s, size), st in self._stages.items():
+            self._with_kernels(st, s, size)
         self.grad_sync = self._bucketed_sync()
         self.optimizer = self.zero.build_optimizer(lambda params: make_optimizer(optimizer, params))
         if world_size > 1:
@@ -177,6 +189,26 @@ class Program:
         return ZeroRuntime(self.params, self.holders, levels, sizes, offload,
                            self.rank, my_group, self.groups, self.tp, self.timeout_s)
 
+    def _layer_hooks(self) -> LayerwiseMemory | None:
+        """Run stages layer by layer where the plan's memory actions are per layer: recompute per block, and
+        ZeRO-2/3 gathers and gradient reductions and offloaded parameters streamed per layer (layered.py,
+        zero_layers.py). Tensor-parallel and
+        expert-parallel stages keep whole-stage programs (their recompute is one checkpoint per stage)."""
+        self._layered: set[int] = set()
+        if self.position is None or self.tp is not None or self.experts:
+            return None
+        offloaded = {n for n, st in self.zero.state.items() if st.offload_params}
+        levels = {n: st.level for n, st in self.zero.state.items()}
+        hooks = LayerwiseMemory(self.zero, layerwise_params(self.graph, self.layout, levels, offloaded),
+                                streamed_params(self.graph, levels, offloaded))
+        for (s, _), st in self._stages.items():
+            stage = self.pipeline.stages[s]
+            recompute = {i for i in range(*stage.layers) if stage.recompute and self.graph.layers[i].kind == "block"}
+            if recompute or hooks.layers() & set(range(*stage.layers)):
+                st.gm = layered(st.gm, node_layers(st.gm, st.node_layers, stage.layers[0]), hooks, recompute)  # type: ignore[attr-defined]
+                self._layered.add(s)
+        return hooks if hooks else None
+
     def _bucketed_sync(self) -> BucketedGradSync | None:
         """DDP-style overlapped gradient all-reduce where the layout is plain data parallel (grad_sync.py)."""
         if self.world_size == 1 or self.position is None or not self.params or self.experts \
@@ -201,20 +233,29 @@ class Program:
             raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                             f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
         programs = split_stages(g, pipe.bounds())
+        layer_of = {name: node.layer for name, node in g.nodes.items()}
         for st in programs:
             st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
+            st.node_layers = layer_of  # type: ignore[attr-defined]
         return programs
 
-    def _with_kernels(self, st: StageProgram, stage: int, size: int) -> StageProgram:
-        """Swap fusible regions of a stage program for generated Triton kernels (see codegen/kernels.py)."""
+    def _with_kernels(self, st: StageProgram, stage: int, size: int) -> None:
+        """Swap fusible regions of a stage program for generated Triton kernels (see codegen/kernels.py);
+        in a layered stage each layer's program on its own, so regions stay inside layers as priced."""
         from ..codegen.kernels import apply_kernels
         from ..passes.fusion_pricing import check_mode
 
         check_mode(self.kernels)
         if self.kernels == "torch" or self.tp is not None:  # DTensor stages keep torch ops
-            return st
-        st.gm, self.kernel_reports[(stage, size)] = apply_kernels(st.gm, self.kernels)
-        return st
+            return
+        if stage not in self._layered:
+            st.gm, report = apply_kernels(st.gm, self.kernels)
+            self.kernel_reports[(stage, size)] = [report]
+            return
+        reports = self.kernel_reports[(stage, size)] = []
+        for call in layer_calls(st.gm):
+            call.inner, report = apply_kernels(call.inner, self.kernels)
+            reports.append(report)
 
     def _slice(self, x: Any, start: int, size: int) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.layout.global_batch:
@@ -231,14 +272,22 @@ class Program:
             summed, loss_work = None, None
             if self.position is not None:
                 self.zero.prepare()
-                local_loss += self._run_schedule(inputs, target)
+                if self.layers is not None:
+                    self.layers.resident.clear()  # the last step's release freed every gathered layer
+                    self.layers.armed = True
+                try:
+                    local_loss += self._run_schedule(inputs, target)
+                finally:
+                    if self.layers is not None:
+                        self.layers.armed = False
                 summed = self._sync_gradients()
             if summed is not None:  # the loss rode in the last gradient bucket
                 local_loss.fill_(summed)
             elif self.world_size > 1:  # overlaps the optimizer step
                 loss_work = dist.all_reduce(local_loss, group=dist.group.WORLD, async_op=True)
+            stepping = self.amp.unscale(self.params.values(), self.optimizer, self.world_size)  # fp16: all ranks agree
             if self.position is not None:
-                self.zero.step(self.optimizer)
+                self.zero.step(self.optimizer if stepping else None)
             if loss_work is not None:
                 wait(loss_work, "loss all-reduce", "in its group", self.timeout_s)
         self.timer.end_step()
@@ -290,8 +339,9 @@ class Program:
                 n_p = len(st.params)
                 run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
                     if self.tp else st.gm
-                with offload_activations("activations" in pipe.stages[s].offload), self.timer.compute():
-                    if pipe.stages[s].recompute:
+                with offload_activations("activations" in pipe.stages[s].offload), self.timer.compute(), \
+                        self.amp.forward():
+                    if pipe.stages[s].recompute and s not in self._layered:  # layered stages recompute per block
                         outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                     else:
                         outputs[key] = run(*vals)
@@ -306,17 +356,21 @@ class Program:
                 weight = sizes[m] / self.layout.global_batch
                 if self.grad_sync is not None:  # all-reduce buckets launch during the last backward
                     self.grad_sync.final = i == last_b
+                if self.layers is not None:  # layer-wise ZeRO reduces each layer as its backward ends
+                    self.layers.begin_backward(st.layers)
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
                     if st.is_last:
                         loss = outputs.pop(key)
                         loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
                         if self.grad_sync is not None:
                             self.grad_sync.loss = loss_sum
-                        (loss * weight).backward()
+                        self.amp.scale(loss * weight).backward()
                     else:
                         outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True)
                                 if n in st.grad_values]
                         torch.autograd.backward(outs, grads_out.pop(key))
+                if self.layers is not None:
+                    self.layers.end_backward()
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
@@ -328,13 +382,13 @@ class Program:
     def _send(self, tensors: list[torch.Tensor], peer: int, tag: int, compress: str | None = None
               ) -> tuple[Any, int, list[torch.Tensor]]:
         # one message per transfer, every value in its own dtype (or the stage's compressed wire dtype)
-        flat = pack(tensors, COMPRESS_DTYPES[compress])
+        flat = pack(tensors, self.amp.wire(compress))
         return dist.isend(flat, dst=peer, tag=tag), peer, [flat]
 
     def _recv(self, st: StageProgram, names: list[str], peer: int, tag: int, what: str,
               grad: bool, compress: str | None = None) -> list[torch.Tensor]:
         metas = [(tuple(st.value_meta[n].shape), getattr(torch, st.value_meta[n].dtype)) for n in names]
-        wire = COMPRESS_DTYPES[compress]
+        wire = self.amp.wire(compress)
         flat = torch.empty(message_bytes(metas, wire), dtype=torch.uint8, device=self.device)
         wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer,
              self.timeout_s)
@@ -466,9 +520,9 @@ class Program:
                 lines.append(f"# --- stage {s} (layers {st.layers}), micro-batch size {size}: receives "
                              f"{st.recv}, sends {st.send}")
                 lines.append(st.code)
-        for (stage, size), report in sorted(self.kernel_reports.items()):
+        for (stage, size), reports in sorted(self.kernel_reports.items()):
             lines.append(f"# --- kernels of stage {stage}, micro-batch size {size}")
-            lines += ["# " + line for line in report.text().splitlines()]
+            lines += ["# " + line for report in reports for line in report.text().splitlines()]
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 
 

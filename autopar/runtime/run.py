@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from ..checks import check_number
 from ..cluster import Cluster
 from .launch import free_port
 
@@ -57,6 +58,10 @@ def run(
 ) -> int:
     """Launch `script` (path and its arguments) on the cluster; returns the exit code."""
     c = Cluster.load(cluster)
+    check_number("nproc", nproc, integer=True, low=1, optional=True)
+    check_number("node_rank", node_rank, integer=True, low=0, high=len(c.nodes) - 1, optional=True,
+                 hint=f"the cluster has {len(c.nodes)} node(s)")
+    check_number("max_restarts", max_restarts, integer=True, low=0)
     env = dict(os.environ, AUTOPAR_CLUSTER=cluster)
     if max_restarts > 0:
         # restarted workers must not share torchrun's store with the previous attempt (pytorch#135712)

@@ -21,19 +21,21 @@ What each level does, per parameter:
   optimizer is built over owned parameters only) and updates; then the owner broadcasts the updated
   value to its peers. Non-owners drop their gradient after the all-reduce.
 * ZeRO-2: gradients are reduced to the owner (`dist.reduce`, not all-reduce); non-owners drop theirs.
-* ZeRO-3: additionally non-owners hold no copy between steps (the storage is freed, the parameter
-  keeps its shape: `untyped_storage().resize_(0)`). Granularity is the whole step, not the layer:
-  every ZeRO-3 parameter of the rank is gathered (broadcast from its owner) at the start of `step()`,
-  stays resident through all micro-batches' forward and backward (and recomputation), and is freed
-  right after the gradient reduction. Peak parameter memory inside a step is therefore that of
-  ZeRO-0; the saving holds between steps and during the optimizer step. Per-layer gathering is not
-  done because gathers are collectives across pipelines whose schedules differ (uneven batch splits
-  give different micro-batch counts; tied weights span first and last stages), so gathers placed
-  inside a schedule could deadlock; gathering once per step keeps one global collective order.
+* ZeRO-3: additionally non-owners hold no copy outside the layer in use (the storage is freed, the
+  parameter keeps its shape: `untyped_storage().resize_(0)`).
 
-Gradient reduction runs once after the pipeline schedule, not overlapped with backward, so peak
-gradient memory during backward is that of ZeRO-0 on every level; ZeRO-2/3 free non-owned gradients
-before the optimizer step.
+Granularity. Where the holders of a parameter run identical schedules (zero_layers.py,
+`layerwise_params`: same stage and layer range in every pipeline holding it, same micro-batch count,
+tensor-parallel degree 1, read by one layer), ZeRO-3 gathers it right before its layer's forward and
+backward and frees it after, and ZeRO-2/3 reduce its gradient to the owner as soon as its layer's
+backward is done, per micro-batch (a blocking reduce inside the backward, not yet overlapped with the
+next layer's backward); offloaded parameters are
+streamed per layer. That is the granularity the planner prices. Elsewhere (holders whose schedules
+differ: uneven batch splits with different micro-batch counts, tied weights spanning first and last
+stages, tensor-parallel stages) per-layer collectives inside the schedules could deadlock, so the
+whole-step path runs: every ZeRO-3 parameter is gathered at the start of `step()`, stays resident
+through all micro-batches, and gradients are reduced once after the schedule; the planner prices that
+path for those stages (peak parameter and gradient memory that of ZeRO-1).
 
 Communication is per bucket (the parameters sharing a peer set and owner, cut at BUCKET_BYTES): one
 reduce or all-reduce and one broadcast from the owner, blocking, in one sorted order on every rank.
@@ -47,8 +49,9 @@ Offload (per rank, the union over its stages holding a parameter):
   copied to CPU before `optimizer.step()` and the updated values copied back. With tensor
   parallelism the CPU copies are the local shards as plain tensors, so the optimizer must be
   elementwise (Adam, AdamW, SGD are).
-* "params": a CPU copy is kept and the device storage freed between steps; the copy is moved back at
-  the start of the step.
+* "params": a CPU copy is kept and the device storage freed; streamed parameters (zero_layers.py:
+  read by one layer, ZeRO level <= 2, with the optimizer offloaded or not owned) come back one layer at a
+  time and their gradients are accumulated on the host; others are moved back at the start of the step.
 * "activations": the stage's forward runs under `torch.autograd.graph.save_on_cpu`.
 All copies are synchronous (no overlap with compute). On a CPU-only machine the copies are CPU to CPU:
 the code paths run, nothing is saved.
@@ -165,6 +168,10 @@ class ParamState:
     host: torch.Tensor | None = None  # CPU copy (the optimizer's fp32 master with optimizer offload)
     master: bool = False  # `host` is the optimizer's parameter
     released: bool = False  # device storage currently freed
+    # offloaded parameter streamed per layer (zero_layers.py): `host` holds its value between uses and its
+    # gradient is accumulated on the host (`host_grad`) as each layer's backward ends
+    streamed: bool = False
+    host_grad: torch.Tensor | None = None
 
     @property
     def keeps_value(self) -> bool:
@@ -186,6 +193,10 @@ class ZeroRuntime:
                  my_group: Group, groups: Groups, tp: TPStage | None, timeout_s: float) -> None:
         self.params, self.rank, self.my_group = params, rank, my_group
         self.groups, self.tp, self.timeout_s = groups, tp, timeout_s
+        # zero_layers.py: parameters brought to the device per layer (ZeRO-3 gathers, streamed offload),
+        # and those whose gradients are reduced per layer during the backward
+        self.layer_resident: set[str] = set()
+        self.layer_reduced: set[str] = set()
         owners = assign_owners(holders, levels, sizes)
         self.state: dict[str, ParamState] = {}
         for name in params:
@@ -237,36 +248,89 @@ class ZeroRuntime:
         return st.host if st.master else self.params[name]  # type: ignore[return-value]
 
     # ---- the step ---------------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Before the schedule: bring offloaded parameters back and gather ZeRO-3 parameters."""
+    def prepare(self, whole: bool = False) -> None:
+        """Before the schedule: bring offloaded parameters back and gather ZeRO-3 parameters; those gathered
+        per layer (`layerwise`, zero_layers.py) stay freed unless `whole` (eval_step's forward)."""
+        names = [n for n in self.state if whole or n not in self.layer_resident]
         with torch.no_grad():
-            for name, st in self.state.items():
+            for name in names:
+                st = self.state[name]
                 if st.released:
                     t = _local(self.params[name])
                     t.untyped_storage().resize_(_nbytes(t))
                     st.released = False
                     if st.host is not None:
                         t.copy_(st.host)
-        self._broadcast_from_owners([n for n, st in self.state.items() if st.level == 3])
+        self._broadcast_from_owners([n for n in names if self.state[n].level == 3])
+
+    def stream_in(self, names: list[str]) -> None:
+        """Streamed parameters back on the device from their host values (through `.data`, as `gather`)."""
+        with torch.no_grad():
+            for name in names:
+                st = self.state[name]
+                if st.released:
+                    t = _local(self.params[name])
+                    t.untyped_storage().resize_(_nbytes(t))
+                    t.data.copy_(st.host)
+                    st.released = False
+
+    def stream_out_grads(self, names: list[str]) -> None:
+        """Move streamed parameters' gradients to the host, accumulating over micro-batches."""
+        with torch.no_grad():
+            for name in names:
+                st, p = self.state[name], self.params[name]
+                if p.grad is None:
+                    continue
+                if st.host_grad is None:
+                    st.host_grad = p.grad.to("cpu", torch.float32, copy=True)
+                else:
+                    st.host_grad += p.grad.to("cpu", torch.float32)
+                p.grad = None
+
+    def gather(self, names: list[str]) -> None:
+        """ZeRO-3 parameters back in their own storage with the owners' values (collective over holders).
+        Written through `.data`: autograd may hold these tensors for backward, and a refill is not a change."""
+        with torch.no_grad():
+            for name in names:
+                st = self.state[name]
+                if st.released:
+                    t = _local(self.params[name])
+                    t.untyped_storage().resize_(_nbytes(t))
+                    st.released = False
+        self._broadcast_from_owners(names)
+
+    def free(self, names: list[str]) -> None:
+        """Drop the device storage of these parameters where it is not kept: ZeRO-3 parameters this rank
+        does not own, and streamed ones (their value stays on the host)."""
+        for name in names:
+            st = self.state[name]
+            if (st.streamed or not st.keeps_value) and not st.released:
+                _local(self.params[name]).untyped_storage().resize_(0)
+                st.released = True
 
     def sync_gradients(self) -> None:
         """Sum each parameter's gradient over its holders: all-reduce under ZeRO-0/1, reduce to the owner
         under ZeRO-2/3, as full gradients among group representatives, then broadcast inside the
-        receiving tensor-parallel groups and re-sharded. Gradients a rank does not update are dropped."""
+        receiving tensor-parallel groups and re-sharded. Gradients a rank does not update are dropped.
+        Parameters reduced layer by layer during the backward (`layerwise`) are done already."""
+        self.reduce_gradients([n for n in sorted(self.params) if n not in self.layer_reduced])
+
+    def reduce_gradients(self, names: list[str]) -> None:
+        """Sum these parameters' gradients over their holders now (zero_layers.py: one layer's, mid-backward)."""
         buckets: dict[tuple[Group, Group], list[str]] = {}
-        for name in sorted(self.params):
+        for name in names:
             st = self.state[name]
             if len(st.reps) > 1:
                 buckets.setdefault((st.reps, st.owner if st.level >= 2 else ()), []).append(name)
         for (reps, dst), bucket in sorted(buckets.items()):
-            for names in self._chunks(bucket):
-                self._reduce_grads(reps, dst, names)
-        for name, st in self.state.items():
-            if not st.owned:
+            for chunk in self._chunks(bucket):
+                self._reduce_grads(reps, dst, chunk)
+        for name in names:
+            if not self.state[name].owned:
                 self.params[name].grad = None
 
     def _reduce_grads(self, reps: Group, dst: Group, names: list[str]) -> None:
-        fulls = [self._full_grad(self.params[n]) for n in names]
+        fulls = [self._full_grad(n) for n in names]
         flat = torch.cat([g.reshape(-1) for g in fulls])
         if self.rank in reps:
             group = self.groups.get(reps)
@@ -283,27 +347,36 @@ class ZeroRuntime:
         for n, g in zip(names, fulls, strict=True):
             full = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
-            p = self.params[n]
-            keep = receives and self.state[n].owned
+            p, st = self.params[n], self.state[n]
+            keep = receives and st.owned
+            if st.streamed:  # a streamed parameter's gradient lives on the host
+                st.host_grad = full.to("cpu", torch.float32, copy=True) if keep else None
+                continue
             p.grad = (self.tp.shard(n, full) if self.tp else full.clone()) if keep else None
 
     def step(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer step on owned parameters, owners broadcast the update (ZeRO-1/2), then free what is
         not kept between steps (ZeRO-3 non-owners, offloaded parameters)."""
         with torch.no_grad():
-            masters = [(self.params[n], st.host) for n, st in self.state.items() if st.master]
-            for p, host in masters:
+            masters = [(self.params[n], st) for n, st in self.state.items() if st.master]
+            for p, st in masters:
                 g = p.grad
-                if g is not None:
+                if st.streamed:
+                    st.host.grad, st.host_grad = st.host_grad, None  # type: ignore[union-attr]
+                elif g is not None:
                     if isinstance(g, DTensor):
                         g = g.redistribute(p.device_mesh, p.placements).to_local()
-                    host.grad = g.to("cpu", torch.float32, copy=True)
+                    st.host.grad = g.to("cpu", torch.float32, copy=True)  # type: ignore[union-attr]
                 p.grad = None
+            for st in self.state.values():
+                if st.streamed and not st.master:
+                    st.host_grad = None  # a non-owner's share was reduced to the owner
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            for p, host in masters:
-                _local(p).copy_(host)
+            for p, st in masters:
+                if not st.streamed:  # streamed ones are brought in from the host layer by layer
+                    _local(p).copy_(st.host)
         self._broadcast_from_owners([n for n, st in self.state.items() if st.level in (1, 2)])
         self.release()
 
@@ -341,7 +414,7 @@ class ZeroRuntime:
     def _broadcast_params(self, reps: Group, owner: Group, names: list[str]) -> None:
         ps = [self.params[n] for n in names]
         if owner == self.my_group:
-            flat = torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).reshape(-1) for p in ps])
+            flat = torch.cat([self._value(n).reshape(-1) for n in names])
         else:
             flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=_local(ps[0]).device)
         if self.rank in reps:
@@ -355,7 +428,15 @@ class ZeroRuntime:
         for n, p in zip(names, ps, strict=True):
             full = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
-            _local(p).copy_(self._shard(n, full))
+            st = self.state[n]
+            (st.host if st.streamed else _local(p).data).copy_(self._shard(n, full))  # type: ignore[union-attr]
+
+    def _value(self, name: str) -> torch.Tensor:
+        """The parameter's current full value on its device (a streamed one's from the host)."""
+        p, st = self.params[name], self.state[name]
+        if st.streamed:
+            return st.host.to(_local(p).device, p.dtype)  # type: ignore[union-attr]
+        return p.full_tensor() if isinstance(p, DTensor) else p
 
     def _chunks(self, names: list[str]) -> list[list[str]]:
         """Consecutive runs of at most BUCKET_BYTES (of full tensors; one parameter may exceed it)."""
@@ -374,8 +455,13 @@ class ZeroRuntime:
     def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return _local(self.tp.shard(name, full)) if isinstance(self.params[name], DTensor) else full
 
-    @staticmethod
-    def _full_grad(p: nn.Parameter) -> torch.Tensor:
+    def _full_grad(self, name: str) -> torch.Tensor:
+        """The full gradient on the parameter's device (a streamed one's comes from the host, a bucket at
+        a time)."""
+        p, st = self.params[name], self.state[name]
+        if st.streamed:
+            g = st.host_grad if st.host_grad is not None else torch.zeros(p.shape, dtype=torch.float32)
+            return g.to(_local(p).device, p.dtype)
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         return g.full_tensor() if isinstance(g, DTensor) else g
 

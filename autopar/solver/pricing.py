@@ -66,6 +66,24 @@ AR/RS/AG(N - X) over the dp group + AR/RS/AG(Xp) over the H holders + AR(Xs g) o
 The in-flight count per device is `schedule.peak_inflight` (for interleaved schedules, the most
 micro-batch chunks held at once times the largest chunk's activations). A device fits when its peak is
 at most (1 - memory_reserve) of its capacity.
+
+Host memory (`StageMemory.host`, `host_act`; per device, what runtime/zero.py keeps in CPU memory;
+host peak = host + in-flight x host_act, `rank_host`):
+
+    optimizer offload   N' (4 + 4 + m): the optimizer runs over fp32 CPU copies of the owned parameters
+                        (4 B), with an fp32 CPU copy of their gradients (4 B) and its moments (m =
+                        OPTIMIZER_STATE_BYTES, 8 for Adam/AdamW), in any precision
+    params offload      (K - N' [optimizer offloaded too: the owned ones' fp32 copy serves]) w, K the
+                        parameters whose value the device keeps between steps (N' under ZeRO-3, else N);
+                        gradients stay on the device
+    activations offload in-flight x act: save_on_cpu moves every in-flight micro-batch's saved tensors
+    with N' = N / D (+ the expert terms above) for zero >= 1, else N (`pricing_plan.offload_host_bytes`)
+
+A node's host memory (`Node.host_memory`, cluster file `host_memory_GiB`, defaults in host_memory.py) holds
+the sum over its devices: it fits when that is at most (1 - memory_reserve) of it (`price`). The search
+gives each device an even share of its node's usable host memory (`CostModel.host_budget`), which is
+sufficient for the node. On unified-memory devices (Jetson boards, the `cpu` device: the host's memory is
+theirs) what a device offloads also counts in its own peak: offloading there saves nothing.
 """
 
 from __future__ import annotations
@@ -75,12 +93,14 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from ..checks import check_memory_reserve
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
 from ..cost_models.compute import ComputeModel, kernel_flops
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from ..errors import PlanError
 from ..graph import TrainingGraph
+from ..host_memory import UNIFIED_KINDS
 from ..plan import (
     OFFLOAD_KINDS,
     Estimate,
@@ -100,8 +120,13 @@ from .pricing_plan import (
     SLOW_LINK_BYTES_PER_S,
     WIRE_BYTES,
     check_plan,
+    host_problem,
+    idle_split,
     lower_bound,
     memory_problem,
+    offload_host_bytes,
+    rank_host,
+    rank_peak,
     tied_sync,
 )
 
@@ -159,6 +184,8 @@ class StageMemory:
     act: float  # per in-flight micro-batch
     work: float
     offload_act: bool
+    host: float = 0.0  # bytes kept in host memory: offloaded optimizer state and parameter copies
+    host_act: float = 0.0  # host bytes per in-flight micro-batch (offloaded activations)
 
     def peak(self, inflight: int) -> float:
         return self.static + (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
@@ -184,8 +211,7 @@ class CostModel:
     def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
                  intra_op_time_limit_s: float = 2.0) -> None:
-        if not 0 <= memory_reserve < 1:
-            raise PlanError(f"memory_reserve must be in [0, 1), got {memory_reserve!r}.")
+        check_memory_reserve(memory_reserve)
         if not graph.layers:
             raise PlanError("the graph has no layers; annotate it first.")
         self.graph, self.cluster, self.precision = graph, cluster, precision
@@ -335,6 +361,19 @@ class CostModel:
     def usable(self, device: int) -> float:
         return self.cluster.devices[device].spec.memory * (1 - self.reserve)
 
+    def host_usable(self, node: int) -> float:
+        """Bytes of a node's host memory its devices may fill with what they offload."""
+        return self.cluster.nodes[node].host_memory * (1 - self.reserve)
+
+    def host_budget(self, device: int) -> float:
+        """The search's host budget of a device: an even share of its node's usable host memory."""
+        node = self.cluster.nodes[self.cluster.devices[device].node]
+        return self.host_usable(node.index) / len(node.devices)
+
+    def unified(self, device: int) -> bool:
+        """Whether the device's memory is its host's (what it offloads stays in its own memory)."""
+        return self.cluster.devices[device].spec.kind in UNIFIED_KINDS
+
     # ---- compute ------------------------------------------------------------------------------
     def layer_compute(self, layer: int, dtype: str, n: int, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer for n samples split tp ways."""
@@ -441,9 +480,12 @@ class CostModel:
             static += experts.zero_bytes(self, base, opt, dp)
         if z == 3 or on_host:
             static += 2 * P * w + (P * g if on_host else 0.0)
-        if opt.recompute and base.has_blocks:
-            return StageMemory(static, base.act_recompute, base.act_work, "activations" in opt.offload)
-        return StageMemory(static, base.act, 0.0, "activations" in opt.offload)
+        # N' owned parameters, as the optimizer step's `local` in stage_times
+        owned = N / dp + (experts.zero_extra(self, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
+        host = offload_host_bytes(self.optimizer, w, N, owned, z, opt.offload)
+        off_act = "activations" in opt.offload
+        act, work = (base.act_recompute, base.act_work) if opt.recompute and base.has_blocks else (base.act, 0.0)
+        return StageMemory(static, act, work, off_act, host, act if off_act else 0.0)
 
 
 # ---- pricing a plan ---------------------------------------------------------------------------------
@@ -467,12 +509,6 @@ def model_summary(graph: TrainingGraph) -> dict:
 
 def stage_option(stage: Stage) -> Option:
     return Option(stage.zero, stage.recompute, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
-
-
-def rank_peak(mems: list[StageMemory], inflight: int) -> float:
-    """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches."""
-    act = max((min(inflight, 1) if m.offload_act else inflight) * m.act for m in mems)
-    return sum(m.static for m in mems) + act + max(m.work for m in mems)
 
 
 def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]]
@@ -518,6 +554,7 @@ def price(cm: CostModel, plan: Plan) -> Priced:
     devices = cm.cluster.devices
     pipes: list[Pipeline] = []
     peak: dict[int, int] = {}
+    host: dict[int, float] = {}  # device -> host bytes it fills
     problems: list[str] = []
     bound = 0.0
     dp_groups = [tuple(p.stages[j].devices[0] for p in plan.pipelines if j < len(p.stages))
@@ -542,29 +579,42 @@ def price(cm: CostModel, plan: Plan) -> Priced:
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
         for r in range(ranks):
             need = rank_peak(mems[r::ranks], inflight[r])
+            on_host = rank_host(mems[r::ranks], inflight[r])
             for d in pipe.stages[r].devices:
-                peak[d] = math.ceil(need)
-                if need > cm.usable(d):
-                    problems.append(memory_problem(cm, d, i, r, need, mems[r::ranks], inflight[r]))
+                host[d] = on_host
+                shared = on_host if cm.unified(d) else 0.0
+                peak[d] = math.ceil(need + shared)
+                if need + shared > cm.usable(d):
+                    problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared))
         bound = max(bound, lower_bound(vals, sizes, ranks))
         pipes.append(replace(pipe, stages=stages))
+    node_host = [sum(host.get(d, 0.0) for d in node.devices) for node in cm.cluster.nodes]
+    problems += [host_problem(cm, k, need, host) for k, need in enumerate(node_host) if need > cm.host_usable(k)]
     out = replace(plan, pipelines=pipes)
     results = out.simulate()
     step = max(r.step_time for r in results)
-    idle = []
+    idle: tuple[list[float], list[float], list[float]] = ([], [], [])  # per device rank: bubble, sync, wait
     for pipe, res in zip(pipes, results, strict=True):
         ranks = len(pipe.stages) // plan.chunks
+        bubble, tail, wait = idle_split(res, ranks, step)
         for j, st in enumerate(pipe.stages):
-            st.predicted["bubble_s"] = step - res.per_rank_busy[j % ranks]
-        idle += [step - res.per_rank_busy[r] for r in range(ranks)]
+            st.predicted["bubble_s"] = bubble[j % ranks]
+        for acc, per_rank in zip(idle, (bubble, [tail] * ranks, [wait] * ranks), strict=True):
+            acc.extend(per_rank)
     flops = sum(layer.flops_fwd + layer.flops_bwd for layer in cm.graph.layers)
     peak_flops = sum(devices[d].spec.flops(cm.precision) for d in peak)
     out.predicted = {
         "step_time_s": step, "samples_per_s": cm.B / step,
         "tflops_per_device": flops / step / len(peak) / 1e12, "mfu": flops / step / peak_flops,
-        "bubble_fraction": sum(idle) / len(idle) / step,
+        "bubble_fraction": sum(idle[0]) / len(idle[0]) / step,
+        "exposed_sync_fraction": sum(idle[1]) / len(idle[1]) / step,
+        "replica_wait_fraction": sum(idle[2]) / len(idle[2]) / step,
+        "fits": not problems, "memory_problems": list(problems),
         "peak_memory_bytes": dict(sorted(peak.items())),
         "memory_capacity_bytes": {d: devices[d].spec.memory for d in sorted(peak)},
+        # per node (cluster order): bytes its devices offload to host memory, and its host memory
+        "host_memory_bytes": [math.ceil(x) for x in node_host],
+        "host_capacity_bytes": [node.host_memory for node in cm.cluster.nodes],
     }
     return Priced(out, not problems, problems, bound)
 

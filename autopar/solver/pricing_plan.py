@@ -1,15 +1,18 @@
 """Plan-level pieces of the pricing (`pricing`): consistency checks, the step's lower bound, the sync of
-parameters several stages hold, the wire dtypes of compressed sends and memory problem messages."""
+parameters several stages hold, the wire dtypes of compressed sends and memory problem messages (device
+and host memory)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..cost_models.memory import OPTIMIZER_STATE_BYTES
 from ..errors import PlanError
 from ..passes.annotate import PRECISIONS
 from ..plan import OFFLOAD_KINDS, Plan
 from ..report import fmt_bytes
 from ..schedule import SCHEDULES
+from ..simulate import SimResult
 
 if TYPE_CHECKING:
     from .pricing import CostModel, StageMemory
@@ -18,6 +21,10 @@ ACT_BYTES = PRECISIONS  # bytes of an activation element per precision
 WIRE_BYTES = {"bf16": 2, "fp16": 2}  # the wire dtypes a stage boundary may be compressed to
 COMPRESS_DTYPE = "bf16"  # fp32's exponent range: gradients sent back cannot overflow or flush to zero
 SLOW_LINK_BYTES_PER_S = 1.25e9  # 10 Gb/s: links at most this fast count as slow for compression
+# Host bytes per owned parameter with the optimizer offloaded, besides its moments: the fp32 copy the
+# optimizer updates and the fp32 copy of its gradient (runtime/zero.py, ZeroRuntime.step)
+HOST_MASTER_BYTES = 4
+HOST_GRAD_BYTES = 4
 
 
 def check_plan(cm: CostModel, plan: Plan) -> None:
@@ -115,12 +122,61 @@ def tied_sync(cm: CostModel, stages: list[tuple[int, int, tuple[int, ...], tuple
     return out
 
 
+def offload_host_bytes(optimizer: str, w: float, n: float, owned: float, zero: int,
+                       offload: tuple[str, ...]) -> float:
+    """Host bytes one device keeps for a stage's offloaded optimizer state and parameters (pricing.py's
+    docstring): n parameters per device, `owned` of them updated by it, `w` bytes per weight."""
+    host = 0.0
+    if "optimizer" in offload:
+        host += owned * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + OPTIMIZER_STATE_BYTES[optimizer])
+    if "params" in offload:  # a copy of each value kept between steps; the optimizer's fp32 copy serves
+        host += ((owned if zero == 3 else n) - (owned if "optimizer" in offload else 0.0)) * w
+    return host
+
+
+def rank_peak(mems: list[StageMemory], inflight: int) -> float:
+    """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches."""
+    act = max((min(inflight, 1) if m.offload_act else inflight) * m.act for m in mems)
+    return sum(m.static for m in mems) + act + max(m.work for m in mems)
+
+
+def rank_host(mems: list[StageMemory], inflight: int) -> float:
+    """Host bytes one device holding these stages keeps (what they offload), as `rank_peak` counts them."""
+    return sum(m.host for m in mems) + inflight * max(m.host_act for m in mems)
+
+
 def memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,
-                    mems: list[StageMemory], inflight: int) -> str:
+                    mems: list[StageMemory], inflight: int, host: float = 0.0) -> str:
+    """Why one device does not fit; `need` includes the `host` bytes it offloads when its memory is the
+    host's (`CostModel.unified`)."""
     spec = cm.cluster.devices[device].spec
     static = sum(m.static for m in mems)
-    act = need - static
+    shared = (f", offloaded state {fmt_bytes(host)}, which stays in this device's memory: it is the host's"
+              if host else "")
     return (f"device {device} ({spec.name}, pipeline {pipeline} stage {rank}) needs {fmt_bytes(need)} "
             f"(parameters, gradients and optimizer state {fmt_bytes(static)}, activations of {inflight} "
-            f"in-flight micro-batch(es) {fmt_bytes(act)}) but has {fmt_bytes(cm.usable(device))} usable of "
-            f"{fmt_bytes(spec.memory)} ({100 * cm.reserve:.0f}% reserve).")
+            f"in-flight micro-batch(es) {fmt_bytes(need - static - host)}{shared}) but has "
+            f"{fmt_bytes(cm.usable(device))} usable of {fmt_bytes(spec.memory)} ({100 * cm.reserve:.0f}% "
+            f"reserve).")
+
+
+def host_problem(cm: CostModel, node: int, need: float, host: dict[int, float]) -> str:
+    """Why node `node`'s host memory overflows: `host` maps devices to the host bytes they fill."""
+    nd = cm.cluster.nodes[node]
+    spec = cm.cluster.devices[nd.devices[0]].spec
+    per = ", ".join(f"device {d} {fmt_bytes(host[d])}" for d in nd.devices if host.get(d))
+    return (f"node {node} ({len(nd.devices)}x {spec.name}) keeps {fmt_bytes(need)} in host memory ({per}: "
+            f"offloaded optimizer state, parameter copies and activations) but has "
+            f"{fmt_bytes(cm.host_usable(node))} usable of {fmt_bytes(nd.host_memory)} host memory "
+            f"({100 * cm.reserve:.0f}% reserve). Offload less (ZeRO-partition the state over data-parallel "
+            f"replicas instead), or give its node group more host_memory_GiB in the cluster file.")
+
+
+def idle_split(res: SimResult, ranks: int, step: float) -> tuple[list[float], float, float]:
+    """A pipeline's idle seconds in a step of `step` (the slowest pipeline's), split three ways: per rank
+    the pipeline bubble (waiting for other stages while the pipeline still computes: none with one stage),
+    then the pipeline's tail after its last F/B (the gradient sync and optimizer step nothing overlaps) and
+    the wait for slower replicas. Their sum is step - busy, each rank's whole idle time."""
+    compute_end = max((end for _, _, name, _, end in res.events if name[:2] in ("F ", "B ")), default=0.0)
+    bubble = [max(0.0, compute_end - res.per_rank_busy[r]) for r in range(ranks)]
+    return bubble, res.step_time - compute_end, step - res.step_time

@@ -6,8 +6,10 @@ level, recompute, CPU offload) for a layer range: the one minimising m (fwd + bw
 with which the device still fits (offload and sharding only add time, so they enter only when memory
 requires them). A device running several stages (interleaved chunks) is checked as `pricing.rank_peak`
 prices it: its chunks' static memory summed, the largest in-flight activations and workspace once
-(`RankState`). `Splitter.split` chooses the ranges (see its docstring); `surrogate` is the objective it
-minimises. Sends between stages are priced as the plan will send them (`CostModel.boundary_send`).
+(`RankState`), and so is what it offloads, against its share of its node's host memory (`Slot.host_budget`;
+on unified-memory devices also against its own memory, pricing.py's docstring). `Splitter.split` chooses
+the ranges (see its docstring); `surrogate` is the objective it minimises. Sends between stages are
+priced as the plan will send them (`CostModel.boundary_send`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..plan import even_split, simulate_stages
-from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
+from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, rank_host, rank_peak, tied_sync
 
 OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
                   ("optimizer", "activations", "params"))
@@ -36,6 +38,17 @@ class Slot(NamedTuple):
     inflight: int
     budget: float
     sigs: tuple[int, int]  # CostModel.group_sig of the tp and dp groups
+    host_budget: float = math.inf  # host bytes each of its devices may fill (`CostModel.host_budget`)
+    unified: bool = False  # its devices' memory is the host's: what they offload counts in `budget` too
+
+    def fits(self, need: float, host: float) -> bool:
+        """Whether a device of this slot needing `need` bytes, and `host` bytes of host memory, fits."""
+        return host <= self.host_budget and need + (host if self.unified else 0.0) <= self.budget
+
+
+def rank_fits(mems: list[StageMemory], inflight: int, slot: Slot) -> bool:
+    """Whether one device of `slot` holding these stages fits (`rank_peak`, `rank_host`)."""
+    return slot.fits(rank_peak(mems, inflight), rank_host(mems, inflight))
 
 
 class RankState(NamedTuple):
@@ -45,6 +58,8 @@ class RankState(NamedTuple):
     act: float = 0.0  # the largest in-flight activation term among them
     work: float = 0.0  # the largest recompute workspace among them
     later: int = 0  # chunks of this device still to place after the one being checked
+    host: float = 0.0  # their host memory (`StageMemory.host`)
+    host_act: float = 0.0  # the largest in-flight host activation term among them
 
     def need(self, mem: StageMemory, inflight: int) -> float:
         """The device's peak with `mem` added, projecting `later` more chunks of the same static size
@@ -52,10 +67,17 @@ class RankState(NamedTuple):
         act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
         return self.static + (1 + self.later) * mem.static + max(self.act, act) + max(self.work, mem.work)
 
+    def host_need(self, mem: StageMemory, inflight: int) -> float:
+        """The device's host bytes with `mem` added, projected as `need` does (exactly `rank_host`)."""
+        return self.host + (1 + self.later) * mem.host + max(self.host_act, inflight * mem.host_act)
+
+    def fits(self, mem: StageMemory, slot: Slot) -> bool:
+        return slot.fits(self.need(mem, slot.inflight), self.host_need(mem, slot.inflight))
+
     def add(self, mem: StageMemory, inflight: int) -> RankState:
         act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
         return RankState(self.static + mem.static, max(self.act, act), max(self.work, mem.work),
-                         max(self.later - 1, 0))
+                         max(self.later - 1, 0), self.host + mem.host, max(self.host_act, inflight * mem.host_act))
 
 
 NO_CHUNKS = RankState()
@@ -66,6 +88,19 @@ class Choice(NamedTuple):
     times: StageTimes
     memory: StageMemory
     out_bytes: float
+
+
+class Closest(NamedTuple):
+    """One stage's option nearest to fitting: its device and host needs, and the budgets they exceed."""
+
+    need: float
+    budget: float
+    host: float
+    host_budget: float
+    dtype: str
+    device: int  # first device of the stage's tp group
+    option: Option
+    layers: tuple[int, int]
 
 
 @dataclass
@@ -113,7 +148,9 @@ class Splitter:
         self.cm = cm
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
-        self.closest: tuple[float, float, str] | None = None  # (need, budget, device type) nearest to fitting
+        # what stopped the options of a stage that found none, for the infeasibility message (`Closest`)
+        self.closest: Closest | None = None
+        self.closest_host: Closest | None = None
 
     def stage(self, slot: Slot, a: int, e: int, m: int, n: int, rank: RankState = NO_CHUNKS) -> Choice | None:
         """The fastest option for layers [a, e) on `slot` whose device still fits: `rank` holds what the
@@ -121,7 +158,7 @@ class Splitter:
         assumed to need this one's static memory each (`RankState.need`)."""
         cm = self.cm
         key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n)
-        ck = (key, slot.inflight, slot.budget, rank)
+        ck = (key, slot.inflight, slot.budget, slot.host_budget, slot.unified, rank)
         if ck in self._choices:
             return self._choices[ck]
         ranked = self._sorted.get(key)
@@ -143,15 +180,33 @@ class Splitter:
             self._sorted[key] = ranked
         choice = None
         for _, opt, tm, mem in ranked:
-            if rank.need(mem, slot.inflight) <= slot.budget:
+            if rank.fits(mem, slot):
                 choice = Choice(opt, tm, mem, base.out_bytes)
                 break
         if choice is None:
-            need = min(rank.need(mem, slot.inflight) for _, _, _, mem in ranked)
-            if self.closest is None or need - slot.budget < self.closest[0] - self.closest[1]:
-                self.closest = (need, slot.budget, slot.dtype)
+            self._note_closest(slot, ranked, rank, (a, e))
         self._choices[ck] = choice
         return choice
+
+    def _note_closest(self, slot: Slot, ranked: list[tuple[float, Option, StageTimes, StageMemory]],
+                      rank: RankState, layers: tuple[int, int]) -> None:
+        """Keep the stage nearest to fitting: by device memory (its smallest need over the options), and,
+        among options whose device memory fits, by host memory (then host memory is what stops it)."""
+        best_dev = best_host = None
+        for _, opt, _, mem in ranked:
+            host = rank.host_need(mem, slot.inflight)
+            dev = rank.need(mem, slot.inflight) + (host if slot.unified else 0.0)
+            c = Closest(dev, slot.budget, host, slot.host_budget, slot.dtype, slot.tp_group[0], opt, layers)
+            if best_dev is None or dev < best_dev.need:
+                best_dev = c
+            if dev <= slot.budget and (best_host is None or host < best_host.host):
+                best_host = c
+        assert best_dev is not None
+        if self.closest is None or best_dev.need - best_dev.budget < self.closest.need - self.closest.budget:
+            self.closest = best_dev
+        if best_host is not None and (self.closest_host is None or best_host.host - best_host.host_budget
+                                      < self.closest_host.host - self.closest_host.host_budget):
+            self.closest_host = best_host
 
     def greedy(self, slots: list[Slot], T: float, m: int, n: int, chunks: int) -> Split | None:
         """Each stage in chain order takes the most layers that keep its surrogate term (see `surrogate`)
@@ -361,4 +416,5 @@ class Splitter:
         return vals
 
 
-__all__ = ["NO_CHUNKS", "Choice", "RankState", "Slot", "Split", "Splitter", "Unit", "surrogate"]
+__all__ = ["NO_CHUNKS", "Choice", "Closest", "RankState", "Slot", "Split", "Splitter", "Unit", "rank_fits",
+           "surrogate"]

@@ -1,0 +1,191 @@
+"""Measured per-rank peak memory of every plan family next to the plan's predicted peak (target: within 15%).
+
+Each rank measures, at the allocator (autopar/runtime/memtrace.py: torch.profiler `[memory]` events), the
+peak of live tensor bytes allocated over `autopar.compile(plan=...)` plus STEPS training steps. The model
+the user built before compiling is not in the window (it is the user's, and the plan does not price it);
+everything the program allocates is: its parameter copies, gradients, optimizer state, activations,
+ZeRO gathers, transfer buffers, capture-time tensors. The prediction is the plan's
+`predicted["peak_memory_bytes"][rank]` (solver/pricing.py `stage_memory` / `rank_peak`).
+
+Families (gloo ranks, one process per device): data parallel, ZeRO-1/2/3, recompute, 1F1B, interleaved 1F1B,
+tensor parallel, a dp x pp hybrid with ZeRO-1 (4 ranks), and the planner's own plan (`autopar.plan`) for a
+cluster of two CPU-like devices with different memory sizes and speeds. Plans are made in this process
+(`autopar.estimate` for the hand-written strategies), then every rank runs each family in turn.
+
+`python bench/memory.py [--stack]`: with --stack each allocation is attributed to the innermost autopar
+source line (slower) instead of phase and op kind.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from common import print_table, write_results
+
+import autopar
+from autopar import Strategy, models
+from autopar.plan import Plan
+from autopar.runtime.launch import spawn_local
+from autopar.runtime.memtrace import phase, tensor_bytes, track_memory
+
+CFG = dict(hidden=256, layers=4, seq=32, batch=8)
+STEPS = 3
+TOL = 0.15
+MIB = 2**20
+
+
+def hetero_cluster() -> dict:
+    """Two CPU-like devices: a large, fast one and a small, slower one that cannot hold a replica."""
+    big = {"name": "cpu-big", "based_on": "cpu", "memory_GiB": 0.1}
+    small = {"name": "cpu-small", "based_on": "cpu", "memory_GiB": 0.045}
+    return {"nodes": [{"device": big, "devices_per_node": 1}, {"device": small, "devices_per_node": 1}]}
+
+
+# name -> (cluster, strategy; None: the planner's plan)
+FAMILIES: dict[str, tuple[Any, Strategy | None]] = {
+    "dp": ("1x2xcpu", Strategy(dp=2)),
+    "zero1": ("1x2xcpu", Strategy(dp=2, zero=1)),
+    "zero2": ("1x2xcpu", Strategy(dp=2, zero=2)),
+    "zero3": ("1x2xcpu", Strategy(dp=2, zero=3)),
+    "recompute": ("1x2xcpu", Strategy(dp=2, recompute=True)),
+    "1f1b": ("1x2xcpu", Strategy(pp=2, microbatch_size=2)),
+    "interleaved": ("1x2xcpu", Strategy(pp=2, microbatch_size=2, schedule="interleaved_1f1b")),
+    "tp": ("1x2xcpu", Strategy(tp=2)),
+    "hybrid dp2xpp2 zero1": ("1x4xcpu", Strategy(dp=2, pp=2, microbatch_size=2, zero=1)),
+    "auto, 2 memory sizes": (hetero_cluster(), None),
+}
+
+
+def build() -> models.ModelCase:
+    return models.gpt(**CFG, seed=0)
+
+
+def make_plans() -> dict[str, tuple[Any, str]]:
+    case = build()
+    args = (case.example_inputs, case.example_target, case.loss_fn)
+    out = {}
+    for name, (cluster, strategy) in FAMILIES.items():
+        if strategy is None:
+            plan = autopar.plan(case.model, cluster, *args, optimizer="adamw", time_limit_s=30)
+        else:
+            plan = autopar.estimate(case.model, cluster, strategy, *args, optimizer="adamw").plan
+        out[name] = (cluster, plan.to_json())
+    return out
+
+
+def describe(plan: Plan) -> str:
+    """The plan in a few words: replicas x stages, tp, ZeRO, recompute, offload, shares."""
+    st = [s for p in plan.pipelines for s in p.stages]
+    tp = max(s.tp for s in st)
+    parts = [f"{len(plan.pipelines)}x{len(plan.pipelines[0].stages)} {plan.schedule}"]
+    if tp > 1:
+        parts.append(f"tp{tp}")
+    zeros = sorted({s.zero for s in st})
+    if zeros != [0]:
+        parts.append("zero" + "/".join(map(str, zeros)))
+    if any(s.recompute for s in st):
+        parts.append("recompute")
+    offload = sorted({k for s in st for k in s.offload})
+    if offload:
+        parts.append("offload " + "+".join(offload))
+    shares = [p.batch_share for p in plan.pipelines]
+    if len(set(shares)) > 1:
+        parts.append(f"shares {shares}")
+    mbs = [p.num_microbatches for p in plan.pipelines]
+    if max(mbs) > 1:
+        parts.append(f"m={mbs}")
+    return ", ".join(parts)
+
+
+def measure(rank: int, world: int, items: list[tuple[str, Any, str]], with_stack: bool) -> dict[str, dict]:
+    """On every rank: for each family, peak live bytes over compile + STEPS steps, and what held them."""
+    out = {}
+    for name, cluster, plan_json in items:
+        case = build()
+        gc.collect()
+        t0 = time.perf_counter()
+        with track_memory(with_stack) as trace:
+            with phase("compile"):
+                prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target,
+                                       case.loss_fn, "adamw", plan=plan_json, timeout_s=120)
+            losses = []
+            for k in range(STEPS):
+                with phase(f"step {k + 1}"):
+                    losses.append(prog.step(*case.example_inputs, target=case.example_target))
+        opt = prog.optimizer
+        held = {  # what the program holds between steps (storages, each once; freed ZeRO-3 copies are 0)
+            "params": tensor_bytes(prog.params.values()),
+            "optimizer": tensor_bytes(v for st in (opt.state.values() if opt else ()) for v in st.values()
+                                      if isinstance(v, torch.Tensor)),
+        }
+        out[name] = {"trace": trace.summary(top=12), "held_between_steps": held, "losses": losses,
+                     "seconds": time.perf_counter() - t0}
+        del prog, opt, trace
+        gc.collect()
+    return out
+
+
+def main() -> None:
+    with_stack = "--stack" in sys.argv
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+    plans = make_plans()
+    by_world: dict[int, list[tuple[str, Any, str]]] = {}
+    for name, (cluster, plan_json) in plans.items():
+        by_world.setdefault(Plan.from_json(plan_json).world_size, []).append((name, cluster, plan_json))
+    results: dict[str, list[dict]] = {}
+    for world, items in sorted(by_world.items()):
+        ranks = spawn_local(measure, world, items, with_stack, timeout_s=600)
+        for name, _, _ in items:
+            results[name] = [r[name] for r in ranks]
+
+    rows = []
+    for name, (_, plan_json) in plans.items():
+        plan = Plan.from_json(plan_json)
+        predicted = plan.predicted["peak_memory_bytes"]
+        for rank, r in enumerate(results[name]):
+            measured = r["trace"]["peak_bytes"]
+            ratio = measured / predicted[rank]
+            rows.append({"family": name, "rank": rank, "plan": describe(plan),
+                         "device": plan.device_names().get(rank, "?"),
+                         "predicted_MiB": predicted[rank] / MIB, "measured_MiB": measured / MIB,
+                         "ratio": ratio, "met": "yes" if abs(ratio - 1) <= TOL else "NO",
+                         "peak_in": r["trace"]["peak_label"]})
+    n_params = sum(p.numel() for p in build().model.parameters())
+    cfg = ", ".join(f"{k}={v}" for k, v in CFG.items())
+    print(f"model: models.gpt({cfg}), {n_params / 1e6:.2f}M params ({n_params * 4 / MIB:.1f} MiB fp32), AdamW; "
+          f"measured = peak live tensor bytes over autopar.compile(plan) + {STEPS} steps (torch.profiler "
+          f"memory events); target |measured / predicted - 1| <= {TOL}.\n")
+    print_table(rows, ["family", "rank", "plan", "device", "predicted_MiB", "measured_MiB", "ratio", "met",
+                       "peak_in"])
+    print("\nwhere each family's peak is (rank 0; MiB live at the peak by phase: what allocated it):")
+    for name in plans:
+        tr = results[name][0]["trace"]
+        parts = [f"{label} {b / MIB:.1f}" for label, b in tr["at_peak"].items() if b >= MIB / 4]
+        phases = ", ".join(f"{p} {b / MIB:.1f}" for p, b in tr["phase_peaks"].items())
+        print(f"  {name}: " + "; ".join(parts) + f"  [phase peaks: {phases}]")
+    ratios = [r["ratio"] for r in rows]
+    missed = [f"{r['family']} rank {r['rank']} ({r['ratio']:.2f})" for r in rows if r["met"] != "yes"]
+    print(f"\nmedian measured/predicted {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max "
+          f"{max(ratios):.3f}); {len(rows) - len(missed)}/{len(rows)} rows within {TOL:.0%}")
+    print("TARGET MISSED: " + "; ".join(missed) if missed else "all rows within target")
+    wall = time.perf_counter() - t_start
+    print(f"total wall time {wall:.0f} s; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} "
+          f"after")
+    summary = {"config": {**CFG, "steps": STEPS, "n_params": n_params, "with_stack": with_stack},
+               "median_ratio": statistics.median(ratios), "missed": missed, "tolerance": TOL,
+               "families": {name: {"plan": describe(Plan.from_json(plans[name][1])), "ranks": results[name]}
+                            for name in plans},
+               "plans": {name: Plan.from_json(pj).to_dict() for name, (_, pj) in plans.items()},
+               "wall_s": wall}
+    print("wrote", write_results("memory", rows, summary))
+
+
+if __name__ == "__main__":
+    main()
