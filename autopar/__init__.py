@@ -2,9 +2,10 @@
 
 # `autopar.plan` is the function: importing .api loads the submodule autopar.plan first, and binding the
 # function afterwards shadows it (the submodule stays reachable as `from autopar.plan import ...`).
-from .api import analyze, estimate, plan
+from .api import analyze, default_precision, estimate, plan
 from .cluster import Cluster, DeviceSpec, Link
 from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, PlanError
+from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
 from .runtime.compile import compile  # noqa: A004 (autopar.compile, as users spell it)
@@ -14,6 +15,7 @@ __all__ = [
     "analyze",
     "plan",
     "estimate",
+    "default_precision",
     "compile",
     "materialize",
     "Plan",
@@ -28,5 +30,6 @@ __all__ = [
     "ClusterError",
     "InfeasibleError",
     "PlanError",
+    "BatchStatisticsWarning",
 ]
 __version__ = "0.1.0"

@@ -149,7 +149,7 @@ def split_run_args(tokens: list[str]) -> tuple[list[str], list[str]]:
             n = 1 if "=" in tok or RUN_OPTIONS[name].get("action") == "store_true" else 2
             given = " ".join(tokens[i:i + n])
             if name in seen:
-                raise AutoparError(f"autopar run: {name} is given twice ({seen[name]!r} and {given!r}); to pass "
+                raise AutoparError(f"{name} is given twice ({seen[name]!r} and {given!r}); to pass "
                                    f"{name} to the script, put it after `--`.")
             seen[name] = given
             own += tokens[i:i + n]
@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=number(low=0, low_open=True), default=60.0,
                    help="seconds to search (default 60)")
     s.add_argument("--precision", default=None, choices=["fp32", "tf32", "bf16", "fp16"],
-                   help="default: bf16 mixed precision, fp32 on CPU-only clusters")
+                   help="default: bf16 mixed precision, fp16 where a device lacks bf16 (V100, T4, Turing), "
+                        "fp32 on CPU-only clusters")
     s.add_argument("--optimizer", default="adamw")
     s.add_argument("--memory-reserve", type=number(low=0, high=1, high_open=True), default=0.1,
                    help="fraction of each device's memory kept free (default 0.1)")

@@ -65,7 +65,12 @@ def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:
         example_target=case.example_target,
         loss_fn=case.loss_fn,
         time_limit_s=30,
+        # the CPU processes standing in for the GPUs compute in fp32, so the check against one process is exact;
+        # on the real cluster the default would be fp16 mixed precision (autopar.default_precision)
+        precision="fp32",
     )
+    print(f"(planned in fp32, as the CPU stand-ins compute; on the real devices autopar would default to "
+          f"{autopar.default_precision(autopar.Cluster.load(cluster))})\n")
     print(plan.explain())
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "plan.json").write_text(plan.to_json())

@@ -177,6 +177,22 @@ class Plan:
         return trace
 
 
+def layerwise_stages(pipelines: list[tuple[int, list[tuple[tuple[int, int], int]]]]) -> set[tuple[int, int]]:
+    """The (pipeline, stage) positions whose ZeRO-2/3 runs per layer (runtime/zero_layers.py) rather than
+    for the whole step: every pipeline has the same micro-batch count and stage count and holds the same
+    layer range in that stage, at tensor-parallel degree 1, so all holders of its parameters run the same
+    actions in the same order. `pipelines`: per pipeline, (micro-batch count, [(layer range, tp)] per
+    stage). The planner prices exactly this (solver/pricing.py, `stage_memory(layerwise=)`)."""
+    if len(pipelines) < 2:
+        return set()
+    first_m, first = pipelines[0]
+    if any(m != first_m or len(st) != len(first) for m, st in pipelines):
+        return set()
+    return {(i, j) for j, (layers, tp) in enumerate(first) if tp == 1
+            and all(tuple(st[j][0]) == tuple(layers) and st[j][1] == 1 for _, st in pipelines)
+            for i in range(len(pipelines))}
+
+
 @functools.lru_cache(maxsize=64)
 def cached_schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
     """`make_schedule`, memoised: the planner simulates many replicas of few shapes. Do not mutate."""

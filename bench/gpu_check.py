@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
@@ -80,6 +81,8 @@ TOLERANCES = {"torch": (1e-5, 1e-4, 1e-4, 1e-5), "auto": (1e-5, 1e-4, 1e-3, 1e-4
 KERNEL_REL_TOL = 1e-4
 CAP_SHARE = 0.8  # the capped device holds this share of the training state (after the plan's reserve)
 STEP_RESERVE_S = 15.0  # measured steps stop when less than this is left of the budget
+# on a GPU, a section does not start with less than this left (seconds; first Triton compiles included)
+NEEDS_S = {"kernels": 40, "calibrate": 30, "gpt_1gpu": 45, "gpt_capped": 40}
 
 
 class Skip(Exception):
@@ -135,10 +138,13 @@ def run_sections(sections: list[tuple[str, Callable[[Context], dict]]], ctx: Con
     for name, fn in sections:
         res: dict[str, Any] = {"section": name}
         t0 = time.perf_counter()
+        left, needs = ctx.deadline.left(), 0 if ctx.cpu else NEEDS_S.get(name, 0)
         if name in ctx.args.skip:
             res.update(status="skipped", reason="--skip")
-        elif ctx.deadline.expired():
+        elif left <= 0:
             res.update(status="skipped", reason=f"budget of {ctx.deadline.budget_s:.0f} s used up")
+        elif left < needs:
+            res.update(status="skipped", reason=f"budget: {left:.0f} s left, the section needs ~{needs} s")
         else:
             print(f"[{ctx.deadline.elapsed():6.1f} s] {name} ...", file=sys.stderr, flush=True)
             try:
@@ -274,12 +280,6 @@ def describe_plan(plan: Any) -> dict:
             "capacity_GiB": first(pred.get("memory_capacity_bytes", {})) / GiB}
 
 
-def _save_plan(ctx: Context, name: str, plan: Any) -> str:
-    path = ctx.files / f"plan_{name}.json"
-    path.write_text(plan.to_json())
-    return str(path)
-
-
 def _adamw(params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
@@ -295,17 +295,12 @@ def profile_dir(path: Path) -> Iterator[None]:
     """Profiles read and written under `path` for the run (the host's own are left alone)."""
     from autopar.cost_models import host
 
-    old = os.environ.get("AUTOPAR_PROFILE_DIR")
-    os.environ["AUTOPAR_PROFILE_DIR"] = str(path)
-    host.cpu_spec.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("AUTOPAR_PROFILE_DIR", None)
-        else:
-            os.environ["AUTOPAR_PROFILE_DIR"] = old
-        host.cpu_spec.cache_clear()
+    with mock.patch.dict(os.environ, {"AUTOPAR_PROFILE_DIR": str(path)}):
+        host.cpu_spec.cache_clear()  # the CPU's figures come from its profile
+        try:
+            yield
+        finally:
+            host.cpu_spec.cache_clear()
 
 
 # ---- sections --------------------------------------------------------------------------------------------
@@ -500,12 +495,14 @@ def _train_measured(ctx: Context, case: models.ModelCase, cluster: dict, plan: A
     if len(times) > 1:
         f["measured_step_s"] = statistics.median(times[1:])
         f["step_ratio"] = f["measured_step_s"] / plan.predicted["step_time_s"]
-    if cuda and times:
-        key = "measured_peak_GiB" if len(times) > 1 else "peak_first_step_GiB"
-        f[key] = torch.cuda.max_memory_allocated() / GiB
+    if cuda:  # the peak since the last reset: of the measured steps, else of what ran before running out
+        peak = torch.cuda.max_memory_allocated() / GiB
+        key = "peak_before_oom_GiB" if "oom" in f else "measured_peak_GiB" if len(times) > 1 else \
+            "peak_first_step_GiB"
+        f[key] = peak
         f["max_reserved_GiB"] = torch.cuda.max_memory_reserved() / GiB
-        if "measured_peak_GiB" in f:
-            f["peak_ratio"] = f["measured_peak_GiB"] / describe_plan(plan)["predicted_peak_GiB"]
+        if key == "measured_peak_GiB":
+            f["peak_ratio"] = peak / describe_plan(plan)["predicted_peak_GiB"]
     del prog
     return f
 
@@ -527,7 +524,8 @@ def section_gpt_1gpu(ctx: Context) -> dict:
     case = _big_case(ctx)
     plan = _plan(ctx, case, cluster)
     f = {"params_M": sum(p.numel() for p in case.model.parameters()) / 1e6, **describe_plan(plan),
-         "plan_file": _save_plan(ctx, "gpt_1gpu", plan)}
+         "plan_file": str(ctx.files / "plan_gpt_1gpu.json")}
+    Path(f["plan_file"]).write_text(plan.to_json())
     f.update(_train_measured(ctx, case, cluster, plan, ctx.args.steps))
     f["headline"] = _gpt_headline(f)
     return f
@@ -547,7 +545,8 @@ def section_gpt_capped(ctx: Context) -> dict:
     cluster = capped_cluster(local, cap, "gpu" if ctx.cpu else None)
     plan = _plan(ctx, case, cluster)
     f = {"params_M": numel / 1e6, "training_state_GiB": state / GiB, "cap_GiB": cap / GiB, **describe_plan(plan),
-         "plan_file": _save_plan(ctx, "gpt_capped", plan)}
+         "plan_file": str(ctx.files / "plan_gpt_capped.json")}
+    Path(f["plan_file"]).write_text(plan.to_json())
     if not f["offload"]:
         f["note"] = "the plan does not offload at this cap"
     f.update(_train_measured(ctx, case, cluster, plan, max(1, min(3, ctx.args.steps)), None if ctx.cpu else cap))
@@ -566,7 +565,8 @@ SECTION_FNS: dict[str, Callable[[Context], dict]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json", help="JSON report path")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON report (default bench/results/gpu_check.json; the CPU pipeline: gpu_check_cpu.json)")
     ap.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",
                     help="the section pipeline on the CPU with tiny shapes (gloo; no kernels, no calibration)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="no section starts after this (default 270)")
@@ -578,7 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cap-gib", type=float, default=None,
                     help="capped device memory (default: 80%% of the training state after the plan's reserve)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"],
-                    help="precision the plans are priced in (default fp32, what the runtime trains in)")
+                    help="precision the large GPT's plans price and run (default fp32)")
     ap.add_argument("--plan-time-limit", type=float, default=20.0, help="seconds per plan search")
     ap.add_argument("--inductor", action="store_true", help="kernels: also time torch.compile (~1 min)")
     args = ap.parse_args(argv)
@@ -593,12 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     cpu = args.cpu or not torch.cuda.is_available()
     if not args.cpu and cpu:
         print("gpu_check: no CUDA device, running the CPU pipeline (--cpu)", file=sys.stderr)
-    ctx = Context(args, Deadline(args.budget_s), cpu, args.out.parent / f"{args.out.stem}_files")
+    out = args.out or RESULTS / ("gpu_check_cpu.json" if cpu else "gpu_check.json")  # never mixed up
+    ctx = Context(args, Deadline(args.budget_s), cpu, out.parent / f"{out.stem}_files")
     (ctx.files / "profiles").mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "machine": platform.machine(),
             "torch": torch.__version__, "mode": "cpu" if cpu else "cuda", "argv": sys.argv[1:] if argv is None
             else argv, "budget_s": args.budget_s}
-    write = lambda results: write_report(results, args.out, meta)
+    write = lambda results: write_report(results, out, meta)
     faulthandler.dump_traceback_later(args.budget_s + 25, exit=True)  # a hang must not eat the device time
     try:
         with profile_dir(ctx.files / "profiles"):

@@ -5,8 +5,9 @@
 2. pipeline, 2 ranks, 4 micro-batches, 1F1B and GPipe: autopar pp=2 vs torch.distributed.pipelining with
    the same layer split (samples/s ratio, target >= 1.0)
 3. one rank: autopar's Program vs plain eager training in the same process (overhead, target <= 5 %)
-4. per-rank peak of params + grads + optimizer state + live saved activations during a step of the
-   program compiled from autopar.plan on "1x2xcpu", vs the plan's prediction (within 15 %)
+4. per-rank peak of live tensor bytes measured at the allocator (torch.profiler memory events, see
+   runtime/memtrace.py) over compiling the program from autopar.plan on "1x2xcpu" plus MEMORY_STEPS steps,
+   vs the plan's prediction (within 15 %); bench/memory.py does the same for every plan family
 
 Contenders run in the same processes, alternating block by block (ABBA order) after a warm-up; ratios are
 medians of the per-repetition paired ratios, so slow drift of a noisy machine cancels.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +35,7 @@ from autopar.plan import Plan
 from autopar.runtime.compile import compile as compile_program
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.layout import Layout, megatron_layout
+from autopar.runtime.memtrace import phase, track_memory
 from autopar.runtime.program import Program
 
 CFG = dict(hidden=256, layers=4, seq=64, batch=16)
@@ -44,6 +45,7 @@ WARMUP = 2  # steps per contender before timing
 STEPS = 4  # steps per timed block
 REPS = 10  # timed blocks per contender
 REPS_1RANK = 12
+MEMORY_STEPS = 3
 LR = 1e-3
 TARGETS = {"dp": 0.95, "pp": 1.0, "overhead_pct": 5.0, "memory_tol": 0.15}
 
@@ -202,93 +204,21 @@ def one_rank() -> dict[str, list[float]]:
 # ---- 4. memory -------------------------------------------------------------------------------------------
 
 
-class SavedBytes:
-    """Live bytes of tensors autograd saved for backward (parameter storages excluded, each storage once)."""
-
-    def __init__(self, params: list[torch.Tensor], grads: dict[str, int]) -> None:
-        self.params = params
-        self.exclude: set[int] | None = None
-        self.grads = grads
-        self.refs: dict[int, int] = {}
-        self.live = 0
-        self.peak_act = 0
-        self.peak_total = 0  # activations + gradients alive at the same moment
-
-    def update(self) -> None:
-        self.peak_act = max(self.peak_act, self.live)
-        self.peak_total = max(self.peak_total, self.live + sum(self.grads.values()))
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if self.exclude is None:
-            # parameter storages are only final once the step has started (ZeRO-3 / offload re-allocate them)
-            self.exclude = {p.untyped_storage().data_ptr() for p in self.params}
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.exclude or storage.nbytes() == 0:
-            return t
-        if self.refs.get(key, 0) == 0:
-            self.live += storage.nbytes()
-            self.update()
-        self.refs[key] = self.refs.get(key, 0) + 1
-        box = _Box(t)
-        # autograd drops the packed object when the node's backward has run: that is when the bytes go
-        weakref.finalize(box, self._release, key, storage.nbytes())
-        return box
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self.refs[key] -= 1
-        if self.refs[key] == 0:
-            del self.refs[key]
-            self.live -= nbytes
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Box) else packed
-
-
-class _Box:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def memory(rank: int, world: int, plan_json: str) -> dict[str, int]:
+def memory(rank: int, world: int, plan_json: str) -> dict[str, Any]:
+    """Peak live tensor bytes at the allocator over compile + MEMORY_STEPS steps (runtime/memtrace.py);
+    the user's model, built before, is not in the window."""
     case = build()
     x, y = case.example_inputs[0], case.example_target
-    prog = compile_program(case.model, CLUSTER, case.example_inputs, y, case.loss_fn, "adamw", plan=plan_json)
-    prog.step(x, target=y)  # creates the optimizer state
-    grads: dict[str, int] = {}
-    params = list(prog.params.values()) + list(prog.buffers.values())
-    saved = SavedBytes(params, grads)
-
-    def on_grad(name: str) -> Callable[[nn.Parameter], None]:
-        def hook(p: nn.Parameter) -> None:
-            grads[name] = nbytes(p.grad)
-            saved.update()
-        return hook
-
-    handles = [p.register_post_accumulate_grad_hook(on_grad(n)) for n, p in prog.params.items()]
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        prog.step(x, target=y)
-    for h in handles:
-        h.remove()
-    opt = prog.optimizer
-    # tensors the optimizer updates that are not the program's parameters: fp32 masters under optimizer
-    # offload, which on a CPU device live in the same memory
-    opt_params = [q for g in opt.param_groups for q in g["params"]] if opt is not None else []
-    masters = sum(nbytes(q) for q in opt_params if not any(q is p for p in params))
-    opt_state = sum(nbytes(v) for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor)) if opt is not None else 0
-    # sizes as resident during the step, also for storages released between steps
-    param_bytes = sum(nbytes(p) for p in params)
-    return {"params": param_bytes, "grads": sum(grads.values()), "masters": masters, "optimizer": opt_state,
-            "act_peak": saved.peak_act, "act_plus_grads_peak": saved.peak_total,
-            "measured": param_bytes + masters + opt_state + saved.peak_total}
+    with track_memory() as trace:
+        with phase("compile"):
+            prog = compile_program(case.model, CLUSTER, case.example_inputs, y, case.loss_fn, "adamw",
+                                   plan=plan_json)
+        for k in range(MEMORY_STEPS):
+            with phase(f"step {k + 1}"):
+                prog.step(x, target=y)
+    out = trace.summary()
+    out["steps_peak_bytes"] = max(b for p, b in trace.phase_peaks.items() if p.startswith("step"))
+    return out
 
 
 def planned_components(plan: Plan, n_params: int) -> dict[str, float] | None:
@@ -346,36 +276,17 @@ def memory_notes(plan: Plan, n_params: int, ranks: list[dict]) -> list[str]:
         f"{plan.optimizer}; predicted peak {mib(plan.predicted['peak_memory_bytes'][0])} MiB per device "
         f"(the {100 * plan.memory_reserve:.0f}% memory reserve only limits capacity, it is not in the "
         f"prediction).",
-        f"measured, rank 0 (MiB): params {mib(m['params'])}, optimizer state {mib(m['optimizer'])}, "
-        f"optimizer-held parameter copies {mib(m['masters'])}, gradients {mib(m['grads'])} (all, at the end "
-        f"of backward), saved activations peak {mib(m['act_peak'])}, activations + live gradients peak "
-        f"{mib(m['act_plus_grads_peak'])} -> measured peak = params + optimizer state + copies + that "
-        f"= {mib(m['measured'])}."]
+        f"measured, rank 0: peak live tensor bytes over compile + {MEMORY_STEPS} steps {mib(m['peak_bytes'])} "
+        f"MiB (highest during a step {mib(m['steps_peak_bytes'])} MiB), reached at '{m['peak_label']}'.",
+        "live at the peak (MiB, phase: what allocated it): "
+        + "; ".join(f"{k} {mib(v)}" for k, v in m["at_peak"].items() if v >= 2**18) + "."]
     comp = planned_components(plan, n_params)
     if comp is None:
         lines.append("planner terms: not decomposed for this layout (see solver/pricing.py stage_memory).")
-        return lines
-    lines.append(f"planner terms (solver/pricing.py stage_memory) (MiB): params {mib(comp['params'])}, "
-                 f"gradients {mib(comp['grads'])}, optimizer state {mib(comp['optimizer'])}, activations "
-                 f"(the rest) {mib(comp['act'])}.")
-    measured_opt = m["optimizer"] + m["masters"]
-    if "optimizer" in st.offload:
-        lines.append(f"difference by design: the plan offloads the optimizer, so its prediction has no "
-                     f"optimizer term; on a CPU device the 'host' is the same memory, and the program keeps "
-                     f"{mib(measured_opt)} MiB of optimizer state and fp32 copies there.")
-    if m["act_plus_grads_peak"] < m["act_peak"] + m["grads"]:
-        lines.append(f"difference by design: the planner adds a full gradient to the activation peak; in "
-                     f"this step the activations peak at the end of forward, before any gradient exists "
-                     f"(gradients are set to None after each step), so the measured peak has "
-                     f"{mib(m['act_plus_grads_peak'] - m['act_peak'])} MiB of gradients at that moment, not "
-                     f"{mib(comp['grads'])}.")
-    total = m["params"] + m["grads"] + measured_opt + m["act_peak"]
-    lines.append(f"component check: measured params + gradients + optimizer (+copies) + activation peak "
-                 f"= {mib(total)} MiB; planner's activation term / measured activation peak = "
-                 f"{comp['act'] / m['act_peak']:.3f}.")
-    lines.append("not counted on either side: the transient gradient buckets of the gradient sync (a flat "
-                 "copy plus per-parameter clones after backward), p2p buffers, allocator overhead, the "
-                 "interpreter.")
+    else:
+        lines.append(f"planner terms (solver/pricing.py stage_memory) (MiB): params {mib(comp['params'])}, "
+                     f"gradients {mib(comp['grads'])}, optimizer state {mib(comp['optimizer'])}, activations "
+                     f"(the rest) {mib(comp['act'])}.")
     return lines
 
 
@@ -409,9 +320,9 @@ def main() -> None:
                  "met": "yes" if overhead <= TARGETS["overhead_pct"] else "NO"})
     predicted = plan.predicted["peak_memory_bytes"]
     for rank, r in enumerate(ranks):
-        ratio = r["memory"]["measured"] / predicted[rank]
+        ratio = r["memory"]["peak_bytes"] / predicted[rank]
         rows.append({"comparison": f"peak memory, rank {rank}", "A": "measured", "B": "plan prediction",
-                     "A_value": r["memory"]["measured"] / 2**20, "B_value": predicted[rank] / 2**20,
+                     "A_value": r["memory"]["peak_bytes"] / 2**20, "B_value": predicted[rank] / 2**20,
                      "unit": "MiB", "ratio": ratio, "target": f"1 +- {TARGETS['memory_tol']}",
                      "met": "yes" if abs(ratio - 1) <= TARGETS["memory_tol"] else "NO"})
     wall = time.perf_counter() - t_start

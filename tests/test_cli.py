@@ -29,9 +29,10 @@ def test_devices_lists_catalog(capsys):
     header = out.splitlines()[0]
     assert header.split()[:2] == ["device", "fp32"] and "mem GB/s" in header
     a100 = next(line for line in out.splitlines() if line.startswith("A100-80GB "))
-    assert a100.split()[1:6] == ["19.5", "156", "312", "80", "2039"] and "NVLink3 300 GB/s" in a100
+    # fp32, tf32, fp16, bf16 TFLOP/s, memory GiB, memory GB/s
+    assert a100.split()[1:7] == ["19.5", "156", "312", "312", "80", "2039"] and "NVLink3 300 GB/s" in a100
     v100 = next(line for line in out.splitlines() if line.startswith("V100-16GB "))
-    assert v100.split()[5] == "900"
+    assert v100.split()[3:7] == ["125", "-", "16", "900"]  # fp16 peak, no bf16
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

@@ -73,7 +73,8 @@ def _check_lab(c: Cluster) -> None:
     a100, v100 = c.spec("A100-80GB"), c.spec("V100-16GB")
     assert a100.flops("bf16") == 312 * TF and a100.flops("fp32") == 19.5 * TF
     assert a100.memory == 80 * GiB and a100.memory_bandwidth == 2039 * GB
-    assert v100.flops("bf16") == 125 * TF and v100.memory == 16 * GiB and v100.memory_bandwidth == 900 * GB
+    assert v100.flops("fp16") == 125 * TF and v100.memory == 16 * GiB and v100.memory_bandwidth == 900 * GB
+    assert "bf16" not in v100.peak_flops  # Volta: fp16 tensor cores only
     # The group's intra_node override (no kind given) replaces the catalog link; the V100 node keeps NVLink2.
     assert c.nodes[0].intra_node == Link(300 * GB, 2e-6, "") == c.nodes[1].intra_node
     assert c.nodes[2].intra_node == Link(150 * GB, 2e-6, "NVLink2")
@@ -266,10 +267,11 @@ def test_every_catalog_device_loads_with_positive_figures(name):
     c = Cluster.load(f"1x2x{name}")
     s = c.devices[0].spec
     assert isinstance(s, DeviceSpec) and s.name == name and c.world_size == 2
-    for dtype in ("fp32", "tf32", "bf16", "fp16"):
+    for dtype in ("fp32", "tf32", "fp16") + (("bf16",) if "bf16" in s.peak_flops else ()):
         assert s.flops(dtype) > 0
     # Tensor-core peaks are never below the plain fp32 peak.
-    assert s.flops("bf16") >= s.flops("tf32") >= s.flops("fp32")
+    assert s.flops("fp16") >= s.flops("tf32") >= s.flops("fp32")
+    assert "bf16" not in s.peak_flops or s.flops("bf16") >= s.flops("tf32")
     assert s.memory >= 8 * GiB and s.memory_bandwidth >= 100 * GB
     for link in (s.intra_node, s.host_link):
         assert link.bandwidth > 0 and link.latency > 0 and link.kind
@@ -293,7 +295,9 @@ def test_every_catalog_device_loads_with_positive_figures(name):
 def test_datasheet_figures(name, fp32, bf16, mem_gib, mem_bw, intra_bw):
     s = device_spec(name)
     assert s.flops("fp32") == pytest.approx(fp32 * TF)
-    assert s.flops("bf16") == pytest.approx(bf16 * TF)
+    # the tensor peak: bf16 where the device has it, else (V100, T4) the fp16 peak
+    assert s.flops("bf16" if "bf16" in s.peak_flops else "fp16") == pytest.approx(bf16 * TF)
+    assert s.flops("fp16") == pytest.approx(bf16 * TF)
     assert s.memory == mem_gib * GiB
     assert s.memory_bandwidth == pytest.approx(mem_bw * GB)
     assert s.intra_node.bandwidth == pytest.approx(intra_bw * GB)
@@ -302,8 +306,8 @@ def test_datasheet_figures(name, fp32, bf16, mem_gib, mem_bw, intra_bw):
 def test_catalog_table_lists_every_device_with_figures():
     rows = {line.split()[0]: line.split() for line in catalog_table().splitlines()[2:]}
     assert set(rows) == set(CATALOG) | {"cpu"}
-    assert rows["A100-80GB"][1:6] == ["19.5", "156", "312", "80", "2039"]
-    assert rows["T4"][3] == "65" and rows["T4"][5] == "320"
+    assert rows["A100-80GB"][1:7] == ["19.5", "156", "312", "312", "80", "2039"]
+    assert rows["T4"][3:5] == ["65", "-"] and rows["T4"][6] == "320"  # fp16 65, no bf16
     assert rows["cpu"][1] == "measured"
 
 

@@ -82,7 +82,9 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
 def estimated_plan(name: str, kwargs: dict, cluster: str, strategy: Strategy) -> str:
     """The Plan autopar.estimate makes of a hand-written strategy, as JSON."""
     case = build(name, **kwargs)
-    est = autopar.estimate(case.model, cluster, strategy, case.example_inputs, case.example_target, case.loss_fn)
+    # fp32: the reference is fp32 training (the A100 default, bf16, would run under autocast)
+    est = autopar.estimate(case.model, cluster, strategy, case.example_inputs, case.example_target, case.loss_fn,
+                           precision="fp32")
     return est.plan.to_json()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class Clock:
 
 def test_parse_args(gpu_check):
     a = gpu_check.parse_args([])
-    assert a.out == gpu_check.RESULTS / "gpu_check.json" and a.budget_s == 270 and not a.cpu
+    assert a.out is None and a.budget_s == 270 and not a.cpu  # main picks gpu_check(_cpu).json by the mode
     assert a.precision == "fp32" and a.skip == [] and a.cap_gib is None
     a = gpu_check.parse_args(["--dry-run", "--skip", "kernels,calibrate", "--cap-gib", "6", "--steps", "2"])
     assert a.cpu and a.skip == ["kernels", "calibrate"] and a.cap_gib == 6.0 and a.steps == 2
@@ -118,9 +119,39 @@ def test_release_storage_frees_the_models_copy(gpu_check):
     assert all(p.untyped_storage().nbytes() == 0 for p in case.model.parameters())
 
 
+class FakeKernelBench:
+    """bench/kernels.py's interface with fixed figures: the kernel section's summary without a GPU."""
+
+    def __init__(self, ran: str) -> None:
+        self.ran = ran
+
+    def cases(self) -> dict:
+        return {"elementwise": None, "softmax": None}
+
+    def check(self, kind: str, case: object, device: str, timed: bool, inductor: bool) -> dict:
+        assert device == "cuda" and timed and not inductor
+        return {"kind": kind, "regions": kind, "kernels_ran": self.ran if kind == "softmax" else "yes",
+                "max_rel_err": 1e-7 if kind == "softmax" else 3e-7, "eager_ms": 2.0, "kernel_ms": 0.5 if
+                kind == "softmax" else 2.0, "speedup_vs_eager": 4.0 if kind == "softmax" else 1.0}
+
+
+def test_kernel_section_summarises_and_fails_on_a_fallback(gpu_check, tmp_path, monkeypatch):
+    ctx = gpu_check.Context(gpu_check.parse_args([]), gpu_check.Deadline(300), False, tmp_path)
+    monkeypatch.setattr(gpu_check, "_load_kernel_bench", lambda: FakeKernelBench("yes"))
+    f = gpu_check.section_kernels(ctx)
+    assert f["max_rel_err"] == 3e-7 and f["geomean_speedup_vs_eager"] == pytest.approx(2.0)
+    assert not f["fell_back_to_torch"] and [r["kind"] for r in f["rows"]] == ["elementwise", "softmax"]
+    monkeypatch.setattr(gpu_check, "_load_kernel_bench", lambda: FakeKernelBench("no: forward kernel failed"))
+    with pytest.raises(AssertionError, match=r"fell back: \['softmax'\]"):
+        gpu_check.section_kernels(ctx)
+
+
 def test_cpu_pipeline_runs_every_section(gpu_check, tmp_path):
     out = tmp_path / "gpu_check.json"
+    before = os.environ.get("AUTOPAR_PROFILE_DIR")
     rc = gpu_check.main(["--cpu", "--out", str(out), "--steps", "2", "--budget-s", "300"])
+    assert os.environ.get("AUTOPAR_PROFILE_DIR") == before  # the run's own profile dir is not left behind
+    assert (tmp_path / "gpu_check_files" / "profiles").is_dir()
     d = json.loads(out.read_text())
     rows = {r["section"]: r for r in d["rows"]}
     assert list(rows) == list(gpu_check.SECTIONS)

@@ -107,6 +107,10 @@ def test_estimate_counts_what_each_offload_keeps_on_the_host() -> None:
     assert opt.fits and opt.predicted["host_memory_bytes"] == [P * ADAMW_HOST]
     par = price_strategy(cm, Strategy(tp=2, offload=("params",)))
     assert par.predicted["host_memory_bytes"][0] > 0
+    # ZeRO-1: each keeps a copy of every parameter, and the half it does not own streams its fp32
+    # gradients to the host (runtime/zero_layers.py)
+    z1 = price_strategy(cm, Strategy(dp=2, zero=1, offload=("params",)))
+    assert z1.predicted["host_memory_bytes"] == [2 * (P * 4 + P // 2 * 4)]
     one = _cm("1x1xA100-80GB")
     assert price_strategy(one, Strategy(offload=("params",))).predicted["host_memory_bytes"] == [P * 4]
     # both: the optimizer's fp32 copy is the parameter's host copy

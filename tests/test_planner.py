@@ -63,10 +63,14 @@ def cm_for(cluster: str | dict, kind: str = "gpt", reserve: float = 0.1, **kw) -
 
 
 def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster | None = None) -> dict[int, float]:
-    """Per device: params (every parameter a stage's layers use), grads and optimizer state sharded per
-    ZeRO level over the replicas, offload, plus activations of peak in-flight micro-batches. A block on a
-    stage priced by the intra-op ILP holds the parameter share and activations of the ILP's strategies."""
+    """Per device, what the runtime holds at its peak (runtime/zero.py, zero_layers.py): params (every
+    parameter a stage's layers use), grads and optimizer state sharded per ZeRO level over the replicas
+    (ZeRO-2/3 only where every replica runs the stage alike, else the whole-step path's ZeRO-1 peak; tied
+    parameters whole-step), streamed offload, activations of peak in-flight micro-batches with autocast's
+    weight copies, or the gradient sync's flat bucket after them. A block on a stage priced by the
+    intra-op ILP holds the parameter share and activations of the ILP's strategies."""
     sb = state_bytes_per_param(plan.optimizer, plan.precision)
+    w, g, o = sb.weights, sb.grads, sb.optimizer
     B, D = plan.global_batch, len(plan.pipelines)
     users: dict[str, set[int]] = {}
     for node in graph.nodes.values():
@@ -79,17 +83,32 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
         if name in numel:
             owned[min(layers)] += numel[name]
     inputs = graph.input_meta[graph.inputs[0]].nbytes
+    first = plan.pipelines[0]
+    alike = D > 1 and all(p.num_microbatches == first.num_microbatches and len(p.stages) == len(first.stages)
+                          for p in plan.pipelines)
+    per_layer = [alike and all(list(p.stages[j].layers) == list(st.layers) and len(p.stages[j].devices) == 1
+                               for p in plan.pipelines) for j, st in enumerate(first.stages)]
+    tied = {p: ls for p, ls in users.items() if p in numel and len(ls) > 1}
+    spans = any(len({j for j, st in enumerate(p.stages) for x in ls if st.layers[0] <= x < st.layers[1]}) > 1
+                for p in plan.pipelines for ls in tied.values())
+    bucketed = plan.chunks == 1 and not spans and all(
+        (not st.zero or D == 1) and len(st.devices) == 1 and not {"params", "optimizer"} & set(st.offload)
+        for p in plan.pipelines for st in p.stages)
     peaks = {}
     for pipe in plan.pipelines:
         ranks = len(pipe.stages) // plan.chunks
         inflight = peak_inflight(make_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks))
         frac = pipe.microbatch_size / B
         for r in range(ranks):
-            static, acts, works = 0.0, [], [0.0]
-            for st in pipe.stages[r::ranks]:
+            static, acts, works, syncs = 0.0, [], [0.0], [0.0]
+            for j in range(r, len(pipe.stages), ranks):
+                st = pipe.stages[j]
                 a, e = st.layers
                 t, z, off = len(st.devices), st.zero if D > 1 else 0, st.offload
+                zm = z if per_layer[j] and not (z == 3 and "params" in off) else min(z, 1)
+                streamed = {"params", "optimizer"} <= set(off) and t == 1 and zm <= 2
                 n = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls)) / t
+                shared = sum(numel[p] for p, ls in tied.items() if any(a <= x < e for x in ls)) / t
                 big = max(owned[a:e]) / t
                 saved = {x: graph.layers[x].saved_bytes * frac / t for x in range(a, e)}
                 if st.predicted.get("tp_source") == "ilp":
@@ -102,22 +121,29 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                             saved[x] = res.activation_bytes_per_device
                     n += sum(owned[x] * (q - 1 / t) for x, q in shares.items())
                     big = max(owned[x] * shares.get(x, 1 / t) for x in range(a, e))
-                if "params" not in off:
-                    static += n * sb.weights / (D if z == 3 else 1) + n * sb.grads / (D if z >= 2 else 1)
+                if streamed:
+                    static += shared * (w + g) + big * (w + g)
+                else:
+                    static += n * w / (D if zm == 3 else 1) + n * g / (D if zm >= 2 else 1)
+                    if D > 1:
+                        static += shared * (w * (zm == 3) + g * (zm >= 2)) * (1 - 1 / D)
                 if "optimizer" not in off:
-                    static += n * sb.optimizer / (D if z >= 1 else 1)
-                if z == 3 or "params" in off:
-                    static += 2 * big * sb.weights + (big * sb.grads if "params" in off else 0)
+                    static += n * o / (D if z >= 1 else 1)
+                static += 2 * big * w * (zm == 3) + big * g * (zm >= 2)
                 layers = graph.layers[a:e]
-                if st.recompute and any(x.kind == "block" for x in layers):
+                recomputed = st.recompute and any(x.kind == "block" for x in layers)
+                if recomputed:
                     act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
                               if x.kind == "block" else saved[x.index] for x in layers)
-                    works.append(max(saved[x.index] for x in layers if x.kind == "block"))
+                    works.append(max(saved[x.index] for x in layers if x.kind == "block") + sb.cast_copy * big)
+                    act += sb.cast_copy * (n - sum(owned[x.index] for x in layers if x.kind == "block") / t)
                 else:
-                    act = sum(saved.values())
+                    act = sum(saved.values()) + sb.cast_copy * n
                 acts.append(act * (1 if "activations" in off else inflight[r]))
+                if D > 1 and not bucketed:
+                    syncs.append(min(64 << 20, n * max(w, g)))
             for d in pipe.stages[r].devices:
-                peaks[d] = static + max(acts) + max(works)
+                peaks[d] = static + max(max(acts) + max(works), max(syncs))
     return peaks
 
 
@@ -420,7 +446,8 @@ SMALL = [
     ("1x2xA100-80GB", "gpt", dict(batch=4, layers=2, hidden=64, seq=32)),
     ("1x1xA100-80GB+1x1xT4", "gpt", dict(batch=4, layers=2, hidden=512, seq=128)),
     ({"nodes": [_custom("tiny", "T4", 0.012, 2)]}, "gpt", dict(batch=4, layers=2, hidden=256, seq=64)),
-    ({"nodes": [_custom("small", "V100-16GB", 0.1, 1), _custom("small", "T4", 0.1, 1)]}, "mlp",
+    # 0.2 GiB: mixed precision keeps fp32 weights and gradients (autocast), so 0.1 GiB no longer fits at all
+    ({"nodes": [_custom("small", "V100-16GB", 0.2, 1), _custom("small", "T4", 0.2, 1)]}, "mlp",
      dict(batch=4, layers=2, hidden=4096)),
 ]
 

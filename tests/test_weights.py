@@ -272,3 +272,15 @@ def test_non_meta_model_trains_from_weights(tmp_path: Path) -> None:
     ref_losses, ref_final = reference(llama())
     losses = [prog.step(batch()[0], target=batch()[1]) for _ in range(STEPS)]
     assert_matches_reference(losses, prog.state_dict()["model"], ref_losses, ref_final, "one process")
+
+
+def test_directory_with_one_model_safetensors(tmp_path: Path) -> None:
+    """A Hugging Face directory without an index; bf16 weights are cast to the model's dtype."""
+    sd = llama().state_dict()
+    save_file({k: v.to(torch.bfloat16) for k, v in sd.items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    model = autopar.materialize(llama("meta"), weights=str(tmp_path))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32, k
+        torch.testing.assert_close(v, sd[k].to(torch.bfloat16).float(), rtol=0, atol=0, msg=k)

@@ -4,10 +4,13 @@ helpers calibration uses on it (a stall-resistant timer, other processes' load, 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..cluster import DeviceSpec, GiB, Link
@@ -18,9 +21,10 @@ FAULT_THRESHOLD = 32 * 2**20  # glibc's largest mmap threshold: bigger blocks al
 @functools.lru_cache(maxsize=1)
 def cpu_spec() -> DeviceSpec:
     """This host's fp32 matmul FLOP/s and memory bandwidth: from the saved CPU compute profile when
-    there is one (so the cost model and its calibration agree), else measured once per process
-    (~0.3 s): a 512^3 matmul and a 64 MiB copy."""
-    flops, bw = _profile_figures() or _measure()
+    there is one (so the cost model and its calibration agree), else measured (~0.3 s: a 512^3 matmul and
+    a 64 MiB copy) once per machine and kept beside the profiles (`probe_path`): every training process
+    loads a `cpu` cluster, and 128 MiB of probe buffers in each would be a peak no plan prices."""
+    flops, bw = _profile_figures() or _probed()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 16 * GiB
     shm = Link(bw / 2, 1e-6, "shared-memory")
     return DeviceSpec("cpu", {"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops}, int(mem), bw,
@@ -34,6 +38,31 @@ def _profile_figures() -> tuple[float, float] | None:
     if p is None or not p.peak_flops or not p.memory_bandwidth:
         return None
     return float(p.peak_flops), float(p.memory_bandwidth)
+
+
+def probe_path() -> Path:
+    """Where the measured figures of this machine are kept (one file per host name and core count)."""
+    from .compute import profile_dir
+
+    return profile_dir() / f"cpu-probe-{platform.node() or 'host'}-{os.cpu_count()}.json"
+
+
+def _probed() -> tuple[float, float]:
+    path = probe_path()
+    try:
+        d = json.loads(path.read_text())
+        return float(d["flops"]), float(d["bandwidth"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    flops, bw = _measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"flops": flops, "bandwidth": bw, "measured": time.time()}))
+        tmp.replace(path)  # atomic: ranks starting together never read half a file
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return flops, bw
 
 
 def _measure() -> tuple[float, float]:

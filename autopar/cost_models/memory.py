@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..graph import TrainingGraph
 
+# bytes one ZeRO / gradient-sync collective packs into a flat buffer at a time (runtime/zero.py's buckets):
+# the transient on top of the training state while gradients are reduced and updated values broadcast
+SYNC_BUCKET_BYTES = 64 << 20
+
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "momentum": 4, "adam": 8, "adamw": 8, "adagrad": 4,
                          "rmsprop": 4}
 

@@ -13,6 +13,7 @@ from torch import nn
 from ..checks import check_seconds
 from ..cluster import Cluster
 from ..errors import AutoparError, CaptureError, PlanError
+from ..passes.batch_stats import pieces_of, warn_if_batch_split
 from ..passes.capture import LossFn, capture
 from ..report import dump_dir as _dump_dir
 from .dist import DEFAULT_TIMEOUT_S, ensure_initialized
@@ -130,6 +131,8 @@ def compile(
         if not fallback or meta:
             raise
         batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0)
+        if rank == 0:
+            warn_if_batch_split(model, world, batch, "replicated data parallelism")
         return ReplicatedProgram(model, cluster, batch, loss_fn, optimizer, rank, world, e, timeout_s)
     strategy = plan if isinstance(plan, Strategy) else None
     if plan is None or strategy is not None:
@@ -171,6 +174,8 @@ def compile(
         raise PlanError(f"compile(precision={precision!r}) but the plan computes in {plan.precision!r}: drop "
                         f"precision= to train as the plan says, or plan again with autopar.plan(..., "
                         f"precision={precision!r}).")
+    if rank == 0:
+        warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
     prog = Program(
         model,
         None,

@@ -7,8 +7,10 @@ order of first use (about the order backward produces them; the first bucket sma
 DDP's defaults), and each bucket's all-reduce is launched asynchronously from the post-accumulate-grad
 hooks of the step's last backward as soon as the bucket is complete. Buckets are launched strictly in
 bucket order (a ready bucket waits for its predecessors), so every rank issues the same collectives in
-the same order whatever order its autograd runs in. `finish()` launches what is left (parameters that got
-no gradient contribute zeros), waits, and points each `.grad` at its slice of the reduced bucket.
+the same order whatever order its autograd runs in. As DDP's `gradient_as_bucket_view`, each `.grad` is a
+view of its slice of the bucket (`prepare()`, at the start of a step, zeroes the buckets and points the
+gradients at them), so autograd accumulates straight into the buckets and the gradients take N g bytes,
+not twice that. `finish()` launches what is left, waits, and leaves each `.grad` on the reduced slice.
 
 Gradients travel in their own dtype: summing fp32 gradients of the replicas in fp32 is what DDP does and
 stays within the runtime tests' rtol 1e-4. When the replica group is the whole world and every rank
@@ -106,13 +108,26 @@ class BucketedGradSync:
         self.done: set[str] = set()
         self.works: list[Any] = []
 
+    def prepare(self) -> None:
+        """Start of a step: zeroed buckets, every gradient a view of its slice (autograd accumulates there)."""
+        for b, names in enumerate(self.buckets):
+            self.flats[b].zero_()
+            for n in names:
+                self.params[n].grad = self._view(n)
+
+    def _view(self, name: str) -> torch.Tensor:
+        p = self.params[name]
+        off = self.offsets[name]
+        return self.flats[self.bucket_of[name]][off:off + p.numel()].view_as(p)
+
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
         if not self.final or name in self.done:
             return
         self.done.add(name)
         b = self.bucket_of[name]
         off = self.offsets[name]
-        self.flats[b][off:off + p.numel()].copy_(p.grad.reshape(-1))
+        if p.grad is not None and p.grad.data_ptr() != self._view(name).data_ptr():
+            self.flats[b][off:off + p.numel()].copy_(p.grad.reshape(-1))  # autograd replaced the view
         self.missing[b] -= 1
         self._launch_ready()
 
@@ -124,10 +139,10 @@ class BucketedGradSync:
                 if n not in self.done:  # no gradient in the last backward: whatever accumulated, else zeros
                     p = self.params[n]
                     part = flat[self.offsets[n]:self.offsets[n] + p.numel()]
-                    if p.grad is not None:
-                        part.copy_(p.grad.reshape(-1))
-                    else:
+                    if p.grad is None:
                         part.zero_()
+                    elif p.grad.data_ptr() != part.data_ptr():
+                        part.copy_(p.grad.reshape(-1))
             if self.carry_loss and b == len(self.buckets) - 1:
                 flat[-1] = self.loss
             self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
@@ -138,11 +153,9 @@ class BucketedGradSync:
         self._launch_ready(force=True)
         for work in self.works:
             wait(work, "bucketed gradient all-reduce", "in its group", self.timeout_s)
-        for b, names in enumerate(self.buckets):
-            flat = self.flats[b]
+        for names in self.buckets:
             for n in names:
-                p = self.params[n]
-                p.grad = flat[self.offsets[n]:self.offsets[n] + p.numel()].view_as(p)
+                self.params[n].grad = self._view(n)
         loss = float(self.flats[-1][-1]) if self.carry_loss and self.buckets else None
         self.final = False
         self._reset()

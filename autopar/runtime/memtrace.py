@@ -4,12 +4,12 @@
 call: `alloc_size` is signed (+n bytes allocated, -n freed) and exactly the requested size (no rounding
 to the CPU allocator's 64-byte alignment, no malloc overhead). Their running sum in time order is the
 bytes allocated inside the window that are still live; its maximum is the window's peak. Tensors that were
-alive before the window are not counted, and the allocator does not report their frees either (torch warns
-once: "Memory block of unknown size was allocated before the profiling started"), so the sum never goes
-below zero because of them. Views, `detach()` and parameter wrappers allocate nothing.
+alive before the window are not counted: their frees are skipped (the allocator does not report most of them
+anyway; torch warns once, "Memory block of unknown size was allocated before the profiling started"), so
+the sum never goes below zero. Views, `detach()` and parameter wrappers allocate nothing.
 
-Allocations made on threads the profiler does not follow (plain Python threads; gloo's worker threads)
-are not seen; autograd's CPU backward runs on the calling thread and is.
+Allocations made on threads the profiler does not follow are not seen (checked for a plain Python thread;
+likely also communication library worker threads); autograd's CPU backward runs on the calling thread.
 
 Each allocation is attributed from its ancestors in the profiler's event tree: the outermost `phase()`
 label around it, and what it belongs to (optimizer step, backward, a collective, else the top-level op:
@@ -32,6 +32,8 @@ PHASE = "memtrace: "  # prefix of the record_function labels `phase` opens
 # ancestor name prefixes that say what an allocation is for, checked innermost first
 KINDS = (("Optimizer.step", "optimizer step"), ("Optimizer.zero_grad", "optimizer step"),
          ("autograd::engine::evaluate_function", "backward"), ("c10d::", "collective"))
+UNSEEN_FREE = "free seen by address reuse"
+UNTRACED = "no op (storage resize_)"  # e.g. ZeRO-3's gathers refill freed storages outside any op
 MAX_TIMELINE = 2000  # points kept in `MemoryTrace.timeline`
 
 
@@ -62,13 +64,17 @@ class MemoryTrace:
     phase_peaks: dict[str, int] = field(default_factory=dict)  # phase -> highest live bytes inside it
     timeline: list[tuple[int, int]] = field(default_factory=list)  # (ns, live bytes), thinned
     events: int = 0
+    # frees inferred from address reuse (made on threads the profiler does not follow); such a block counts
+    # as live until then, so the peak is an upper bound when this is not 0
+    unseen_free_bytes: int = 0
 
     def summary(self, top: int = 8) -> dict[str, Any]:
         """A JSON-friendly digest: peak, final, where the peak's bytes came from (largest first)."""
         items = sorted(self.at_peak.items(), key=lambda kv: -kv[1])
         return {"peak_bytes": self.peak_bytes, "final_bytes": self.final_bytes, "peak_label": self.peak_label,
                 "at_peak": dict(items[:top]), "at_peak_other": sum(v for _, v in items[top:]),
-                "phase_peaks": dict(self.phase_peaks), "events": self.events}
+                "phase_peaks": dict(self.phase_peaks), "events": self.events,
+                "unseen_free_bytes": self.unseen_free_bytes}
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
@@ -77,23 +83,24 @@ def phase(name: str) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def track_memory(with_stack: bool = False) -> Iterator[MemoryTrace]:
-    """Measure live tensor bytes of the block; the yielded trace is filled in when the block exits.
-    `with_stack` labels allocations with the innermost autopar source line instead (slower: 2-4x)."""
+def track_memory() -> Iterator[MemoryTrace]:
+    """Measure live tensor bytes of the block; the yielded trace is filled in when the block exits."""
     trace = MemoryTrace()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=with_stack) as prof:
+    # no with_stack: Python frames cost 2-4x the time, and with them the tree no longer links an
+    # allocation to the record_function labels around it (phases and the optimizer step are lost)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield trace
-    _fill(trace, _allocations(prof, with_stack))
+    _fill(trace, _allocations(prof))
 
 
-def measure_peak(fn: Callable[[], T], with_stack: bool = False) -> tuple[T, int, MemoryTrace]:
+def measure_peak(fn: Callable[[], T]) -> tuple[T, int, MemoryTrace]:
     """Run `fn()`; return its result, the peak of live tensor bytes it allocated, and the trace."""
-    with track_memory(with_stack) as trace:
+    with track_memory() as trace:
         result = fn()
     return result, trace.peak_bytes, trace
 
 
-def _allocations(prof: profile, with_stack: bool) -> list[Allocation]:
+def _allocations(prof: profile) -> list[Allocation]:
     roots = prof.profiler.kineto_results.experimental_event_tree()
     out: list[Allocation] = []
     stack = list(reversed(roots))
@@ -101,7 +108,7 @@ def _allocations(prof: profile, with_stack: bool) -> list[Allocation]:
         node = stack.pop()
         if node.tag == _EventType.Allocation:
             ef = node.extra_fields
-            out.append(Allocation(int(ef.alloc_size), node.start_time_ns, *_attribute(node, with_stack),
+            out.append(Allocation(int(ef.alloc_size), node.start_time_ns, *_attribute(node),
                                   int(ef.ptr)))
         stack.extend(reversed(node.children))
     out.sort(key=lambda a: a.t_ns)  # stable: ties keep the recorded order
@@ -111,25 +118,25 @@ def _allocations(prof: profile, with_stack: bool) -> list[Allocation]:
     return out
 
 
-def _attribute(node: Any, with_stack: bool) -> tuple[str, str]:
+def _attribute(node: Any) -> tuple[str, str]:
     """(phase, what) of an allocation event, from its ancestors."""
-    names, frame = [], None
+    names = []
     p = node.parent
     while p is not None:
         names.append(p.name)
-        if with_stack and frame is None and p.tag == _EventType.PyCall and "/autopar/" in p.name:
-            frame = p.name[p.name.rindex("/autopar/") + 1:]
         p = p.parent
     phases = [n[len(PHASE):] for n in names if n.startswith(PHASE)]
     ops = [n for n in names if not n.startswith(PHASE) and ("::" in n or n.startswith("Optimizer."))]
     kind = next((k for n in ops for prefix, k in KINDS if n.startswith(prefix)), None)
-    return (phases[-1] if phases else ""), frame or kind or (ops[-1] if ops else "python")
+    return (phases[-1] if phases else ""), kind or (ops[-1] if ops else UNTRACED)
 
 
 def _fill(trace: MemoryTrace, allocs: list[Allocation]) -> None:
     live, peak_index, points = 0, -1, []
     for i, a in enumerate(_inside(allocs)):
         live += a.nbytes
+        if a.what == UNSEEN_FREE:
+            trace.unseen_free_bytes -= a.nbytes
         if a.phase:
             trace.phase_peaks[a.phase] = max(trace.phase_peaks.get(a.phase, 0), live)
         points.append((a.t_ns, live))
@@ -150,10 +157,16 @@ def _fill(trace: MemoryTrace, allocs: list[Allocation]) -> None:
 
 def _inside(allocs: list[Allocation]) -> Iterator[Allocation]:
     """The events of blocks allocated inside the window: a free of an earlier block (one the allocator still
-    knows the size of, e.g. from a previous window) is skipped, so the sum is never below zero."""
+    knows the size of, e.g. from a previous window) is skipped, so the sum is never below zero. An address
+    handed out again while its block still counts as live was freed where the profiler does not look (gloo's
+    worker thread drops the last reference of a finished collective's tensors): that free is applied then,
+    as an event with `what == UNSEEN_FREE`."""
     sizes: dict[int, int] = {}
     for a in allocs:
         if a.nbytes > 0:
+            old = sizes.get(a.ptr)
+            if old is not None:
+                yield Allocation(-old, a.t_ns, a.phase, UNSEEN_FREE, a.ptr)
             sizes[a.ptr] = a.nbytes
             yield a
         elif sizes.pop(a.ptr, None) is not None:

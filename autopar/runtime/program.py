@@ -200,7 +200,8 @@ class Program:
         offloaded = {n for n, st in self.zero.state.items() if st.offload_params}
         levels = {n: st.level for n, st in self.zero.state.items()}
         hooks = LayerwiseMemory(self.zero, layerwise_params(self.graph, self.layout, levels, offloaded),
-                                streamed_params(self.graph, levels, offloaded))
+                                streamed_params(self.graph, levels, offloaded),
+                                [self.pipeline.stages[s].layers for s in self.position.stages])
         for (s, _), st in self._stages.items():
             stage = self.pipeline.stages[s]
             recompute = {i for i in range(*stage.layers) if stage.recompute and self.graph.layers[i].kind == "block"}
@@ -272,6 +273,8 @@ class Program:
             summed, loss_work = None, None
             if self.position is not None:
                 self.zero.prepare()
+                if self.grad_sync is not None:
+                    self.grad_sync.prepare()
                 if self.layers is not None:
                     self.layers.resident.clear()  # the last step's release freed every gathered layer
                     self.layers.armed = True
@@ -285,7 +288,8 @@ class Program:
                 local_loss.fill_(summed)
             elif self.world_size > 1:  # overlaps the optimizer step
                 loss_work = dist.all_reduce(local_loss, group=dist.group.WORLD, async_op=True)
-            stepping = self.amp.unscale(self.params.values(), self.optimizer, self.world_size)  # fp16: all ranks agree
+            # fp16: every rank unscales and all agree whether to step
+            stepping = self.amp.unscale(self.zero.gradient_holders(), self.optimizer, self.world_size)
             if self.position is not None:
                 self.zero.step(self.optimizer if stepping else None)
             if loss_work is not None:

@@ -28,8 +28,8 @@ Granularity. Where the holders of a parameter run identical schedules (zero_laye
 `layerwise_params`: same stage and layer range in every pipeline holding it, same micro-batch count,
 tensor-parallel degree 1, read by one layer), ZeRO-3 gathers it right before its layer's forward and
 backward and frees it after, and ZeRO-2/3 reduce its gradient to the owner as soon as its layer's
-backward is done, per micro-batch (a blocking reduce inside the backward, not yet overlapped with the
-next layer's backward); offloaded parameters are
+backward is done, per micro-batch (asynchronous: one layer's reduction is in flight while the backward
+goes on); the next layer's ZeRO-3 gather is prefetched; offloaded parameters are
 streamed per layer. That is the granularity the planner prices. Elsewhere (holders whose schedules
 differ: uneven batch splits with different micro-batch counts, tied weights spanning first and last
 stages, tensor-parallel stages) per-layer collectives inside the schedules could deadlock, so the
@@ -60,6 +60,7 @@ the code paths run, nothing is saved.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,14 +70,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..cost_models.memory import SYNC_BUCKET_BYTES
 from ..errors import PlanError
 from ..graph import TrainingGraph
-from .dist import Groups, all_reduce, wait
+from .dist import Groups, wait
 from .layout import Layout
 from .tensor_parallel import TPStage
 
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
-BUCKET_BYTES = 64 << 20  # bounds the flat copy one collective makes of its parameters or gradients
+BUCKET_BYTES = SYNC_BUCKET_BYTES  # bounds the flat copy one collective makes (priced: `StageMemory.sync`)
 Group = tuple[int, ...]
 
 
@@ -169,9 +171,19 @@ class ParamState:
     master: bool = False  # `host` is the optimizer's parameter
     released: bool = False  # device storage currently freed
     # offloaded parameter streamed per layer (zero_layers.py): `host` holds its value between uses and its
-    # gradient is accumulated on the host (`host_grad`) as each layer's backward ends
+    # gradient is accumulated on the host as each layer's backward ends: in the master's `.grad` when `host`
+    # is the optimizer's parameter, else in `host_grad`
     streamed: bool = False
     host_grad: torch.Tensor | None = None
+
+    def get_host_grad(self) -> torch.Tensor | None:
+        return self.host.grad if self.master else self.host_grad  # type: ignore[union-attr]
+
+    def set_host_grad(self, g: torch.Tensor | None) -> None:
+        if self.master:
+            self.host.grad = g  # type: ignore[union-attr]
+        else:
+            self.host_grad = g
 
     @property
     def keeps_value(self) -> bool:
@@ -237,6 +249,12 @@ class ZeroRuntime:
                           pin_memory=torch.cuda.is_available() and t.device.type == "cuda")
         return out.copy_(t.detach())
 
+    def gradient_holders(self) -> list[torch.Tensor]:
+        """Every tensor whose `.grad` is one of this rank's gradients before the optimizer step (the device
+        parameters, and the host masters of streamed ones): what loss-scale unscaling must see."""
+        return list(self.params.values()) + [st.host for st in self.state.values()  # type: ignore[misc]
+                                             if st.streamed and st.master]
+
     def build_optimizer(self, make: Callable[[list[Any]], torch.optim.Optimizer]
                         ) -> torch.optim.Optimizer | None:
         """The user's optimizer over the parameters this rank updates (their CPU copies when offloaded)."""
@@ -281,23 +299,17 @@ class ZeroRuntime:
                 st, p = self.state[name], self.params[name]
                 if p.grad is None:
                     continue
-                if st.host_grad is None:
-                    st.host_grad = p.grad.to("cpu", torch.float32, copy=True)
+                acc = st.get_host_grad()
+                if acc is None:
+                    st.set_host_grad(p.grad.to("cpu", torch.float32, copy=True))
                 else:
-                    st.host_grad += p.grad.to("cpu", torch.float32)
+                    acc += p.grad.to("cpu", torch.float32)
                 p.grad = None
 
-    def gather(self, names: list[str]) -> None:
-        """ZeRO-3 parameters back in their own storage with the owners' values (collective over holders).
-        Written through `.data`: autograd may hold these tensors for backward, and a refill is not a change."""
-        with torch.no_grad():
-            for name in names:
-                st = self.state[name]
-                if st.released:
-                    t = _local(self.params[name])
-                    t.untyped_storage().resize_(_nbytes(t))
-                    st.released = False
-        self._broadcast_from_owners(names)
+    def gather(self, names: list[str]) -> list[tuple]:
+        """Start bringing ZeRO-3 parameters back with the owners' values (collective over holders);
+        `finish_broadcast` each returned piece, in order, before using them: that refills their storage."""
+        return self.launch_broadcasts(names)
 
     def free(self, names: list[str]) -> None:
         """Drop the device storage of these parameters where it is not kept: ZeRO-3 parameters this rank
@@ -316,43 +328,67 @@ class ZeroRuntime:
         self.reduce_gradients([n for n in sorted(self.params) if n not in self.layer_reduced])
 
     def reduce_gradients(self, names: list[str]) -> None:
-        """Sum these parameters' gradients over their holders now (zero_layers.py: one layer's, mid-backward)."""
+        """Sum these parameters' gradients over their holders now."""
+        for pending in self.launch_reduces(names):
+            self.finish_reduce(pending)
+
+    def launch_reduces(self, names: list[str]) -> list[tuple]:
+        """Start summing these parameters' gradients over their holders: one asynchronous reduce (to the owner,
+        ZeRO-2/3) or all-reduce per bucket, in the sorted bucket order every rank shares. A non-owner's
+        gradient is dropped as soon as its bucket is packed. `finish_reduce` each piece, in order; zero_layers.py
+        keeps one layer's in flight while the backward goes on."""
         buckets: dict[tuple[Group, Group], list[str]] = {}
         for name in names:
             st = self.state[name]
             if len(st.reps) > 1:
                 buckets.setdefault((st.reps, st.owner if st.level >= 2 else ()), []).append(name)
+        out = []
         for (reps, dst), bucket in sorted(buckets.items()):
             for chunk in self._chunks(bucket):
-                self._reduce_grads(reps, dst, chunk)
-        for name in names:
-            if not self.state[name].owned:
-                self.params[name].grad = None
+                fulls = [self._full_grad(n) for n in chunk]
+                flat = torch.cat([g.reshape(-1) for g in fulls])
+                shapes = [g.shape for g in fulls]
+                del fulls
+                self._drop_grads([n for n in chunk if not self.state[n].owned])
+                work = None
+                if self.rank in reps:
+                    group = self.groups.get(reps)
+                    work = dist.reduce(flat, dst=dst[0], group=group, async_op=True) if dst else \
+                        dist.all_reduce(flat, group=group, async_op=True)
+                out.append((work, reps, dst, chunk, shapes, flat))
+        self._drop_grads([n for n in names if not self.state[n].owned])
+        return out
 
-    def _reduce_grads(self, reps: Group, dst: Group, names: list[str]) -> None:
-        fulls = [self._full_grad(n) for n in names]
-        flat = torch.cat([g.reshape(-1) for g in fulls])
-        if self.rank in reps:
-            group = self.groups.get(reps)
-            if dst:
-                wait(dist.reduce(flat, dst=dst[0], group=group, async_op=True),
-                     f"gradient reduce to rank {dst[0]} over ranks {list(reps)}", "in its group",
-                     self.timeout_s)
-            else:
-                all_reduce(flat, group, f"gradient all-reduce over ranks {list(reps)}", self.timeout_s)
+    def _drop_grads(self, names: list[str]) -> None:
+        for name in names:
+            self.params[name].grad = None
+            if self.state[name].streamed:
+                self.state[name].set_host_grad(None)
+
+    def finish_reduce(self, pending: tuple) -> None:
+        work, reps, dst, names, shapes, flat = pending
+        if work is not None:
+            what = f"gradient reduce to rank {dst[0]}" if dst else "gradient all-reduce"
+            wait(work, f"{what} over ranks {list(reps)}", "in its group", self.timeout_s)
         receives = not dst or dst == self.my_group
         if receives and len(self.my_group) > 1:
             self._group_broadcast(flat, "gradient broadcast in the tensor-parallel group")
         offset = 0
-        for n, g in zip(names, fulls, strict=True):
-            full = flat[offset:offset + g.numel()].view_as(g)
-            offset += g.numel()
+        for n, shape in zip(names, shapes, strict=True):
+            size = math.prod(shape)
+            full = flat[offset:offset + size].view(shape)
+            offset += size
             p, st = self.params[n], self.state[n]
-            keep = receives and st.owned
-            if st.streamed:  # a streamed parameter's gradient lives on the host
-                st.host_grad = full.to("cpu", torch.float32, copy=True) if keep else None
+            if not (receives and st.owned):
                 continue
-            p.grad = (self.tp.shard(n, full) if self.tp else full.clone()) if keep else None
+            if st.streamed:  # a streamed parameter's gradient lives on the host
+                st.set_host_grad(full.to("cpu", torch.float32, copy=True))
+            elif self.tp:
+                p.grad = self.tp.shard(n, full)
+            elif p.grad is not None and p.grad.shape == full.shape:
+                p.grad.copy_(full)  # into the gradient's own storage: no second copy of it
+            else:
+                p.grad = full.clone()
 
     def step(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer step on owned parameters, owners broadcast the update (ZeRO-1/2), then free what is
@@ -362,7 +398,7 @@ class ZeroRuntime:
             for p, st in masters:
                 g = p.grad
                 if st.streamed:
-                    st.host.grad, st.host_grad = st.host_grad, None  # type: ignore[union-attr]
+                    pass  # its gradient is in the master's .grad already
                 elif g is not None:
                     if isinstance(g, DTensor):
                         g = g.redistribute(p.device_mesh, p.placements).to_local()
@@ -401,27 +437,51 @@ class ZeroRuntime:
     def _broadcast_from_owners(self, names: list[str]) -> None:
         """Every holder of `names` gets the owner's current value. Buckets are processed in one sorted
         order on every rank, so the collectives of different groups cannot wait on each other in a cycle."""
+        for pending in self.launch_broadcasts(names):
+            self.finish_broadcast(pending)
+
+    def launch_broadcasts(self, names: list[str]) -> list[tuple]:
+        """Start the owners' broadcasts of `names` (one per bucket, in the shared sorted order); each must be
+        completed with `finish_broadcast`, in order. Lets zero_layers.py prefetch the next layer."""
         buckets: dict[tuple[Group, Group, str], list[str]] = {}
         for name in sorted(names):
             st = self.state[name]
             if len(st.reps) > 1:
                 buckets.setdefault((st.reps, st.owner, str(self.params[name].dtype)), []).append(name)
+        out = []
         with torch.no_grad():
             for (reps, owner, _), bucket in sorted(buckets.items()):
-                for names in self._chunks(bucket):
-                    self._broadcast_params(reps, owner, names)
+                for chunk in self._chunks(bucket):
+                    ps = [self.params[n] for n in chunk]
+                    if owner == self.my_group:
+                        flat = torch.cat([self._value(n).reshape(-1) for n in chunk])
+                    else:
+                        flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
+                                           device=_local(ps[0]).device)
+                    work = (dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True)
+                            if self.rank in reps else None)
+                    out.append((work, owner, chunk, flat))
+        return out
 
-    def _broadcast_params(self, reps: Group, owner: Group, names: list[str]) -> None:
-        ps = [self.params[n] for n in names]
-        if owner == self.my_group:
-            flat = torch.cat([self._value(n).reshape(-1) for n in names])
-        else:
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=_local(ps[0]).device)
-        if self.rank in reps:
-            wait(dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True),
-                 f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s)
+    def finish_broadcast(self, pending: tuple) -> None:
+        work, owner, names, flat = pending
+        if work is not None:
+            wait(work, f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s)
         if owner == self.my_group:
             return
+        with torch.no_grad():
+            self._unpack_broadcast(names, flat)
+
+    def _unpack_broadcast(self, names: list[str], flat: torch.Tensor) -> None:
+        """Write a received bucket into its parameters (freed ZeRO-3 storage is allocated again first).
+        Through `.data`: autograd may hold these tensors for backward, and a refill is not a change."""
+        ps = [self.params[n] for n in names]
+        for n, p in zip(names, ps, strict=True):
+            st = self.state[n]
+            if st.released and not st.streamed:
+                t = _local(p)
+                t.untyped_storage().resize_(_nbytes(t))
+                st.released = False
         if len(self.my_group) > 1:
             self._group_broadcast(flat, "parameter broadcast in the tensor-parallel group")
         offset = 0
@@ -460,8 +520,8 @@ class ZeroRuntime:
         a time)."""
         p, st = self.params[name], self.state[name]
         if st.streamed:
-            g = st.host_grad if st.host_grad is not None else torch.zeros(p.shape, dtype=torch.float32)
-            return g.to(_local(p).device, p.dtype)
+            g = st.get_host_grad()
+            return (g if g is not None else torch.zeros(p.shape, dtype=torch.float32)).to(_local(p).device, p.dtype)
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         return g.full_tensor() if isinstance(g, DTensor) else g
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..graph import TrainingGraph
+from ..plan import layerwise_stages
 from .layout import Layout
 from .zero import params_by_layer
 
@@ -51,24 +52,17 @@ def _layers_of(graph: TrainingGraph) -> tuple[dict[int, set[str]], dict[str, set
 
 def layerwise_params(graph: TrainingGraph, layout: Layout, levels: dict[str, int],
                      offloaded: set[str] = frozenset()) -> dict[str, int]:
-    """Canonical name -> layer of the ZeRO-2/3 parameters reduced (and gathered) per layer (docstring).
-    `offloaded`: parameters whose values are offloaded ("params"), which stream instead."""
+    """Canonical name -> layer of the ZeRO-2/3 parameters reduced (and gathered) per layer: those of the
+    stages `plan.layerwise_stages` names, read by one layer only, not offloaded ("params": they stream)."""
     by_layer, layers_of = _layers_of(graph)
-    holders: dict[str, list[tuple]] = {}
-    for p in layout.pipelines:
-        for s, st in enumerate(p.stages):
-            key = (s, st.layers, len(p.stages), p.num_microbatches, p.schedule, p.chunks, len(st.ranks))
-            for layer in range(*st.layers):
-                for n in by_layer.get(layer, ()):
-                    holders.setdefault(n, []).append((p.index, key))
+    stages = layerwise_stages([(p.num_microbatches, [(st.layers, len(st.ranks)) for st in p.stages])
+                               for p in layout.pipelines])
     out: dict[str, int] = {}
-    for n, held in holders.items():
-        if levels.get(n, 0) < 2 or n in offloaded or len(layers_of.get(n, ())) != 1 or len(held) < 2:
-            continue
-        pipes = [i for i, _ in held]
-        keys = {k for _, k in held}
-        if len(set(pipes)) == len(pipes) and len(keys) == 1 and next(iter(keys))[-1] == 1:
-            out[n] = next(iter(layers_of[n]))
+    for i, j in stages:
+        for layer in range(*layout.pipelines[i].stages[j].layers):
+            for n in by_layer.get(layer, ()):
+                if levels.get(n, 0) >= 2 and n not in offloaded and len(layers_of[n]) == 1:
+                    out[n] = layer
     return out
 
 
@@ -82,7 +76,9 @@ def streamed_params(graph: TrainingGraph, levels: dict[str, int], offloaded: set
 class LayerwiseMemory:
     """The layer hooks (layered.LayerHooks) that carry out one rank's per-layer memory actions."""
 
-    def __init__(self, zero: ZeroRuntime, reduced: dict[str, int], streamed: dict[str, int]) -> None:
+    def __init__(self, zero: ZeroRuntime, reduced: dict[str, int], streamed: dict[str, int],
+                 stages: list[tuple[int, int]]) -> None:
+        """`stages`: the layer ranges of this rank's stages (a prefetch never crosses a stage boundary)."""
         self.zero = zero
         state = zero.state
         reduced = {n: layer for n, layer in reduced.items() if n in state and state[n].level >= 2}
@@ -101,6 +97,15 @@ class LayerwiseMemory:
         self.gathered = {lay: pick(ns, lambda n: n in reduced and state[n].level == 3)
                          for lay, ns in self.names.items()}
         self.resident: set[int] = set()  # layers brought in now (the same on every holder)
+        self._prefetched: dict[int, list[tuple]] = {}  # layer -> its gather in flight
+        self._reducing: tuple[int, list[tuple]] | None = None  # the layer whose gradient reduction is in flight
+        # the next / previous layer with ZeRO-3 parameters in the same stage: what forward / backward prefetch
+        self._next: dict[int, int] = {}
+        self._prev: dict[int, int] = {}
+        for a, e in stages:
+            mine = [lay for lay in range(a, e) if self.gathered.get(lay)]
+            self._next.update(zip(mine, mine[1:], strict=False))
+            self._prev.update(zip(mine[1:], mine, strict=False))
         self.armed = False  # inside a training step's schedule
         self._pending: list[int] = []  # layers of the running backward awaiting their end actions, descending
         self._seen: dict[int, set[str]] = {}
@@ -118,14 +123,14 @@ class LayerwiseMemory:
 
     # ---- layered.LayerHooks ------------------------------------------------------------------------
     def before_forward(self, layer: int) -> None:
-        self._bring(layer)
+        self._bring(layer, self._next.get(layer))
 
     def after_forward(self, layer: int) -> None:
         if self.armed:
             self._drop(layer)
 
     def before_backward(self, layer: int) -> None:
-        self._bring(layer)
+        self._bring(layer, self._prev.get(layer))
 
     # ---- one backward ------------------------------------------------------------------------------
     def begin_backward(self, layers: tuple[int, int]) -> None:
@@ -136,6 +141,8 @@ class LayerwiseMemory:
         """Finish what the backward left (layers some of whose parameters got no gradient), in order."""
         while self._pending:
             self._finish(self._pending.pop(0))
+        self._complete()
+        self.settle()
 
     def _accumulated(self, name: str) -> None:
         layer = self.layer_of[name]
@@ -144,12 +151,26 @@ class LayerwiseMemory:
             self._finish(self._pending.pop(0))
 
     # ---- actions -----------------------------------------------------------------------------------
-    def _bring(self, layer: int) -> None:
-        if not self.armed or layer in self.resident or layer not in self.names:
+    def _bring(self, layer: int, ahead: int | None = None) -> None:
+        """Make `layer` resident, then start gathering `ahead` (the layer this pass runs next), so its
+        broadcast overlaps `layer`'s compute: at most two layers' ZeRO-3 parameters are on the device."""
+        if not self.armed or layer not in self.names:
             return
-        self.zero.gather(self.gathered[layer])
-        self.zero.stream_in(self.streamed[layer])
-        self.resident.add(layer)
+        if layer not in self.resident:
+            for pending in self._prefetched.pop(layer, None) or self.zero.gather(self.gathered[layer]):
+                self.zero.finish_broadcast(pending)
+            self.zero.stream_in(self.streamed[layer])
+            self.resident.add(layer)
+        if ahead is not None and ahead not in self.resident and ahead not in self._prefetched \
+                and self.gathered.get(ahead):
+            self._prefetched[ahead] = self.zero.gather(self.gathered[ahead])
+
+    def settle(self) -> None:
+        """Complete prefetches nobody used (a layer whose backward never ran) and free them again."""
+        for layer in sorted(self._prefetched):
+            for pending in self._prefetched.pop(layer):
+                self.zero.finish_broadcast(pending)
+            self.zero.free(self.gathered[layer])
 
     def _drop(self, layer: int) -> None:
         if layer in self.resident:
@@ -157,6 +178,20 @@ class LayerwiseMemory:
             self.resident.discard(layer)
 
     def _finish(self, layer: int) -> None:
-        self.zero.reduce_gradients(self.reduced[layer])
-        self.zero.stream_out_grads(self.streamed[layer])
+        """Layer `layer`'s backward is done: start reducing its gradients (the previous layer's reduction is
+        completed first, so one is in flight while the backward goes on) and free its parameters."""
+        self._complete()
+        if self.reduced[layer]:
+            self._reducing = (layer, self.zero.launch_reduces(self.reduced[layer]))
+        else:
+            self.zero.stream_out_grads(self.streamed[layer])
         self._drop(layer)
+
+    def _complete(self) -> None:
+        if self._reducing is None:
+            return
+        layer, pendings = self._reducing
+        self._reducing = None
+        for pending in pendings:
+            self.zero.finish_reduce(pending)
+        self.zero.stream_out_grads(self.streamed[layer])

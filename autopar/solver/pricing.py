@@ -47,15 +47,25 @@ saving is too small to be worth the numerical change) and (3) the cast-inclusive
 plans every eligible boundary compressed (the simulated step only grows with a send time) and
 `search.Search.run` drops compression from the final plan unless it shortens the predicted step.
 
-`stage_memory` (per device; peak = static + in-flight x act + work):
+`stage_memory` (per device; peak = static + in-flight x act + work), what the runtime holds at its peak
+(runtime/zero.py, zero_layers.py). z is the stage's ZeRO level where it runs per layer (`layerwise`: the
+stage is in `plan.layerwise_stages`: every replica alike, t = 1, no experts, not ZeRO-3 with offloaded
+parameters), else min(z, 1): the whole-step path gathers every parameter and keeps every gradient until
+after the schedule, so ZeRO-2/3 there save nothing at the peak. "Streamed" parameters: params and optimizer
+offloaded, t = 1, z <= 2 (brought in one layer at a time, gradients accumulated on the host); params
+offloaded otherwise come back for the whole step and count as resident. T = tied parameters' elements
+(read by several layers: never per layer):
 
-    weights  N w / D if zero 3 else N w            (0 with params offloaded)
-    grads    N g / D if zero >= 2 else N g         (0 with params offloaded)
+    weights  N w / D if z 3 else N w  (+ T w (1 - 1/D) at z 3)       streamed: T w
+    grads    N g / D if z >= 2 else N g  (+ T g (1 - 1/D) at z >= 2)  streamed: T g
     optim.   N o / D if zero >= 1 else N o         (0 with the optimizer offloaded)
-    buffers  2 w P / t (+ g P / t) for zero 3 (params offloaded): gathered/streamed layer, P = largest layer
+    buffers  z 3: 2 w P / t (the layer in use and the prefetched next one); z >= 2: g P / t (one layer's
+             reduction in flight); streamed: (w + g) P / t
     act      per micro-batch: saved activations x n / B / t; with recompute only each block's input
              (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
-             while it is recomputed; with activations offloaded only one micro-batch stays on the device
+             while it is recomputed; with activations offloaded only one micro-batch stays on the device;
+             mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x N per
+             micro-batch, the recomputed blocks' only while one is recomputed)
 
 Expert parallelism (ep > 1, solver/experts.py): of N, the X expert elements a device holds have only
 H = D / ep holders (its position in every chunk of ep replicas). X = Xp + Xs, Xs those in stacked (E, ...)
@@ -73,9 +83,11 @@ host peak = host + in-flight x host_act, `rank_host`):
     optimizer offload   N' (4 + 4 + m): the optimizer runs over fp32 CPU copies of the owned parameters
                         (4 B), with an fp32 CPU copy of their gradients (4 B) and its moments (m =
                         OPTIMIZER_STATE_BYTES, 8 for Adam/AdamW), in any precision
-    params offload      (K - N' [optimizer offloaded too: the owned ones' fp32 copy serves]) w, K the
-                        parameters whose value the device keeps between steps (N' under ZeRO-3, else N);
-                        gradients stay on the device
+    params offload      K w, K the parameters whose value the device keeps between steps (N' under
+                        ZeRO-3, else N), less N' w when the optimizer is offloaded too (the owned ones'
+                        fp32 copy serves); plus (N - N') 4 under ZeRO-1/2: the parameters it does not
+                        own are streamed per layer and accumulate fp32 gradients on the host
+                        (runtime/zero_layers.py; counted for all, also those read by several layers)
     activations offload in-flight x act: save_on_cpu moves every in-flight micro-batch's saved tensors
     with N' = N / D (+ the expert terms above) for zero >= 1, else N (`pricing_plan.offload_host_bytes`)
 
@@ -97,7 +109,7 @@ from ..checks import check_memory_reserve
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
 from ..cost_models.compute import ComputeModel, kernel_flops
-from ..cost_models.memory import optimizer_name, state_bytes_per_param
+from ..cost_models.memory import SYNC_BUCKET_BYTES, optimizer_name, state_bytes_per_param
 from ..errors import PlanError
 from ..graph import TrainingGraph
 from ..host_memory import UNIFIED_KINDS
@@ -109,6 +121,7 @@ from ..plan import (
     Stage,
     Strategy,
     cached_schedule,
+    layerwise_stages,
     plan_from_strategy,
 )
 from ..schedule import peak_inflight
@@ -168,6 +181,8 @@ class StageBase:
     moe_bytes: float = 0.0  # per such layer and micro-batch: bytes each rank dispatches (tokens x top_k x hidden)
     expert_params: float = 0.0  # of `params`, the expert parameters this device holds
     expert_stacked: float = 0.0  # of those, the ones in stacked (E, ...) tensors, which ZeRO leaves whole
+    multi_layer: float = 0.0  # of `params`, those read by several layers (tied embeddings): kept whole-step
+    block_params: float = 0.0  # of `params`, those of the range's repeated blocks
 
 
 @dataclass(frozen=True)
@@ -186,9 +201,13 @@ class StageMemory:
     offload_act: bool
     host: float = 0.0  # bytes kept in host memory: offloaded optimizer state and parameter copies
     host_act: float = 0.0  # host bytes per in-flight micro-batch (offloaded activations)
+    # the flat bucket a gradient reduction or parameter broadcast packs after the schedule, when the
+    # activations are gone: the peak is static + max(activation term, sync)
+    sync: float = 0.0
 
     def peak(self, inflight: int) -> float:
-        return self.static + (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
+        act = (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
+        return self.static + max(act, self.sync)
 
 
 def inflight_closed_form(schedule: str, ranks: int, microbatches: int, chunks: int = 1) -> list[int]:
@@ -414,9 +433,11 @@ class CostModel:
             else:
                 act_rc += saved
         params, biggest = self.range_params(a, e)
+        multi = float(sum(n for n, _, us in self.shared if any(a <= u < e for u in us)))
+        blocks = float(sum(self.own_params[i] for i in range(a, e) if self.is_block[i]))
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
-                         extra, tp_max)
+                         extra, tp_max, multi_layer=multi, block_params=blocks)
         return experts.adjust_base(self, a, e, dtype, n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
@@ -469,23 +490,46 @@ class CostModel:
         bwd = base.bwd + bc + (base.recompute if opt.recompute else 0.0)
         return StageTimes(fwd, bwd, fc + bc, sync)
 
-    def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int) -> StageMemory:
+    def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
+        """Peak device (and host) bytes of a stage, as the runtime keeps them (module docstring).
+        `layerwise`: the stage is one of `plan.layerwise_stages`, so its ZeRO-2/3 runs per layer; elsewhere
+        the runtime gathers and reduces for the whole step, whose peak is ZeRO-1's."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         N, P = base.params / tp + base.tp_extra, max(base.max_layer_params / tp, base.tp_max_layer)
         z = opt.zero if dp > 1 else 0
-        on_host = "params" in opt.offload
-        static = 0.0 if on_host else N * w / (dp if z == 3 else 1) + N * g / (dp if z >= 2 else 1)
+        per_layer = layerwise and tp == 1 and not base.moe_layers and not (z == 3 and "params" in opt.offload)
+        zm = z if per_layer else min(z, 1)  # what ZeRO does to the peak
+        # offloaded parameters stream per layer where the stage runs layer by layer and the optimizer (which
+        # updates them) is on the host too; otherwise they come back for the whole step
+        streamed = "params" in opt.offload and "optimizer" in opt.offload and tp == 1 and zm <= 2 \
+            and not base.moe_layers
+        whole = base.multi_layer / tp  # tied parameters: never per layer
+        if streamed:
+            static = whole * (w + g)
+        else:
+            static = N * w / (dp if zm == 3 else 1) + N * g / (dp if zm >= 2 else 1)
+            static += whole * (w * (zm == 3) + g * (zm >= 2)) * (1 - 1 / dp) if dp > 1 else 0.0
         static += 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
         if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
-            static += experts.zero_bytes(self, base, opt, dp)
-        if z == 3 or on_host:
-            static += 2 * P * w + (P * g if on_host else 0.0)
+            static += experts.zero_bytes(self, base, opt._replace(zero=zm), dp)
+        if zm == 3:
+            static += 2 * P * w  # the layer in use and the next one, prefetched
+        if zm >= 2:
+            static += P * g  # one layer's gradients in flight to their owners while the backward goes on
+        if streamed:
+            static += P * (w + g)  # the layer in use and its gradient
         # N' owned parameters, as the optimizer step's `local` in stage_times
         owned = N / dp + (experts.zero_extra(self, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
         host = offload_host_bytes(self.optimizer, w, N, owned, z, opt.offload)
         off_act = "activations" in opt.offload
         act, work = (base.act_recompute, base.act_work) if opt.recompute and base.has_blocks else (base.act, 0.0)
-        return StageMemory(static, act, work, off_act, host, act if off_act else 0.0)
+        cast = self.state.cast_copy  # autocast keeps a low-precision copy of each weight for the backward
+        if cast:
+            recomputed = base.block_params / tp if opt.recompute and base.has_blocks else 0.0
+            act += cast * (N - recomputed)
+            work += cast * (P if recomputed else 0.0)
+        sync = min(SYNC_BUCKET_BYTES, N * max(w, g)) if dp > 1 else 0.0
+        return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync)
 
 
 # ---- pricing a plan ---------------------------------------------------------------------------------
@@ -511,10 +555,27 @@ def stage_option(stage: Stage) -> Option:
     return Option(stage.zero, stage.recompute, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
 
 
-def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]]
+def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
+    """Whether the runtime syncs this plan's gradients DDP-style (runtime/grad_sync.py: gradients are views of
+    the buckets, so the sync packs nothing): one chunk, no ZeRO, tp 1, no parameter or optimizer offload, no
+    experts, and no parameter shared by layers on different stages (whose holders would differ)."""
+    if plan.chunks != 1 or (plan.experts or {}).get("degree", 1) > 1:
+        return False
+    for pipe in plan.pipelines:
+        stage_of = {layer: j for j, st in enumerate(pipe.stages) for layer in range(*st.layers)}
+        if any(len({stage_of[u] for u in us}) > 1 for _, _, us in cm.shared):
+            return False
+        for st in pipe.stages:
+            zero = st.zero and len(plan.pipelines) > 1
+            if zero or len(st.devices) != 1 or {"params", "optimizer"} & set(st.offload):
+                return False
+    return True
+
+
+def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]], layerwise: set[int]
                   ) -> tuple[list[dict], list[tuple], list[StageMemory]]:
     """Per stage of one pipeline: its predictions, the (fwd, fwd_small, bwd, bwd_small, send, sync) times
-    for `lower_bound`, and its memory."""
+    for `lower_bound`, and its memory (`layerwise`: the stage indices whose ZeRO runs per layer)."""
     devices = cm.cluster.devices
     sizes, full = pipe.microbatch_sizes(), pipe.microbatch_size
     n_small = sum(s != full for s in sizes)
@@ -533,7 +594,7 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
                 if j + 1 < len(pipe.stages) else 0.0)
         sync = tf.sync + tied[j]
         vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, sync))
-        mems.append(cm.stage_memory(base, opt, len(tp_group), len(dp_group)))
+        mems.append(cm.stage_memory(base, opt, len(tp_group), len(dp_group), j in layerwise))
         m_full = len(sizes) - n_small
         preds.append({"fwd_s": tf.fwd, "bwd_s": tf.bwd, "fwd_small_s": ts.fwd, "bwd_small_s": ts.bwd,
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
@@ -559,6 +620,11 @@ def price(cm: CostModel, plan: Plan) -> Priced:
     bound = 0.0
     dp_groups = [tuple(p.stages[j].devices[0] for p in plan.pipelines if j < len(p.stages))
                  for j in range(max(len(p.stages) for p in plan.pipelines))]
+    # which stages' ZeRO runs per layer: the same stages in every pipeline, or none (plan.layerwise_stages)
+    layerwise = {j for _, j in layerwise_stages([(p.num_microbatches, [(tuple(st.layers), len(st.devices))
+                                                                        for st in p.stages])
+                                                 for p in plan.pipelines])}
+    bucketed = bucketed_gradients(cm, plan)
     seen: dict[tuple, tuple[list[dict], list[tuple], list[StageMemory]]] = {}
     for i, pipe in enumerate(plan.pipelines):
         ranks = len(pipe.stages) // plan.chunks
@@ -569,7 +635,7 @@ def price(cm: CostModel, plan: Plan) -> Priced:
              cm.group_sig((st.devices[0], pipe.stages[j + 1].devices[0])) if j + 1 < len(pipe.stages) else -1)
             for j, st in enumerate(pipe.stages)))
         if key not in seen:
-            seen[key] = _stage_values(cm, pipe, dp_groups)
+            seen[key] = _stage_values(cm, pipe, dp_groups, layerwise)
         preds, vals, mems = seen[key]
         stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr),
                           sharding=stage_sharding(cm, st.layers[0], st.layers[1], devices[st.devices[0]].spec.name,
@@ -577,6 +643,8 @@ def price(cm: CostModel, plan: Plan) -> Priced:
                   for st, pr in zip(pipe.stages, preds, strict=True)]
         sizes = pipe.microbatch_sizes()
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
+        if bucketed:
+            mems = [replace(m, sync=0.0) for m in mems]
         for r in range(ranks):
             need = rank_peak(mems[r::ranks], inflight[r])
             on_host = rank_host(mems[r::ranks], inflight[r])

@@ -131,13 +131,15 @@ def offload_host_bytes(optimizer: str, w: float, n: float, owned: float, zero: i
         host += owned * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + OPTIMIZER_STATE_BYTES[optimizer])
     if "params" in offload:  # a copy of each value kept between steps; the optimizer's fp32 copy serves
         host += ((owned if zero == 3 else n) - (owned if "optimizer" in offload else 0.0)) * w
+        if zero in (1, 2):  # streamed parameters it does not own accumulate fp32 gradients on the host
+            host += (n - owned) * HOST_GRAD_BYTES
     return host
 
 
 def rank_peak(mems: list[StageMemory], inflight: int) -> float:
     """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches."""
     act = max((min(inflight, 1) if m.offload_act else inflight) * m.act for m in mems)
-    return sum(m.static for m in mems) + act + max(m.work for m in mems)
+    return sum(m.static for m in mems) + max(act + max(m.work for m in mems), max(m.sync for m in mems))
 
 
 def rank_host(mems: list[StageMemory], inflight: int) -> float:

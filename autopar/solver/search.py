@@ -20,6 +20,8 @@ to minimise the simulated step time  max_d simulate(schedule(sigma, p, m_d, v), 
     (C2) every device's peak memory (static state of all its stages, i.e. interleaved chunks together,
          + peak in-flight micro-batches x activations + recompute workspace; `pricing.rank_peak`)
          <= (1 - reserve) x capacity              `Splitter.stage` with `split.RankState`, `_fits`, `price`
+         ZeRO-2/3 only where every replica gets the same split and micro-batch count at t = 1, so the
+         runtime runs them per layer (`Slot.layerwise`, `plan.layerwise_stages`)
     (C2') every node's host memory: what its devices offload (`pricing.rank_host`) <= (1 - reserve) x the
          node's host memory; the search holds each device to an even share of it      `Slot.host_budget`
     (C3) sum_d s_d = B, 1 <= m_d <= s_d, m_d % p == 0 for interleaved            `_batch_split`, `_solve`
@@ -278,7 +280,9 @@ class Search:
     def _split(self, cfg: Config, slots: list[Slot], share: int, m: int) -> Split | None:
         return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound)
 
-    def _slots(self, cfg: Config, pipe: tuple[Unit, ...], m: int) -> list[Slot]:
+    def _slots(self, cfg: Config, pipe: tuple[Unit, ...], m: int, alike: bool = True) -> list[Slot]:
+        """The stage positions of one pipeline; `alike`: every replica of the config gets the same split and
+        micro-batch count, so its ZeRO-2/3 can run per layer (`Slot.layerwise`)."""
         cm, p, v = self.cm, len(pipe), cfg.chunks
         inflight = inflight_closed_form(cfg.schedule, p, m, v)
         if self._dp_cache[0] is not cfg.pipelines:
@@ -288,7 +292,8 @@ class Search:
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
                      min(cm.usable(d) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
-                     min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]))
+                     min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
+                     alike and len(pipe[j % p]) == 1)
                 for j in range(p * v)]
 
     # -- batch split --
@@ -353,7 +358,7 @@ class Search:
             a = next(x for x in anchors if x >= s)
             if a not in solved:
                 ma = _microbatches(a, min(cfg.b, a), p, cfg.schedule) or m
-                slots = self._slots(cfg, pipe, ma)
+                slots = self._slots(cfg, pipe, ma, False)  # several replica classes: never alike
                 # many shares: the table only guides CP-SAT, so the cheap bisection split does
                 split = self.splitter.split(slots, a, ma, cfg.schedule, cfg.chunks, cfg.bound,
                                             fast=top > SHARE_TABLE_EXACT)
@@ -376,7 +381,8 @@ class Search:
         for j, (a, e, c) in enumerate(split.stages):
             slot = slots[j]
             base = cm.base(a, e, slot.dtype, n, slot.tp_group)
-            mems[j % p].append(cm.stage_memory(base, c.option, len(slot.tp_group), len(slot.dp_group)))
+            mems[j % p].append(cm.stage_memory(base, c.option, len(slot.tp_group), len(slot.dp_group),
+                                               slot.layerwise))
         return all(rank_fits(mems[r], inflight[r], slots[r]) for r in range(p))
 
     # -- one config --
@@ -395,14 +401,15 @@ class Search:
         splits: dict[tuple, tuple[list[Slot], Split]] = {}
         distinct: dict[tuple, tuple[int, int, list[tuple]]] = {}
         keys = []
+        counts = [_microbatches(share, min(cfg.b, share), p, cfg.schedule) for share in shares]
+        alike = len({(types[d], shares[d], counts[d]) for d in range(len(pipes))}) == 1
         for d, pipe in enumerate(pipes):
-            share = shares[d]
-            m = _microbatches(share, min(cfg.b, share), p, cfg.schedule)
+            share, m = shares[d], counts[d]
             if m is None:
                 return None
             key = (types[d], share, m)
             if key not in splits:
-                slots = self._slots(cfg, pipe, m)
+                slots = self._slots(cfg, pipe, m, alike)
                 split = self._split(cfg, slots, share, m)
                 if split is None:
                     return None
@@ -521,7 +528,8 @@ class Search:
                     f"{fmt_bytes(host.budget)} usable) but keep {fmt_bytes(host.host)} in host memory (offloaded "
                     f"optimizer state, parameter copies and activations), more than its share of node {k}'s: "
                     f"{fmt_bytes(host.host_budget)} usable ({fmt_bytes(nodes[k].host_memory)} for {n_dev} "
-                    f"device(s)). Node {k} would need at least {fmt_bytes(node_need)} of host memory.")
+                    f"device(s)). With such stages on all its devices, node {k} would need at least "
+                    f"{fmt_bytes(node_need)} of host memory.")
             fixes.append(f"give the nodes more host memory (host_memory_GiB >= {node_need / 2**30:.4g} in the "
                          f"cluster file, where the machines have it)")
         return msg + (f" To fit: {', '.join(fixes)}, add devices (pipeline and tensor parallelism split the "

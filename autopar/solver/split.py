@@ -40,6 +40,9 @@ class Slot(NamedTuple):
     sigs: tuple[int, int]  # CostModel.group_sig of the tp and dp groups
     host_budget: float = math.inf  # host bytes each of its devices may fill (`CostModel.host_budget`)
     unified: bool = False  # its devices' memory is the host's: what they offload counts in `budget` too
+    # its ZeRO-2/3 would run per layer (`plan.layerwise_stages`: every replica alike, tp 1); elsewhere the runtime
+    # gathers and reduces for the whole step, whose peak is ZeRO-1's at more traffic, so only ZeRO 0-1 are tried
+    layerwise: bool = True
 
     def fits(self, need: float, host: float) -> bool:
         """Whether a device of this slot needing `need` bytes, and `host` bytes of host memory, fits."""
@@ -157,7 +160,7 @@ class Splitter:
         device's earlier chunks (interleaved schedules) already use and how many chunks follow, which are
         assumed to need this one's static memory each (`RankState.need`)."""
         cm = self.cm
-        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n)
+        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n, slot.layerwise)
         ck = (key, slot.inflight, slot.budget, slot.host_budget, slot.unified, rank)
         if ck in self._choices:
             return self._choices[ck]
@@ -167,13 +170,13 @@ class Splitter:
             D, t = len(slot.dp_group), len(slot.tp_group)
             ranked = []
             for off in OFFLOAD_LADDER:
-                for z in range(4) if D > 1 else (0,):
+                for z in range((4 if slot.layerwise else 2) if D > 1 else 1):
                     for rc in (False, True) if base.has_blocks else (False,):
                         if z == 3 and "params" in off:
                             continue
                         opt = Option(z, rc, off)
                         tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1])
-                        mem = cm.stage_memory(base, opt, t, D)
+                        mem = cm.stage_memory(base, opt, t, D, slot.layerwise)
                         ranked.append((m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem))
             # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
             ranked.sort(key=lambda x: round(x[0], 12))
