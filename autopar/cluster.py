@@ -372,8 +372,9 @@ def _link(d: Any, where: str, default: dict | None) -> Link:
     return Link(bw * 1e9, lat / 1e6, str(d.get("kind", "")))
 
 
-def resolve_device_name(name: str) -> str:
-    """Canonical catalog name for a user-typed device name, or a ClusterError listing close matches."""
+def resolve_device_name(name: str, where: str = "") -> str:
+    """Canonical catalog name for a user-typed device name, or a ClusterError listing close matches (naming
+    `where` it was read: the cluster file and key path)."""
     if name in CATALOG or name == "cpu":
         return name
     canon = {k.lower(): k for k in CATALOG}
@@ -388,7 +389,8 @@ def resolve_device_name(name: str) -> str:
     if key == "cpu":
         return "cpu"
     known = sorted(CATALOG) + ["cpu"]
-    raise ClusterError(f"unknown device type {name!r}.{close_matches(name, known)} Known types: "
+    raise ClusterError(f"{where + ': ' if where else ''}unknown device type {name!r}."
+                       f"{close_matches(name, known)} Known types: "
                        f"{', '.join(known)}; or define a custom device as a mapping with name, tflops_fp32, "
                        f"tflops_bf16, memory_GiB and memory_bandwidth_GBps.")
 
@@ -396,7 +398,7 @@ def resolve_device_name(name: str) -> str:
 def device_spec(entry: Any, where: str = "device") -> DeviceSpec:
     """A DeviceSpec from a catalog name or a custom mapping (optionally `based_on` a catalog name)."""
     if isinstance(entry, str):
-        name = resolve_device_name(entry)
+        name = resolve_device_name(entry, where)
         if name == "cpu":
             from .cost_models.host import cpu_spec
 
@@ -407,7 +409,7 @@ def device_spec(entry: Any, where: str = "device") -> DeviceSpec:
         _check_typos(entry, _DEVICE_KEYS, where)
         base: dict = {}
         if "based_on" in entry:
-            bname = resolve_device_name(str(entry["based_on"]))
+            bname = resolve_device_name(str(entry["based_on"]), f"{where}.based_on")
             base = device_spec(bname).to_dict() if bname == "cpu" else {"name": bname, **CATALOG[bname]}
         elif entry.get("name") and not ({"tflops_fp32", "memory_GiB"} & set(entry)):
             try:

@@ -141,7 +141,10 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     act = sum(saved.values()) + sb.cast_copy * n
                 acts.append(act * (1 if "activations" in off else inflight[r]))
                 if D > 1 and not bucketed:
-                    syncs.append(min(64 << 20, n * max(w, g)))
+                    reduced_after = not (zm >= 2 and per_layer[j] and not (z == 3 and "params" in off))
+                    red = min(64 << 20, n * g / (D if z >= 2 else 1)) if reduced_after else 0.0
+                    whole_step_3 = z == 3 and zm != 3
+                    syncs.append(max(red, min(64 << 20, n * w / D) if z in (1, 2) or whole_step_3 else 0.0))
             for d in pipe.stages[r].devices:
                 peaks[d] = static + max(max(acts) + max(works), max(syncs))
     return peaks

@@ -24,6 +24,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "zero2": (*GPT, {"dp": 2, "m": 2, "zero": 2}),
     "zero3-recompute-gpipe": (*GPT, {"dp": 2, "m": 2, "zero": 3, "recompute": True, "schedule": "gpipe"}),
     "recompute-pp": (*GPT, {"pp": 2, "m": 2, "recompute": True}),
+    "recompute-tp": (*GPT, {"tp": 2, "recompute": True}),  # per block through the DTensor interpreter
     "offload-params": (*GPT, {"dp": 2, "m": 2, "offload": ("optimizer", "activations", "params")}),
     "zero2-offload-params": (*GPT, {"dp": 2, "m": 2, "zero": 2, "offload": ("optimizer", "activations", "params")}),
     # uneven shares with different micro-batch counts: holders' schedules differ, so ZeRO stays whole-step
@@ -127,10 +128,11 @@ def test_non_owned_gradients_live_one_layer(results: list[dict], cid: str) -> No
         assert 0 < held <= largest, (held, largest)
 
 
-def test_recompute_is_per_block(results: list[dict]) -> None:
+@pytest.mark.parametrize("cid", ["recompute-pp", "recompute-tp"])
+def test_recompute_is_per_block(results: list[dict], cid: str) -> None:
     for r in results:
-        kinds = r["recompute-pp"]["kinds"]
-        for calls in r["recompute-pp"]["calls"]:
+        kinds = r[cid]["kinds"]
+        for calls in r[cid]["calls"]:
             assert calls, "a recomputed stage runs layer by layer"
             assert all(flag == (kinds[layer] == "block") for layer, flag in calls)
 

@@ -36,6 +36,7 @@ class Region:
     reason: str = ""
     program: Program | None = None  # lowered at the graph's shapes (see `guessed`)
     guessed: bool = False  # some input had no shape metadata, so the program's input kinds are a guess
+    sources: list[Any] = field(default_factory=list)  # the input key of each of the program's inputs
 
     @property
     def ops(self) -> list[str]:
@@ -253,8 +254,8 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
         if why:
             reg.fused, reg.reason = False, why
         else:
-            _, reg.program, reg.inputs, reg.outputs, reg.guessed = lower(members)
-            reg.domain = reg.program.domain
+            b, reg.program, reg.inputs, reg.outputs, reg.guessed = lower(members)
+            reg.domain, reg.sources = reg.program.domain, list(b.sources)
         regions.append(reg)
     out = sorted(regions + rejected, key=lambda r: order[r.nodes[0]])
     for i, reg in enumerate(out):
@@ -274,8 +275,11 @@ def fused_bytes(region: Region, sizes: Mapping[str, int] | None = None) -> tuple
     """Forward memory traffic of a region: (bytes as separate torch ops, bytes as one fused kernel).
 
     Before: every op reads its tensor inputs and writes its outputs (views are free). After: the kernel
-    reads each region input once and writes each region output once. `sizes` (node name -> bytes)
-    fills in tensors without shape metadata, e.g. from TrainingGraph.nodes / params.
+    reads each region input once and writes each region output once, plus the copies that run around it
+    (kernels.py): a non-contiguous input made contiguous, a broadcast input expanded in torch (kind X),
+    an output torch would give a permuted layout copied into it; each copy writes and reads once more.
+    `sizes` (node name -> bytes) fills in tensors without shape metadata, e.g. from TrainingGraph.nodes /
+    params.
     """
     def nbytes(x: Any) -> int:
         name = x.name if isinstance(x, fx.Node) else x[1].name
@@ -292,4 +296,17 @@ def fused_bytes(region: Region, sizes: Mapping[str, int] | None = None) -> tuple
         skip = _mm_operands(n) if _label(n) == "head" else []  # the matmul stays outside either way
         before += nbytes(n) + sum(nbytes(a) for a in n.all_input_nodes if a not in skip or a in members)
     after = sum(nbytes(k) for k in region.inputs) + sum(nbytes(o) for o in region.outputs)
-    return before, after
+    return before, after + 2 * _relayout_bytes(region, nbytes)
+
+
+def _relayout_bytes(region: Region, nbytes: Any) -> int:
+    """Bytes of the layout copies around a region's kernel (`kernels._prep` and `kernels._restride`)."""
+    total = 0
+    if region.program is not None:
+        for i, k in zip(region.program.inputs, region.sources, strict=True):
+            m = meta(k) if isinstance(k, fx.Node) else None
+            if i.kind == "X":
+                total += region.program.numel * i.dtype.itemsize
+            elif m is not None and not m.is_contiguous():
+                total += nbytes(k)
+    return total + sum(nbytes(o) for o in region.outputs if (m := meta(o)) is not None and not m.is_contiguous())

@@ -193,12 +193,28 @@ def _torch_grads(fallback: fx.GraphModule, xs: tuple[torch.Tensor, ...],
     return [next(got) if x.requires_grad else None for x in leaves]
 
 
+_dense = torch.ops.aten.is_non_overlapping_and_dense.default
+
+
+def _same_layout(t: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    return all(a == b for a, b, s in zip(t.stride(), stride, t.shape, strict=True) if s > 1)
+
+
+def _restride(t: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """`t` (written contiguous by a kernel) with the strides the region's torch ops give their output: later
+    ops of the graph (a `view` after a transpose) depend on them."""
+    if stride is None or _same_layout(t, stride):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
 class RegionFunction(torch.autograd.Function):
     """Runs a region's forward kernel; backward runs its generated backward kernel."""
 
     @staticmethod
-    def forward(ctx: Any, k: _Kernels, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, k: _Kernels, strides: tuple, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs, state = run_forward(k.compiled, tuple(xs[i] for i in k.order))
+        outs = [_restride(o, s) for o, s in zip(outs, strides, strict=True)]
         ctx.k, ctx.state = k, state
         ctx.save_for_backward(*xs)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
@@ -219,7 +235,7 @@ class RegionFunction(torch.autograd.Function):
                 raise
             k.owner.fail(k, "backward", e)
             grads = _torch_grads(k.owner.fallback, xs, gouts)
-        return (None, *[g if n else None for g, n in zip(grads, ctx.needs_input_grad[1:], strict=True)])
+        return (None, None, *[g if n else None for g, n in zip(grads, ctx.needs_input_grad[2:], strict=True)])
 
 
 class FusedRegion(nn.Module):
@@ -235,6 +251,8 @@ class FusedRegion(nn.Module):
         self._members = [n for n in fallback.graph.nodes if n.op == "call_function"]
         self._placeholders = [n for n in fallback.graph.nodes if n.op == "placeholder"]
         self._compiled: dict[tuple, _Kernels | str] = {}
+        self._strides: dict[tuple, tuple] = {}
+        self._outputs = list(region.outputs)
 
     def _note(self, text: str) -> None:
         if text not in self.info.notes:
@@ -265,6 +283,21 @@ class FusedRegion(nn.Module):
         self._compiled[key] = hit
         return hit
 
+    def strides_for(self, xs: tuple[torch.Tensor, ...], k: _Kernels) -> tuple:
+        """Per output, the strides the region's torch ops give it for these inputs (their layouts included):
+        found by running the torch copy on meta tensors, once per input signature."""
+        key = tuple((tuple(x.shape), tuple(x.stride()), x.dtype) for x in xs)
+        hit = self._strides.get(key)
+        if hit is None:
+            try:
+                fake = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in xs]
+                outs = [o.stride() if _dense(o) else None for o in self.fallback(*fake)]
+            except Exception:  # an op without a meta kernel: the layouts the graph was captured with
+                outs = [m.stride() if (m := meta(o)) is not None and tuple(m.shape) == shape else None
+                        for o, (_, _, shape, _) in zip(self._outputs, k.compiled.program.outputs, strict=True)]
+            hit = self._strides[key] = tuple(tuple(s) if s is not None else None for s in outs)
+        return hit
+
     def _write(self, src: str, program: triton_gen.Program) -> None:
         if self.dump_dir is None:
             return
@@ -284,10 +317,11 @@ class FusedRegion(nn.Module):
         k = self.compile_for(xs)
         if isinstance(k, str):
             return self.fallback(*xs)
+        strides = self.strides_for(xs, k)
         if k.ran_fwd:
-            return RegionFunction.apply(k, *xs)
+            return RegionFunction.apply(k, strides, *xs)
         try:  # the first launch compiles the kernel
-            out = RegionFunction.apply(k, *xs)
+            out = RegionFunction.apply(k, strides, *xs)
         except Exception as e:
             self.fail(k, "forward", e)
             return self.fallback(*xs)

@@ -12,8 +12,9 @@ row D (2 in out summed over the layer's linears), on R node rows with E' edges:
 Node-wise layers outside message-passing layers (encoder, head) are dense on their rows.
 
 partition (rank r owns n_r nodes, h_r halo nodes, E_r = in-edges of its nodes, R = n_r + h_r):
-    step    = max_r(fwd_r + bwd_r) + sum over layers 2 all_to_all(max_r h_r w b) + all_reduce(P g) + optim
-    memory  = P (w + g + o) + R F b + 16 E_r + sum over layers (R (d_in + 2 d_out) b + E_r w b)
+    step    = max_r(fwd_r + bwd_r) + sum over layers 2 all_to_all(max_r h_r d_in b') + all_reduce(P g) + optim
+              (b' = the features' bytes for a first layer reading x, else b; every rank takes part)
+    memory  = P (w + g + o + c) + R F b + 16 E_r + sum over layers (R (d_in + 2 d_out) b + E_r w b)
     halo    = exact from the graph when its edge_index holds data (contiguous ranges of the locality order),
               else the uniform random-graph expectation (N - n_r)(1 - exp(-E_r / N))
     shares  = `balanced_shares`: per-rank time fitted as fixed + n x per-node (launch overheads are paid
@@ -22,16 +23,19 @@ sampled_dp (rank r takes b_r seeds, fanout f, expected sampled in-degree k = mea
     levels  n_L = b_r, n_{l-1} = n_l + (N - n_l)(1 - exp(-n_l k / N)), E_l = n_l k
     step    = max_r(fwd_r + bwd_r + fetch_r) + all_reduce(P g) + optim; fetch_r = gathering n_0 F b feature
               bytes on the device when the graph and features fit in its memory, else over its host link
-    memory  = P (w + g + o) + [N F b + 16 E if on the device] + sum over layers (n_{l-1}(d_in + 2 d_out) b
+    memory  = P (w + g + o + c) + [N F b + 16 E if on the device] + sum over layers (n_{l-1}(d_in + 2 d_out) b
               + E_l w b) + 16 sum E_l
     shares  = seeds by `balanced_shares` (fixed + per-seed time), capped by memory
+P (w + g + o + c): state_bytes_per_param (fp32 weights and gradients, optimizer state; c = autocast's weight copy
+in mixed precision). A device left with a zero share gets `idle` reasons from the same prices (`_idle`).
 samples/s counts labelled nodes trained per second (all labelled nodes per partition step, the seeds of a
-sampled step); the planner takes the faster mode that fits memory.
+sampled step). The planner prices both modes but only considers the one graph_options asks for (planner.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +47,7 @@ from ..cost_models.compute import ComputeModel
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from .data import in_degree, locality_order
 from .layers import layer_kind, message_passing_layers
-from .partition import balanced_shares, partition_graph
+from .partition import balanced_shares, partition_graph, proportional_shares
 
 
 @dataclass(frozen=True)
@@ -191,11 +195,15 @@ class GraphCostModel:
         self.b = 2 if precision in ("bf16", "fp16") else 4
         self.params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.optimizer = optimizer_name(optimizer)
-        self.state = state_bytes_per_param(optimizer, precision).total * self.params
+        per_param = state_bytes_per_param(optimizer, precision)
+        self._state_total = per_param.total * self.params
+        # resident: fp32 weights, gradients, optimizer state, plus autocast's low-precision weight copies that
+        # the one forward in flight keeps for its backward (GraphProgram runs the plan's precision)
+        self.state = self._state_total + per_param.cast_copy * self.params
         self._cm: dict[str, ComputeModel] = {}
         world = list(range(cluster.world_size))
-        self.sync_s = (collective_time("all_reduce", self.params * state_bytes_per_param(optimizer, precision).grads,
-                                       world, cluster) + max(self._opt_time(d) for d in world))
+        self.sync_s = (collective_time("all_reduce", self.params * per_param.grads, world, cluster)
+                       + max(self._opt_time(d) for d in world))
 
     def cm(self, d: int) -> ComputeModel:
         spec = self.cluster.devices[d].spec
@@ -207,7 +215,7 @@ class GraphCostModel:
         return self.cluster.devices[d].spec.memory * (1 - self.reserve)
 
     def _opt_time(self, d: int) -> float:
-        return 2 * self.state / self.cluster.devices[d].spec.memory_bandwidth
+        return 2 * self._state_total / self.cluster.devices[d].spec.memory_bandwidth
 
     # ---- partition ----------------------------------------------------------------------------------
     def expected_halo(self, n: float) -> float:
@@ -243,27 +251,56 @@ class GraphCostModel:
             return self._infeasible("partition", [f"device {d} holds at most {int(caps[d])} nodes"
                                                   for d in devices] + [f"the graph has {s.num_nodes} nodes"])
         order = locality_order(s.edge_index, s.num_nodes) if s.edge_index is not None else None
-        best = None
-        # halos grow as shares shrink: re-balance once with the per-rank rates the halos give
-        for _ in range(2):
-            shares = balanced_shares(s.num_nodes, fixed, marginal, caps)
-            priced = self._price_partition(shares, order)
-            if best is None or max(priced[2]) < max(best[2]):
-                best = priced
-            marginal = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else marginal[d]
-                        for d in devices]
+        names = [self.cluster.devices[d].spec.name for d in devices]
+        speed: dict[str, float] = {}
+        for d in devices:
+            speed[names[d]] = min(speed.get(names[d], math.inf), marginal[d])
+        kinds = sorted(speed, key=speed.__getitem__)
+        best, best_t, best_marginal = None, math.inf, marginal
+        # the balance ignores the halo exchange, which grows with every rank that owns nodes: also try leaving
+        # out the slowest device types, one type at a time
+        for j in range(len(kinds), 0, -1):
+            allowed = [caps[d] if names[d] in kinds[:j] else 0.0 for d in devices]
+            if sum(int(c) for c in allowed) < s.num_nodes:
+                break
+            rates = list(marginal)
+            # halos grow as shares shrink: re-balance once with the per-rank rates the halos give
+            for _ in range(2):
+                shares = balanced_shares(s.num_nodes, fixed, rates, allowed)
+                priced = self._price_partition(shares, order)
+                t = max(priced[2]) + self._halo_comm(priced[1])
+                if t < best_t:
+                    best, best_t, best_marginal = priced, t, rates
+                rates = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else rates[d]
+                         for d in devices]
         shares, halos, compute, mems, flops, owner_edges, exact = best
         problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
                     for d in devices if mems[d] > self.usable(d)]
-        comm = 0.0
-        for sh in self.shapes:
-            if sh.kind != "dense" and world > 1:
-                comm += 2 * collective_time("all_to_all", max(halos) * sh.d_in * self.b, list(devices),
-                                            self.cluster)
+        comm = self._halo_comm(halos)
         step = max(compute) + comm + self.sync_s
-        extra = {"halo": [int(h) for h in halos], "local_edges": [int(e) for e in owner_edges], "halo_exact": exact}
+
+        def price(alt: list[int]) -> tuple[list[float], float]:
+            priced = self._price_partition(alt, order)
+            return priced[2], self._halo_comm(priced[1])
+
+        extra = {"halo": [int(h) for h in halos], "local_edges": [int(e) for e in owner_edges], "halo_exact": exact,
+                 "idle": self._idle(shares, compute, comm, fixed, best_marginal, caps, price)}
         return Candidate("partition", shares, not problems, step, s.labelled, compute, comm, self.sync_s, mems,
                          flops, problems, extra)
+
+    def _halo_comm(self, halos: list[float]) -> float:
+        """Two all_to_all per message-passing layer (forward rows, backward gradients), every rank taking part.
+        A layer exchanges its input rows: the features' dtype for a first layer that reads x, else the
+        activations' (autocast outputs in mixed precision)."""
+        world = list(range(self.cluster.world_size))
+        if len(world) == 1:
+            return 0.0
+        comm, elem = 0.0, self.stats.feature_bytes
+        for sh in self.shapes:
+            if sh.kind != "dense":
+                comm += 2 * collective_time("all_to_all", max(halos) * sh.d_in * elem, world, self.cluster)
+            elem = self.b
+        return comm
 
     def _price_partition(self, shares: list[int], order: torch.Tensor | None) -> tuple:
         s = self.stats
@@ -342,9 +379,49 @@ class GraphCostModel:
             if mem > self.usable(d):
                 problems.append(_mem_problem(self.cluster, d, mem, self.usable(d), f"{shares[d]} seeds"))
         step = max(compute) + self.sync_s
+
+        def price(alt: list[int]) -> tuple[list[float], float]:
+            return [self._sampled_rank(d, alt[d], k)[0] if alt[d] else 0.0 for d in range(world)], 0.0
+
         return Candidate("sampled_dp", shares, not problems, step, batch, compute, 0.0, self.sync_s, mems, flops,
                          problems, {"batch_size": batch, "fanout": fanout, "sampled_degree": k,
-                                    "features_on": where})
+                                    "features_on": where,
+                                    "idle": self._idle(shares, compute, 0.0, fixed, marginal, caps, price)})
+
+    def _idle(self, shares: list[int], compute: list[float], comm: float, fixed: list[float],
+              marginal: list[float], caps: list[float],
+              price: Callable[[list[int]], tuple[list[float], float]]) -> list[dict]:
+        """Why each device left with a zero share gets none, in the cost model's numbers: it has no memory for
+        one item, or giving it k items (1, and 1/4, 1/2, all of its speed-proportional share; taken from the
+        working ranks in proportion to their shares) prices no faster step. The best k tried is kept."""
+        world, total = len(shares), sum(shares)
+        step = max(compute) + comm + self.sync_s
+        busiest = max(range(world), key=lambda r: compute[r])
+        out = []
+        for d in (d for d in range(world) if shares[d] == 0):
+            info: dict = {"device": d, "type": self.cluster.devices[d].spec.name, "cap": int(caps[d])}
+            if int(caps[d]) < 1 or total < 2:
+                out.append({**info, "why": "memory" if int(caps[d]) < 1 else "too_small"})
+                continue
+            weights = [1.0 / marginal[r] if shares[r] or r == d else 0.0 for r in range(world)]
+            prop = proportional_shares(total, weights, caps)[d]
+            best: dict = {}
+            for k in sorted({1, max(1, prop // 4), max(1, prop // 2), max(1, prop)}):
+                if k > caps[d] or k >= total:
+                    continue
+                alt = proportional_shares(total - k, [float(x) for x in shares])
+                alt[d] = k
+                alt_compute, alt_comm = price(alt)
+                alt_step = max(alt_compute) + alt_comm + self.sync_s
+                if not best or alt_step < best["step_s"]:
+                    best = {"share": k, "step_s": alt_step, "compute_s": max(alt_compute), "comm_s": alt_comm,
+                            "own_compute_s": alt_compute[d]}
+            rel = best["step_s"] / step - 1 if step > 0 else 0.0
+            why = "slower" if rel > 1e-3 else ("no_gain" if rel >= -1e-3 else "balance")
+            out.append({**info, **best, "why": why, "fixed_s": fixed[d], "chosen_step_s": step,
+                        "chosen_compute_s": max(compute), "chosen_comm_s": comm, "busiest": busiest,
+                        "busiest_fixed_s": fixed[busiest]})
+        return out
 
     def _infeasible(self, mode: str, problems: list[str]) -> Candidate:
         world = self.cluster.world_size

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cluster import Cluster
-from ..errors import PlanError
+from ..errors import AutoparError, PlanError
 from ..passes.capture import LossFn
 from ..plan import Plan
 from ..report import dump_dir as _dump_dir
@@ -38,22 +38,33 @@ def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_input
 
 def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
                   optimizer: str | OptimizerFactory, plan: Any, rank: int, world: int, timeout_s: float,
-                  options: dict | None = None) -> GraphProgram | TemporalProgram:
-    """This rank's graph program; rank 0 plans (unless `plan` is given) and broadcasts the plan."""
+                  options: dict | None = None, precision: str | None = None) -> GraphProgram | TemporalProgram:
+    """This rank's graph program; rank 0 plans (unless `plan` is given) and broadcasts the plan (or the
+    planning error, raised on every rank). The program computes in the plan's precision."""
     if plan is None:
-        box = [None]
+        box: list[Any] = [None]
         if rank == 0:
-            box[0] = plan_workload(model, cluster, inputs, example_target,
-                                   optimizer if isinstance(optimizer, str) else "adamw", None,
-                                   options=options).to_json()
+            try:
+                box[0] = plan_workload(model, cluster, inputs, example_target,
+                                       optimizer if isinstance(optimizer, str) else "adamw", precision,
+                                       options=options).to_json()
+            except Exception as e:  # raised on every rank: none is left waiting for the plan
+                if world == 1:
+                    raise
+                box[0] = e if isinstance(e, AutoparError) else AutoparError(f"rank 0 failed to plan: {e!r}")
         if world > 1:
             dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
         plan = Plan.from_json(box[0])
     elif isinstance(plan, (str, bytes)):
         plan = Plan.from_json(plan)
     if not plan.graph:
         raise PlanError("this is a graph workload but the plan has no `graph` section: plan it with autopar.plan "
                         "on the graph model and its (x, edge_index) inputs.")
+    if precision is not None and plan.precision != precision:
+        raise PlanError(f"compile(precision={precision!r}) but the plan computes in {plan.precision!r}: drop "
+                        f"precision= to train as the plan says, or plan again with precision={precision!r}.")
     if plan.graph["mode"] == "temporal_dp":
         return TemporalProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
     return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s)

@@ -20,8 +20,10 @@ from .cost import Candidate, GraphCostModel, GraphStats
 from .layers import message_passing_layers
 from .sampling import labelled_nodes
 
-MODES = ("auto", "partition", "sampled_dp")
-DEFAULTS = {"mode": "auto", "batch_size": None, "fanout": 10, "seed": 0}
+# partition: full-graph training, the model as written (the default). sampled_dp: mini-batch training on
+# sampled neighbourhoods, a different estimator, only when graph_options asks for it.
+MODES = ("partition", "sampled_dp")
+DEFAULTS = {"mode": "partition", "batch_size": None, "fanout": 10, "seed": 0}
 
 
 def graph_kind(model: nn.Module, example_inputs: Any) -> str | None:
@@ -63,31 +65,42 @@ def graph_stats(x: torch.Tensor, edge_index: torch.Tensor, target: Any) -> Graph
 def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple = (),
                example_target: Any = None, optimizer: object = "adamw", precision: str | None = None, *,
                memory_reserve: float = 0.1, options: dict | None = None) -> Plan:
-    """The faster of partitioned full-graph and sampled data-parallel training that fits memory.
+    """The plan of the training the user asked for, on the devices and shares the cost model prices fastest.
 
-    `options`: mode ("auto" | "partition" | "sampled_dp"), batch_size (seeds per sampled step; default
-    min(labelled nodes, 1024 per device)), fanout (sampled in-edges per node, default 10), seed.
+    `options` (graph_options): mode "partition" (default) trains on the full graph as the model is written:
+    each rank owns a node range and exchanges halo rows before every message-passing layer, so losses and
+    gradients equal one process's full-graph training. mode "sampled_dp" is mini-batch training on sampled
+    neighbourhoods (a different estimator, only on request): each step takes batch_size labelled seeds
+    (default min(labelled nodes, 1024 per device)), every node aggregates at most `fanout` (default 10)
+    in-neighbours drawn per step from `seed`; it equals one process training model(x, sampled_graph(...)) on
+    the same seeds (sampling.py). Both modes are priced (`plan.graph["candidates"]`); only the requested one
+    is considered.
     """
-    from ..api import default_precision
+    from ..api import resolve_precision
 
-    opts = {**DEFAULTS, **(options or {})}
+    given = dict(options or {})
+    opts = {**DEFAULTS, **given}
     unknown = set(opts) - set(DEFAULTS)
     if unknown or opts["mode"] not in MODES:
+        hint = (" ('auto' no longer exists: the planner does not swap full-graph training for sampled mini-batch "
+                "training, a different algorithm; ask for 'sampled_dp' explicitly)" if opts["mode"] == "auto"
+                else "")
         raise PlanError(f"graph options {sorted(unknown) or opts['mode']!r} not understood; options are "
-                        f"{sorted(DEFAULTS)} with mode in {MODES}.")
+                        f"{sorted(DEFAULTS)} with mode in {MODES}{hint}.")
     cluster = Cluster.load(cluster)
-    precision = precision or default_precision(cluster)
+    precision = resolve_precision(cluster, precision)
     x, edge_index = split_inputs(tuple(example_inputs))
     stats = graph_stats(x, edge_index, example_target)
     cost = GraphCostModel(model, stats, cluster, precision, optimizer, memory_reserve)
     batch = int(opts["batch_size"] or min(stats.labelled, 1024 * cluster.world_size))
     cands = {"partition": cost.partition(), "sampled_dp": cost.sampled_dp(batch, int(opts["fanout"]))}
-    wanted = [m for m in cands if opts["mode"] in ("auto", m)]
-    fitting = [cands[m] for m in wanted if cands[m].fits]
-    if not fitting:
-        raise InfeasibleError("no graph training mode fits memory: " + "; ".join(
-            f"{m}: {', '.join(cands[m].problems)}" for m in wanted))
-    best = max(fitting, key=lambda c: c.samples_per_s)
+    best = cands[opts["mode"]]
+    if not best.fits:
+        other = "sampled_dp" if best.mode == "partition" else "partition"
+        alt = (f" {other} would fit, but it trains a different algorithm; ask for it with "
+               f"graph_options={{'mode': {other!r}}} if that is what you want." if cands[other].fits else "")
+        raise InfeasibleError(f"graph training mode {best.mode} does not fit memory: {', '.join(best.problems)}."
+                              + alt)
     return to_plan(model, cluster, cost, best, cands, opts, precision, memory_reserve)
 
 
@@ -97,7 +110,7 @@ def to_plan(model: nn.Module, cluster: Cluster, cost: GraphCostModel, best: Cand
     graph = {"mode": best.mode, "unit": "nodes" if best.mode == "partition" else "seeds",
              "num_nodes": s.num_nodes, "num_edges": s.num_edges, "features": s.features, "labelled": s.labelled,
              "layers": L, "shares": best.shares, "seed": int(opts["seed"]), "order": "bfs",
-             "candidates": {m: c.summary() for m, c in cands.items()}}
+             "candidates": {m: c.summary() for m, c in cands.items()}, "idle": best.extra.get("idle", [])}
     if best.mode == "sampled_dp":
         graph.update(batch_size=best.extra["batch_size"], fanout=best.extra["fanout"])
     else:
@@ -132,10 +145,16 @@ def explain_graph(graph: dict) -> str:
         lines = [f"graph: {graph.get('num_nodes', '?')} nodes, {graph.get('num_edges', '?')} edges, "
                  f"{graph.get('labelled', '?')} labelled; mode {mode}"]
     if mode == "partition":
-        lines[0] += (f" (each rank owns a {graph.get('order', 'bfs')}-ordered node range, halo exchange before "
-                     f"each of {graph.get('layers')} message-passing layers)")
+        lines[0] += (f" (full-graph training, the model as written: each rank owns a {graph.get('order', 'bfs')}"
+                     f"-ordered node range, halo exchange before each of {graph.get('layers')} message-passing "
+                     f"layers)")
     elif mode == "sampled_dp":
         lines[0] += f" ({graph.get('batch_size')} seeds/step, fanout {graph.get('fanout')})"
+        lines.append(f"sampled mini-batch training with fanout {graph.get('fanout')}: a different estimator than "
+                     f"full-graph training (each step trains {graph.get('batch_size')} seeds, every node "
+                     f"aggregating at most {graph.get('fanout')} in-neighbours sampled per step with seed "
+                     f"{graph.get('seed')}); it equals one process training model(x, sampled_graph(...)) on the "
+                     f"same seeds, not full-graph training. Asked for with graph_options mode='sampled_dp'.")
     elif mode == "temporal_dp":
         lines[0] += f" ({graph.get('batch_size')} events/step split across ranks, node memory replicated)"
     cand = graph.get("candidates", {})
@@ -149,11 +168,58 @@ def explain_graph(graph: dict) -> str:
                          fmt_time(chosen.get("compute_s", [0.0] * (r + 1))[r]) if chosen else "-",
                          fmt_bytes(chosen.get("peak_memory_bytes", [0] * (r + 1))[r]) if chosen else "-"])
         lines.append(render_table(rows, right={1, 2, 3, 4}))
+    lines += idle_lines(graph.get("idle", []), graph.get("unit", "share"))
     for m, c in cand.items():
         status = "fits" if c.get("fits") else "does not fit: " + "; ".join(c.get("problems", []))
         rate = f"{c['samples_per_s']:.4g} samples/s, {fmt_time(c['step_time_s'])}/step" if c.get("fits") else ""
-        lines.append(f"  {m}{' (chosen)' if m == mode else ''}: {rate} {status}".rstrip())
+        tag = " (chosen)" if m == mode else (
+            " (not considered: a different algorithm than the one asked for; graph_options "
+            f"mode={m!r} asks for it)" if mode in MODES else "")
+        lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
     return "\n".join(lines)
 
 
-__all__ = ["DEFAULTS", "MODES", "explain_graph", "graph_kind", "graph_stats", "plan_graph", "split_inputs", "to_plan"]
+def idle_lines(idle: list[dict], unit: str) -> list[str]:
+    """One line per device type and reason for the devices the plan gives a zero share, in the cost model's
+    numbers (GraphCostModel._idle)."""
+    groups: dict[tuple, list[dict]] = {}
+    for i in idle:
+        groups.setdefault((i["type"], i["why"]), []).append(i)
+    lines = []
+    for (kind, why), members in groups.items():
+        ids = ", ".join(str(i["device"]) for i in members)
+        head = f"{kind} device{'s' if len(members) > 1 else ''} {ids} get{'' if len(members) > 1 else 's'} no {unit}"
+        i = members[0]
+        if why == "memory":
+            lines.append(f"{head}: not enough memory for a single one (holds at most {i['cap']})")
+        elif why == "too_small":
+            lines.append(f"{head}: there is too little work to split")
+        elif why == "no_gain":
+            lines.append(f"{head}: giving {'them' if len(members) > 1 else 'it'} work does not make the step "
+                         f"faster (device {i['device']} with {i['share']} {unit}: {fmt_time(i['step_s'])}/step "
+                         f"against {fmt_time(i['chosen_step_s'])}): the step is bound by costs paid whatever the "
+                         f"share (kernel launches: {fmt_time(i['busiest_fixed_s'])} of device {i['busiest']}'s "
+                         f"{fmt_time(i['chosen_compute_s'])} compute) and by the exchanges every rank joins")
+        elif why == "balance":
+            lines.append(f"{head}: the balancer's per-rank time model (fixed + per item) left it out, though "
+                         f"giving device {i['device']} {i['share']} prices {fmt_time(i['step_s'])}/step against "
+                         f"{fmt_time(i['chosen_step_s'])}")
+        else:
+            if i["own_compute_s"] >= i["chosen_compute_s"]:
+                cause = (f"its compute for them, {fmt_time(i['own_compute_s'])} (of which "
+                         f"{fmt_time(i['fixed_s'])} is paid whatever the share: kernel launches), exceeds the "
+                         f"{fmt_time(i['chosen_compute_s'])} the working ranks take")
+            elif i["comm_s"] > i["chosen_comm_s"]:
+                cause = (f"the halo exchange grows from {fmt_time(i['chosen_comm_s'])} to {fmt_time(i['comm_s'])}, "
+                         f"more than its compute saves ({fmt_time(i['chosen_compute_s'])} -> "
+                         f"{fmt_time(i['compute_s'])})")
+            else:
+                cause = f"the busiest rank's compute goes to {fmt_time(i['compute_s'])}"
+            lines.append(f"{head}: adding {'them' if len(members) > 1 else 'it'} makes the step slower (device "
+                         f"{i['device']} with {i['share']} {unit}: {fmt_time(i['step_s'])}/step instead of "
+                         f"{fmt_time(i['chosen_step_s'])}; {cause})")
+    return lines
+
+
+__all__ = ["DEFAULTS", "MODES", "explain_graph", "graph_kind", "graph_stats", "idle_lines", "plan_graph", "split_inputs",
+           "to_plan"]

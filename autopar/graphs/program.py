@@ -6,7 +6,9 @@ partition: rank r owns a range of nodes (plan.graph["shares"]), runs the model o
 sampled_dp: every step takes a global mini-batch of seeds (sampling.seeds_for_step); rank r takes its share
     and runs the layered subgraph of per-node deterministic samples; loss weighted by seeds share.
 Both: parameters replicated (rank 0's weights at start), gradients summed with one all-reduce, then the
-optimizer steps identically everywhere.
+optimizer steps identically everywhere. The plan's precision runs as everywhere else (runtime/precision.py):
+bf16/fp16 autocast around the forward with fp32 weights, optimizer state and gradient reduction, fp16 with
+dynamic loss scaling; fp32 plans compute in fp32.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..errors import PlanError
 from ..passes.capture import LossFn
 from ..runtime.dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
 from ..runtime.fallback import WholeModelState
+from ..runtime.precision import PrecisionPolicy
 from ..runtime.program import OptimizerFactory, make_optimizer
 from .data import check_graph_inputs
 from .layers import LocalGraph, local_layers, message_passing_layers
@@ -55,6 +58,18 @@ def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: 
         p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if used[i] else None
         offset += p.numel()
     return float(flat[-1])
+
+
+def train_step(policy: PrecisionPolicy, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+               weighted_loss: torch.Tensor, world: int, timeout_s: float, what: str) -> float:
+    """Backward of this rank's weighted loss (loss-scaled under fp16), the gradient all-reduce, the optimizer
+    step (skipped on every rank alike when fp16 gradients overflow); the global loss."""
+    policy.scale(weighted_loss).backward()
+    value = reduce_step(params, weighted_loss, world, timeout_s, what)
+    if policy.unscale(params, optimizer, world):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value
 
 
 class GraphProgram(WholeModelState):
@@ -91,6 +106,7 @@ class GraphProgram(WholeModelState):
                             f"again for this graph.")
         # index bookkeeping runs on the CPU; what the layers read moves to the data's device
         edge_index, self.device = edge_index.cpu(), x.device
+        self.policy = PrecisionPolicy.of_plan(self.plan, self.device, self.timeout_s)
         self.labelled = labelled_nodes(target.cpu())
         if self.mode == "partition":
             part = partition_graph(edge_index, n, self.shares, self.rank)
@@ -127,26 +143,20 @@ class GraphProgram(WholeModelState):
             ctx = LocalGraph(edges, mb.sizes[:-1], mb.sizes[1:], mb.degree.to(self.device), lambda h: h)
             rows, count, total = mb.nodes.to(self.device), self.shares[self.rank], seeds.numel()
             model_edges = edges[0]
-        with local_layers(self.model, ctx):
+        with local_layers(self.model, ctx), self.policy.forward():
             out = self.model(x[rows], model_edges)
         n_out = count if self.mode == "sampled_dp" else rows.numel()
         out_rows = out.shape[0] if isinstance(out, torch.Tensor) else None
         if out_rows != n_out:
             raise PlanError(f"the model returned {out_rows} rows for {n_out} nodes: graph training expects one "
                             f"output row per node (node classification / regression).")
-        if self.mode == "partition":
-            loss = self.loss_fn(out, target[rows]) if count else out.sum() * 0.0
-        else:
-            loss = self.loss_fn(out, target[rows[:count]]) if count else out.sum() * 0.0
-        weighted = loss * (count / total)
-        weighted.backward()
-        value = reduce_step(self.params, weighted, self.world_size, self.timeout_s,
-                            f"gradient all-reduce of graph training ({self.mode})")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        labels = target[rows] if self.mode == "partition" else target[rows[:count]]
+        with self.policy.forward():  # the loss under autocast too, as in a captured stage (its fp32 list)
+            loss = self.loss_fn(out, labels) if count else out.sum() * 0.0
+        value = train_step(self.policy, self.params, self.optimizer, loss.float() * (count / total),
+                           self.world_size, self.timeout_s, f"gradient all-reduce of graph training ({self.mode})")
         self.step_count += 1
         return value
 
 
-
-__all__ = ["GraphProgram", "reduce_step", "sync_replicas"]
+__all__ = ["GraphProgram", "reduce_step", "sync_replicas", "train_step"]

@@ -30,7 +30,8 @@ from ..models import ModelCase, building
 from ..runtime.dist import DEFAULT_TIMEOUT_S
 from ..runtime.fallback import WholeModelState
 from ..runtime.program import OptimizerFactory, make_optimizer
-from .program import reduce_step, sync_replicas
+from ..runtime.precision import PrecisionPolicy
+from .program import sync_replicas, train_step
 from .sampling import edge_scores
 
 
@@ -72,7 +73,7 @@ class TGN(nn.Module):
         tt = torch.cat([t, t])[sel]
         raw = torch.cat([memory[nodes], memory[other[sel]], torch.cat([msg, msg])[sel],
                          self.encode_time(tt - last[nodes])], dim=1)
-        new = memory.index_put((nodes,), self.gru(raw, memory[nodes]))
+        new = memory.index_put((nodes,), self.gru(raw, memory[nodes]).to(memory.dtype))  # autocast: fp16 out
         return new, last.index_put((nodes,), tt)
 
     def forward(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor,
@@ -149,7 +150,7 @@ def train_tgn_reference(model: TGN, events: dict[str, torch.Tensor], batch_size:
 def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tuple, optimizer: object = "adamw",
                   precision: str | None = None, *, memory_reserve: float = 0.1) -> Any:
     """Data-parallel plan for a TGN: events of a batch split by device speed, memory replicated."""
-    from ..api import default_precision
+    from ..api import resolve_precision
     from ..cost_models.comm import collective_time
     from ..cost_models.compute import ComputeModel
     from ..cost_models.memory import optimizer_name, state_bytes_per_param
@@ -157,7 +158,7 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
     from .partition import balanced_shares
 
     cluster = Cluster.load(cluster)
-    precision = precision or default_precision(cluster)
+    precision = resolve_precision(cluster, precision)
     batch = int(example_inputs[0].shape[0])
     params = sum(p.numel() for p in model.parameters())
     per_event_flops = 6 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) * 3
@@ -207,6 +208,7 @@ class TemporalProgram(WholeModelState):
         sync_replicas(model, world_size, timeout_s)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params)
+        self.policy = PrecisionPolicy.of_plan(plan, model.memory.device, timeout_s)
 
     def step(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor, eid: torch.Tensor,
              target: Any = None) -> float:
@@ -216,12 +218,10 @@ class TemporalProgram(WholeModelState):
             raise PlanError(f"the plan splits batches of {sum(self.shares)} events, got {b}: plan again.")
         lo, n = sum(self.shares[:self.rank]), self.shares[self.rank]
         part = [x[lo:lo + n] for x in (src, dst, t, msg, eid)]
-        loss = self.model(*part) if n else self.model(*[x[:1] for x in (src, dst, t, msg, eid)]) * 0.0
-        weighted = loss * (n / b)
-        weighted.backward()
-        value = reduce_step(self.params, weighted, self.world_size, self.timeout_s, "gradient all-reduce (TGN)")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.policy.forward():
+            loss = self.model(*part) if n else self.model(*[x[:1] for x in (src, dst, t, msg, eid)]) * 0.0
+        value = train_step(self.policy, self.params, self.optimizer, loss.float() * (n / b), self.world_size,
+                           self.timeout_s, "gradient all-reduce (TGN)")
         self.model.commit(src, dst, t, msg)
         self.step_count += 1
         return value

@@ -17,11 +17,14 @@ stage program's: the same aten ops in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
+
+Runner = Callable[[nn.Module, tuple], Any]
 
 
 class LayerHooks(Protocol):
@@ -31,6 +34,14 @@ class LayerHooks(Protocol):
 
 
 class NoHooks:
+    """Layers without memory actions (recompute per block only)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def layers(self) -> set[int]:
+        return set()
+
     def before_forward(self, layer: int) -> None:
         pass
 
@@ -67,18 +78,22 @@ def _mark(hooks: LayerHooks, layer: int, out: Any) -> Any:
 
 
 class _LayerCall(nn.Module):
-    def __init__(self, inner: nn.Module, layer: int, hooks: LayerHooks, checkpointed: bool) -> None:
+    def __init__(self, inner: nn.Module, layer: int, hooks: LayerHooks, checkpointed: bool,
+                 run: Runner | None) -> None:
         super().__init__()
-        self.inner, self.layer, self.hooks, self.checkpointed = inner, layer, hooks, checkpointed
+        self.inner, self.layer, self.hooks, self.checkpointed, self.run = inner, layer, hooks, checkpointed, run
 
     def forward(self, *args: Any) -> Any:
         self.hooks.before_forward(self.layer)
+        call = self.inner if self.run is None else (lambda *a: self.run(self.inner, a))  # type: ignore[misc]
         if self.checkpointed and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False)
         else:
-            out = self.inner(*args)
+            out = call(*args)
         self.hooks.after_forward(self.layer)
-        return _mark(self.hooks, self.layer, out) if torch.is_grad_enabled() else out
+        if isinstance(self.hooks, NoHooks) or not torch.is_grad_enabled():
+            return out
+        return _mark(self.hooks, self.layer, out)
 
 
 def layer_calls(top: fx.GraphModule) -> list[_LayerCall]:
@@ -99,10 +114,11 @@ def node_layers(gm: fx.GraphModule, known: dict[str, int], default: int) -> dict
     return out
 
 
-def layered(gm: fx.GraphModule, layer_of: dict[str, int], hooks: LayerHooks, recompute: set[int]
-            ) -> fx.GraphModule:
+def layered(gm: fx.GraphModule, layer_of: dict[str, int], hooks: LayerHooks, recompute: set[int],
+            run: Runner | None = None) -> fx.GraphModule:
     """`gm` with one wrapped submodule per layer (module docstring). `layer_of` maps op node names to
-    layers (`node_layers`); `recompute` holds the layers run under activation checkpointing."""
+    layers (`node_layers`); `recompute` holds the layers run under activation checkpointing; `run(module,
+    args)` executes a layer's program (default: call it; tensor parallelism: its DTensor interpreter)."""
     first = min(layer_of.values(), default=0)
     top = split_module(gm, None, lambda n: layer_of.get(n.name, first), keep_original_order=True,
                        keep_original_node_name=True)
@@ -110,5 +126,5 @@ def layered(gm: fx.GraphModule, layer_of: dict[str, int], hooks: LayerHooks, rec
         if node.op == "call_module":
             layer = int(str(node.target).removeprefix("submod_"))
             setattr(top, str(node.target), _LayerCall(getattr(top, str(node.target)), layer, hooks,
-                                                       layer in recompute))
+                                                       layer in recompute, run))
     return top

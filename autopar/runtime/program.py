@@ -34,7 +34,7 @@ from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack,
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
-from .layered import layer_calls, layered, node_layers
+from .layered import NoHooks, layer_calls, layered, node_layers
 from .layout import Layout, PipelineLayout
 from .precision import PrecisionPolicy
 from .straggler import StageTimer, StragglerReport
@@ -192,23 +192,28 @@ class Program:
     def _layer_hooks(self) -> LayerwiseMemory | None:
         """Run stages layer by layer where the plan's memory actions are per layer: recompute per block, and
         ZeRO-2/3 gathers and gradient reductions and offloaded parameters streamed per layer (layered.py,
-        zero_layers.py). Tensor-parallel and
-        expert-parallel stages keep whole-stage programs (their recompute is one checkpoint per stage)."""
+        zero_layers.py). Tensor-parallel stages recompute per block too (each layer through the DTensor
+        interpreter) but keep whole-step ZeRO; expert-parallel stages keep whole-stage programs (their
+        recompute is one checkpoint per stage, priced so: `pricing.stage_memory`)."""
         self._layered: set[int] = set()
-        if self.position is None or self.tp is not None or self.experts:
+        if self.position is None or self.experts:
             return None
-        offloaded = {n for n, st in self.zero.state.items() if st.offload_params}
-        levels = {n: st.level for n, st in self.zero.state.items()}
-        hooks = LayerwiseMemory(self.zero, layerwise_params(self.graph, self.layout, levels, offloaded),
-                                streamed_params(self.graph, levels, offloaded),
-                                [self.pipeline.stages[s].layers for s in self.position.stages])
+        hooks: LayerwiseMemory | NoHooks = NoHooks()
+        if self.tp is None:
+            offloaded = {n for n, st in self.zero.state.items() if st.offload_params}
+            levels = {n: st.level for n, st in self.zero.state.items()}
+            hooks = LayerwiseMemory(self.zero, layerwise_params(self.graph, self.layout, levels, offloaded),
+                                    streamed_params(self.graph, levels, offloaded),
+                                    [self.pipeline.stages[s].layers for s in self.position.stages])
+        run = self.tp.interpret if self.tp is not None else None
         for (s, _), st in self._stages.items():
             stage = self.pipeline.stages[s]
             recompute = {i for i in range(*stage.layers) if stage.recompute and self.graph.layers[i].kind == "block"}
             if recompute or hooks.layers() & set(range(*stage.layers)):
-                st.gm = layered(st.gm, node_layers(st.gm, st.node_layers, stage.layers[0]), hooks, recompute)  # type: ignore[attr-defined]
+                layer_of = node_layers(st.gm, st.node_layers, stage.layers[0])  # type: ignore[attr-defined]
+                st.gm = layered(st.gm, layer_of, hooks, recompute, run)
                 self._layered.add(s)
-        return hooks if hooks else None
+        return hooks if isinstance(hooks, LayerwiseMemory) and hooks else None
 
     def _bucketed_sync(self) -> BucketedGradSync | None:
         """DDP-style overlapped gradient all-reduce where the layout is plain data parallel (grad_sync.py)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -373,6 +373,11 @@ class TPStage:
         return DTensor.from_local(full.detach(), self.mesh, [Replicate()], run_check=False).redistribute(
             self.mesh, [self.placement(param)]
         )
+
+    def interpret(self, gm: nn.Module, args: tuple) -> Any:
+        """Run one layer's program of a layered stage (runtime/layered.py) on DTensor values, as `run` runs a
+        whole stage: the same sharding, fallbacks and relayouts per node."""
+        return _TPInterpreter(gm, self.mesh, self.spec, self.replicated).run(*args)
 
     def run(self, gm: fx.GraphModule, param_vals: list[torch.Tensor], other: list[Any]) -> Any:
         wrap = lambda x: (

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,20 +329,25 @@ class ZeroRuntime:
 
     def reduce_gradients(self, names: list[str]) -> None:
         """Sum these parameters' gradients over their holders now."""
-        for pending in self.launch_reduces(names):
+        for pending in self.iter_reduces(names):  # one bucket at a time: one flat buffer alive
             self.finish_reduce(pending)
+            del pending  # before the next bucket is packed
 
     def launch_reduces(self, names: list[str]) -> list[tuple]:
-        """Start summing these parameters' gradients over their holders: one asynchronous reduce (to the owner,
-        ZeRO-2/3) or all-reduce per bucket, in the sorted bucket order every rank shares. A non-owner's
-        gradient is dropped as soon as its bucket is packed. `finish_reduce` each piece, in order; zero_layers.py
-        keeps one layer's in flight while the backward goes on."""
+        """`iter_reduces`, every bucket launched now (zero_layers.py: one layer's, in flight while the
+        backward goes on)."""
+        return list(self.iter_reduces(names))
+
+    def iter_reduces(self, names: list[str]) -> Iterator[tuple]:
+        """Start summing these parameters' gradients over their holders, lazily: one asynchronous reduce (to
+        the owner, ZeRO-2/3) or all-reduce per bucket, in the sorted bucket order every rank shares; the next
+        bucket is packed when the next piece is asked for. A non-owner's gradient is dropped as soon as its
+        bucket is packed. `finish_reduce` each piece, in order."""
         buckets: dict[tuple[Group, Group], list[str]] = {}
         for name in names:
             st = self.state[name]
             if len(st.reps) > 1:
                 buckets.setdefault((st.reps, st.owner if st.level >= 2 else ()), []).append(name)
-        out = []
         for (reps, dst), bucket in sorted(buckets.items()):
             for chunk in self._chunks(bucket):
                 fulls = [self._full_grad(n) for n in chunk]
@@ -355,9 +360,8 @@ class ZeroRuntime:
                     group = self.groups.get(reps)
                     work = dist.reduce(flat, dst=dst[0], group=group, async_op=True) if dst else \
                         dist.all_reduce(flat, group=group, async_op=True)
-                out.append((work, reps, dst, chunk, shapes, flat))
+                yield work, reps, dst, chunk, shapes, flat
         self._drop_grads([n for n in names if not self.state[n].owned])
-        return out
 
     def _drop_grads(self, names: list[str]) -> None:
         for name in names:
@@ -437,31 +441,32 @@ class ZeroRuntime:
     def _broadcast_from_owners(self, names: list[str]) -> None:
         """Every holder of `names` gets the owner's current value. Buckets are processed in one sorted
         order on every rank, so the collectives of different groups cannot wait on each other in a cycle."""
-        for pending in self.launch_broadcasts(names):
+        for pending in self.iter_broadcasts(names):  # one bucket at a time: one flat buffer alive
             self.finish_broadcast(pending)
+            del pending  # before the next bucket is packed
 
     def launch_broadcasts(self, names: list[str]) -> list[tuple]:
-        """Start the owners' broadcasts of `names` (one per bucket, in the shared sorted order); each must be
-        completed with `finish_broadcast`, in order. Lets zero_layers.py prefetch the next layer."""
+        """`iter_broadcasts`, every bucket launched now (zero_layers.py: a prefetched layer)."""
+        return list(self.iter_broadcasts(names))
+
+    def iter_broadcasts(self, names: list[str]) -> Iterator[tuple]:
+        """Start the owners' broadcasts of `names`, lazily: one per bucket, in the shared sorted order, the
+        next launched when the next piece is asked for; complete each with `finish_broadcast`, in order."""
         buckets: dict[tuple[Group, Group, str], list[str]] = {}
         for name in sorted(names):
             st = self.state[name]
             if len(st.reps) > 1:
                 buckets.setdefault((st.reps, st.owner, str(self.params[name].dtype)), []).append(name)
-        out = []
-        with torch.no_grad():
-            for (reps, owner, _), bucket in sorted(buckets.items()):
-                for chunk in self._chunks(bucket):
-                    ps = [self.params[n] for n in chunk]
-                    if owner == self.my_group:
-                        flat = torch.cat([self._value(n).reshape(-1) for n in chunk])
-                    else:
-                        flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
-                                           device=_local(ps[0]).device)
-                    work = (dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True)
-                            if self.rank in reps else None)
-                    out.append((work, owner, chunk, flat))
-        return out
+        for (reps, owner, _), bucket in sorted(buckets.items()):
+            for chunk in self._chunks(bucket):
+                ps = [self.params[n] for n in chunk]
+                if owner == self.my_group:
+                    flat = torch.cat([self._value(n).detach().reshape(-1) for n in chunk])
+                else:
+                    flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=_local(ps[0]).device)
+                work = (dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True)
+                        if self.rank in reps else None)
+                yield work, owner, chunk, flat
 
     def finish_broadcast(self, pending: tuple) -> None:
         work, owner, names, flat = pending

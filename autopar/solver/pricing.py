@@ -61,6 +61,10 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
     optim.   N o / D if zero >= 1 else N o         (0 with the optimizer offloaded)
     buffers  z 3: 2 w P / t (the layer in use and the prefetched next one); z >= 2: g P / t (one layer's
              reduction in flight); streamed: (w + g) P / t
+    sync     after the schedule, when the activations are gone (peak = static + max(act terms, sync)): one
+             flat bucket (<= SYNC_BUCKET_BYTES) of the gradients reduced there (N g under ZeRO-0/1, N g / D
+             under whole-step ZeRO-2/3, none where they were reduced per layer) or of an owner's updated
+             values broadcast (N w / D, ZeRO-1/2 and whole-step ZeRO-3); none for DDP-style bucketed plans
     act      per micro-batch: saved activations x n / B / t; with recompute only each block's input
              (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
              while it is recomputed; with activations offloaded only one micro-batch stays on the device;
@@ -528,7 +532,14 @@ class CostModel:
             recomputed = base.block_params / tp if opt.recompute and base.has_blocks else 0.0
             act += cast * (N - recomputed)
             work += cast * (P if recomputed else 0.0)
-        sync = min(SYNC_BUCKET_BYTES, N * max(w, g)) if dp > 1 else 0.0
+        # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
+        # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
+        sync = 0.0
+        if dp > 1:
+            after = not (per_layer and zm >= 2)
+            red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
+            bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
+            sync = max(red, bcast)
         return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync)
 
 

@@ -90,10 +90,9 @@ from typing import NamedTuple
 
 from ..errors import InfeasibleError
 from ..plan import Pipeline, Plan, Stage, even_split, simulate_stages
-from ..report import fmt_bytes, fmt_time
+from ..report import fmt_time
 from . import experts
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
-from .pricing_plan import offload_host_bytes
 from .split import Slot, Split, Splitter, Unit, rank_fits, surrogate
 
 Progress = Callable[[int, int, float | None], None]
@@ -480,68 +479,10 @@ class Search:
         return best
 
     def _infeasible_message(self) -> str:
-        """What does not fit, device or host memory, with the bytes needed and what would fix it."""
-        cm = self.cm
-        devices, nodes = cm.cluster.devices, cm.cluster.nodes
-        P = cm.graph.num_params()
-        state = P * cm.state.total
-        total = sum(d.spec.memory for d in devices)
-        host_total = sum(n.host_memory for n in nodes)
-        per_sample = sum(cm.saved) / cm.B
-        msg = (f"no plan fits in memory on {cm.cluster.describe()}. The training state alone "
-               f"({P:,} parameters x {cm.state.total} bytes for {cm.optimizer} in "
-               f"{cm.precision}) is {fmt_bytes(state)}; the cluster has {fmt_bytes(total)} of device memory "
-               f"in all ({fmt_bytes(total * (1 - cm.reserve))} usable with the {100 * cm.reserve:.0f}% "
-               f"reserve) and {fmt_bytes(host_total)} of host memory in its {len(nodes)} node(s) "
-               f"({fmt_bytes(host_total * (1 - cm.reserve))} usable).")
-        # every parameter's state lives on a device (state.total bytes) or, offloaded, on its host
-        host_per_param = offload_host_bytes(cm.optimizer, cm.state.weights, 1.0, 1.0, 0, ("optimizer", "params"))
-        least = P * min(cm.state.total, host_per_param)
-        dev, host = self.splitter.closest, self.splitter.closest_host
-        fixes = []
-        if least > (total + host_total) * (1 - cm.reserve):
-            W = len(devices)
-            per_node = "; ".join(
-                f"node {n.index} ({len(n.devices)} device(s)): {fmt_bytes(P * host_per_param * len(n.devices) / W)}"
-                f" needed, has {fmt_bytes(n.host_memory)}" for n in nodes[:4]) + ("; ..." if len(nodes) > 4 else "")
-            msg += (f" Wherever it is kept (on a device, or offloaded to the host at {host_per_param:g} bytes per "
-                    f"parameter: the optimizer's fp32 copy, its gradient and moments), it needs at least "
-                    f"{fmt_bytes(least)}, more than the cluster's device and host memory together. With the "
-                    f"model spread over all {W} devices and everything offloaded, host memory per node: "
-                    f"{per_node}.")
-            fixes.append(f"give the nodes more host memory (at least {fmt_bytes(least / (1 - cm.reserve))} "
-                         f"across the cluster, host_memory_GiB in the cluster file)")
-        elif dev is not None and dev.need > dev.budget:
-            msg += (f" Even with ZeRO-3 across replicas, recompute, CPU offload and micro-batches of one "
-                    f"sample, a {dev.dtype} needs at least {fmt_bytes(dev.need)} for its share but has "
-                    f"{fmt_bytes(dev.budget)} usable (with {_option_text(dev.option)}, which also keeps "
-                    f"{fmt_bytes(dev.host)} in host memory).")
-            fixes.append(f"use devices with at least {fmt_bytes(dev.need / (1 - cm.reserve))} of memory")
-        elif dev is None:
-            fixes.append("use devices with more memory")
-        if host is not None and not fixes:
-            k = devices[host.device].node
-            n_dev = len(nodes[k].devices)
-            node_need = host.host * n_dev / (1 - cm.reserve)
-            msg += (f" Host memory is what does not fit: layers {host.layers[0]}-{host.layers[1] - 1} on a "
-                    f"{host.dtype} fit its memory with {_option_text(host.option)} ({fmt_bytes(host.need)} of "
-                    f"{fmt_bytes(host.budget)} usable) but keep {fmt_bytes(host.host)} in host memory (offloaded "
-                    f"optimizer state, parameter copies and activations), more than its share of node {k}'s: "
-                    f"{fmt_bytes(host.host_budget)} usable ({fmt_bytes(nodes[k].host_memory)} for {n_dev} "
-                    f"device(s)). With such stages on all its devices, node {k} would need at least "
-                    f"{fmt_bytes(node_need)} of host memory.")
-            fixes.append(f"give the nodes more host memory (host_memory_GiB >= {node_need / 2**30:.4g} in the "
-                         f"cluster file, where the machines have it)")
-        return msg + (f" To fit: {', '.join(fixes)}, add devices (pipeline and tensor parallelism split the "
-                      f"model further), or lower the global batch or sequence length (activations take "
-                      f"{fmt_bytes(per_sample)} per sample).")
+        """Why nothing was found: no layout covers the devices, or what does not fit in memory (infeasible.py)."""
+        from . import infeasible  # it enumerates layouts with this module's rules
 
-
-def _option_text(opt: object) -> str:
-    zero, recompute, offload = opt  # type: ignore[misc]
-    parts = [f"ZeRO-{zero}" if zero else "no ZeRO", "recompute" if recompute else "no recompute",
-             "offload " + "+".join(offload) if offload else "no offload"]
-    return ", ".join(parts)
+        return infeasible.message(self.cm, self.splitter)
 
 
 def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None) -> Plan:

@@ -63,12 +63,14 @@ class RankState(NamedTuple):
     later: int = 0  # chunks of this device still to place after the one being checked
     host: float = 0.0  # their host memory (`StageMemory.host`)
     host_act: float = 0.0  # the largest in-flight host activation term among them
+    sync: float = 0.0  # the largest gradient-sync bucket among them (`StageMemory.sync`)
 
     def need(self, mem: StageMemory, inflight: int) -> float:
         """The device's peak with `mem` added, projecting `later` more chunks of the same static size
         (exactly `rank_peak` for the last chunk)."""
         act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
-        return self.static + (1 + self.later) * mem.static + max(self.act, act) + max(self.work, mem.work)
+        return self.static + (1 + self.later) * mem.static + max(max(self.act, act) + max(self.work, mem.work),
+                                                                  self.sync, mem.sync)
 
     def host_need(self, mem: StageMemory, inflight: int) -> float:
         """The device's host bytes with `mem` added, projected as `need` does (exactly `rank_host`)."""
@@ -80,7 +82,8 @@ class RankState(NamedTuple):
     def add(self, mem: StageMemory, inflight: int) -> RankState:
         act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
         return RankState(self.static + mem.static, max(self.act, act), max(self.work, mem.work),
-                         max(self.later - 1, 0), self.host + mem.host, max(self.host_act, inflight * mem.host_act))
+                         max(self.later - 1, 0), self.host + mem.host, max(self.host_act, inflight * mem.host_act),
+                         max(self.sync, mem.sync))
 
 
 NO_CHUNKS = RankState()

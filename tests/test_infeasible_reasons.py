@@ -1,0 +1,101 @@
+"""An InfeasibleError names the constraint that binds (issue 13, item 5): memory only when memory is what
+stops every plan (the same model plans on the same cluster with unlimited memory), the layout rules (every
+device in one stage of one replica: replicas <= batch, stages <= layers, tp inside a node, device types
+split evenly) when no layout exists at all, with the numbers and fixes that work."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar import Cluster, InfeasibleError, models
+
+TYPES = ["A100-80GB", "H100-SXM", "V100-16GB", "T4", "L4", "RTX-3090"]
+ISSUE_CLUSTER = "2x4xH100-SXM+2x4xL4+1x4xRTX-3090"
+MEMORY = "no plan fits in memory"
+
+
+def _plan(cluster: object, batch: int, layers: int = 2, hidden: int = 64, seq: int = 16) -> str | None:
+    """None when a plan is found, else the InfeasibleError's message."""
+    case = models.gpt(layers=layers, hidden=hidden, seq=seq, batch=batch, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a time-limit warning is no failure here
+        try:
+            autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                         time_limit_s=5)
+        except InfeasibleError as e:
+            return str(e)
+    return None
+
+
+def _unlimited(cluster: dict) -> dict:
+    """The same nodes and device types with (practically) unlimited device and host memory."""
+    groups = []
+    for g in cluster["nodes"]:
+        dev = g["device"]
+        name, base = (dev, dev) if isinstance(dev, str) else (dev["name"], dev["based_on"])
+        groups.append({**g, "device": {"name": name, "based_on": base, "memory_GiB": 1e6}, "host_memory_GiB": 1e7})
+    return {"nodes": groups}
+
+
+def test_the_issue_case_names_the_layout_constraint_and_fixes_that_work() -> None:
+    msg = _plan(ISSUE_CLUSTER, batch=3)
+    assert msg is not None and not msg.startswith(MEMORY)
+    assert "memory is not the constraint" in msg and "all 20 devices" in msg
+    assert "at most 3 replica(s)" in msg and "at most 4 stages" in msg  # batch 3, 4 layers (pre, 2 blocks, post)
+    assert "tp=4: 5 group(s)" in msg and "1x5 (5 stages > 4 layers)" in msg and "5x1 (5 replicas > batch 3)" in msg
+    assert "raise the global batch to at least 5 samples" in msg
+    assert "2x4xH100-SXM+2x4xL4 nodes: cluster.subset([*range(0, 16)])" in msg
+    # the fixes it names work, and the batch it names is the least that does
+    assert _plan(ISSUE_CLUSTER, batch=5) is None
+    assert _plan(ISSUE_CLUSTER, batch=4) is not None
+    assert _plan(Cluster.load(ISSUE_CLUSTER).subset(list(range(16))), batch=3) is None
+    assert _plan(ISSUE_CLUSTER, batch=3, layers=3) is None  # "a deeper model (at least 5 layers in its chain)"
+    assert "at least 5 layers" in msg
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> dict:
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(TYPES))
+        dev: str | dict = name
+        if draw(st.integers(0, 2)) == 0:  # a board with too little memory for the model, sometimes
+            dev = {"name": f"small-{name}", "based_on": name, "memory_GiB": draw(st.sampled_from([0.00001, 0.0001, 0.0005]))}
+        groups.append({"device": dev, "devices_per_node": draw(st.sampled_from([1, 2, 4])),
+                       "count": draw(st.integers(1, 2))})
+    return {"nodes": groups}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(clusters(), st.integers(1, 6), st.integers(1, 3))
+@example({"nodes": [{"device": "H100-SXM", "devices_per_node": 4, "count": 2},
+                    {"device": "L4", "devices_per_node": 4, "count": 2},
+                    {"device": "RTX-3090", "devices_per_node": 4, "count": 1}]}, 3, 2)  # layouts bind
+@example({"nodes": [{"device": {"name": "speck", "based_on": "T4", "memory_GiB": 0.00001},
+                     "devices_per_node": 2, "count": 1}]}, 4, 2)  # memory binds
+def test_memory_is_blamed_exactly_when_memory_binds(cluster: dict, batch: int, layers: int) -> None:
+    msg = _plan(cluster, batch, layers=layers, hidden=32, seq=8)
+    if msg is None:
+        return
+    fits_without_memory_limits = _plan(_unlimited(cluster), batch, layers=layers, hidden=32, seq=8) is None
+    if fits_without_memory_limits:
+        assert msg.startswith(MEMORY) and "To fit" in msg and "usable" in msg, msg
+    else:
+        assert not msg.startswith(MEMORY) and "memory is not the constraint" in msg, msg
+        assert "replicas x stages" in msg and "To plan:" in msg, msg
+
+
+@pytest.mark.parametrize("cluster,batch", [("1x3xA100-80GB+1x2xT4", 1), ("1x1xA100-80GB+4x1xT4", 1)])
+def test_a_subset_named_by_the_message_can_be_planned_on(cluster: str, batch: int) -> None:
+    msg = _plan(cluster, batch)
+    assert msg is not None and "memory is not the constraint" in msg
+    start = msg.index("cluster.subset([") + len("cluster.subset(")
+    subset = eval(msg[start:msg.index("])", start) + 1], {"range": range})  # noqa: S307  (our own message)
+    assert 0 < len(subset) < Cluster.load(cluster).world_size
+    assert _plan(Cluster.load(cluster).subset(subset), batch) is None
