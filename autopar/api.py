@@ -82,7 +82,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     predicted peak memory stays under (1 - memory_reserve) of its capacity. Stops at `time_limit_s`
     (capture included) with the best plan so far and a warning; raises InfeasibleError when nothing fits.
     `progress(done, total, best_step_time)` is called as configurations are evaluated. With
-    AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt and timeline.json there. `kernels` is the mode the
+    AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt, timeline.json and the annotated graph (graph.txt/json/dot)
+    there. `kernels` is the mode the
     program will run with (`autopar.compile(kernels=...)`): compute is priced with fused regions on the
     device types that mode fuses, and the plan records it in `plan.model["kernels"]`.
 
@@ -111,6 +112,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
         (d / "plan.json").write_text(result.to_json())
         (d / "plan.txt").write_text(result.explain() + "\n")
         result.timeline()
+        dump_graph(cm.graph, d)
     return result
 
 

@@ -42,12 +42,14 @@ def hf_gpt2(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, l
 
 
 def hf_llama(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, layers: int = 2,
-             heads: int = 4, ffn: int | None = None, *, device: str | torch.device = "cpu",
-             seed: int = 0) -> ModelCase:
+             heads: int = 4, ffn: int | None = None, kv_heads: int | None = None, *,
+             device: str | torch.device = "cpu", seed: int = 0) -> ModelCase:
+    """transformers' LlamaForCausalLM; `kv_heads` < `heads` is grouped-query attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn or 4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads or heads,
                          max_position_embeddings=seq, use_cache=False, bos_token_id=1, eos_token_id=2,
                          attn_implementation=ATTN_IMPLEMENTATION)
     return _case(LlamaForCausalLM, config, batch, seq, vocab, device, seed, "hf_llama")

@@ -47,6 +47,12 @@ def hetero_cluster() -> dict:
     return {"nodes": [{"device": big, "devices_per_node": 1}, {"device": small, "devices_per_node": 1}]}
 
 
+def small_cluster() -> dict:
+    """Four CPU-like devices of 56 MiB each: no single one holds the model's training state."""
+    dev = {"name": "cpu-56MiB", "based_on": "cpu", "memory_GiB": 56 / 1024}
+    return {"nodes": [{"device": dev, "devices_per_node": 4}]}
+
+
 # name -> (model, cluster, strategy; None: the planner's plan)
 FAMILIES: dict[str, tuple[str, Any, Strategy | None]] = {
     "dp": ("gpt", "1x2xcpu", Strategy(dp=2)),
@@ -60,11 +66,16 @@ FAMILIES: dict[str, tuple[str, Any, Strategy | None]] = {
     "hf_llama zero2": ("hf_llama", "1x2xcpu", Strategy(dp=2, zero=2)),
     "hybrid dp2xpp2 zero1": ("gpt", "1x4xcpu", Strategy(dp=2, pp=2, microbatch_size=2, zero=1)),
     "auto, 2 memory sizes": ("gpt", hetero_cluster(), None),
+    # issue 11's case: 104 MiB of training state on 4 devices of 56 MiB (measured 1.4-1.8x the plan before)
+    "auto, llama on 4x56MiB": ("hf_llama_gqa", small_cluster(), None),
 }
+# model kwargs beyond CFG, per model name
+MODEL_KWARGS = {"hf_llama_gqa": dict(layers=8, heads=8, kv_heads=2, vocab=4096)}
 
 
 def build(model: str) -> models.ModelCase:
-    return models.CASES[model](**CFG, seed=0)
+    name = model.removesuffix("_gqa")
+    return models.CASES[name](**{**CFG, **MODEL_KWARGS.get(model, {})}, seed=0)
 
 
 def make_plans() -> dict[str, tuple[Any, str]]:

@@ -5,12 +5,17 @@ Per case, the predicted training throughput (samples/s) of
   DP-only     dp = every device, tp = pp = 1, even batch split (as even as possible when the batch does
               not divide), the smallest ZeRO stage 0..3 at which some plan fits; at that stage the
               fastest of 1/2/4/8 micro-batches (gradient accumulation) x recompute off/on
+  DP-speed    the same, with each device's batch share proportional to its speed on the model (the cost
+              model's forward + backward time per sample), at least one sample each, and every replica
+              running 1/2/4/8 micro-batches of its own share (as autopar's uneven replicas may)
   Megatron    grid over uniform (dp, tp, pp, micro-batch size) in Megatron rank order with even layer and
               batch splits: tp a power of two dividing every node's device count (tp stays in a node),
               pp dividing the repeated blocks, dp = world / (tp pp) dividing the batch, micro-batch
               sizes the powers of two dividing the per-replica batch and that batch itself, ZeRO 0/1,
               recompute off/on, 1F1B and interleaved 1F1B (2 or 4 chunks, Megatron's divisibility
-              rules); the fastest that fits
+              rules), and each such plan also with its stage sends compressed where autopar's plan may
+              compress them (`CostModel.compress_choice`: bf16 on slow links in fp32/tf32 training); the
+              fastest that fits
   exhaustive  (small cases only) the optimum over every plan of equal-depth pipelines: every tp degree
               autopar allows (one per plan), every assignment and order of the tp groups into pipelines, gpipe / 1f1b /
               interleaved (2, 4 chunks), every batch split, every micro-batch count per pipeline, every
@@ -28,8 +33,12 @@ Baselines are priced like `autopar.estimate` (`price_strategy` on one cost model
 Ideal: total training FLOPs of a step (forward + backward of every layer, as in the plan's MFU) over the
 sum of every device's peak FLOP/s at the plan's precision; each method is reported as a fraction of it.
 
-Targets: autopar never below the best baseline (DP-only, Megatron); >= 1.3x the best uniform plan (the
-same two baselines) on the heterogeneous cases, 3 and 4 (case 5's four boards are all one device type, so
+Every figure is a prediction of the same cost model, so the ratios compare predictions with predictions.
+A plan that stopped at autopar.plan's time limit (the search's warning: best plan so far after k of N
+configurations) is marked `plan_time_limited` with `plan_configs` = "k/N".
+
+Targets: autopar never below the best baseline (DP-only, DP-speed, Megatron); >= 1.3x the best uniform plan
+(the same baselines) on the heterogeneous cases, 3 and 4 (case 5's four boards are all one device type, so
 a uniform plan is the natural one there and only the never-below target applies); <= 60 s planning for
 GPT-3 175B on 1024 A100s; exact optimum on the exhaustive cases (within 1e-9 relative).
 
@@ -40,19 +49,20 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from baselines import dp_only, dp_speed, megatron_grid
 from common import print_table, write_results
 
 import autopar
 from autopar import models
 from autopar.api import cost_model
-from autopar.errors import PlanError
-from autopar.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, even_split, simulate_stages
+from autopar.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, simulate_stages
 from autopar.solver.pricing import (
     CostModel,
     Option,
@@ -60,7 +70,6 @@ from autopar.solver.pricing import (
     inflight_closed_form,
     model_summary,
     price,
-    price_strategy,
     rank_peak,
     stage_option,
     tied_sync,
@@ -71,8 +80,6 @@ TIME_LIMIT_S = 60.0  # autopar.plan's default
 EXACT_RTOL = 1e-9
 HET_TARGET = 1.3
 PLAN_TIME_TARGET_S = 60.0
-GRID_CHUNKS = (2, 4)
-DP_MICROBATCH_COUNTS = (1, 2, 4, 8)
 TINY_GPT = dict(layers=4, hidden=1024, heads=16, seq=512, vocab=8192)
 
 
@@ -144,80 +151,9 @@ def describe(plan: Plan) -> str:
 def strategy_label(st: Strategy) -> str:
     sched = st.schedule + (f"x{st.chunks}" if st.chunks else "")
     split = "" if st.batch_split is None else f" split={min(st.batch_split)}..{max(st.batch_split)}"
+    sends = f" sends={st.compress} where slow" if st.compress else ""
     return (f"{sched} dp={st.dp} tp={st.tp} pp={st.pp} mbs={st.microbatch_size} zero={st.zero} "
-            f"rc={'y' if st.recompute else 'n'}{split}")
-
-
-# ---- baselines ----------------------------------------------------------------------------------------
-
-
-def _try(cm: CostModel, st: Strategy) -> Estimate | None:
-    try:
-        return price_strategy(cm, st)
-    except PlanError:
-        return None
-
-
-def _faster(est: Estimate | None, best: Estimate | None) -> bool:
-    return est is not None and est.fits and (
-        best is None or est.predicted["step_time_s"] < best.predicted["step_time_s"])
-
-
-def dp_only(cm: CostModel) -> tuple[Estimate | None, Strategy | None, int]:
-    W = cm.cluster.world_size
-    shares = even_split(cm.B, W) if cm.B >= W else None
-    if shares is None:
-        return None, None, 0
-    split = None if cm.B % W == 0 else shares
-    common = math.gcd(*shares)  # Strategy needs a micro-batch size that divides every share
-    priced = 0
-    for zero in range(4 if W > 1 else 1):
-        best: tuple[Estimate | None, Strategy | None] = (None, None)
-        for m in DP_MICROBATCH_COUNTS:
-            mbs = common // m
-            if mbs < 1 or common % m:
-                continue
-            for rc in (False, True):
-                st = Strategy(dp=W, microbatch_size=mbs, zero=zero, recompute=rc, batch_split=split)
-                est = _try(cm, st)
-                priced += est is not None
-                if _faster(est, best[0]):
-                    best = (est, st)
-        if best[0] is not None:
-            return best[0], best[1], priced
-    return None, None, priced
-
-
-def grid_strategies(cm: CostModel) -> Iterator[Strategy]:
-    W, blocks = cm.cluster.world_size, cm.num_blocks
-    per_node = math.gcd(*(len(n.devices) for n in cm.cluster.nodes))
-    for tp in (t for t in _divisors(per_node) if t & (t - 1) == 0):
-        for pp in _divisors(blocks) if blocks else [1]:
-            if W % (tp * pp) or cm.B % (W // (tp * pp)):
-                continue
-            dp = W // (tp * pp)
-            share = cm.B // dp
-            for mbs in (b for b in _divisors(share) if b & (b - 1) == 0 or b == share):
-                m = share // mbs
-                scheds: list[tuple[str, int | None]] = [("1f1b", None)]
-                if pp > 1 and m % pp == 0:
-                    scheds += [("interleaved_1f1b", v) for v in GRID_CHUNKS if blocks % (pp * v) == 0]
-                for (sched, v), zero, rc in itertools.product(scheds, (0, 1), (False, True)):
-                    yield Strategy(dp=dp, tp=tp, pp=pp, microbatch_size=mbs, schedule=sched, zero=zero,
-                                   recompute=rc, chunks=v)
-
-
-def megatron_grid(cm: CostModel) -> tuple[Estimate | None, Strategy | None, int, int]:
-    best: Estimate | None = None
-    best_st = None
-    priced = fit = 0
-    for st in grid_strategies(cm):
-        est = _try(cm, st)
-        priced += est is not None
-        fit += est is not None and est.fits
-        if _faster(est, best):
-            best, best_st = est, st
-    return best, best_st, priced, fit
+            f"rc={'y' if st.recompute else 'n'}{split}{sends}")
 
 
 # ---- exhaustive search ------------------------------------------------------------------------------
@@ -405,6 +341,7 @@ def run_case(case: Case, check_api: bool) -> dict[str, Any]:
         plan = autopar.plan(mc.model, case.cluster, mc.example_inputs, mc.example_target, mc.loss_fn,
                             time_limit_s=TIME_LIMIT_S)
     plan_s = time.perf_counter() - t0
+    limit = next((str(w.message) for w in caught if "time limit" in str(w.message)), None)
     cm = cost_model(mc.model, case.cluster, mc.example_inputs, mc.example_target, mc.loss_fn)
     # the baselines' cost model must price autopar's own plan exactly as the planner did
     repriced = price(cm, plan)
@@ -415,13 +352,17 @@ def run_case(case: Case, check_api: bool) -> dict[str, Any]:
     row: dict[str, Any] = {
         "case": case.key, "model": case.model, "cluster": case.cluster, "batch": cm.B,
         "precision": cm.precision, "params": cm.graph.num_params(), "ideal_sps": ideal,
-        "plan_s": plan_s, "plan_time_limited": any("time limit" in str(w.message) for w in caught),
+        "plan_s": plan_s, "plan_time_limited": limit is not None, "plan_configs": time_limit_configs(limit),
+        "time_limit": f"hit ({time_limit_configs(limit)})" if limit else "-",
         "autopar_step_s": plan.predicted["step_time_s"], "autopar_sps": _sps(plan), "autopar_plan": describe(plan),
     }
     t1 = time.perf_counter()
     dp_est, dp_st, dp_n = dp_only(cm)
     row.update(dp_sps=_sps(dp_est), dp_priced=dp_n,
                dp_plan=f"{strategy_label(dp_st)} | {describe(dp_est.plan)}" if dp_est and dp_st else "none fits")
+    sp_est, sp_st, sp_n = dp_speed(cm)
+    row.update(dpspeed_sps=_sps(sp_est), dpspeed_priced=sp_n,
+               dpspeed_plan=f"{strategy_label(sp_st)} | {describe(sp_est.plan)}" if sp_est and sp_st else "none fits")
     grid_est, grid_st, grid_n, grid_fit = megatron_grid(cm)
     row.update(grid_sps=_sps(grid_est), grid_priced=grid_n, grid_fit=grid_fit,
                grid_plan=f"{strategy_label(grid_st)} | {describe(grid_est.plan)}" if grid_est and grid_st
@@ -429,7 +370,7 @@ def run_case(case: Case, check_api: bool) -> dict[str, Any]:
     row["baselines_s"] = time.perf_counter() - t1
     if grid_est is not None and grid_est.predicted["samples_per_s"] > row["autopar_sps"]:
         row["grid_chunk_memory_note"] = chunk_memory_note(cm, grid_est)
-    if check_api and grid_st is not None and grid_est is not None:
+    if check_api and grid_st is not None and grid_est is not None and grid_st.compress is None:
         via_api = autopar.estimate(mc.model, case.cluster, grid_st, mc.example_inputs, mc.example_target,
                                    mc.loss_fn)
         row["api_check_rel_diff"] = abs(via_api.predicted["step_time_s"] / grid_est.predicted["step_time_s"] - 1)
@@ -449,13 +390,19 @@ def run_case(case: Case, check_api: bool) -> dict[str, Any]:
             row.update({f"{tag}_step_s": ex_step, f"{tag}_sps": cm.B / ex_step, f"{tag}_plan": describe(priced.plan),
                         f"{tag}_exact": abs(plan.predicted["step_time_s"] / ex_step - 1) <= EXACT_RTOL})
         row["exhaustive_simulated"] = ex.simulated
-    for k in ("autopar", "dp", "grid", "exh", "exh_space"):
+    for k in ("autopar", "dp", "dpspeed", "grid", "exh", "exh_space"):
         if row.get(f"{k}_sps") is not None:
             row[f"{k}_ideal"] = row[f"{k}_sps"] / ideal
-    uniform = [x for x in (row["dp_sps"], row["grid_sps"]) if x is not None]
+    uniform = [x for x in (row["dp_sps"], row["dpspeed_sps"], row["grid_sps"]) if x is not None]
     row["best_baseline_sps"] = max(uniform) if uniform else None
     row["vs_best_baseline"] = row["autopar_sps"] / max(uniform) if uniform else None
     return row
+
+
+def time_limit_configs(warning: str | None) -> str | None:
+    """"k/N" configurations searched, from the search's time-limit warning (None without one)."""
+    got = re.search(r"after (\d+) of (\d+) configurations", warning or "")
+    return f"{got[1]}/{got[2]}" if got else None
 
 
 def chunk_memory_note(cm: CostModel, est: Estimate) -> str | None:
@@ -495,12 +442,12 @@ def main() -> None:
         rows.append(row)
         print(f"[{time.perf_counter() - t0:6.1f} s] case {case.key} on {case.cluster}, batch {case.batch}: "
               f"plan {row['plan_s']:.1f} s", flush=True)
-        for who in ("autopar", "dp", "grid", "exh", "exh_space"):
+        for who in ("autopar", "dp", "dpspeed", "grid", "exh", "exh_space"):
             if f"{who}_plan" in row:
                 print(f"    {who:9s} {row[f'{who}_plan']}")
     print()
-    cols = ["case", "batch", "plan_s", "autopar_sps", "dp_sps", "grid_sps", "exh_sps", "exh_space_sps",
-            "autopar_ideal", "dp_ideal", "grid_ideal", "exh_ideal", "vs_best_baseline"]
+    cols = ["case", "batch", "plan_s", "time_limit", "autopar_sps", "dp_sps", "dpspeed_sps", "grid_sps",
+            "exh_sps", "exh_space_sps", "autopar_ideal", "grid_ideal", "exh_ideal", "vs_best_baseline"]
     print_table(rows, cols)
 
     never_below = [r for r in rows if r["vs_best_baseline"] is not None]
@@ -539,9 +486,9 @@ def main() -> None:
     for r in rows:
         if r["case"] in below or r["case"] in het_miss:
             print(f"  MISSED on {r['case']}: autopar {r['autopar_sps']:.4g} samples/s [{r['autopar_plan']}]")
-            best = "dp" if r["dp_sps"] == r["best_baseline_sps"] else "grid"
-            print(f"      {'DP-only' if best == 'dp' else 'Megatron grid'} {r['best_baseline_sps']:.4g} samples/s "
-                  f"[{r[f'{best}_plan']}]")
+            best = next(k for k in ("dp", "dpspeed", "grid") if r[f"{k}_sps"] == r["best_baseline_sps"])
+            name = {"dp": "DP-only", "dpspeed": "DP-speed", "grid": "Megatron grid"}[best]
+            print(f"      {name} {r['best_baseline_sps']:.4g} samples/s [{r[f'{best}_plan']}]")
             if r.get("grid_chunk_memory_note"):
                 print(f"      the Megatron plan fits, but {r['grid_chunk_memory_note']}")
         if r["case"] in inexact:

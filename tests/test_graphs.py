@@ -90,11 +90,16 @@ def reference(name: str, mode: str, extra: dict) -> tuple[list[float], dict[str,
     case = GRAPH_CASES[name](seed=0, **GRAPH, **extra)
     if mode == "partition":
         return train_reference(case, optimizer, STEPS)
+    return train_sampled_reference(case, SAMPLED, STEPS)
+
+
+def train_sampled_reference(case: object, opts: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process training the plain model on each step's whole sampled graph, loss on that step's seeds."""
     x, edge_index = case.example_inputs
     y, opt, losses = case.example_target, optimizer(list(case.model.parameters())), []
-    for step in range(STEPS):
-        seeds = seeds_for_step(labelled_nodes(y), SAMPLED["batch_size"], step, SAMPLED["seed"])
-        graph = sampled_graph(edge_index, x.shape[0], SAMPLED["fanout"], step, SAMPLED["seed"])
+    for step in range(steps):
+        seeds = seeds_for_step(labelled_nodes(y), opts["batch_size"], step, opts["seed"])
+        graph = sampled_graph(edge_index, x.shape[0], opts["fanout"], step, opts["seed"])
         loss = case.loss_fn(case.model(x, graph)[seeds], y[seeds])
         losses.append(loss.item())
         loss.backward()
@@ -168,17 +173,20 @@ def test_shares_follow_speed_and_memory_caps() -> None:
     assert capped[0] == 40 and capped[1] == capped[2] == 30
 
 
-def _priced(case: object, cluster: object, batch: int, fanout: int) -> tuple:
+def _priced(case: object, cluster: object, batch: int, fanout: int, precision: str | None = None) -> tuple:
     x, edge_index = case.example_inputs
-    cm = GraphCostModel(case.model, graph_stats(x, edge_index, case.example_target), autopar.Cluster.load(cluster),
-                        "bf16")
+    cluster = autopar.Cluster.load(cluster)
+    cm = GraphCostModel(case.model, graph_stats(x, edge_index, case.example_target), cluster,
+                        precision or autopar.default_precision(cluster))
     return cm.partition(), cm.sampled_dp(batch, fanout)
 
 
-def test_cost_model_picks_the_faster_mode_that_fits() -> None:
-    # big features and a fast link: full-graph partitioning trains more labelled nodes per second than mini-batches
-    # whose fanout^2 neighbourhoods repeat work. A slow network between the devices makes the per-layer halo
-    # exchange of the partition dominate, while sampled data parallelism only all-reduces the small gradients.
+def test_cost_model_prices_both_modes_and_plans_full_graph() -> None:
+    # big features and a fast link: full-graph partitioning over both devices trains more labelled nodes per
+    # second than mini-batches whose fanout^2 neighbourhoods repeat work. On a slow network the halo exchange
+    # of a split would cost far more than the second device saves: the graph stays on one device (still full
+    # graph training) and explain() says why the other gets no nodes. sampled_dp is priced either way but
+    # only planned when asked for.
     meta = {"x": torch.empty(200_000, 512, device="meta"),
             "e": torch.empty(2, 4_000_000, dtype=torch.long, device="meta")}
     case = GRAPH_CASES["sage"](seed=0, nodes=50, hidden=128)
@@ -186,28 +194,46 @@ def test_cost_model_picks_the_faster_mode_that_fits() -> None:
     fast = {"nodes": [{"device": "A100-80GB", "devices_per_node": 2}]}
     slow = {"nodes": [{"device": "A100-80GB"}, {"device": "A100-80GB"}],
             "network": {"bandwidth_GBps": 0.125, "latency_us": 100}}
-    chosen = {}
+    opts = {"batch_size": 2048, "fanout": 10}
+    priced = {}
     for label, cluster in (("fast", fast), ("slow", slow)):
-        part, samp = _priced(case, cluster, 2048, 10)
-        plan = plan_graph(case.model, cluster, case.example_inputs, None, precision="bf16",
-                          options={"batch_size": 2048, "fanout": 10})
-        best = max((c for c in (part, samp) if c.fits), key=lambda c: c.samples_per_s)
-        assert plan.graph["mode"] == best.mode
-        assert plan.predicted["samples_per_s"] == pytest.approx(best.samples_per_s)
-        chosen[label] = (best.mode, part, samp)
-    assert chosen["fast"][0] == "partition" and chosen["slow"][0] == "sampled_dp"
-    slow_part = chosen["slow"][1]
-    assert slow_part.comm_s > max(slow_part.compute_s)  # the halo exchange is what loses it
+        part, samp = _priced(case, cluster, 2048, 10, "bf16")
+        plan = plan_graph(case.model, cluster, case.example_inputs, None, precision="bf16", options=opts)
+        assert plan.graph["mode"] == "partition"  # the default, whatever sampled_dp would price
+        assert plan.predicted["samples_per_s"] == pytest.approx(part.samples_per_s)
+        assert plan.graph["candidates"]["sampled_dp"]["samples_per_s"] == pytest.approx(samp.samples_per_s)
+        asked = plan_graph(case.model, cluster, case.example_inputs, None, precision="bf16",
+                           options={**opts, "mode": "sampled_dp"})
+        assert asked.graph["mode"] == "sampled_dp" and asked.graph["shares"] == samp.shares
+        priced[label] = (part, samp, plan)
+    fast_part, fast_samp, _ = priced["fast"]
+    assert min(fast_part.shares) > 0 and fast_part.samples_per_s > 5 * fast_samp.samples_per_s
+    slow_part, _, slow_plan = priced["slow"]
+    assert slow_part.shares == [200_000, 0]
+    (idle,) = slow_part.extra["idle"]
+    # one node on device 1 makes its halo exchange (over 0.125 GB/s) cost more than the node saves
+    assert idle["device"] == 1 and idle["why"] == "slower" and idle["step_s"] > idle["chosen_step_s"]
+    assert idle["comm_s"] - idle["chosen_comm_s"] > idle["chosen_compute_s"] - idle["compute_s"]
+    text = slow_plan.explain()
+    assert "A100-80GB device 1 gets no nodes: adding it makes the step slower" in text
+    assert "the halo exchange grows" in text
+    assert "sampled_dp (not considered: a different algorithm" in text
 
 
 def test_partition_infeasible_when_the_graph_does_not_fit() -> None:
     case = GRAPH_CASES["graphconv"](seed=0, nodes=50, hidden=64)
     x = torch.empty(400_000_000, 64, device="meta")  # ~100 GiB of fp32 features per copy
     e = torch.empty(2, 800_000_000, dtype=torch.long, device="meta")
+    # T4s compute in fp16 (no bf16): the cluster's default precision
     part, samp = _priced(type(case)(case.model, (x, e), case.loss_fn, None, "big"), "1x2xT4", 1024, 5)
     assert not part.fits and samp.fits and samp.extra["features_on"] == ["host", "host"]
-    plan = plan_graph(case.model, "1x2xT4", (x, e), None, options={"batch_size": 1024, "fanout": 5})
-    assert plan.graph["mode"] == "sampled_dp"
+    opts = {"batch_size": 1024, "fanout": 5}
+    with pytest.raises(InfeasibleError, match="partition does not fit memory.*sampled_dp would fit"):
+        plan_graph(case.model, "1x2xT4", (x, e), None, options=opts)  # never swapped for sampled silently
+    plan = plan_graph(case.model, "1x2xT4", (x, e), None, options={**opts, "mode": "sampled_dp"})
+    assert plan.graph["mode"] == "sampled_dp" and plan.precision == "fp16"
+    with pytest.raises(PlanError, match="bf16"):
+        plan_graph(case.model, "1x2xT4", (x, e), None, precision="bf16", options=opts)
 
 
 def test_plan_json_round_trip_and_explain() -> None:

@@ -196,3 +196,64 @@ def test_fused_bytes_price_the_layout_copies_around_a_kernel() -> None:
     contiguous = capture(lambda x: (x * 2 + 1).reshape(-1), torch.randn(16, 8))
     (plain,) = [r for r in find_regions(contiguous) if r.fused]
     assert fused_bytes(plain) == (4 * e, 2 * e)
+
+
+# ---------------------------------------------------------------------------------------------- dumps
+def test_plan_dump_writes_the_annotated_graph(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import json
+
+    import autopar
+    from autopar import models
+    from autopar.graph import TrainingGraph
+
+    monkeypatch.setenv("AUTOPAR_DUMP", str(tmp_path))
+    c = models.mlp(batch=8)
+    autopar.plan(c.model, "1x2xcpu", c.example_inputs, c.example_target, c.loss_fn, time_limit_s=20)
+    assert {"plan.json", "plan.txt", "graph.txt", "graph.json", "graph.dot"} <= {p.name for p in tmp_path.iterdir()}
+    dumped = TrainingGraph.from_dict(json.loads((tmp_path / "graph.json").read_text()))
+    want = autopar.analyze(c.model, "1x2xcpu", c.example_inputs, c.example_target, c.loss_fn)
+    assert list(dumped.nodes) == list(want.nodes) and len(dumped.layers) == len(want.layers)
+    # annotated: FLOPs and times per device type, as the planner priced them
+    assert sum(n.flops_fwd for n in dumped.nodes.values()) == sum(n.flops_fwd for n in want.nodes.values()) > 0
+    assert {k for n in dumped.nodes.values() for k in n.time_fwd} == {"cpu"}
+    assert "digraph" in (tmp_path / "graph.dot").read_text()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["whole-stage", "layer-by-layer"])
+def test_compile_dump_holds_every_kernel_file_its_programs_name(tmp_path: Path, recompute: bool) -> None:
+    import re
+
+    import autopar
+    from autopar import models
+    from autopar.plan import Strategy
+
+    c = models.gpt(hidden=64, layers=2, batch=4)
+    prog = autopar.compile(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn,
+                           plan=Strategy(recompute=recompute), dump_dir=tmp_path, kernels="auto")
+    text = (tmp_path / "rank0.py").read_text()
+    named = re.findall(r"[\w/]*kernel_\w+\.py", text)
+    n_fused = sum(len(r.fused) for reports in prog.kernel_reports.values() for r in reports)
+    assert n_fused and len(named) == n_fused
+    assert len(set(named)) == len(named)  # layer programs' regions share names: each has its own directory
+    for name in named:
+        src = (tmp_path / name).read_text()
+        assert "def fwd(" in src and "def bwd(" in src
+    assert {"graph.txt", "graph.json", "graph.dot", "plan.json"} <= {p.name for p in tmp_path.iterdir()}
+    if recompute:
+        assert len(next(iter(prog.kernel_reports.values()))) > 1  # the stage really ran layer by layer
+
+
+def test_unknown_device_in_a_cluster_file_names_the_file_and_the_node_group(tmp_path: Path) -> None:
+    from autopar.cluster import Cluster
+    from autopar.errors import ClusterError
+
+    path = tmp_path / "mixed.yaml"
+    path.write_text("nodes:\n  - device: A100-80GB\n  - device: H100-SXMX\n    devices_per_node: 2\n")
+    with pytest.raises(ClusterError) as e:
+        Cluster.load(path)
+    msg = str(e.value)
+    assert str(path) in msg and "nodes[1].device" in msg and "'H100-SXMX'" in msg and "'H100-SXM'" in msg
+    path.write_text("nodes:\n  - device: {based_on: H1000, memory_GiB: 10}\n")
+    with pytest.raises(ClusterError, match=r"nodes\[0\]\.device\.based_on: unknown device type 'H1000'") as e:
+        Cluster.load(path)
+    assert str(path) in str(e.value)

@@ -44,6 +44,7 @@ class RegionReport:
     bytes_after: int = 0
     kernel: str = ""  # file name in the dump directory
     notes: list[str] = field(default_factory=list)  # what happened at run time (fallbacks)
+    source: str = field(default="", repr=False)  # the text of `kernel`: header and generated kernels
 
 
 @dataclass
@@ -59,14 +60,15 @@ class KernelReport:
     def not_fused(self) -> list[RegionReport]:
         return [r for r in self.regions if not r.fused]
 
-    def text(self) -> str:
+    def text(self, prefix: str = "") -> str:
+        """One line per region; `prefix` goes before kernel file names (their directory)."""
         lines = [f"kernels mode={self.mode}: {len(self.fused)} region(s) fused, "
                  f"{len(self.not_fused)} left in torch"]
         for r in self.regions:
             ops = ", ".join(o.removeprefix("aten.") for o in r.ops)
             if r.fused:
                 lines.append(f"{r.name}: FUSED [{ops}] nodes {r.nodes}; in {r.inputs}; out {r.outputs}; "
-                             f"forward bytes {r.bytes_before} -> {r.bytes_after}; {r.kernel}")
+                             f"forward bytes {r.bytes_before} -> {r.bytes_after}; {prefix}{r.kernel}")
             else:
                 lines.append(f"{r.name}: not fused [{ops}] nodes {r.nodes}: {r.reason}")
             lines += [f"    {note}" for note in r.notes]
@@ -299,10 +301,10 @@ class FusedRegion(nn.Module):
         return hit
 
     def _write(self, src: str, program: triton_gen.Program) -> None:
+        text = self.info.source = _kernel_header(self.info, program) + src
         if self.dump_dir is None:
             return
         path = self.dump_dir / self.info.kernel
-        text = _kernel_header(self.info, program) + src
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
 
@@ -480,16 +482,27 @@ def apply_kernels(gm: fx.GraphModule, mode: str = "auto", dump_dir: str | os.Pat
         infos.append(info)
         if r.fused:
             modules[f"fused_{r.name}"] = FusedRegion(r, _fallback_module(r), mode, info, dump)
-            if dump is not None and r.program is not None:
+            if r.program is not None:
                 note = "# input kinds guessed (no shapes for some inputs); rewritten at the first call\n" \
                     if r.guessed else ""
-                (dump / info.kernel).write_text(_kernel_header(info, r.program) + note +
-                                                triton_gen.generate(r.program, f"{r.name} ({r.kind})"))
+                info.source = _kernel_header(info, r.program) + note + triton_gen.generate(
+                    r.program, f"{r.name} ({r.kind})")
     report = KernelReport(mode, infos)
     new = gm if mode == "torch" or not modules else _rewrite(gm, regions, modules)
     if dump is not None:
-        (dump / "regions.txt").write_text(report.text())
+        write_kernels(report, dump)
     return new, report
 
 
-__all__ = ["apply_kernels", "KernelReport", "RegionReport", "FusedRegion", "MODES"]
+def write_kernels(report: KernelReport, directory: str | os.PathLike) -> Path:
+    """Write regions.txt and every fused region's kernel file (as `report.text()` names them) there."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for r in report.fused:
+        if r.source:
+            (d / r.kernel).write_text(r.source)
+    (d / "regions.txt").write_text(report.text())
+    return d
+
+
+__all__ = ["apply_kernels", "write_kernels", "KernelReport", "RegionReport", "FusedRegion", "MODES"]

@@ -251,18 +251,13 @@ class GraphCostModel:
             return self._infeasible("partition", [f"device {d} holds at most {int(caps[d])} nodes"
                                                   for d in devices] + [f"the graph has {s.num_nodes} nodes"])
         order = locality_order(s.edge_index, s.num_nodes) if s.edge_index is not None else None
-        names = [self.cluster.devices[d].spec.name for d in devices]
-        speed: dict[str, float] = {}
-        for d in devices:
-            speed[names[d]] = min(speed.get(names[d], math.inf), marginal[d])
-        kinds = sorted(speed, key=speed.__getitem__)
         best, best_t, best_marginal = None, math.inf, marginal
-        # the balance ignores the halo exchange, which grows with every rank that owns nodes: also try leaving
-        # out the slowest device types, one type at a time
-        for j in range(len(kinds), 0, -1):
-            allowed = [caps[d] if names[d] in kinds[:j] else 0.0 for d in devices]
+        # the balance ignores the halo exchange, which grows with every rank that owns nodes (over the network
+        # most): also try fewer owners (_owner_sets); the others own no nodes, their `idle` reasons say why
+        for owners in self._owner_sets(marginal):
+            allowed = [caps[d] if d in owners else 0.0 for d in devices]
             if sum(int(c) for c in allowed) < s.num_nodes:
-                break
+                continue
             rates = list(marginal)
             # halos grow as shares shrink: re-balance once with the per-rank rates the halos give
             for _ in range(2):
@@ -287,6 +282,25 @@ class GraphCostModel:
                  "idle": self._idle(shares, compute, comm, fixed, best_marginal, caps, price)}
         return Candidate("partition", shares, not problems, step, s.labelled, compute, comm, self.sync_s, mems,
                          flops, problems, extra)
+
+    def _owner_sets(self, marginal: list[float]) -> list[frozenset[int]]:
+        """Device sets that may own nodes: the fastest device types (1, 2, ... of them, by per-node time), each
+        also restricted to its best-provisioned cluster node, and the single fastest device."""
+        devs = self.cluster.devices
+        speed: dict[str, float] = {}
+        for d in devs:
+            speed[d.spec.name] = min(speed.get(d.spec.name, math.inf), marginal[d.index])
+        kinds = sorted(speed, key=speed.__getitem__)
+        sets: list[frozenset[int]] = []
+        for j in range(len(kinds), 0, -1):
+            typed = [d for d in devs if d.spec.name in kinds[:j]]
+            rate = {}
+            for d in typed:
+                rate[d.node] = rate.get(d.node, 0.0) + 1.0 / marginal[d.index]
+            node = max(rate, key=rate.__getitem__)
+            sets += [frozenset(d.index for d in typed), frozenset(d.index for d in typed if d.node == node)]
+        sets.append(frozenset([min(range(len(devs)), key=marginal.__getitem__)]))
+        return list(dict.fromkeys(sets))
 
     def _halo_comm(self, halos: list[float]) -> float:
         """Two all_to_all per message-passing layer (forward rows, backward gradients), every rank taking part.

@@ -196,6 +196,9 @@ def compile(
         prog.dump(str(d))
         if rank == 0:
             (d / "plan.json").write_text(plan.to_json())
+            from ..api import analyze  # graph.txt/json/dot: the annotated graph, priced as the plan runs
+
+            analyze(model, cluster, capture_inputs, capture_target, loss_fn, plan.precision, d, kernels)
     if adapt:
         rebuild = lambda c: compile(
             model,

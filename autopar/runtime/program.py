@@ -529,9 +529,15 @@ class Program:
                 lines.append(f"# --- stage {s} (layers {st.layers}), micro-batch size {size}: receives "
                              f"{st.recv}, sends {st.send}")
                 lines.append(st.code)
+        from ..codegen.kernels import write_kernels
+
         for (stage, size), reports in sorted(self.kernel_reports.items()):
-            lines.append(f"# --- kernels of stage {stage}, micro-batch size {size}")
-            lines += ["# " + line for report in reports for line in report.text().splitlines()]
+            for i, report in enumerate(reports):  # one per layer program when the stage runs layer by layer
+                sub = f"rank{self.rank}_kernels/stage{stage}_mb{size}" + (f"/layer{i}" if len(reports) > 1 else "")
+                write_kernels(report, d / sub)
+                layer = f", layer program {i}" if len(reports) > 1 else ""
+                lines.append(f"# --- kernels of stage {stage}, micro-batch size {size}{layer} (files in {sub}/)")
+                lines += ["# " + line for line in report.text(f"{sub}/").splitlines()]
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 
 
