@@ -88,8 +88,9 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     device types that mode fuses, and the plan records it in `plan.model["kernels"]`.
 
     Graph workloads (an integer (2, E) edge_index input and message-passing layers, or a temporal GNN) get
-    the graph planner (autopar/graphs): partitioned full-graph vs sampled data parallel, with
-    `graph_options` (mode, batch_size, fanout, seed; see graphs.planner.plan_graph) and `plan.graph` set.
+    the graph planner (autopar/graphs): partitioned full-graph training by default, sampled mini-batch data
+    parallelism (a different estimator) only with `graph_options={"mode": "sampled_dp", ...}` (batch_size,
+    fanout, seed; see graphs.planner.plan_graph); `plan.graph` set.
     """
     from .graphs.planner import graph_kind
 

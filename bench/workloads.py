@@ -12,13 +12,19 @@ such as all-to-all and halo latency, not the GPU-scale trade-offs above):
   moe    small moe_gpt, expert-parallel (dp2 x ep2) vs data-parallel plan
   gnn    GraphSAGE on an 8k-node graph, partition vs sampled data parallel
   edge   small BERT: the plan autopar picks for 2 Wi-Fi boards (a 2-stage pipeline, bf16 on the wire)
-         vs data parallel, both run on 2 gloo processes
+         vs data parallel, both run on 2 gloo processes. Local links are not Wi-Fi, so each row also gives
+         the cost model's view of the links it ran on (`note`): the plan autopar makes for 2 local CPU
+         ranks (1x2xcpu) and both plans priced there, i.e. whether the measured order is the one the
+         cost model predicts for the cluster the programs really ran on
+The predicted ratios compare predictions of one cost model with each other (autopar vs baselines priced
+by it); the measured rows are measurements.
 
     cd bench && python workloads.py        # writes results/workloads.json (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,13 +34,16 @@ from wl_gnn import gnn_measured, gnn_workloads
 from wl_moe import measured_moe, moe_workloads
 
 import autopar
+from autopar.api import cost_model
 from autopar.hf_models import hf_bert
 from autopar.runtime.launch import spawn_local
+from autopar.solver.pricing import price
 
 EDGE_SMALL = {"batch": 8, "seq": 32, "vocab": 512, "hidden": 128, "layers": 4, "heads": 4}
 # Two Orin boards on Wi-Fi: the plan is derived for this cluster, then run by two local gloo processes.
 EDGE_PAIR = {"name": "orin-pair-wifi", "nodes": [{"device": "Jetson-AGX-Orin", "devices_per_node": 1, "count": 2}],
              "network": {"bandwidth_GBps": 0.0125, "latency_us": 3000}}
+LOCAL_PAIR = "1x2xcpu"  # what the measured programs really run on: 2 gloo processes on this machine
 
 
 def _small_bert() -> Any:
@@ -57,12 +66,26 @@ def edge_measured(steps: int = 5) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     per_rank = spawn_local(_edge_train, 2, plans, steps, timeout_s=300)
     compressed = [st.compress for p in ours.pipelines for st in p.stages if st.compress]
+    local = autopar.plan(case.model, LOCAL_PAIR, time_limit_s=30, **kwargs)
+    cm = cost_model(case.model, LOCAL_PAIR, case.example_inputs, case.example_target, case.loss_fn, precision="fp32")
+    here = {k: price(cm, replace(p, cluster=cm.cluster.to_dict(), predicted={})).plan.predicted["samples_per_s"]
+            for k, p in (("autopar", ours), ("dp2", dp.plan))}
+    local_desc = (f"{len(local.pipelines)} replica(s) x {len(local.pipelines[0].stages)} stage(s), ZeRO-"
+                  f"{max(st.zero for p in local.pipelines for st in p.stages)}")
+    note = (f"planned for 2 Orin boards on 100 Mb/s Wi-Fi, where it predicts {ours.predicted['samples_per_s']:.0f} "
+            f"vs dp2 {dp.predicted['samples_per_s']:.1f} samples/s (dp2 all-reduces every gradient over Wi-Fi); "
+            f"measured on 2 local gloo processes, where autopar plans {local_desc} "
+            f"({local.predicted['samples_per_s']:.0f} predicted) and predicts the Wi-Fi plan at "
+            f"{here['autopar']:.0f} vs dp2 {here['dp2']:.0f} samples/s")
     return [{"case": "bert-small autopar plan", "plan": f"{len(ours.pipelines)} pipeline(s) x "
              f"{len(ours.pipelines[0].stages)} stage(s), send as {compressed or 'fp32'}",
              "predicted_samples_per_s": ours.predicted["samples_per_s"],
+             "predicted_local_samples_per_s": here["autopar"], "local_plan": local_desc,
+             "local_plan_samples_per_s": local.predicted["samples_per_s"], "note": note,
              "measured_samples_per_s": min(r["autopar"] for r in per_rank)},
             {"case": "bert-small dp2", "plan": "2 replicas",
              "predicted_samples_per_s": dp.predicted["samples_per_s"],
+             "predicted_local_samples_per_s": here["dp2"], "note": note,
              "measured_samples_per_s": min(r["dp2"] for r in per_rank)}]
 
 
@@ -75,12 +98,17 @@ def main() -> None:
     print_table(gnn, ["mode", "chosen", "fits", "predicted_nodes_per_s", "step_time_s", "comm_s", "shares"])
     print("\nBERT-base on 4 Jetson-AGX-Orin (predicted, fp32)")
     print_table(edge, ["cluster", "autopar_sps", "dp_sps", "uniform_sps", "vs_uniform", "compression"])
-    measured = ([{"workload": "moe", **r} for r in measured_moe()]
+    measured = ([{"workload": "moe", "note": "forced strategies (dp2 x ep2 vs dp2), not autopar's plan", **r}
+                 for r in measured_moe()]
                 + [{"workload": "gnn", "case": r["mode"], "measured_samples_per_s": r["measured_nodes_per_s"],
                     "predicted_samples_per_s": r["predicted_nodes_per_s"]} for r in gnn_measured()]
                 + [{"workload": "edge", **r} for r in edge_measured()])
     print("\nMeasured on 2 local gloo processes (small versions)")
-    print_table(measured, ["workload", "case", "measured_samples_per_s", "predicted_samples_per_s"])
+    print_table(measured, ["workload", "case", "measured_samples_per_s", "predicted_samples_per_s",
+                           "predicted_local_samples_per_s"])
+    for r in measured:
+        if r.get("note") and r["case"] != "bert-small dp2":
+            print(f"  {r['case']}: {r['note']}")
     rows = ([{"workload": "moe", **r} for r in moe] + [{"workload": "gnn", **r} for r in gnn]
             + [{"workload": "edge", **r} for r in edge] + [{"measured": True, **r} for r in measured])
     summary = {

@@ -185,10 +185,14 @@ def test_zero_with_expert_parallelism_partitions_experts_over_their_holders(meta
         assert [st.zero for p in est[z].plan.pipelines for st in p.stages] == [z] * D
         assert c2.stage_memory(base, Option(z), 1, D).static == pytest.approx(static(z), rel=1e-9)
         for d, peak in est[z].predicted["peak_memory_bytes"].items():
-            assert peak - est[0].predicted["peak_memory_bytes"][d] == pytest.approx(static(z) - static(0), abs=2)
-    # ZeRO with ep lowers the peak (ZeRO-1's partitioned optimizer state; 2 and 3 add nothing at the peak)
+            # the static difference, plus at most the change of the after-schedule sync bucket (<= N g), which
+            # is smaller when only an owner's share is reduced there
+            diff = peak - est[0].predicted["peak_memory_bytes"][d]
+            assert static(z) - static(0) - s.grads * (k["rest"] + k["held"]) <= diff <= static(z) - static(0) + 2
+    # ZeRO with ep lowers the peak (ZeRO-1's partitioned optimizer state; 2 and 3 only shrink the sync bucket)
     peak = {z: max(e.predicted["peak_memory_bytes"].values()) for z, e in est.items()}
-    assert peak[3] == peak[2] == peak[1] < peak[0]
+    assert peak[3] <= peak[2] <= peak[1] < peak[0]
+    assert peak[1] - peak[3] <= s.grads * (k["rest"] + k["held"])
 
 
 def test_zero_with_expert_parallelism_syncs_experts_among_their_holders(meta_1x4: tuple) -> None:

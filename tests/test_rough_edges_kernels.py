@@ -228,19 +228,17 @@ def test_compile_dump_holds_every_kernel_file_its_programs_name(tmp_path: Path, 
     from autopar.plan import Strategy
 
     c = models.gpt(hidden=64, layers=2, batch=4)
-    prog = autopar.compile(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn,
-                           plan=Strategy(recompute=recompute), dump_dir=tmp_path, kernels="auto")
+    autopar.compile(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn,
+                    plan=Strategy(recompute=True) if recompute else None, dump_dir=tmp_path, kernels="auto")
     text = (tmp_path / "rank0.py").read_text()
     named = re.findall(r"[\w/]*kernel_\w+\.py", text)
-    n_fused = sum(len(r.fused) for reports in prog.kernel_reports.values() for r in reports)
-    assert n_fused and len(named) == n_fused
+    assert named and len(named) == text.count("FUSED")  # one file per fused region
     assert len(set(named)) == len(named)  # layer programs' regions share names: each has its own directory
     for name in named:
         src = (tmp_path / name).read_text()
         assert "def fwd(" in src and "def bwd(" in src
     assert {"graph.txt", "graph.json", "graph.dot", "plan.json"} <= {p.name for p in tmp_path.iterdir()}
-    if recompute:
-        assert len(next(iter(prog.kernel_reports.values()))) > 1  # the stage really ran layer by layer
+    assert ("layer program 1" in text) == recompute  # recompute per block: the stage runs layer by layer
 
 
 def test_unknown_device_in_a_cluster_file_names_the_file_and_the_node_group(tmp_path: Path) -> None:

@@ -179,6 +179,10 @@ def explain_graph(graph: dict) -> str:
     return "\n".join(lines)
 
 
+def _count(n: int, unit: str) -> str:
+    return f"{n} {unit[:-1] if n == 1 and unit.endswith('s') else unit}"
+
+
 def idle_lines(idle: list[dict], unit: str) -> list[str]:
     """One line per device type and reason for the devices the plan gives a zero share, in the cost model's
     numbers (GraphCostModel._idle)."""
@@ -196,14 +200,14 @@ def idle_lines(idle: list[dict], unit: str) -> list[str]:
             lines.append(f"{head}: there is too little work to split")
         elif why == "no_gain":
             lines.append(f"{head}: giving {'them' if len(members) > 1 else 'it'} work does not make the step "
-                         f"faster (device {i['device']} with {i['share']} {unit}: {fmt_time(i['step_s'])}/step "
+                         f"faster (device {i['device']} with {_count(i['share'], unit)}: {fmt_time(i['step_s'])}/step "
                          f"against {fmt_time(i['chosen_step_s'])}): the step is bound by costs paid whatever the "
                          f"share (kernel launches: {fmt_time(i['busiest_fixed_s'])} of device {i['busiest']}'s "
                          f"{fmt_time(i['chosen_compute_s'])} compute) and by the exchanges every rank joins")
         elif why == "balance":
             lines.append(f"{head}: the balancer's per-rank time model (fixed + per item) left it out, though "
-                         f"giving device {i['device']} {i['share']} prices {fmt_time(i['step_s'])}/step against "
-                         f"{fmt_time(i['chosen_step_s'])}")
+                         f"giving device {i['device']} {_count(i['share'], unit)} prices "
+                         f"{fmt_time(i['step_s'])}/step against {fmt_time(i['chosen_step_s'])}")
         else:
             if i["own_compute_s"] >= i["chosen_compute_s"]:
                 cause = (f"its compute for them, {fmt_time(i['own_compute_s'])} (of which "
@@ -216,10 +220,10 @@ def idle_lines(idle: list[dict], unit: str) -> list[str]:
             else:
                 cause = f"the busiest rank's compute goes to {fmt_time(i['compute_s'])}"
             lines.append(f"{head}: adding {'them' if len(members) > 1 else 'it'} makes the step slower (device "
-                         f"{i['device']} with {i['share']} {unit}: {fmt_time(i['step_s'])}/step instead of "
+                         f"{i['device']} with {_count(i['share'], unit)}: {fmt_time(i['step_s'])}/step instead of "
                          f"{fmt_time(i['chosen_step_s'])}; {cause})")
     return lines
 
 
-__all__ = ["DEFAULTS", "MODES", "explain_graph", "graph_kind", "graph_stats", "idle_lines", "plan_graph", "split_inputs",
-           "to_plan"]
+__all__ = ["DEFAULTS", "MODES", "explain_graph", "graph_kind", "graph_stats", "idle_lines", "plan_graph",
+           "split_inputs", "to_plan"]

@@ -29,8 +29,8 @@ from ..errors import PlanError
 from ..models import ModelCase, building
 from ..runtime.dist import DEFAULT_TIMEOUT_S
 from ..runtime.fallback import WholeModelState
-from ..runtime.program import OptimizerFactory, make_optimizer
 from ..runtime.precision import PrecisionPolicy
+from ..runtime.program import OptimizerFactory, make_optimizer
 from .program import sync_replicas, train_step
 from .sampling import edge_scores
 

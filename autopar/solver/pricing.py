@@ -47,29 +47,7 @@ saving is too small to be worth the numerical change) and (3) the cast-inclusive
 plans every eligible boundary compressed (the simulated step only grows with a send time) and
 `search.Search.run` drops compression from the final plan unless it shortens the predicted step.
 
-`stage_memory` (per device; peak = static + in-flight x act + work), what the runtime holds at its peak
-(runtime/zero.py, zero_layers.py). z is the stage's ZeRO level where it runs per layer (`layerwise`: the
-stage is in `plan.layerwise_stages`: every replica alike, t = 1, no experts, not ZeRO-3 with offloaded
-parameters), else min(z, 1): the whole-step path gathers every parameter and keeps every gradient until
-after the schedule, so ZeRO-2/3 there save nothing at the peak. "Streamed" parameters: params and optimizer
-offloaded, t = 1, z <= 2 (brought in one layer at a time, gradients accumulated on the host); params
-offloaded otherwise come back for the whole step and count as resident. T = tied parameters' elements
-(read by several layers: never per layer):
-
-    weights  N w / D if z 3 else N w  (+ T w (1 - 1/D) at z 3)       streamed: T w
-    grads    N g / D if z >= 2 else N g  (+ T g (1 - 1/D) at z >= 2)  streamed: T g
-    optim.   N o / D if zero >= 1 else N o         (0 with the optimizer offloaded)
-    buffers  z 3: 2 w P / t (the layer in use and the prefetched next one); z >= 2: g P / t (one layer's
-             reduction in flight); streamed: (w + g) P / t
-    sync     after the schedule, when the activations are gone (peak = static + max(act terms, sync)): one
-             flat bucket (<= SYNC_BUCKET_BYTES) of the gradients reduced there (N g under ZeRO-0/1, N g / D
-             under whole-step ZeRO-2/3, none where they were reduced per layer) or of an owner's updated
-             values broadcast (N w / D, ZeRO-1/2 and whole-step ZeRO-3); none for DDP-style bucketed plans
-    act      per micro-batch: saved activations x n / B / t; with recompute only each block's input
-             (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
-             while it is recomputed; with activations offloaded only one micro-batch stays on the device;
-             mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x N per
-             micro-batch, the recomputed blocks' only while one is recomputed)
+`stage_memory` (per device): solver/stage_memory.py's docstring.
 
 Expert parallelism (ep > 1, solver/experts.py): of N, the X expert elements a device holds have only
 H = D / ep holders (its position in every chunk of ep replicas). X = Xp + Xs, Xs those in stacked (E, ...)
@@ -113,7 +91,7 @@ from ..checks import check_memory_reserve
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
 from ..cost_models.compute import ComputeModel, kernel_flops
-from ..cost_models.memory import SYNC_BUCKET_BYTES, optimizer_name, state_bytes_per_param
+from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from ..errors import PlanError
 from ..graph import TrainingGraph
 from ..host_memory import UNIFIED_KINDS
@@ -141,11 +119,11 @@ from .pricing_plan import (
     idle_split,
     lower_bound,
     memory_problem,
-    offload_host_bytes,
     rank_host,
     rank_peak,
     tied_sync,
 )
+from .stage_memory import StageMemory, bucketed_gradients, stage_memory
 
 # Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
 # bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
@@ -195,23 +173,6 @@ class StageTimes:
     bwd: float
     comm: float  # the communication part of fwd + bwd
     sync: float  # per step
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    static: float  # weights + grads + optimizer state + buffers
-    act: float  # per in-flight micro-batch
-    work: float
-    offload_act: bool
-    host: float = 0.0  # bytes kept in host memory: offloaded optimizer state and parameter copies
-    host_act: float = 0.0  # host bytes per in-flight micro-batch (offloaded activations)
-    # the flat bucket a gradient reduction or parameter broadcast packs after the schedule, when the
-    # activations are gone: the peak is static + max(activation term, sync)
-    sync: float = 0.0
-
-    def peak(self, inflight: int) -> float:
-        act = (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
-        return self.static + max(act, self.sync)
 
 
 def inflight_closed_form(schedule: str, ranks: int, microbatches: int, chunks: int = 1) -> list[int]:
@@ -495,52 +456,8 @@ class CostModel:
         return StageTimes(fwd, bwd, fc + bc, sync)
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
-        """Peak device (and host) bytes of a stage, as the runtime keeps them (module docstring).
-        `layerwise`: the stage is one of `plan.layerwise_stages`, so its ZeRO-2/3 runs per layer; elsewhere
-        the runtime gathers and reduces for the whole step, whose peak is ZeRO-1's."""
-        w, g, o = self.state.weights, self.state.grads, self.state.optimizer
-        N, P = base.params / tp + base.tp_extra, max(base.max_layer_params / tp, base.tp_max_layer)
-        z = opt.zero if dp > 1 else 0
-        per_layer = layerwise and tp == 1 and not base.moe_layers and not (z == 3 and "params" in opt.offload)
-        zm = z if per_layer else min(z, 1)  # what ZeRO does to the peak
-        # offloaded parameters stream per layer where the stage runs layer by layer and the optimizer (which
-        # updates them) is on the host too; otherwise they come back for the whole step
-        streamed = "params" in opt.offload and "optimizer" in opt.offload and tp == 1 and zm <= 2 \
-            and not base.moe_layers
-        whole = base.multi_layer / tp  # tied parameters: never per layer
-        if streamed:
-            static = whole * (w + g)
-        else:
-            static = N * w / (dp if zm == 3 else 1) + N * g / (dp if zm >= 2 else 1)
-            static += whole * (w * (zm == 3) + g * (zm >= 2)) * (1 - 1 / dp) if dp > 1 else 0.0
-        static += 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
-        if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
-            static += experts.zero_bytes(self, base, opt._replace(zero=zm), dp)
-        if zm == 3:
-            static += 2 * P * w  # the layer in use and the next one, prefetched
-        if zm >= 2:
-            static += P * g  # one layer's gradients in flight to their owners while the backward goes on
-        if streamed:
-            static += P * (w + g)  # the layer in use and its gradient
-        # N' owned parameters, as the optimizer step's `local` in stage_times
-        owned = N / dp + (experts.zero_extra(self, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
-        host = offload_host_bytes(self.optimizer, w, N, owned, z, opt.offload)
-        off_act = "activations" in opt.offload
-        act, work = (base.act_recompute, base.act_work) if opt.recompute and base.has_blocks else (base.act, 0.0)
-        cast = self.state.cast_copy  # autocast keeps a low-precision copy of each weight for the backward
-        if cast:
-            recomputed = base.block_params / tp if opt.recompute and base.has_blocks else 0.0
-            act += cast * (N - recomputed)
-            work += cast * (P if recomputed else 0.0)
-        # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
-        # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
-        sync = 0.0
-        if dp > 1:
-            after = not (per_layer and zm >= 2)
-            red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
-            bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
-            sync = max(red, bcast)
-        return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync)
+        """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py)."""
+        return stage_memory(self, base, opt, tp, dp, layerwise)
 
 
 # ---- pricing a plan ---------------------------------------------------------------------------------
@@ -564,23 +481,6 @@ def model_summary(graph: TrainingGraph) -> dict:
 
 def stage_option(stage: Stage) -> Option:
     return Option(stage.zero, stage.recompute, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
-
-
-def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
-    """Whether the runtime syncs this plan's gradients DDP-style (runtime/grad_sync.py: gradients are views of
-    the buckets, so the sync packs nothing): one chunk, no ZeRO, tp 1, no parameter or optimizer offload, no
-    experts, and no parameter shared by layers on different stages (whose holders would differ)."""
-    if plan.chunks != 1 or (plan.experts or {}).get("degree", 1) > 1:
-        return False
-    for pipe in plan.pipelines:
-        stage_of = {layer: j for j, st in enumerate(pipe.stages) for layer in range(*st.layers)}
-        if any(len({stage_of[u] for u in us}) > 1 for _, _, us in cm.shared):
-            return False
-        for st in pipe.stages:
-            zero = st.zero and len(plan.pipelines) > 1
-            if zero or len(st.devices) != 1 or {"params", "optimizer"} & set(st.offload):
-                return False
-    return True
 
 
 def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]], layerwise: set[int]

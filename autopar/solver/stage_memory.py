@@ -1,0 +1,126 @@
+"""What one device holds at its peak for one stage: the memory half of the planner's cost model.
+
+The figures are what the runtime keeps (runtime/zero.py, zero_layers.py, precision.py); bench/memory.py
+measures them at the allocator on gloo ranks. Units: bytes; N, P, D, t, w, g, o as in pricing.py.
+
+`stage_memory` (per device; peak = static + in-flight x act + work), what the runtime holds at its peak
+(runtime/zero.py, zero_layers.py). z is the stage's ZeRO level where it runs per layer (`layerwise`: the
+stage is in `plan.layerwise_stages`: every replica alike, t = 1, no experts, not ZeRO-3 with offloaded
+parameters), else min(z, 1): the whole-step path gathers every parameter and keeps every gradient until
+after the schedule, so ZeRO-2/3 there save nothing at the peak. "Streamed" parameters: params and optimizer
+offloaded, t = 1, z <= 2 (brought in one layer at a time, gradients accumulated on the host); params
+offloaded otherwise come back for the whole step and count as resident. T = tied parameters' elements
+(read by several layers: never per layer):
+
+    weights  N w / D if z 3 else N w  (+ T w (1 - 1/D) at z 3)       streamed: T w
+    grads    N g / D if z >= 2 else N g  (+ T g (1 - 1/D) at z >= 2)  streamed: T g
+    optim.   N o / D if zero >= 1 else N o         (0 with the optimizer offloaded)
+    buffers  z 3: 2 w P / t (the layer in use and the prefetched next one); z >= 2: g P / t (one layer's
+             reduction in flight); streamed: (w + g) P / t
+    sync     after the schedule, when the activations are gone (peak = static + max(act terms, sync)): one
+             flat bucket (<= SYNC_BUCKET_BYTES) of the gradients reduced there (N g under ZeRO-0/1, N g / D
+             under whole-step ZeRO-2/3, none where they were reduced per layer) or of an owner's updated
+             values broadcast (N w / D, ZeRO-1/2 and whole-step ZeRO-3); none for DDP-style bucketed plans
+    act      per micro-batch: saved activations x n / B / t; with recompute only each block's input
+             (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
+             while it is recomputed; with activations offloaded only one micro-batch stays on the device;
+             mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x N per
+             micro-batch, the recomputed blocks' only while one is recomputed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..cost_models.memory import SYNC_BUCKET_BYTES
+from ..plan import Plan
+from . import experts
+from .pricing_plan import offload_host_bytes
+
+if TYPE_CHECKING:
+    from .pricing import CostModel, Option, StageBase
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    static: float  # weights + grads + optimizer state + buffers
+    act: float  # per in-flight micro-batch
+    work: float
+    offload_act: bool
+    host: float = 0.0  # bytes kept in host memory: offloaded optimizer state and parameter copies
+    host_act: float = 0.0  # host bytes per in-flight micro-batch (offloaded activations)
+    # the flat bucket a gradient reduction or parameter broadcast packs after the schedule, when the
+    # activations are gone: the peak is static + max(activation term, sync)
+    sync: float = 0.0
+
+    def peak(self, inflight: int) -> float:
+        act = (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
+        return self.static + max(act, self.sync)
+
+
+def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True
+                 ) -> StageMemory:
+    """Peak device (and host) bytes of a stage, as the runtime keeps them (module docstring).
+    `layerwise`: the stage is one of `plan.layerwise_stages`, so its ZeRO-2/3 runs per layer; elsewhere
+    the runtime gathers and reduces for the whole step, whose peak is ZeRO-1's."""
+    w, g, o = cm.state.weights, cm.state.grads, cm.state.optimizer
+    N, P = base.params / tp + base.tp_extra, max(base.max_layer_params / tp, base.tp_max_layer)
+    z = opt.zero if dp > 1 else 0
+    per_layer = layerwise and tp == 1 and not base.moe_layers and not (z == 3 and "params" in opt.offload)
+    zm = z if per_layer else min(z, 1)  # what ZeRO does to the peak
+    # offloaded parameters stream per layer where the stage runs layer by layer and the optimizer (which
+    # updates them) is on the host too; otherwise they come back for the whole step
+    streamed = "params" in opt.offload and "optimizer" in opt.offload and tp == 1 and zm <= 2 \
+        and not base.moe_layers
+    whole = base.multi_layer / tp  # tied parameters: never per layer
+    if streamed:
+        static = whole * (w + g)
+    else:
+        static = N * w / (dp if zm == 3 else 1) + N * g / (dp if zm >= 2 else 1)
+        static += whole * (w * (zm == 3) + g * (zm >= 2)) * (1 - 1 / dp) if dp > 1 else 0.0
+    static += 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
+    if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
+        static += experts.zero_bytes(cm, base, opt._replace(zero=zm), dp)
+    if zm == 3:
+        static += 2 * P * w  # the layer in use and the next one, prefetched
+    if zm >= 2:
+        static += P * g  # one layer's gradients in flight to their owners while the backward goes on
+    if streamed:
+        static += P * (w + g)  # the layer in use and its gradient
+    # N' owned parameters, as the optimizer step's `local` in stage_times
+    owned = N / dp + (experts.zero_extra(cm, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
+    host = offload_host_bytes(cm.optimizer, w, N, owned, z, opt.offload)
+    off_act = "activations" in opt.offload
+    act, work = (base.act_recompute, base.act_work) if opt.recompute and base.has_blocks else (base.act, 0.0)
+    cast = cm.state.cast_copy  # autocast keeps a low-precision copy of each weight for the backward
+    if cast:
+        recomputed = base.block_params / tp if opt.recompute and base.has_blocks else 0.0
+        act += cast * (N - recomputed)
+        work += cast * (P if recomputed else 0.0)
+    # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
+    # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
+    sync = 0.0
+    if dp > 1:
+        after = not (per_layer and zm >= 2)
+        red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
+        bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
+        sync = max(red, bcast)
+    return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync)
+
+
+def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
+    """Whether the runtime syncs this plan's gradients DDP-style (runtime/grad_sync.py: gradients are views of
+    the buckets, so the sync packs nothing): one chunk, no ZeRO, tp 1, no parameter or optimizer offload, no
+    experts, and no parameter shared by layers on different stages (whose holders would differ)."""
+    if plan.chunks != 1 or (plan.experts or {}).get("degree", 1) > 1:
+        return False
+    for pipe in plan.pipelines:
+        stage_of = {layer: j for j, st in enumerate(pipe.stages) for layer in range(*st.layers)}
+        if any(len({stage_of[u] for u in us}) > 1 for _, _, us in cm.shared):
+            return False
+        for st in pipe.stages:
+            zero = st.zero and len(plan.pipelines) > 1
+            if zero or len(st.devices) != 1 or {"params", "optimizer"} & set(st.offload):
+                return False
+    return True
