@@ -106,9 +106,8 @@ def main() -> None:
     print("\nMeasured on 2 local gloo processes (small versions)")
     print_table(measured, ["workload", "case", "measured_samples_per_s", "predicted_samples_per_s",
                            "predicted_local_samples_per_s"])
-    for r in measured:
-        if r.get("note") and r["case"] != "bert-small dp2":
-            print(f"  {r['case']}: {r['note']}")
+    for note in dict.fromkeys(r["note"] for r in measured if r.get("note")):
+        print(f"  {note}")
     rows = ([{"workload": "moe", **r} for r in moe] + [{"workload": "gnn", **r} for r in gnn]
             + [{"workload": "edge", **r} for r in edge] + [{"measured": True, **r} for r in measured])
     summary = {

@@ -65,7 +65,8 @@ def clusters(draw: st.DrawFn) -> dict:
         name = draw(st.sampled_from(TYPES))
         dev: str | dict = name
         if draw(st.integers(0, 2)) == 0:  # a board with too little memory for the model, sometimes
-            dev = {"name": f"small-{name}", "based_on": name, "memory_GiB": draw(st.sampled_from([0.00001, 0.0001, 0.0005]))}
+            gib = draw(st.sampled_from([0.00001, 0.0001, 0.0005]))
+            dev = {"name": f"small-{name}", "based_on": name, "memory_GiB": gib}
         groups.append({"device": dev, "devices_per_node": draw(st.sampled_from([1, 2, 4])),
                        "count": draw(st.integers(1, 2))})
     return {"nodes": groups}

@@ -137,7 +137,9 @@ CASES = [
     ({"layers": 2, "batch": 4}, {"dp": 2}, "1x2xT4", "fp16-forced"),  # starts at FP16_FORCED_SCALE
     ({"layers": 2, "batch": 4}, {"pp": 2, "microbatch_size": 2}, "1x2xT4", "fp16"),
     # layer-wise ZeRO-3, and parameters streamed from the host with their loss-scaled gradients there too
-    ({"layers": 2, "batch": 4}, {"dp": 2, "zero": 3, "microbatch_size": 1}, "1x2xA100-80GB", "bf16"),
+    # (one micro-batch per replica: with several, the fp32 sum of bf16-rounded micro-batch gradients runs in
+    # another order than one process's, and Adam turns that last-bit noise into ~1e-5 parameter differences)
+    ({"layers": 2, "batch": 4}, {"dp": 2, "zero": 3}, "1x2xA100-80GB", "bf16"),
     ({"layers": 2, "batch": 4}, {"dp": 2, "offload": ("optimizer", "activations", "params")}, "1x2xT4",
      "fp16-forced"),
 ]

@@ -166,14 +166,19 @@ def test_each_rank_allocates_and_reads_only_its_share(runs: tuple) -> None:
     assert "model.embed_tokens.weight" in by_stage[0] & by_stage[1]
 
 
+def assert_same_state(got: dict, want: dict, who: str) -> None:
+    """The same entries, bit for bit."""
+    assert got.keys() == want.keys(), who
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"{who} {k}")
+
+
 def test_hf_sharded_directory_with_index(runs: tuple) -> None:
     results, sd = runs
     ref_losses, ref_final = reference(llama(), steps=1)
     for rank, res in enumerate(results):
         r = res["hf_dir"]
-        assert r["initial"].keys() == sd.keys()
-        for k, v in sd.items():
-            torch.testing.assert_close(r["initial"][k], v, rtol=0, atol=0, msg=f"rank {rank} {k}")
+        assert_same_state(r["initial"], sd, f"rank {rank}")
         assert_matches_reference(r["losses"], r["final"], ref_losses, ref_final, f"rank {rank}")
 
 
@@ -182,9 +187,7 @@ def test_dcp_checkpoint_loads_into_a_fresh_meta_model(runs: tuple) -> None:
     saved = results[0]["file"]["final"]  # the state prog.save wrote (after STEPS steps, tp=2 x pp=2)
     for rank, res in enumerate(results):
         r = res["dcp"]  # reloaded under tp=2 x dp=2
-        assert r["initial"].keys() == saved.keys()
-        for k, v in saved.items():
-            torch.testing.assert_close(r["initial"][k], v, rtol=0, atol=0, msg=f"rank {rank} {k}")
+        assert_same_state(r["initial"], saved, f"rank {rank}")
         # sharded entries read as DTensors: only this rank's slices
         assert r["created_bytes"] == r["held_bytes"], f"rank {rank}"
         assert r["read_bytes"] == r["param_bytes"], f"rank {rank}"
@@ -201,9 +204,7 @@ def test_meta_model_without_weights_matches_materialize(runs: tuple) -> None:
     ref_losses, ref_final = reference(model)
     for rank, res in enumerate(results):
         r = res["init"]
-        assert r["initial"].keys() == initial.keys()
-        for k, v in initial.items():
-            torch.testing.assert_close(r["initial"][k], v, rtol=0, atol=0, msg=f"rank {rank} {k}")
+        assert_same_state(r["initial"], initial, f"rank {rank}")
         assert_matches_reference(r["losses"], r["final"], ref_losses, ref_final, f"rank {rank}")
 
 

@@ -270,27 +270,27 @@ class ZeroRuntime:
         """Before the schedule: bring offloaded parameters back and gather ZeRO-3 parameters; those gathered
         per layer (`layerwise`, zero_layers.py) stay freed unless `whole` (eval_step's forward)."""
         names = [n for n in self.state if whole or n not in self.layer_resident]
-        with torch.no_grad():
-            for name in names:
-                st = self.state[name]
-                if st.released:
-                    t = _local(self.params[name])
-                    t.untyped_storage().resize_(_nbytes(t))
-                    st.released = False
-                    if st.host is not None:
-                        t.copy_(st.host)
+        for name in names:
+            self._restore(name, from_host=True)
         self._broadcast_from_owners([n for n in names if self.state[n].level == 3])
 
     def stream_in(self, names: list[str]) -> None:
-        """Streamed parameters back on the device from their host values (through `.data`, as `gather`)."""
-        with torch.no_grad():
-            for name in names:
-                st = self.state[name]
-                if st.released:
-                    t = _local(self.params[name])
-                    t.untyped_storage().resize_(_nbytes(t))
-                    t.data.copy_(st.host)
-                    st.released = False
+        """Streamed parameters back on the device from their host values."""
+        for name in names:
+            self._restore(name, from_host=True)
+
+    def _restore(self, name: str, from_host: bool) -> None:
+        """A freed parameter's device storage allocated again and, with `from_host`, refilled from its host
+        copy. Written through `.data`: autograd may hold the tensor for backward, and a refill is no change."""
+        st = self.state[name]
+        if not st.released:
+            return
+        t = _local(self.params[name])
+        t.untyped_storage().resize_(_nbytes(t))
+        st.released = False
+        if from_host and st.host is not None:
+            with torch.no_grad():
+                t.data.copy_(st.host)
 
     def stream_out_grads(self, names: list[str]) -> None:
         """Move streamed parameters' gradients to the host, accumulating over micro-batches."""
@@ -481,12 +481,9 @@ class ZeroRuntime:
         """Write a received bucket into its parameters (freed ZeRO-3 storage is allocated again first).
         Through `.data`: autograd may hold these tensors for backward, and a refill is not a change."""
         ps = [self.params[n] for n in names]
-        for n, p in zip(names, ps, strict=True):
-            st = self.state[n]
-            if st.released and not st.streamed:
-                t = _local(p)
-                t.untyped_storage().resize_(_nbytes(t))
-                st.released = False
+        for n in names:
+            if not self.state[n].streamed:  # a streamed one's value goes to the host copy
+                self._restore(n, from_host=False)
         if len(self.my_group) > 1:
             self._group_broadcast(flat, "parameter broadcast in the tensor-parallel group")
         offset = 0
