@@ -217,6 +217,19 @@ def simulate_stages(schedule: str, chunks: int, batch_share: int, num_microbatch
     )
 
 
+def simulated_step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
+                        times: list[tuple[float, float, float, float, float, float]]) -> float:
+    """`simulate_stages(...).step_time`, memoised: the planner meets the same stage times in many
+    configurations, and keeps only the step time (not the events)."""
+    return _step_time(schedule, chunks, batch_share, num_microbatches, tuple(tuple(t) for t in times))
+
+
+@functools.lru_cache(maxsize=8192)
+def _step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
+               times: tuple[tuple[float, ...], ...]) -> float:
+    return simulate_stages(schedule, chunks, batch_share, num_microbatches, list(times)).step_time  # type: ignore[arg-type]
+
+
 def stage_times(stage: Stage) -> tuple[float, float, float, float, float, float]:
     """The `simulate_stages` times of a stage, from its predictions."""
     p = stage.predicted

@@ -89,7 +89,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..errors import InfeasibleError
-from ..plan import Pipeline, Plan, Stage, even_split, simulate_stages
+from ..plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ..report import fmt_time
 from . import experts
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
@@ -454,7 +454,7 @@ class Search:
                 break
             solved = self._solve(cfg)
             if solved is not None and solved.bound < best_step:
-                step = max(simulate_stages(cfg.schedule, cfg.chunks, share, m, vals).step_time
+                step = max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
                            for share, m, vals in solved.pipelines)
                 if step < best_step:
                     priced = price(self.cm, solved.build())

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..plan import even_split, simulate_stages
+from ..plan import even_split, simulated_step_time
 from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, rank_host, rank_peak, tied_sync
 
 OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
@@ -330,7 +330,7 @@ class Splitter:
         for split in splits:
             if split is None:
                 continue
-            step = simulate_stages(schedule, chunks, share, m, self.values(slots, split, q if r else 0)).step_time
+            step = simulated_step_time(schedule, chunks, share, m, self.values(slots, split, q if r else 0))
             if step < best_step:
                 best, best_step = split, step
         assert best is not None
@@ -362,7 +362,7 @@ class Splitter:
         for bound, _, split, vals in sorted(scored, key=lambda x: x[:2]):
             if bound >= best_step:
                 break
-            step = simulate_stages(schedule, chunks, share, m, vals).step_time
+            step = simulated_step_time(schedule, chunks, share, m, vals)
             if step < best_step:
                 best, best_step = split, step
         if best is not None:
