@@ -115,14 +115,44 @@ def run_eval_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -
     return out
 
 
-def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple[list[float], dict]]:
-    """Worker body: train every case on this process group; return losses and the full final state."""
+def work_of(prog: Program) -> dict:
+    """What this rank was given: its batch slice, its layers, and each parameter it holds with its local
+    shape (a tensor-parallel shard's is smaller than the full one)."""
+    if prog.position is None:
+        return {"batch": (0, 0), "layers": [], "params": {}}
+    pipe = prog.pipeline
+    return {"batch": (pipe.batch_offset, pipe.batch_size),
+            "layers": [tuple(pipe.stages[s].layers) for s in prog.position.stages],
+            "params": {k: tuple(getattr(v, "_local_tensor", v).shape) for k, v in prog.params.items()}}
+
+
+def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple[list[float], dict, dict]]:
+    """Worker body: train every case on this process group; return losses, the full final state and what
+    this rank was given (`work_of`)."""
     out = []
     for name, kwargs, spec in cases:
         case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
-        out.append((losses, prog.state_dict()["model"]))
+        out.append((losses, prog.state_dict()["model"], work_of(prog)))
     return out
+
+
+def assert_work_split(works: list[dict], spec: dict, batch: int, full: dict[str, torch.Tensor]) -> None:
+    """The ranks' shares follow the strategy: dp replicas take disjoint batch slices that tile the batch,
+    pp stages hold different layers (no rank holds every parameter), tp ranks hold shards, not whole matrices."""
+    dp, pp, tp = spec.get("dp", 1), spec.get("pp", 1), spec.get("tp", 1)
+    slices = sorted({w["batch"] for w in works})
+    assert len(slices) == dp and sum(size for _, size in slices) == batch, slices
+    assert [off for off, _ in slices] == [sum(size for _, size in slices[:i]) for i in range(dp)], slices
+    layer_sets = {tuple(w["layers"]) for w in works}
+    assert len(layer_sets) == pp, layer_sets
+    if pp > 1:  # every rank holds a strict part of the parameters the ranks hold together
+        union = set().union(*(w["params"] for w in works))
+        assert all(set(w["params"]) < union for w in works), "a pipeline rank holds every parameter"
+    if tp > 1:
+        for w in works:
+            assert any(shape != tuple(full[k].shape) for k, shape in w["params"].items() if k in full), \
+                "no parameter is sharded on a tensor-parallel rank"
 
 
 def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple]:

@@ -6,7 +6,7 @@ import pytest
 
 from autopar.runtime.launch import spawn_local
 
-from .runtime_cases import assert_matches_reference, build, reference, run_cases, run_sharding_cases
+from .runtime_cases import assert_matches_reference, assert_work_split, build, reference, run_cases, run_sharding_cases
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -48,9 +48,16 @@ def test_parallel_training_matches_single_process(results_4: list, index: int) -
     name, kwargs, _ = CASES_4[index]
     ref_losses, ref_params = reference(name, kwargs)
     for rank, per_rank in enumerate(results_4):
-        losses, params = per_rank[index]
+        losses, params, _ = per_rank[index]
         assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
     assert ref_losses[-1] < ref_losses[0]  # the run trains: the loss falls
+
+
+@pytest.mark.parametrize("index", range(len(CASES_4)), ids=[f"{c[0]}-{c[2]}" for c in CASES_4])
+def test_the_work_is_split_as_the_strategy_says(results_4: list, index: int) -> None:
+    name, kwargs, spec = CASES_4[index]
+    full = build(name, **kwargs).model.state_dict()
+    assert_work_split([r[index][2] for r in results_4], spec, kwargs["batch"], full)
 
 
 # vocabulary-parallel embedding, LM head and cross-entropy (vocab 128 over 2 ranks), tied and untied

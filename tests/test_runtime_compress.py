@@ -48,7 +48,7 @@ def test_compressed_pipeline_trains_like_single_process(results_2: list, index: 
     name, kwargs, spec = CASES_2[index]
     ref_losses, ref_params = reference(name, kwargs)
     compress = spec.get("compress")
-    for rank, (losses, params) in enumerate(r[index] for r in results_2):
+    for rank, (losses, params, _) in enumerate(r[index] for r in results_2):
         if compress is None:
             assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
         else:
