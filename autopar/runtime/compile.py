@@ -124,7 +124,7 @@ def compile(
     meta = is_meta(model)
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
     try:
-        capture(model, capture_inputs, loss_fn, capture_target)
+        graph = capture(model, capture_inputs, loss_fn, capture_target)  # the program reuses it
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a
         # meta model: replicas would need it whole)
@@ -190,6 +190,7 @@ def compile(
         layout_fn=lambda n_layers: layout_from_plan(plan, n_layers),
         kernels=kernels,
         weights=weights,
+        graph=graph,
     )
     d = _dump_dir(dump_dir)
     if d is not None:

@@ -82,7 +82,9 @@ class Program:
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
                  plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  layout_fn: Callable[[int], Layout] | None = None, kernels: str = "auto",
-                 weights: WeightsArg = None) -> None:
+                 weights: WeightsArg = None, graph: TrainingGraph | None = None) -> None:
+        """`graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
+        caller has it (compile does), so the model is not captured again for it."""
         self.plan = plan
         self.kernels = kernels
         self.kernel_reports: dict[tuple[int, int], Any] = {}
@@ -99,7 +101,7 @@ class Program:
         self.device = self._weights.device
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
-        self.graph = capture(model, example_inputs, loss_fn, example_target)
+        self.graph = graph if graph is not None else capture(model, example_inputs, loss_fn, example_target)
         if layout is None:
             assert layout_fn is not None
             layout = layout_fn(len(self.graph.layers))
