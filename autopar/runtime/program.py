@@ -296,7 +296,8 @@ class Program:
             elif self.world_size > 1:  # overlaps the optimizer step
                 loss_work = dist.all_reduce(local_loss, group=dist.group.WORLD, async_op=True)
             # fp16: every rank unscales and all agree whether to step
-            stepping = self.amp.unscale(self.zero.gradient_holders(), self.optimizer, self.world_size)
+            stepping = self.amp.scaler is None or self.amp.unscale(self.zero.gradient_holders(), self.optimizer,
+                                                                   self.world_size)
             if self.position is not None:
                 self.zero.step(self.optimizer if stepping else None)
             if loss_work is not None:

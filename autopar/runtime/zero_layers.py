@@ -91,6 +91,7 @@ class LayerwiseMemory:
         self.names: dict[int, list[str]] = {}
         for n in sorted(self.layer_of):
             self.names.setdefault(self.layer_of[n], []).append(n)
+        self._needed = {layer: set(names) for layer, names in self.names.items()}  # what finishes a layer
         pick = lambda names, ok: [n for n in names if ok(n)]  # noqa: E731
         self.reduced = {lay: pick(ns, lambda n: n in reduced) for lay, ns in self.names.items()}
         self.streamed = {lay: pick(ns, lambda n: n in streamed) for lay, ns in self.names.items()}
@@ -147,7 +148,7 @@ class LayerwiseMemory:
     def _accumulated(self, name: str) -> None:
         layer = self.layer_of[name]
         self._seen.setdefault(layer, set()).add(name)
-        while self._pending and self._seen.get(self._pending[0], set()) >= set(self.names[self._pending[0]]):
+        while self._pending and self._seen.get(self._pending[0], set()) >= self._needed[self._pending[0]]:
             self._finish(self._pending.pop(0))
 
     # ---- actions -----------------------------------------------------------------------------------
