@@ -100,3 +100,33 @@ def test_a_subset_named_by_the_message_can_be_planned_on(cluster: str, batch: in
     subset = eval(msg[start:msg.index("])", start) + 1], {"range": range})  # noqa: S307  (our own message)
     assert 0 < len(subset) < Cluster.load(cluster).world_size
     assert _plan(Cluster.load(cluster).subset(subset), batch) is None
+
+
+def test_a_candidate_that_does_not_fit_when_priced_is_dropped_and_said(monkeypatch) -> None:
+    """Should the search's memory checks ever admit a plan that full pricing rejects, the plan is skipped with
+    a warning, never returned (and never an AssertionError)."""
+    import dataclasses
+    import importlib
+
+    search_mod = importlib.import_module("autopar.solver.search")  # the module (autopar.solver.search is the function)
+
+    real, calls = search_mod.price, []
+
+    def first_does_not_fit(cm, plan):
+        priced = real(cm, plan)
+        calls.append(priced)
+        if len(calls) == 1:
+            return dataclasses.replace(priced, fits=False, problems=["(forced by the test)"])
+        return priced
+
+    monkeypatch.setattr(search_mod, "price", first_does_not_fit)
+    c = autopar.models.gpt(layers=2, hidden=64, seq=16, batch=4, device="meta")
+    with pytest.warns(UserWarning, match="does not fit when priced in full"):
+        try:
+            plan = autopar.plan(c.model, "1x2xA100-80GB", c.example_inputs, c.example_target, c.loss_fn,
+                                time_limit_s=30)
+        except autopar.InfeasibleError:
+            plan = None
+    assert len(calls) >= 1
+    if plan is not None:
+        assert plan.predicted["fits"] and calls[0].plan is not plan
