@@ -111,7 +111,7 @@ def run_eval_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -
         case, prog = compile_case(name, kwargs, spec, rank, world)
         before = prog.eval_step(*case.example_inputs)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
-        out.append((before, losses, prog.eval_step(*case.example_inputs)))
+        out.append((before, losses, prog.eval_step(*case.example_inputs), work_of(prog)))
     return out
 
 
@@ -140,19 +140,23 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> lis
 def assert_work_split(works: list[dict], spec: dict, batch: int, full: dict[str, torch.Tensor]) -> None:
     """The ranks' shares follow the strategy: dp replicas take disjoint batch slices that tile the batch,
     pp stages hold different layers (no rank holds every parameter), tp ranks hold shards, not whole matrices."""
-    dp, pp, tp = spec.get("dp", 1), spec.get("pp", 1), spec.get("tp", 1)
+    custom = spec.get("pipelines")  # explicit replicas (`custom_layout`): each its own stages and tp groups
+    if custom:
+        dp, pp = len(custom), max(len(p["stages"]) for p in custom)
+        tp = max(len(ranks) for p in custom for _, ranks in p["stages"])
+    else:
+        dp, pp, tp = spec.get("dp", 1), spec.get("pp", 1), spec.get("tp", 1)
     slices = sorted({w["batch"] for w in works})
     assert len(slices) == dp and sum(size for _, size in slices) == batch, slices
     assert [off for off, _ in slices] == [sum(size for _, size in slices[:i]) for i in range(dp)], slices
     layer_sets = {tuple(w["layers"]) for w in works}
-    assert len(layer_sets) == pp, layer_sets
-    if pp > 1:  # every rank holds a strict part of the parameters the ranks hold together
+    assert len(layer_sets) >= pp if custom else len(layer_sets) == pp, layer_sets
+    if pp > 1 and not custom:  # every rank holds a strict part of the parameters the ranks hold together
         union = set().union(*(w["params"] for w in works))
         assert all(set(w["params"]) < union for w in works), "a pipeline rank holds every parameter"
     if tp > 1:
-        for w in works:
-            assert any(shape != tuple(full[k].shape) for k, shape in w["params"].items() if k in full), \
-                "no parameter is sharded on a tensor-parallel rank"
+        sharded = [any(shape != tuple(full[k].shape) for k, shape in w["params"].items() if k in full) for w in works]
+        assert any(sharded) if custom else all(sharded), "no parameter is sharded on a tensor-parallel rank"
 
 
 def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple]:

@@ -8,7 +8,7 @@ import torch
 
 from autopar.runtime.launch import spawn_local
 
-from .runtime_cases import reference_eval, run_eval_cases
+from .runtime_cases import assert_work_split, build, reference_eval, run_eval_cases
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -35,7 +35,7 @@ def test_eval_output_matches_eager_model(results_4: list, index: int) -> None:
     name, kwargs, _ = CASES_4[index]
     ref_before, ref_losses, ref_after = reference_eval(name, kwargs)
     assert not torch.allclose(ref_before, ref_after, rtol=RTOL, atol=ATOL)  # training changed the output
-    for rank, (before, losses, after) in enumerate(r[index] for r in results_4):
+    for rank, (before, losses, after, _) in enumerate(r[index] for r in results_4):
         torch.testing.assert_close(before, ref_before, rtol=RTOL, atol=ATOL, msg=f"rank {rank} before training")
         assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {rank} losses"
         torch.testing.assert_close(after, ref_after, rtol=RTOL, atol=ATOL, msg=f"rank {rank} after 3 steps")
@@ -57,6 +57,13 @@ def fallback_eval(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(3):
         prog.step(x, target=y)
     return before, prog.eval_step(x)
+
+
+@pytest.mark.parametrize("index", range(len(CASES_4)), ids=[f"{c[0]}-{c[2]}" for c in CASES_4])
+def test_eval_cases_split_the_work(results_4: list, index: int) -> None:
+    name, kwargs, spec = CASES_4[index]
+    full = build(name, **kwargs).model.state_dict()
+    assert_work_split([r[index][3] for r in results_4], spec, kwargs["batch"], full)
 
 
 def test_replicated_fallback_eval_matches_eager_model() -> None:
