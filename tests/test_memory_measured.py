@@ -1,7 +1,7 @@
 """ZeRO-3 really holds less: on 4 ranks its measured per-rank peak is under half of ZeRO-0's.
 
 Measured at the allocator (runtime/memtrace.py) over building the program plus every training step, on a
-wide MLP whose parameters, gradients and AdamW state (16 bytes per parameter at ZeRO-0) dwarf its
+wide 8-layer MLP whose parameters, gradients and AdamW state (16 bytes per parameter at ZeRO-0) dwarf its
 activations; both runs must train exactly like one process.
 """
 
@@ -19,7 +19,9 @@ from autopar.runtime.memtrace import phase, tensor_bytes, track_memory
 from .runtime_cases import STEPS, assert_matches_reference, build, layout_for, optimizer, reference
 
 WORLD = 4
-MLP = ("mlp", {"batch": 8, "d_in": 256, "hidden": 512, "layers": 4, "d_out": 16})
+# 8 layers: ZeRO-3 keeps a rank's quarter of the state plus the layers in use (one gathered and one prefetched,
+# one layer's gradients in flight), so with only 4 layers that working set alone is half the model
+MLP = ("mlp", {"batch": 8, "d_in": 256, "hidden": 512, "layers": 8, "d_out": 16})
 LEVELS = (0, 3)
 
 
