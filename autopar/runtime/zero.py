@@ -268,7 +268,7 @@ class ZeroRuntime:
     # ---- the step ---------------------------------------------------------------------------------
     def prepare(self, whole: bool = False) -> None:
         """Before the schedule: bring offloaded parameters back and gather ZeRO-3 parameters; those gathered
-        per layer (`layerwise`, zero_layers.py) stay freed unless `whole` (eval_step's forward)."""
+        per layer (`layer_resident`, zero_layers.py) stay freed unless `whole` (eval_step's forward)."""
         names = [n for n in self.state if whole or n not in self.layer_resident]
         for name in names:
             self._restore(name, from_host=True)
@@ -324,7 +324,7 @@ class ZeroRuntime:
         """Sum each parameter's gradient over its holders: all-reduce under ZeRO-0/1, reduce to the owner
         under ZeRO-2/3, as full gradients among group representatives, then broadcast inside the
         receiving tensor-parallel groups and re-sharded. Gradients a rank does not update are dropped.
-        Parameters reduced layer by layer during the backward (`layerwise`) are done already."""
+        Parameters reduced layer by layer during the backward (`layer_reduced`) are done already."""
         self.reduce_gradients([n for n in sorted(self.params) if n not in self.layer_reduced])
 
     def reduce_gradients(self, names: list[str]) -> None:

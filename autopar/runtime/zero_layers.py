@@ -25,7 +25,7 @@ descending layer order, and the gather/free decisions are taken from state all h
 layers are resident), never from ownership. Streaming needs no collective: `streamed_params` takes every
 offloaded parameter read by one layer, at ZeRO level <= 2. Every other parameter keeps the whole-step path
 of zero.py (gathered or brought back at the start of the step, reduced after the schedule), and the
-planner prices that path for it (`solver.pricing_plan.layerwise_zero`).
+planner prices that path for it (`solver/stage_memory.py`, from `plan.layerwise_stages`).
 """
 
 from __future__ import annotations
