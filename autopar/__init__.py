@@ -4,11 +4,11 @@
 # function afterwards shadows it (the submodule stays reachable as `from autopar.plan import ...`).
 from .api import analyze, default_precision, estimate, plan
 from .cluster import Cluster, DeviceSpec, Link
+from .compiler import compile  # noqa: A004 (autopar.compile, as users spell it)
 from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, PlanError
 from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
-from .runtime.compile import compile  # noqa: A004 (autopar.compile, as users spell it)
 from .runtime.weights import materialize
 
 __all__ = [

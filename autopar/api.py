@@ -60,14 +60,18 @@ def resolve_precision(cluster: Cluster, precision: str | None) -> str:
 
 def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
                example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
-               precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto") -> CostModel:
-    """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use)."""
+               precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto", *,
+               captured: TrainingGraph | None = None) -> CostModel:
+    """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use).
+    `captured`: the model's capture at this batch when the caller has it (`autopar.compile` passes its own,
+    so a model is captured once per compile)."""
     check_memory_reserve(memory_reserve)
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    graph = annotate(capture(model, tuple(inputs), loss_fn, example_target), cluster, precision=precision,
-                     kernels=kernels)
+    if captured is None:
+        captured = capture(model, tuple(inputs), loss_fn, example_target)
+    graph = annotate(captured, cluster, precision=precision, kernels=kernels)
     return CostModel(graph, cluster, precision, optimizer, memory_reserve)
 
 
@@ -75,7 +79,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
          example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
          time_limit_s: float = 60, precision: str | None = None, *, memory_reserve: float = 0.1,
          progress: Callable[[int, int, float | None], None] | None = None, kernels: str = "auto",
-         graph_options: dict | None = None) -> Plan:
+         graph_options: dict | None = None, captured: TrainingGraph | None = None) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
@@ -90,7 +94,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     Graph workloads (an integer (2, E) edge_index input and message-passing layers, or a temporal GNN) get
     the graph planner (autopar/graphs): partitioned full-graph training by default, sampled mini-batch data
     parallelism (a different estimator) only with `graph_options={"mode": "sampled_dp", ...}` (batch_size,
-    fanout, seed; see graphs.planner.plan_graph); `plan.graph` set.
+    fanout, seed; see graphs.planner.plan_graph); `plan.graph` set. `captured`: as in `cost_model`.
     """
     from .graphs.planner import graph_kind
 
@@ -104,7 +108,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
                              memory_reserve=memory_reserve, options=graph_options)
     start = time.perf_counter()
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels)
+                    memory_reserve, kernels, captured=captured)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress)
     result.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
@@ -120,17 +124,18 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
 def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy,
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
              optimizer: object = "adamw", precision: str | None = None, *,
-             memory_reserve: float = 0.1, kernels: str = "auto") -> Estimate:
+             memory_reserve: float = 0.1, kernels: str = "auto", captured: TrainingGraph | None = None) -> Estimate:
     """Price a hand-written Strategy with the planner's cost model (Megatron rank order).
 
     A strategy that does not fit is priced anyway: `predicted["fits"]` is False, `predicted["memory_problems"]`
-    says which devices overflow by how much, and `explain()` starts with DOES NOT FIT."""
+    says which devices overflow by how much, and `explain()` starts with DOES NOT FIT. `captured`: as in
+    `cost_model`."""
     if not isinstance(strategy, Strategy):
         raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)), got "
                         f"{type(strategy).__name__}.")
     check_memory_reserve(memory_reserve)
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels)
+                    memory_reserve, kernels, captured=captured)
     est = price_strategy(cm, strategy)
     est.plan.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
     return est

@@ -187,6 +187,19 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise SystemExit(code)
 
 
+def cmd_probe(args: argparse.Namespace) -> None:
+    import os
+
+    from .runtime.run import run
+
+    script = ["-m", "autopar.runtime.probe", "--out", os.path.abspath(args.out), "--iters", str(args.iters)]
+    if args.max_mib is not None:
+        script += ["--max-mib", str(args.max_mib)]
+    code = run(script, args.cluster, node_rank=args.node_rank, master=args.master, dry_run=args.dry_run)
+    if code:
+        raise SystemExit(code)
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from .demo import DEMO_CLUSTER
     from .demo import main as demo_main
@@ -229,6 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(name, **kwargs)
     s.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (or -m module [args...])")
     s.set_defaults(func=cmd_run)
+    s = sub.add_parser("probe", help="measure the cluster's links (collectives, send/recv) on the machines at "
+                       "hand and write them into a cluster file",
+                       description="Measure the cluster's links with torch.distributed (gloo here, NCCL on GPUs), "
+                       "started like `autopar run`: one process per device of the cluster file. Writes the "
+                       "cluster with measured intra-node and network figures to --out.")
+    s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    s.add_argument("--out", required=True, help="cluster file to write (YAML, or JSON for a .json name)")
+    s.add_argument("--max-mib", type=number(low=0, low_open=True), default=None,
+                   help="large message size in MiB (default 64 on GPUs, 4 on CPUs)")
+    s.add_argument("--iters", type=number(integer=True, low=1), default=5, help="timed repetitions per size")
+    for name in ("--node-rank", "--master", "--dry-run"):
+        s.add_argument(name, **RUN_OPTIONS[name])
+    s.set_defaults(func=cmd_probe)
     s = sub.add_parser("demo", help="plan a small GPT for a mixed cluster, train it on local processes, "
                        "check it against single-process training")
     s.add_argument("--cluster", default=None, help="default: 1x2xA100-80GB+1x2xT4")

@@ -3,6 +3,23 @@
 A cluster is loaded from a YAML/JSON file, a dict of the same shape, or a shorthand string
 ("2x8xA100-80GB+1x4xV100-16GB"). Device `i` of the cluster (file order: node groups, then nodes,
 then devices within a node) is rank `i` of every program autopar generates.
+
+Links. Every link mapping is ``{bandwidth_GBps, latency_us, kind, measured}``: one-direction bandwidth per
+device and per-message latency. A catalog or hand-written link holds datasheet figures; the comm model
+(cost_models/comm.py, cost_models/nccl.py) derates them to what NCCL achieves on that kind of link.
+``measured: true`` says the figures are achieved ones (what `autopar probe` writes): bandwidth is the bus
+bandwidth of a ring step (nccl-tests' busbw) and latency the time of one ring step, taken as they are.
+Measured figures may also be given apart from the node groups, in a top-level ``links`` list:
+
+    links:
+      - {kind: NVLink3, bandwidth_GBps: 231, latency_us: 4.1}          # every link of this kind
+      - {nodes: [0, 1], bandwidth_GBps: 22.8, latency_us: 9.5}          # the network between nodes 0 and 1
+      - {nodes: [2, 2], bandwidth_GBps: 19.5, latency_us: 6.0}          # node 2's intra-node link
+
+(node indices are global, in file order; entries here are measured unless they say ``measured: false``).
+A node group's ``nic_GBps`` is the network bandwidth one node's NICs carry in all (one direction); groups
+that cross the network at once share it (default: devices_per_node x the network's per-device figure,
+one NIC share per device, so sharing never bites unless a file says its nodes have fewer NICs).
 """
 
 from __future__ import annotations
@@ -16,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import ALIASES, CATALOG, DEFAULT_NETWORK, EDGE_NETWORK
+from .cluster_links import measured_links
 from .errors import ClusterError, PlanError, close_matches
 from .host_memory import UNIFIED_KINDS, default_host_memory, total_ram
 
@@ -29,13 +47,15 @@ class Link:
     bandwidth: float
     latency: float
     kind: str = ""
+    measured: bool = False  # achieved figures (autopar probe), not a datasheet's
 
     @property
     def bandwidth_GBps(self) -> float:
         return self.bandwidth / 1e9
 
     def to_dict(self) -> dict:
-        return {"bandwidth_GBps": self.bandwidth / 1e9, "latency_us": self.latency * 1e6, "kind": self.kind}
+        d = {"bandwidth_GBps": self.bandwidth / 1e9, "latency_us": self.latency * 1e6, "kind": self.kind}
+        return {**d, "measured": True} if self.measured else d
 
 
 @dataclass(frozen=True, eq=True)
@@ -88,6 +108,7 @@ class Node:
     devices: tuple[int, ...]
     intra_node: Link
     host_memory: int  # bytes of host (CPU) memory the node's devices offload to (host_memory.py)
+    nic_bandwidth: float | None = None  # bytes/s all its NICs carry (one direction); None: a share per device
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,10 @@ class Cluster:
     network: Link
     name: str = "cluster"
     source: dict = field(default_factory=dict, compare=False, repr=False)
+    pair_links: tuple[tuple[tuple[int, int], Link], ...] = ()  # measured links per node pair (a <= b)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pairs", dict(self.pair_links))
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -166,10 +191,19 @@ class Cluster:
         return self.devices[i].node == self.devices[j].node
 
     def link(self, i: int, j: int) -> Link:
-        """The link data takes from device i to device j (intra-node or the network)."""
-        if self.same_node(i, j):
-            return self.nodes[self.devices[i].node].intra_node
-        return self.network
+        """The link data takes from device i to device j (intra-node or the network; a measured node-pair
+        link where the file gives one)."""
+        a, b = self.devices[i].node, self.devices[j].node
+        if self._pairs:  # type: ignore[attr-defined]
+            hit = self._pairs.get((a, b) if a <= b else (b, a))  # type: ignore[attr-defined]
+            if hit is not None:
+                return hit
+        return self.nodes[a].intra_node if a == b else self.network
+
+    def nic_bandwidth(self, node: int) -> float:
+        """Bytes/s one direction all NICs of `node` carry: its `nic_GBps`, else one network share per device."""
+        n = self.nodes[node]
+        return n.nic_bandwidth if n.nic_bandwidth is not None else len(n.devices) * self.network.bandwidth
 
     def subset(self, indices: list[int] | tuple[int, ...], name: str | None = None) -> Cluster:
         """The cluster made of the given devices (re-indexed in the given order)."""
@@ -188,7 +222,7 @@ class Cluster:
             if d.node not in node_map:
                 old = self.nodes[d.node]
                 node_map[d.node] = len(nodes)
-                nodes.append(Node(len(nodes), old.group, (), old.intra_node, old.host_memory))
+                nodes.append(Node(len(nodes), old.group, (), old.intra_node, old.host_memory, old.nic_bandwidth))
             n = node_map[d.node]
             local = len(nodes[n].devices)
             nodes[n] = replace(nodes[n], devices=nodes[n].devices + (new_i,))
@@ -197,12 +231,15 @@ class Cluster:
         prev, key, gid = None, None, -1
         for k, node in enumerate(nodes):
             key = (node.group, len(node.devices), devices[node.devices[0]].spec, node.intra_node,
-                   node.host_memory)
+                   node.host_memory, node.nic_bandwidth)
             if key != prev:
                 gid += 1
             prev = key
             nodes[k] = replace(node, group=gid)
-        return Cluster(tuple(devices), tuple(nodes), self.network, name or f"{self.name}-subset")
+        pairs = tuple(((min(node_map[a], node_map[b]), max(node_map[a], node_map[b])), link)
+                      for (a, b), link in self.pair_links if a in node_map and b in node_map)
+        return Cluster(tuple(devices), tuple(nodes), self.network, name or f"{self.name}-subset",
+                       pair_links=tuple(sorted(pairs, key=lambda e: e[0])))
 
     def to_dict(self) -> dict:
         """A dict that `Cluster.load` turns back into an equal cluster (custom specs inlined)."""
@@ -219,6 +256,8 @@ class Cluster:
             next_index += len(node.devices)
             entry = {"device": spec.to_dict(), "devices_per_node": len(node.devices), "count": 1,
                      "intra_node": node.intra_node.to_dict(), "host_memory_GiB": node.host_memory / GiB}
+            if node.nic_bandwidth is not None:
+                entry["nic_GBps"] = node.nic_bandwidth / 1e9
             last = groups[-1] if groups else None
             if last and node.group == last_group and {k: v for k, v in last.items() if k != "count"} == {
                     k: v for k, v in entry.items() if k != "count"}:
@@ -226,7 +265,10 @@ class Cluster:
             else:
                 groups.append(entry)
             last_group = node.group
-        return {"name": self.name, "nodes": groups, "network": self.network.to_dict()}
+        out = {"name": self.name, "nodes": groups, "network": self.network.to_dict()}
+        if self.pair_links:
+            out["links"] = [{"nodes": list(pair), **link.to_dict()} for pair, link in self.pair_links]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -319,9 +361,9 @@ def _read_file(path: Path) -> dict:
     return data
 
 
-_TOP_KEYS = ("name", "nodes", "network")
-_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node", "host_memory_GiB")
-_LINK_KEYS = ("bandwidth_GBps", "latency_us", "kind")
+_TOP_KEYS = ("name", "nodes", "network", "links")
+_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node", "host_memory_GiB", "nic_GBps")
+_LINK_KEYS = ("bandwidth_GBps", "latency_us", "kind", "measured")
 _DEVICE_KEYS = ("name", "based_on", "tflops_fp32", "tflops_tf32", "tflops_bf16", "tflops_fp16", "memory_GiB",
                 "memory_bandwidth_GBps", "intra_node", "host_link", "kind")
 
@@ -368,8 +410,11 @@ def _link(d: Any, where: str, default: dict | None) -> Link:
     bw = _number(d["bandwidth_GBps"], f"{where}.bandwidth_GBps")
     lat = _number(d.get("latency_us", (default or {}).get("latency_us", 5.0)), f"{where}.latency_us",
                   allow_zero=True)
+    measured = d.get("measured", False)
+    if not isinstance(measured, bool):
+        raise ClusterError(f"{where}.measured must be true or false, got {measured!r}.")
     # Divide, not multiply by 1e-6: then latency_us -> s -> us -> s is exact and to_dict() round-trips.
-    return Link(bw * 1e9, lat / 1e6, str(d.get("kind", "")))
+    return Link(bw * 1e9, lat / 1e6, str(d.get("kind", "")), measured)
 
 
 def resolve_device_name(name: str, where: str = "") -> str:
@@ -479,13 +524,16 @@ def _from_dict(d: dict, where: str) -> Cluster:
                 raise ClusterError(f"{gw}.{key} must be a positive integer, got {val!r}.")
         intra = _link(g.get("intra_node"), f"{gw}.intra_node", spec.intra_node.to_dict())
         host = _host_memory(g, gw, spec, per)
+        nic = None if g.get("nic_GBps") is None else _number(g["nic_GBps"], f"{gw}.nic_GBps") * 1e9
         for _ in range(count):
             idx = tuple(range(len(devices), len(devices) + per))
-            nodes.append(Node(len(nodes), g_i, idx, intra, host))
+            nodes.append(Node(len(nodes), g_i, idx, intra, host, nic))
             devices.extend(Device(i, len(nodes) - 1, k, spec) for k, i in enumerate(idx))
     default_net = EDGE_NETWORK if all(dev.spec.kind == "edge" for dev in devices) else DEFAULT_NETWORK
     network = _link(d.get("network"), f"{where}: network", default_net)
-    return Cluster(tuple(devices), tuple(nodes), network, str(d.get("name") or "cluster"), source=d)
+    nodes, network, pairs = measured_links(d.get("links"), f"{where}: links", nodes, network, _link)
+    return Cluster(tuple(devices), tuple(nodes), network, str(d.get("name") or "cluster"), source=d,
+                   pair_links=pairs)
 
 
 def _host_memory(g: dict, where: str, spec: DeviceSpec, per: int) -> int:

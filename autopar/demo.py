@@ -27,7 +27,7 @@ def _optimizer(params: list) -> torch.optim.Optimizer:
 
 def worker(out_dir: str, cluster: str, steps: int) -> None:
     """Runs on every rank (started by torchrun): compile the saved plan and train."""
-    from autopar.runtime.compile import compile as compile_program
+    from autopar.compiler import compile as compile_program
     from autopar.runtime.elastic import shutdown
 
     case = _case()

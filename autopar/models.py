@@ -200,6 +200,25 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, h))
 
 
+class MatmulAttention(nn.Module):
+    """Megatron-LM's unfused causal attention on a fused QKV projection: matmul, mask, softmax, matmul (what
+    OPT and AMP's GPT-2 run), for tests that compare it with SDPA's `CausalSelfAttention`."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(h // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        return self.proj(torch.matmul(probs, v).transpose(1, 2).reshape(b, t, h))
+
+
 class FeedForward(nn.Module):
     def __init__(self, hidden: int, ffn: int):
         super().__init__()

@@ -238,9 +238,27 @@ def stage_times(stage: Stage) -> tuple[float, float, float, float, float, float]
 
 
 def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
-    """Simulate one step of `pipeline` with the stage times stored in `plan`."""
-    return simulate_stages(plan.schedule, plan.chunks, pipeline.batch_share, pipeline.num_microbatches,
-                           [stage_times(s) for s in pipeline.stages])
+    """Simulate one step of `pipeline` with the stage times stored in `plan`, as the runtime executes it:
+    the lowered action list with its per-layer memory actions (`lowering.priced_schedule`), F/B taking the
+    rest of their priced time. Equals `simulate_stages` (the planner's memoised path, where the memory
+    actions are folded into F/B), because both run on the compute stream and a send waits for them."""
+    from .lowering import priced_schedule
+
+    sched, memory = priced_schedule(plan, pipeline)
+    times = [stage_times(s) for s in pipeline.stages]
+    gather = [s.predicted.get("gather_s", 0.0) for s in pipeline.stages]
+    reduce = [s.predicted.get("reduce_s", 0.0) for s in pipeline.stages]
+    m = pipeline.num_microbatches
+    r = pipeline.batch_share % m  # micro-batches 0..r-1 are the full ones (all when r == 0)
+    full = [r == 0 or i < r for i in range(m)]
+    return simulate(
+        sched,
+        lambda s, i: (times[s][0] if full[i] else times[s][1]) - gather[s],
+        lambda s, i: (times[s][2] if full[i] else times[s][3]) - gather[s] - reduce[s],
+        lambda src, dst: times[min(src, dst)][4],
+        [t[5] for t in times],
+        memory_time=lambda a: memory.get((a.kind, a.stage), 0.0),
+    )
 
 
 def timeline_trace(plan: Plan) -> dict:
@@ -377,6 +395,8 @@ def explain(plan: Plan) -> str:
     lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
                  f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
                  f"gradient sync")
+    lines += sorted({f"tp {s.tp}: {s.predicted['tp_reason']}" for p in plan.pipelines for s in p.stages
+                     if s.predicted.get("tp_reason")})  # which tensor-parallel price, and why (intra_op_pricing)
     if any(s.compress or (wire != "-" and len(p.stages) > 1) for p in plan.pipelines for s in p.stages):
         lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
                      "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "

@@ -9,9 +9,20 @@ Transfer actions are named after the stage that owns them, the stage on the acti
 stage s-1, ``SEND_B(s, m)`` sends stage s's input gradient to stage s-1 and ``RECV_B(s, m)`` receives
 stage s's output gradient from stage s+1. Transfers exist only between stages on different ranks.
 
-Execution model (used by `validate` and by `autopar.simulate`): on each rank F/B run in list order on a
-compute stream and SEND/ALLREDUCE in list order on a comm stream; a RECV completes when its matching
+Memory actions (inserted by `autopar.lowering.memory_actions`, one per layer that has any) name a layer
+too: ``r0:s1GATHER_F3L5`` brings layer 5's parameters in (ZeRO-3 gather, offloaded parameters streamed
+from the host) for the forward of stage 1's micro-batch 3, ``FREE_F`` frees them after it, ``GATHER_B``
+brings them in again for the backward, ``REDUCE`` reduces the layer's gradients to their owner (and
+moves streamed gradients to the host) once its backward ends, ``FREE_B`` frees the layer. A compute
+action's memory actions are listed around it (GATHER_* before, FREE_F / REDUCE / FREE_B after) and run at
+its layer boundaries (runtime/zero_layers.py).
+
+Execution model (used by `validate` and by `autopar.simulate`): on each rank F/B and memory actions run in
+list order on a compute stream (the planner prices gathers and reductions inside the stage's step time,
+not overlapped) and SEND/ALLREDUCE in list order on a comm stream; a RECV completes when its matching
 SEND does (transfers are eager, so a RECV holds no stream); an action waits for its data dependencies.
+A GATHER waits for what its compute action waits for, and a SEND for the last memory action after the
+compute action that produced its data (the runtime sends once the layer's reductions have completed).
 """
 
 from __future__ import annotations
@@ -27,23 +38,30 @@ from typing import Any
 
 from .errors import PlanError
 
-KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE")
+Key = tuple  # (kind, stage, micro-batch), memory actions (kind, stage, micro-batch, layer)
+
+MEMORY_KINDS = ("GATHER_F", "FREE_F", "GATHER_B", "REDUCE", "FREE_B")
+KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE") + MEMORY_KINDS
 COMPUTE_KINDS = frozenset({"F", "B"})
+MEMORY_OF = {"GATHER_F": "F", "FREE_F": "F", "GATHER_B": "B", "REDUCE": "B", "FREE_B": "B"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
-_ACTION_RE = re.compile(r"^(?:r(\d+):)?s(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|F|B)(\d*)$")
+_ACTION_RE = re.compile(r"^(?:r(\d+):)?s(\d+)(GATHER_F|FREE_F|GATHER_B|REDUCE|FREE_B|SEND_F|RECV_F|SEND_B|RECV_B"
+                        r"|ALLREDUCE|F|B)(\d*)(?:L(\d+))?$")
 _HEADER_RE = re.compile(r'^schedule (".*") stages=(\d+) microbatches=(\d+) stage_to_rank=([\d,]*)$')
 _RANK_RE = re.compile(r"^r(\d+):(.*)$")
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of a pipeline schedule; ALLREDUCE (a stage's data-parallel grad sync) has micro-batch -1."""
+    """One step of a pipeline schedule; ALLREDUCE (a stage's data-parallel grad sync) has micro-batch -1;
+    memory actions (MEMORY_KINDS) name a layer, every other kind has layer -1."""
 
     rank: int
     kind: str
     stage: int
     microbatch: int = -1
+    layer: int = -1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -53,11 +71,15 @@ class Action:
                 f"action kind {self.kind} with micro-batch {self.microbatch}: ALLREDUCE takes micro-batch -1,"
                 " every other kind a micro-batch >= 0"
             )
+        if (self.kind in MEMORY_OF) != (self.layer >= 0):
+            raise PlanError(f"action kind {self.kind} with layer {self.layer}: memory actions "
+                            f"({', '.join(MEMORY_KINDS)}) name a layer >= 0, other kinds none")
 
     def compact(self) -> str:
         """The string form without the rank prefix, as written inside a schedule line."""
         mb = "" if self.kind == "ALLREDUCE" else str(self.microbatch)
-        return f"s{self.stage}{self.kind}{mb}"
+        layer = f"L{self.layer}" if self.layer >= 0 else ""
+        return f"s{self.stage}{self.kind}{mb}{layer}"
 
     def __str__(self) -> str:
         return f"r{self.rank}:{self.compact()}"
@@ -67,19 +89,22 @@ class Action:
         """Parse ``r0:s1F3``; the compact ``s1F3`` form needs `rank`."""
         m = _ACTION_RE.match(text.strip())
         if m is None:
-            raise PlanError(f"cannot parse action {text!r}; expected e.g. 'r0:s1F3' or 'r0:s0ALLREDUCE'")
-        r, stage, kind, mb = m.groups()
+            raise PlanError(f"cannot parse action {text!r}; expected e.g. 'r0:s1F3', 'r0:s0ALLREDUCE' or "
+                            f"'r0:s1GATHER_F3L5'")
+        r, stage, kind, mb, layer = m.groups()
         if r is None:
             if rank is None:
                 raise PlanError(f"action {text!r} has no rank prefix ('r<rank>:') and no rank was given")
             r = rank
         if (kind == "ALLREDUCE") == (mb != ""):
             raise PlanError(f"cannot parse action {text!r}: ALLREDUCE takes no micro-batch, others need one")
-        return cls(int(r), kind, int(stage), int(mb) if mb else -1)
+        return cls(int(r), kind, int(stage), int(mb) if mb else -1, int(layer) if layer else -1)
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        """Identity within a schedule: the rank is implied by the stage."""
+    def key(self) -> Key:
+        """Identity within a schedule: the rank is implied by the stage (memory actions add their layer)."""
+        if self.layer >= 0:
+            return (self.kind, self.stage, self.microbatch, self.layer)
         return (self.kind, self.stage, self.microbatch)
 
 
@@ -261,22 +286,26 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int 
 
 # ----------------------------------------------------------------------------------------------- execution
 
-Key = tuple[str, int, int]
-
 
 @dataclass
 class Compiled:
-    """A schedule lowered to per-(rank, stream) FIFO queues of (action, dependency keys)."""
+    """A schedule lowered to per-(rank, stream) FIFO queues of (action, its key, dependency keys)."""
 
-    queues: list[tuple[int, str, list[tuple[Action, tuple[Key, ...]]]]]
+    queues: list[tuple[int, str, list[tuple[Action, Key, tuple[Key, ...]]]]]
     recv_of_send: dict[Key, Action]  # SEND key -> the RECV action it completes
     stage_to_rank: tuple[int, ...]
 
 
 def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_microbatches: int
                  ) -> tuple[Key, ...]:
-    """Keys of the actions `a` waits for (besides its stream predecessor)."""
+    """Keys of the actions `a` waits for (besides its stream predecessor), before `compile_schedule`
+    moves a dependency on a compute action to the last memory action listed after it."""
     s, m, kind = a.stage, a.microbatch, a.kind
+    if kind in MEMORY_OF:
+        own = MEMORY_OF[kind]
+        if kind.startswith("GATHER"):  # runs at the start of its compute action: waits for its inputs
+            return dependencies(Action(a.rank, own, s, m), stage_to_rank, num_stages, num_microbatches)
+        return ((own, s, m),)
     if kind == "F":
         if s == 0:
             return ()
@@ -302,6 +331,11 @@ def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Comp
     s2r, ns, nm = schedule.stage_to_rank, schedule.num_stages, schedule.num_microbatches
     queues = []
     recv_of_send: dict[Key, Action] = {}
+    end_of: dict[Key, Key] = {}  # compute action -> the last memory action listed after it
+    for acts in schedule.actions.values():
+        for a in acts:
+            if a.kind in MEMORY_OF and not a.kind.startswith("GATHER"):
+                end_of[(MEMORY_OF[a.kind], a.stage, a.microbatch)] = a.key
     for r, acts in schedule.actions.items():
         compute, comm = [], []
         for a in acts:
@@ -311,10 +345,13 @@ def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Comp
                               else ("SEND_B", a.stage + 1, a.microbatch))] = a
                 continue
             deps = dependencies(a, s2r, ns, nm)
-            if kind == "F" or kind == "B" or (kind == "ALLREDUCE" and not overlap_allreduce):
-                compute.append((a, deps))
+            if end_of and not (kind in MEMORY_OF and not kind.startswith("GATHER")):
+                deps = tuple(end_of.get(d, d) for d in deps)
+            entry = (a, a.key, deps)
+            if kind in COMPUTE_KINDS or kind in MEMORY_OF or (kind == "ALLREDUCE" and not overlap_allreduce):
+                compute.append(entry)
             else:
-                comm.append((a, deps))
+                comm.append(entry)
         queues.append((r, "compute", compute))
         queues.append((r, "comm", comm))
     return Compiled(queues, recv_of_send, s2r)
@@ -353,7 +390,7 @@ def execute(compiled: Compiled, duration: Callable[[Action], float],
         i, t = ptr[q], free[q]
         n = len(ops)
         while i < n:
-            a, deps = ops[i]
+            a, key, deps = ops[i]
             start = t
             missing = None
             for d in deps:
@@ -367,7 +404,6 @@ def execute(compiled: Compiled, duration: Callable[[Action], float],
                 waiters.setdefault(missing, []).append(q)
                 break
             end = start + duration(a)
-            key = (a.kind, a.stage, a.microbatch)
             done[key] = end
             if on_event is not None:
                 on_event(a, queues[q][1], start, end)
@@ -389,7 +425,7 @@ def execute(compiled: Compiled, duration: Callable[[Action], float],
     stuck = [(queues[q][0], queues[q][2][ptr[q]]) for q in range(len(queues)) if ptr[q] < len(queues[q][2])]
     if stuck:
         parts = []
-        for _, (a, deps) in stuck[:8]:
+        for _, (a, _key, deps) in stuck[:8]:
             waits = [d for d in deps if d not in done]
             names = [f"r{compiled.stage_to_rank[d[1]]}:{_fmt_key(d)}" for d in waits[:3]]
             parts.append(f"{a} waits for {', '.join(names)}")
@@ -398,7 +434,9 @@ def execute(compiled: Compiled, duration: Callable[[Action], float],
 
 
 def _fmt_key(k: Key) -> str:
-    kind, s, m = k
+    kind, s, m = k[:3]
+    if len(k) > 3:
+        return f"s{s}{kind}{m}L{k[3]}"
     return f"s{s}{kind}" if kind == "ALLREDUCE" else f"s{s}{kind}{m}"
 
 
@@ -442,8 +480,18 @@ def validate(schedule: Schedule) -> None:
             r = pos[then][0]
             raise PlanError(f"action r{r}:{_fmt_key(then)} is scheduled before {what} r{r}:{_fmt_key(first)}")
 
-    for (kind, s, m), (r, _) in pos.items():
-        a = f"r{r}:{_fmt_key((kind, s, m))}"
+    for key, (r, _) in pos.items():
+        kind, s, m = key[:3]
+        a = f"r{r}:{_fmt_key(key)}"
+        if kind in MEMORY_OF:
+            own = (MEMORY_OF[kind], s, m)
+            if own not in pos or pos[own][0] != r:
+                raise PlanError(f"memory action {a} has no compute action r{r}:{_fmt_key(own)} on its rank")
+            if kind.startswith("GATHER"):
+                before(key, own, "its memory action")
+            else:
+                before(own, key, "its compute action")
+            continue
         if kind in ("SEND_F", "RECV_B"):
             if s == S - 1 or s2r[s + 1] == r:
                 raise PlanError(f"action {a} has no peer: stage {s + 1} is not on another rank")
@@ -501,7 +549,7 @@ def compute_actions(schedule: Schedule, rank: int) -> list[Action]:
 
 
 __all__ = [
-    "Action", "Schedule", "KINDS", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "Action", "Schedule", "KINDS", "MEMORY_KINDS", "MEMORY_OF", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b",
     "make_schedule", "validate", "peak_inflight", "compute_actions", "no_gc",
     "Compiled", "compile_schedule", "execute", "dependencies",
 ]

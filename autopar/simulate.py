@@ -5,7 +5,9 @@ on a compute stream, SENDs and (overlapped) ALLREDUCEs in list order on a comm s
 the p2p time on the sender's comm stream and its RECV completes when it does. Streams are FIFOs, so
 every action starts at max(end of its stream predecessor, end of its dependencies):
 F(s, m) needs F(s-1, m) (same rank) or RECV_F(s, m); B(s, m) needs F(s, m) and B(s+1, m) or
-RECV_B(s, m); ALLREDUCE(s) needs every B(s, *).
+RECV_B(s, m); ALLREDUCE(s) needs every B(s, *). Memory actions (GATHER_F, FREE_F, GATHER_B, REDUCE,
+FREE_B: ZeRO gathers and reductions, streamed offload, per layer) run on the compute stream around their
+F/B and take `memory_time(action)`; a send waits for the memory actions after the F/B it sends from.
 """
 
 from __future__ import annotations
@@ -78,12 +80,14 @@ def simulate(
     p2p_time: P2PTime = 0.0,
     allreduce_time: Sequence[float] | float = 0.0,
     overlap_allreduce: bool = True,
+    memory_time: Callable[[Action], float] | float = 0.0,
 ) -> SimResult:
     """Simulate one step of `schedule`.
 
     fwd_time/bwd_time: f(stage, microbatch) -> seconds, a per-stage list, or one number for all.
     p2p_time: seconds per transfer, or f(src_stage, dst_stage). allreduce_time: per-stage list or number.
     overlap_allreduce: ALLREDUCE on the comm stream (overlapping later compute) instead of the compute stream.
+    memory_time: seconds of a memory action (f(action) or one number); F/B times exclude them.
     Raises PlanError if the schedule deadlocks.
     """
     S = schedule.num_stages
@@ -101,6 +105,7 @@ def simulate(
         if len(ar) != S:
             raise PlanError(f"allreduce_time has {len(ar)} entries for {S} stages; give one time per stage")
 
+    memory = memory_time if callable(memory_time) else (lambda a, t=float(memory_time): t)
     # Transfer times depend only on the stage pair, so they are looked up once per pair.
     send_f = [p2p(s, s + 1) for s in range(S - 1)]
     send_b = [0.0] + [p2p(s, s - 1) for s in range(1, S)]
@@ -115,7 +120,9 @@ def simulate(
             return send_f[a.stage]
         if k == "SEND_B":
             return send_b[a.stage]
-        return ar[a.stage]
+        if k == "ALLREDUCE":
+            return ar[a.stage]
+        return memory(a)
 
     events: list[Event] = []
     busy = dict.fromkeys(schedule.actions, 0.0)
@@ -128,6 +135,9 @@ def simulate(
             append((a.rank, stream, f"{k} s{a.stage} mb{a.microbatch}", start, end))
         elif k == "ALLREDUCE":
             append((a.rank, stream, f"ALLREDUCE s{a.stage}", start, end))
+        elif a.layer >= 0:
+            busy[a.rank] += end - start
+            append((a.rank, stream, f"{k} s{a.stage} mb{a.microbatch} layer{a.layer}", start, end))
         else:
             append((a.rank, stream, f"{k} s{a.stage} mb{a.microbatch}", start, end))
 

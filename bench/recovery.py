@@ -1,7 +1,7 @@
 """Recovery from a lost device: time from a killed rank to training resumed, and steps lost.
 
 Each scenario runs what `autopar run --cluster 1x4xcpu --max-restarts 1 recovery.py --worker ...` runs: 4
-local gloo processes under torchrun's elastic agent train a small GPT with `autopar.runtime.elastic.train`,
+local gloo processes under torchrun's elastic agent train a small GPT with `autopar.compiler.train`,
 checkpointing every `every` steps. Device 3 records itself lost and exits (os._exit(1)) right after step
 `die_after` on the first attempt; the agent stops the others and restarts the group, the worker of device 3
 stands down and the other three re-plan, load the newest checkpoint (resharding it) and continue.
@@ -41,16 +41,16 @@ SCENARIOS = [(1, 3), (2, 3), (4, 3)]
 def _worker(root: str, every: int, die_after: int) -> int:
     import torch
 
-    from autopar import models
+    from autopar import compiler, models
     from autopar.runtime import elastic
 
-    def on_step(info: elastic.StepInfo) -> None:
+    def on_step(info: compiler.StepInfo) -> None:
         if info.attempt == 0 and info.device == DYING_DEVICE and info.step == die_after:
             elastic.mark_lost(info.checkpoint_dir, info.device, "bench: emulated device failure")
             Path(root, "kill.json").write_text(json.dumps({"t_kill": time.time(), "step": info.step}))
             os._exit(1)
 
-    res = elastic.train(lambda: models.gpt(**GPT, seed=0), CLUSTER, STEPS, root, every=every,
+    res = compiler.train(lambda: models.gpt(**GPT, seed=0), CLUSTER, STEPS, root, every=every,
                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), on_step=on_step, keep=2,
                         timeout_s=60)
     if res is not None and res.program.rank == 0:

@@ -30,11 +30,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autopar
 from autopar import models
+from autopar.cluster import Cluster
+from autopar.compiler import compile as compile_program
 from autopar.cost_models.memory import state_bytes_per_param
-from autopar.plan import Plan
-from autopar.runtime.compile import compile as compile_program
+from autopar.plan import Plan, Strategy, plan_from_strategy
 from autopar.runtime.launch import spawn_local
-from autopar.runtime.layout import Layout, megatron_layout
 from autopar.runtime.memtrace import phase, track_memory
 from autopar.runtime.program import Program
 
@@ -64,9 +64,14 @@ def graph_shape(case: models.ModelCase) -> tuple[int, int, list[str]]:
     return len(kinds), kinds.count("block"), kinds
 
 
-def make_layout(case: models.ModelCase, dp: int, pp: int, m: int, schedule: str = "1f1b") -> Layout:
+def make_plan(case: models.ModelCase, dp: int, pp: int, m: int, schedule: str = "1f1b") -> Plan:
+    """The Plan of a Megatron-order dp x pp strategy with m micro-batches per replica (what the program lowers)."""
     n_layers, n_blocks, _ = graph_shape(case)
-    return megatron_layout(dp, 1, pp, CFG["batch"], n_layers, n_blocks, m, schedule)
+    world = dp * pp
+    strategy = Strategy(dp=dp, pp=pp, microbatch_size=CFG["batch"] // dp // m, schedule=schedule)
+    return plan_from_strategy(strategy, world_size=world, global_batch=CFG["batch"], num_layers=n_layers,
+                              first_block=1, num_blocks=n_blocks, precision="fp32", optimizer="adamw",
+                              cluster=Cluster.load(f"1x{world}xcpu").to_dict(), model={"num_layers": n_layers})
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -101,7 +106,7 @@ def alternate(contenders: dict[str, Callable[[], Any]], reps: int, world: int) -
 def data_parallel(rank: int, world: int) -> dict[str, list[float]]:
     case = build()
     x, y = case.example_inputs[0], case.example_target
-    prog = Program(case.model, make_layout(case, dp=world, pp=1, m=1), case.example_inputs, y, case.loss_fn,
+    prog = Program(case.model, make_plan(case, dp=world, pp=1, m=1), case.example_inputs, y, case.loss_fn,
                    adamw, rank, world)
     ref = build()
     ddp = DistributedDataParallel(ref.model)
@@ -154,11 +159,11 @@ class Back(nn.Module):
 def pipeline(rank: int, world: int, schedule: str) -> dict[str, Any]:
     case = build()
     x, y = case.example_inputs[0], case.example_target
-    layout = make_layout(case, dp=1, pp=world, m=MICROBATCHES, schedule=schedule)
-    prog = Program(case.model, layout, case.example_inputs, y, case.loss_fn, adamw, rank, world)
+    plan = make_plan(case, dp=1, pp=world, m=MICROBATCHES, schedule=schedule)
+    prog = Program(case.model, plan, case.example_inputs, y, case.loss_fn, adamw, rank, world)
     _, _, kinds = graph_shape(case)
-    # the same split as autopar's layout: stage 0 holds the blocks inside its layer range
-    first = layout.pipelines[0].stages[0].layers
+    # the same split as autopar's plan: stage 0 holds the blocks inside its layer range
+    first = plan.pipelines[0].stages[0].layers
     front_blocks = kinds[first[0]:first[1]].count("block")
     ref = build()
     module = Front(ref.model, front_blocks) if rank == 0 else Back(ref.model, front_blocks)
@@ -176,7 +181,7 @@ def pipeline(rank: int, world: int, schedule: str) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
 
     times = alternate({"autopar": lambda: prog.step(x, target=y), "torch": torch_step}, REPS, world)
-    split = [kinds[a:e].count("block") for a, e in (st.layers for st in layout.pipelines[0].stages)]
+    split = [kinds[a:e].count("block") for a, e in (st.layers for st in plan.pipelines[0].stages)]
     return {"times": times, "split": split}
 
 
@@ -186,7 +191,7 @@ def pipeline(rank: int, world: int, schedule: str) -> dict[str, Any]:
 def one_rank() -> dict[str, list[float]]:
     case = build()
     x, y = case.example_inputs[0], case.example_target
-    prog = Program(case.model, make_layout(case, dp=1, pp=1, m=1), case.example_inputs, y, case.loss_fn,
+    prog = Program(case.model, make_plan(case, dp=1, pp=1, m=1), case.example_inputs, y, case.loss_fn,
                    adamw, 0, 1)
     ref = build()
     opt = adamw(list(ref.model.parameters()))

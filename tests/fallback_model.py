@@ -27,7 +27,7 @@ def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 def train(rank: int, world: int, cluster: str) -> tuple[list[float], dict]:
     import warnings
 
-    from autopar.runtime.compile import compile
+    from autopar.compiler import compile
 
     model, x, y = build()
     with warnings.catch_warnings(record=True) as caught:

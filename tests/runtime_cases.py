@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from autopar import models
-from autopar.runtime.layout import Layout, PipelineLayout, StageLayout, make_layout, megatron_layout
+from autopar.cluster import Cluster
+from autopar.lowering import Layout, layout_of
+from autopar.plan import Pipeline, Plan, Stage, Strategy, plan_from_strategy
 from autopar.runtime.program import Program
 
 STEPS = 3
@@ -41,40 +43,65 @@ def reference(name: str, kwargs: dict, steps: int = STEPS) -> tuple[list[float],
     return models.train_reference(build(name, **kwargs), optimizer, steps)
 
 
-def layout_for(case: models.ModelCase, graph_layers: int, blocks: int, world: int, spec: dict) -> Layout:
-    batch = case.example_inputs[0].shape[0]
-    if "pipelines" in spec:  # explicit replicas: [{"batch": n, "m": k, "stages": [(blocks, ranks), ...]}]
-        return custom_layout(spec["pipelines"], world, batch, graph_layers, spec.get("compress"))
-    lay = megatron_layout(spec.get("dp", 1), spec.get("tp", 1), spec.get("pp", 1), batch, graph_layers,
-                          blocks, spec.get("m", 1), spec.get("schedule", "1f1b"),
-                          layer_split=spec.get("layer_split"), batch_split=spec.get("batch_split"),
-                          zero=spec.get("zero", 0),
-                          recompute=spec.get("recompute", False), chunks=spec.get("chunks", 1))
-    if spec.get("offload"):  # CPU offload kinds for every stage
-        pipes = [replace(p, stages=tuple(replace(st, offload=tuple(spec["offload"])) for st in p.stages))
-                 for p in lay.pipelines]
-        lay = make_layout(pipes, lay.world_size, lay.global_batch, graph_layers)
-    if spec.get("compress"):  # compressed stage sends on every stage boundary
-        pipes = [replace(p, stages=tuple(replace(st, compress=spec["compress"]) for st in p.stages))
-                 for p in lay.pipelines]
-        lay = make_layout(pipes, lay.world_size, lay.global_batch, graph_layers)
-    return lay
+def plan_for(graph: Any, world: int, spec: dict) -> Plan:
+    """The Plan a test spec describes, as `autopar.plan` would write it (no predictions): Megatron rank order
+    from `plan_from_strategy` (dp, tp, pp, layer_split, batch_split, zero, recompute, chunks, offload,
+    compress; "m": micro-batches per replica, at most its share, sizes as even as possible), or explicit
+    replicas (`"pipelines": [{"batch": n, "m": k, "stages": [(blocks, ranks), ...]}]`: the first stage also
+    takes the layers before the blocks, the last those after); "ep": expert-parallel degree, "sharding": an
+    ILP-style `Stage.sharding` on every stage. The program then lowers it (`autopar.lowering.lower`)."""
+    batch = graph.batch_size
+    n_layers = len(graph.layers)
+    blocks = sum(1 for layer in graph.layers if layer.kind == "block")
+    fields = dict(precision="fp32", optimizer="adamw", cluster=Cluster.load(f"1x{world}xcpu").to_dict(),
+                  model={"num_layers": n_layers})
+    if "pipelines" in spec:
+        pipes = []
+        for p in spec["pipelines"]:
+            stages, start = [], 0
+            for k, (n_blocks, ranks) in enumerate(p["stages"]):
+                end = n_layers if k == len(p["stages"]) - 1 else (1 if k == 0 else start) + n_blocks
+                stages.append(Stage([start, end], list(ranks), compress=spec.get("compress")
+                                    if k + 1 < len(p["stages"]) else None))
+                start = end
+            m = p.get("m", 1)
+            pipes.append(Pipeline(p["batch"], -(-p["batch"] // m), m, stages))
+        plan = Plan(global_batch=batch, schedule=spec["pipelines"][0].get("schedule", "1f1b"), chunks=1,
+                    pipelines=pipes, **fields)
+    else:
+        schedule = spec.get("schedule", "1f1b")
+        strategy = Strategy(dp=spec.get("dp", 1), tp=spec.get("tp", 1), pp=spec.get("pp", 1), schedule=schedule,
+                            zero=spec.get("zero", 0), recompute=spec.get("recompute", False),
+                            layer_split=spec.get("layer_split"), batch_split=spec.get("batch_split"),
+                            chunks=spec.get("chunks") if schedule == "interleaved_1f1b" else None,
+                            offload=tuple(spec.get("offload", ())), compress=spec.get("compress"))
+        strategy.microbatch_size = 1
+        plan = plan_from_strategy(strategy, world_size=world, global_batch=batch, num_layers=n_layers,
+                                  first_block=1, num_blocks=blocks, **fields)
+        for p in plan.pipelines:
+            p.num_microbatches = min(spec.get("m", 1), p.batch_share)
+            p.microbatch_size = -(-p.batch_share // p.num_microbatches)
+    for p in plan.pipelines:
+        for st in p.stages:
+            st.zero = spec.get("zero", st.zero)
+            st.recompute = spec.get("recompute", st.recompute)
+            if "sharding" in spec:
+                st.sharding = dict(spec["sharding"])
+    if spec.get("ep", 1) > 1:
+        plan.experts = {"degree": spec["ep"]}
+    return plan
 
 
-def custom_layout(pipes: list[dict], world: int, batch: int, graph_layers: int,
-                  compress: str | None = None) -> Layout:
-    """Replicas with their own batch share, micro-batch count and stages (blocks per stage, tensor-parallel
-    ranks); the first stage also takes the pre layer, the last the post layers."""
-    out, offset = [], 0
-    for i, p in enumerate(pipes):
-        stages, start = [], 0
-        for k, (n_blocks, ranks) in enumerate(p["stages"]):
-            end = graph_layers if k == len(p["stages"]) - 1 else (1 if k == 0 else start) + n_blocks
-            stages.append(StageLayout((start, end), tuple(ranks), compress=compress))
-            start = end
-        out.append(PipelineLayout(i, tuple(stages), offset, p["batch"], p.get("m", 1), p.get("schedule", "1f1b")))
-        offset += p["batch"]
-    return make_layout(out, world, batch, graph_layers)
+def chain(batch: int, blocks: int) -> Any:
+    """The shape `plan_for` reads of a graph, for layout-only tests: a batch and a layer chain of one layer
+    before `blocks` repeated blocks and one after."""
+    kinds = ["pre"] + ["block"] * blocks + ["post"]
+    return SimpleNamespace(batch_size=batch, layers=[SimpleNamespace(kind=k) for k in kinds])
+
+
+def layout_for(graph: Any, world: int, spec: dict) -> Layout:
+    """The rank-level layout the lowering derives from `plan_for`'s plan."""
+    return layout_of(plan_for(graph, world, spec), len(graph.layers))
 
 
 def model_output(case: models.ModelCase, *inputs: Any) -> torch.Tensor:
@@ -97,10 +124,8 @@ def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> 
 
     case = build(name, **kwargs)
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    blocks = sum(1 for layer in g.layers if layer.kind == "block")
-    lay = layout_for(case, len(g.layers), blocks, world, spec)
-    prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                   rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"))
+    prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
+                   case.loss_fn, optimizer, rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"), graph=g)
     return case, prog
 
 
@@ -140,7 +165,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> lis
 def assert_work_split(works: list[dict], spec: dict, batch: int, full: dict[str, torch.Tensor]) -> None:
     """The ranks' shares follow the strategy: dp replicas take disjoint batch slices that tile the batch,
     pp stages hold different layers (no rank holds every parameter), tp ranks hold shards, not whole matrices."""
-    custom = spec.get("pipelines")  # explicit replicas (`custom_layout`): each its own stages and tp groups
+    custom = spec.get("pipelines")  # explicit replicas (`plan_for`): each its own stages and tp groups
     if custom:
         dp, pp = len(custom), max(len(p["stages"]) for p in custom)
         tp = max(len(ranks) for p in custom for _, ranks in p["stages"])
@@ -186,3 +211,17 @@ def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]
         replicated = sorted(prog.tp.replicated) if prog.tp else []
         out.append((losses, prog.state_dict()["model"], shapes, replicated, counted[0]))
     return out
+
+
+def train_observing(prog: Program, case: models.ModelCase, run_node: Any) -> list[float]:
+    """STEPS steps of `prog`, the first with `run_node` in place of the tensor-parallel interpreter's (to
+    record the placements each node runs with); the interpreter is restored whatever happens."""
+    from autopar.runtime import tensor_parallel
+
+    original = tensor_parallel._TPInterpreter.run_node
+    tensor_parallel._TPInterpreter.run_node = run_node
+    try:
+        losses = [prog.step(*case.example_inputs, target=case.example_target)]
+    finally:
+        tensor_parallel._TPInterpreter.run_node = original
+    return losses + [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS - 1)]

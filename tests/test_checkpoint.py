@@ -15,12 +15,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from autopar import models
+from autopar.passes.capture import capture
 from autopar.runtime import checkpoint
 from autopar.runtime.checkpoint import CheckpointError, load_into_model
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 
-from .runtime_cases import build, layout_for, optimizer, reference
+from .runtime_cases import assert_work_split, build, optimizer, plan_for, reference, work_of
 
 RTOL, ATOL = 1e-4, 1e-5
 SAVED_AT = 2
@@ -46,10 +47,8 @@ def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> tupl
 
     case = build(name, **kwargs)
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    blocks = sum(1 for layer in g.layers if layer.kind == "block")
-    lay = layout_for(case, len(g.layers), blocks, world, spec)
-    return Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer, rank,
-                   world, timeout_s=60), case
+    return Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
+                   case.loss_fn, optimizer, rank, world, timeout_s=60, graph=g), case
 
 
 def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -61,7 +60,7 @@ def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
         path = Path(root) / cid
         prog.save(str(path))
         saved = prog.state_dict()
-        out[cid] = {"losses": losses, "saved": saved["model"], "reloads": []}
+        out[cid] = {"losses": losses, "saved": saved["model"], "reloads": [], "work": work_of(prog)}
         for other in reloads:
             new, case = _program(name, kwargs, other, rank, world)
             new.load(str(path))
@@ -70,7 +69,7 @@ def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
             out[cid]["reloads"].append({"step_count": again["step"], "model": again["model"],
                                         "optimizer": again["optimizer"],
                                         "saved_optimizer": saved["optimizer"], "loss": loss,
-                                        "final": new.state_dict()["model"]})
+                                        "final": new.state_dict()["model"], "work": work_of(new)})
     return out
 
 
@@ -109,9 +108,13 @@ def _close(got: dict, ref: dict, what: str) -> None:
 @pytest.mark.parametrize("cid", list(CASES))
 def test_reload_under_other_plans_continues_exactly(saved: tuple, cid: str) -> None:
     _, four, two = saved
-    name, kwargs, _, reloads, _ = CASES[cid]
+    name, kwargs, spec, reloads, _ = CASES[cid]
     ref_losses, ref_final = reference(name, kwargs, steps=SAVED_AT + 1)
     _, ref_saved = reference(name, kwargs, steps=SAVED_AT)
+    # the saving plan and every reloading plan split the work as they say (batch slices, layers, shards)
+    assert_work_split([res[cid]["work"] for res in four], spec, kwargs["batch"], ref_saved)
+    for i, other in enumerate(reloads):
+        assert_work_split([res[cid]["reloads"][i]["work"] for res in four], other, kwargs["batch"], ref_saved)
     for rank, res in enumerate(four):
         r = res[cid]
         assert r["losses"] == pytest.approx(ref_losses[:SAVED_AT], rel=RTOL, abs=ATOL)
@@ -216,9 +219,8 @@ def test_buffers_and_unused_parameters_are_saved(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, x, y = _WithBuffer(), torch.randn(4, 8), torch.randn(4, 8)
     loss_fn = torch.nn.functional.mse_loss
-    case = models.ModelCase(model, (x,), loss_fn, y, "buf")
-    prog = Program(model, None, (x,), y, loss_fn, optimizer, 0, 1,
-                   layout_fn=lambda n: layout_for(case, n, 0, 1, {}))
+    g = capture(model, (x,), loss_fn, y)
+    prog = Program(model, plan_for(g, 1, {}), (x,), y, loss_fn, optimizer, 0, 1, graph=g)
     prog.step(x, target=y)
     prog.save(str(tmp_path / "c"))
     torch.manual_seed(1)

@@ -1,5 +1,7 @@
-"""Communication cost model: hand-computed alpha-beta cases on small clusters.
+"""Communication cost model, gloo regime: hand-computed alpha-beta cases on small clusters.
 
+The clusters are gloo stand-ins (devices of kind "cpu" carrying the catalog's GPU link figures: gloo
+prices the link figures as given); the NCCL regime of GPU groups is tested in tests/test_comm_nccl.py.
 Catalog figures used below: A100 NVLink3 300 GB/s, 2 us; V100 NVLink2 150 GB/s, 2 us;
 default network 25 GB/s, 5 us per device.
 """
@@ -12,6 +14,7 @@ import pytest
 import sympy
 
 from autopar import Cluster, PlanError
+from autopar.cluster import parse_shorthand
 from autopar.cost_models.comm import KINDS, collective_time, group_bandwidth, p2p_time
 
 GB = 1e9
@@ -19,20 +22,27 @@ NV, NV_LAT = 300e9, 2e-6  # A100 intra-node
 NET, NET_LAT = 25e9, 5e-6  # default network
 
 
+def gloo(x: str | dict) -> Cluster:
+    """The cluster `x` (shorthand or dict) with every device a gloo stand-in of its catalog type."""
+    d = parse_shorthand(x) if isinstance(x, str) else dict(x)
+    d["nodes"] = [{**g, "device": {"based_on": g["device"], "kind": "cpu"}} for g in d["nodes"]]
+    return Cluster.load(d)
+
+
 @pytest.fixture(scope="module")
 def node4() -> Cluster:
-    return Cluster.load("1x4xA100-80GB")
+    return gloo("1x4xA100-80GB")
 
 
 @pytest.fixture(scope="module")
 def two4() -> Cluster:
-    return Cluster.load("2x4xA100-80GB")
+    return gloo("2x4xA100-80GB")
 
 
 @pytest.fixture(scope="module")
 def mixed() -> Cluster:
     # A network faster than V100 NVLink, so the slowest link on a ring is an intra-node one.
-    return Cluster.load({"nodes": [{"device": "V100-32GB", "devices_per_node": 2},
+    return gloo({"nodes": [{"device": "V100-32GB", "devices_per_node": 2},
                                    {"device": "A100-80GB", "devices_per_node": 2}],
                          "network": {"bandwidth_GBps": 200, "latency_us": 1}})
 
@@ -113,7 +123,7 @@ def test_hierarchical_all_reduce_beats_flat_for_large_messages(two4):
 
 
 def test_hierarchical_wins_on_a_larger_cluster():
-    c = Cluster.load("4x8xA100-80GB")
+    c = gloo("4x8xA100-80GB")
     group = range(32)
     assert (collective_time("all_reduce", GB, group, c, "hierarchical")
             < collective_time("all_reduce", GB, group, c, "ring"))
@@ -130,7 +140,7 @@ def test_hierarchical_gather_scatter(two4, kind):
 
 
 def test_hierarchical_uneven_nodes_use_smallest_count():
-    c = Cluster.load({"nodes": [{"device": "A100-80GB", "devices_per_node": 4},
+    c = gloo({"nodes": [{"device": "A100-80GB", "devices_per_node": 4},
                                 {"device": "A100-80GB", "devices_per_node": 2}]})
     # node phase: the 4-GPU node (6 us + 0.75 * 1e9/300e9) is slower than the 2-GPU one;
     # k = 2, so the inter-node all-reduce moves 5e8-byte shards: 2 * 5 us + 2 * (1/2) * 5e8/25e9.
@@ -139,7 +149,7 @@ def test_hierarchical_uneven_nodes_use_smallest_count():
 
 
 def test_latency_dominates_tiny_messages():
-    c = Cluster.load("1x8xA100-80GB")
+    c = gloo("1x8xA100-80GB")
     tiny = collective_time("all_reduce", 8, range(8), c)
     assert tiny == pytest.approx(2 * 3 * 2e-6, rel=1e-4)  # tree: 2 ceil(log2 8) a
     assert tiny < collective_time("all_reduce", 8, range(8), c, "ring")  # ring pays 2 * 7 a = 28 us
@@ -176,7 +186,7 @@ def test_group_bandwidth(node4, two4):
     assert group_bandwidth([2], node4) == (math.inf, 0.0)
     assert group_bandwidth([0, 1, 2, 3], node4) == pytest.approx((NV, NV_LAT))
     assert group_bandwidth(range(8), two4) == pytest.approx((NET, NET_LAT))
-    hetero = Cluster.load("1x4xV100-32GB+1x4xA100-80GB")
+    hetero = gloo("1x4xV100-32GB+1x4xA100-80GB")
     assert group_bandwidth([0, 4], hetero) == pytest.approx((NET, NET_LAT))
 
 

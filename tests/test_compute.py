@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -97,9 +98,13 @@ def test_huge_matmul_approaches_eff_max_peak():
     m = _gpu_model()
     flops = 1e16
     t = m.op_time("matmul", flops, 1e9)
-    assert t == pytest.approx(flops / (0.75 * 312e12), rel=1e-3)
+    # A100 SXM bf16 torch.mm: 267.9 TFLOP/s at best (ml-engineering's MAMF table), 85.9% of 312
+    assert flops / t == pytest.approx(267.9e12, rel=0.01)
     eff_f, _ = m.efficiency("matmul", flops, 1e9)
-    assert eff_f == pytest.approx(0.75, rel=1e-3)
+    assert eff_f == pytest.approx(0.86, rel=1e-3)
+    # a device without a catalog profile keeps the generic 75%
+    generic = ComputeModel(replace(device_spec("A100-80GB"), name="my-gpu"), dtype="bf16")
+    assert generic.efficiency("matmul", flops, 1e9)[0] == pytest.approx(0.75, rel=1e-3)
 
 
 def test_efficiency_rises_with_size():
@@ -124,7 +129,7 @@ def test_bandwidth_bound_time_proportional_to_bytes():
     t1 = m.op_time("elementwise", 1e8, 4e9) - m.overhead
     t2 = m.op_time("elementwise", 2e8, 8e9) - m.overhead
     assert t2 / t1 == pytest.approx(2.0, rel=1e-3)
-    assert t1 == pytest.approx(4e9 / (0.8 * 2039e9), rel=1e-3)
+    assert t1 == pytest.approx(4e9 / (0.9 * 2039e9), rel=1e-3)  # HBM2e copies: ~90% (gpu_profiles.py)
     # Embedding is a gather: bandwidth-bound, its FLOPs ignored.
     assert m.op_time("embedding", 1e15, 1e6) == m.op_time("embedding", 0, 1e6)
 

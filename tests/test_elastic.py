@@ -38,14 +38,14 @@ def _build() -> Any:
 
 def _die_in_step_two(rank: int, world: int, out_dir: str, timeout_s: float) -> tuple[str, str, float]:
     import autopar
-    from autopar.runtime.layout import megatron_layout
     from autopar.runtime.program import Program
+
+    from .runtime_cases import plan_for
 
     case = _build()
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    blocks = sum(1 for layer in g.layers if layer.kind == "block")
-    lay = megatron_layout(2, 1, 2, 8, len(g.layers), blocks, 2)  # dp=2 x pp=2: p2p and all-reduces
-    prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, _optimizer, rank,
+    plan = plan_for(g, world, {"dp": 2, "pp": 2, "m": 2})  # dp=2 x pp=2: p2p and all-reduces
+    prog = Program(case.model, plan, case.example_inputs, case.example_target, case.loss_fn, _optimizer, rank,
                    world, timeout_s=timeout_s)
     prog.step(*case.example_inputs, target=case.example_target)
     if rank == 2:
@@ -109,9 +109,9 @@ def _fail_once(info: Any) -> None:
 
 def _worker_main(root: str) -> int:
     """Body of the torchrun workers (see the module docstring)."""
-    from autopar.runtime import elastic
+    from autopar import compiler
 
-    res = elastic.train(_build, "1x4xcpu", STEPS, root, every=1, optimizer=_optimizer, on_step=_fail_once,
+    res = compiler.train(_build, "1x4xcpu", STEPS, root, every=1, optimizer=_optimizer, on_step=_fail_once,
                         keep=None, timeout_s=30)
     if res is None:
         return 0
@@ -204,15 +204,15 @@ def test_torchrun_shrinks_the_world_when_a_node_is_lost(tmp_path: Path) -> None:
 
 
 def test_train_resumes_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autopar.runtime import elastic
+    from autopar import compiler
 
     from .runtime_cases import reference
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(k, raising=False)
-    first = elastic.train(_build, "1x1xcpu", 2, tmp_path, every=2, optimizer=_optimizer)
+    first = compiler.train(_build, "1x1xcpu", 2, tmp_path, every=2, optimizer=_optimizer)
     assert first is not None and first.resumed_from is None and sorted(first.losses) == [1, 2]
-    again = elastic.train(_build, "1x1xcpu", 3, tmp_path, every=2, optimizer=_optimizer)
+    again = compiler.train(_build, "1x1xcpu", 3, tmp_path, every=2, optimizer=_optimizer)
     assert again is not None and again.resumed_from == 2 and sorted(again.losses) == [3]
     ref_losses, ref_params = reference("gpt", GPT, steps=3)
     assert again.losses[3] == pytest.approx(ref_losses[2], rel=1e-4, abs=1e-5)
@@ -222,6 +222,7 @@ def test_train_resumes_in_one_process(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_worker_of_a_lost_device_stands_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopar import compiler
     from autopar.runtime import elastic
 
     elastic.mark_lost(tmp_path, 3, "broken")
@@ -231,7 +232,7 @@ def test_worker_of_a_lost_device_stands_down(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     built = []
-    assert elastic.train(lambda: built.append(1), "1x4xcpu", 1, tmp_path) is None
+    assert compiler.train(lambda: built.append(1), "1x4xcpu", 1, tmp_path) is None
     assert not built and not torch.distributed.is_initialized()
 
 
@@ -242,7 +243,7 @@ SLOW_RANK, SLOWDOWN, ADAPT_STEPS = 1, 8.0, 6
 
 
 def _straggle(rank: int, world: int) -> dict[str, Any]:
-    from autopar.runtime.compile import compile as compile_program
+    from autopar.compiler import compile as compile_program
     from autopar.runtime.straggler import SLOWDOWN_ENV
 
     os.environ[SLOWDOWN_ENV] = f"{SLOW_RANK}:{SLOWDOWN}"

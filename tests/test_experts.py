@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -12,13 +10,22 @@ from autopar import models
 from autopar.errors import PlanError
 from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
-from autopar.runtime.layout import make_layout
 from autopar.runtime.program import Program
 from autopar.solver import experts
 from autopar.solver.pricing import Option, price_strategy
 from autopar.solver.search import Search, search
 
-from .runtime_cases import STEPS, assert_matches_reference, build, custom_layout, layout_for, optimizer, reference
+from .runtime_cases import (
+    STEPS,
+    assert_matches_reference,
+    assert_work_split,
+    build,
+    layout_for,
+    optimizer,
+    plan_for,
+    reference,
+    work_of,
+)
 
 RTOL, ATOL = 1e-4, 1e-5
 COMPILE_CLUSTER = "1x2xA100-80GB"
@@ -53,14 +60,9 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
                                    case.loss_fn, optimizer, plan=spec["plan"], timeout_s=60)
         else:
             g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-            blocks = sum(1 for layer in g.layers if layer.kind == "block")
-            lay = replace(layout_for(case, len(g.layers), blocks, world, spec), ep=spec["ep"])
-            if "sharding" in spec:  # an ILP-style Stage.sharding on every stage
-                pipes = [replace(p, stages=tuple(replace(st, sharding=tuple(sorted(spec["sharding"].items())))
-                                                 for st in p.stages)) for p in lay.pipelines]
-                lay = make_layout(pipes, lay.world_size, lay.global_batch, len(g.layers), spec["ep"])
-            prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                           rank, world, timeout_s=60)
+            # "sharding": an ILP-style Stage.sharding on every stage
+            prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
+                           case.loss_fn, optimizer, rank, world, timeout_s=60, graph=g)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         names = {f"{path}.{rel}" for path, m, a in supported_moe(case.model) for rel, _ in a.params(m)}
         # local elements: under tensor parallelism experts stay whole (replicated in the tp group)
@@ -75,7 +77,7 @@ def run_ep_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> 
         again = prog.state_dict()
         same = all(torch.equal(again["model"][k], v) for k, v in sd["model"].items()) and all(
             torch.equal(again["optimizer"][n][k], v) for n, st in sd["optimizer"].items() for k, v in st.items())
-        out.append((losses, sd["model"], held, stage_total, same, tp_sharded, zero_levels))
+        out.append((losses, sd["model"], held, stage_total, same, tp_sharded, zero_levels, work_of(prog)))
     return out
 
 
@@ -93,7 +95,7 @@ def results_2() -> list:
     pytest.importorskip("transformers")
     name, kwargs = "moe_gpt", {"layers": 2, "batch": 4}
     plan = estimated_plan(name, kwargs, COMPILE_CLUSTER, Strategy(dp=2, ep=2))
-    cases = CASES_2 + [(name, kwargs, {"ep": 2, "plan": plan, "cluster": COMPILE_CLUSTER})]
+    cases = CASES_2 + [(name, kwargs, {"ep": 2, "dp": 2, "plan": plan, "cluster": COMPILE_CLUSTER})]
     return spawn_local(run_ep_cases, 2, cases, timeout_s=240)
 
 
@@ -106,7 +108,7 @@ def _check(results: list, cases: list, index: int) -> None:
     name, kwargs, spec = cases[index]
     ref_losses, ref_params = reference(name, kwargs)
     for rank, per_rank in enumerate(results):
-        losses, params, held, stage_total, round_trip, tp_sharded, levels = per_rank[index]
+        losses, params, held, stage_total, round_trip, tp_sharded, levels, _ = per_rank[index]
         assert round_trip, f"rank {rank}: state_dict -> load_state_dict -> state_dict changed the state"
         assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
         assert held * spec["ep"] == stage_total  # each rank holds 1/ep of its stage's experts
@@ -119,6 +121,8 @@ def _check(results: list, cases: list, index: int) -> None:
         if spec.get("zero", 0):
             assert any(v == spec["zero"] for n, v in levels.items() if ".experts." not in n)
     assert ref_losses[-1] < ref_losses[0]
+    # and the ranks' batch slices, layers and tensor-parallel shards follow the strategy
+    assert_work_split([per_rank[index][-1] for per_rank in results], spec, kwargs["batch"], ref_params)
 
 
 @pytest.mark.parametrize("index", range(len(CASES_2)), ids=[f"{c[0]}-{c[2]}" for c in CASES_2])
@@ -128,7 +132,7 @@ def test_expert_parallel_2_ranks_matches_single_process(results_2: list, index: 
 
 def test_compiled_expert_parallel_plan_matches_single_process(results_2: list) -> None:
     """autopar.estimate -> Plan (JSON, with its `experts` entry) -> autopar.compile trains exactly."""
-    _check(results_2, CASES_2 + [("moe_gpt", {"layers": 2, "batch": 4}, {"ep": 2})], len(CASES_2))
+    _check(results_2, CASES_2 + [("moe_gpt", {"layers": 2, "batch": 4}, {"ep": 2, "dp": 2})], len(CASES_2))
 
 
 @pytest.mark.parametrize("index", range(len(CASES_4)), ids=[f"{c[0]}-{c[2]}" for c in CASES_4])
@@ -210,20 +214,23 @@ def test_bad_expert_degree_is_a_clear_error(small_cm: dict) -> None:
 
 def test_expert_groups_follow_the_layout_and_reject_what_the_runtime_cannot_run() -> None:
     from autopar.runtime.expert_parallel import expert_groups
-    from autopar.runtime.layout import megatron_layout
 
-    lay = replace(megatron_layout(4, 1, 2, 8, 4, 2, 2), ep=2)  # Megatron order: stage s, replica d = 4 s + d
+    from .runtime_cases import chain
+
+    # Megatron order: stage s, replica d = 4 s + d
+    lay = layout_for(chain(8, 2), 8, {"dp": 4, "pp": 2, "m": 2, "ep": 2})
     assert expert_groups(lay) == [(0, 1), (4, 5), (2, 3), (6, 7)]
     with pytest.raises(PlanError, match="must divide the 3 data-parallel replicas"):
-        expert_groups(replace(megatron_layout(3, 1, 1, 6, 4, 2, 1), ep=2))
-    tp = replace(megatron_layout(2, 2, 1, 4, 4, 2, 1), ep=2)  # with tp: one group per tensor-parallel index
+        expert_groups(layout_for(chain(6, 2), 3, {"dp": 3, "ep": 2}))
+    tp = layout_for(chain(4, 2), 4, {"dp": 2, "tp": 2, "ep": 2})  # with tp: one group per tensor-parallel index
     ranks = [p.stages[0].ranks for p in tp.pipelines]
     assert expert_groups(tp) == [(ranks[0][t], ranks[1][t]) for t in range(2)]
-    uneven = custom_layout([{"batch": 2, "stages": [(2, [0, 1])]}, {"batch": 2, "stages": [(2, [2])]}], 3, 4, 4)
+    uneven = layout_for(chain(4, 2), 3, {"ep": 2, "pipelines": [{"batch": 2, "stages": [(2, [0, 1])]},
+                                                                {"batch": 2, "stages": [(2, [2])]}]})
     with pytest.raises(PlanError, match="same tp per stage"):
-        expert_groups(replace(uneven, ep=2))
+        expert_groups(uneven)
     with pytest.raises(PlanError, match="identical pipelines"):
-        expert_groups(replace(megatron_layout(2, 1, 1, 4, 4, 2, 2, batch_split=[3, 1]), ep=2))
+        expert_groups(layout_for(chain(4, 2), 2, {"dp": 2, "m": 2, "batch_split": [3, 1], "ep": 2}))
 
 
 class _OtherMoE(torch.nn.Module):

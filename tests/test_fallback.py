@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from autopar.compiler import compile
 from autopar.errors import CaptureError
-from autopar.runtime.compile import compile
 from autopar.runtime.launch import spawn_local
 
 from .fallback_model import build, train

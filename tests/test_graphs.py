@@ -30,9 +30,10 @@ pytest.importorskip("torch_geometric")
 RTOL, ATOL, STEPS = 1e-4, 1e-5, 3
 GRAPH = {"nodes": 1000, "avg_degree": 4.0, "labelled": 0.8}  # unlabelled nodes exercise the global-count weights
 SAMPLED = {"mode": "sampled_dp", "batch_size": 48, "fanout": 3, "seed": 5}
-# two device types: the cost model gives them uneven seed shares; on graphs this small it gives every node to
-# the fastest device (kernel launches bound the step), so partition cases train on given uneven node shares
+# two device types: on graphs this small the cost model gives every node (and every seed) to the fastest device
+# (host time and kernel launches bound the step), so the cases train on given uneven node / seed shares
 PART_SHARES = {2: [620, 380], 3: [450, 330, 220]}
+SEED_SHARES = {2: [30, 18], 3: [22, 16, 10]}
 MIXED_2 = {"nodes": [{"device": "A100-80GB"}, {"device": "T4"}]}
 MIXED_3 = {"nodes": [{"device": "A100-80GB"}, {"device": "V100-32GB"}, {"device": "T4"}]}
 CASES_2 = [(name, mode, {}) for name in ("gcn", "sage", "gat", "graphconv") for mode in ("partition", "sampled_dp")]
@@ -69,11 +70,10 @@ def run_graph_cases(rank: int, world: int, cases: list[tuple[str, str, dict]]) -
         else:
             case = GRAPH_CASES[name](seed=0, **GRAPH, **extra)
             plan = None
-            if mode == "partition":
-                plan = autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
-                                    precision="fp32")
-                plan.graph["shares"] = PART_SHARES[world]
-                plan = plan.to_json()
+            plan = autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                                precision="fp32", graph_options=options(mode))
+            plan.graph["shares"] = (PART_SHARES if mode == "partition" else SEED_SHARES)[world]
+            plan = plan.to_json()
             prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
                                    optimizer=optimizer, plan=plan, timeout_s=60, graph_options=options(mode),
                                    precision="fp32")

@@ -22,7 +22,7 @@ def test_run_launches_one_process_per_device(tmp_path) -> None:
         import os, sys, torch
         import autopar
         from autopar import models
-        from autopar.runtime.compile import compile
+        from autopar.compiler import compile
         case = models.mlp(batch=8, seed=0)
         prog = compile(case.model, os.environ["AUTOPAR_CLUSTER"], example_inputs=case.example_inputs,
                        example_target=case.example_target, loss_fn=case.loss_fn,

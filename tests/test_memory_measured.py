@@ -16,7 +16,7 @@ import torch
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import phase, tensor_bytes, track_memory
 
-from .runtime_cases import STEPS, assert_matches_reference, build, layout_for, optimizer, reference
+from .runtime_cases import STEPS, assert_matches_reference, build, optimizer, plan_for, reference
 
 WORLD = 4
 # 8 layers: ZeRO-3 keeps a rank's quarter of the state plus the layers in use (one gathered and one prefetched,
@@ -34,12 +34,11 @@ def run_levels(rank: int, world: int) -> dict[int, dict[str, Any]]:
     for level in LEVELS:
         case = build(MLP[0], **MLP[1])  # the user's model: built before the measured window
         g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-        blocks = sum(1 for layer in g.layers if layer.kind == "block")
-        lay = layout_for(case, len(g.layers), blocks, world, {"dp": world, "zero": level})
+        plan = plan_for(g, world, {"dp": world, "zero": level})
         gc.collect()
         with track_memory() as trace:
             with phase("compile"):
-                prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn,
+                prog = Program(case.model, plan, case.example_inputs, case.example_target, case.loss_fn,
                                optimizer, rank, world, timeout_s=60)
             losses = []
             for k in range(STEPS):

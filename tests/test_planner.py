@@ -83,6 +83,19 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
         if name in numel:
             owned[min(layers)] += numel[name]
     inputs = graph.input_meta[graph.inputs[0]].nbytes
+    # softmax / log_softmax / cross_entropy run in fp32 under autocast (PyTorch AMP docs): what they keep of
+    # their own is 4-byte (annotate priced 2 in mixed precision), and their backward returns fp32 gradients
+    # the size of their input: two buffers (received + returned), one where fused (it keeps its input)
+    fp32_kept, fp32_grads = [0.0] * len(graph.layers), [0.0] * len(graph.layers)
+    half = plan.precision in ("bf16", "fp16")
+    for node in graph.nodes.values():
+        if node.target.split(".")[1:2] not in (["softmax"], ["_softmax"], ["log_softmax"], ["_log_softmax"],
+                                               ["cross_entropy_loss"], ["nll_loss"], ["nll_loss_nd"]):
+            continue
+        own = node.out_bytes if node.name in node.saved else 0
+        fp32_kept[node.layer] += (own / 2 + node.saved_internal_bytes) if half else 0.0
+        elems = max([t.numel for t in node.outputs] + [t.numel for t in graph.nodes[node.args[0]].outputs[:1]])
+        fp32_grads[node.layer] = max(fp32_grads[node.layer], (2 if own or node.saved_internal_bytes else 1) * 4 * elems)
     first = plan.pipelines[0]
     alike = D > 1 and all(p.num_microbatches == first.num_microbatches and len(p.stages) == len(first.stages)
                           for p in plan.pipelines)
@@ -110,7 +123,9 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 n = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls)) / t
                 shared = sum(numel[p] for p, ls in tied.items() if any(a <= x < e for x in ls)) / t
                 big = max(owned[a:e]) / t
-                saved = {x: graph.layers[x].saved_bytes * frac / t for x in range(a, e)}
+                saved = {x: (graph.layers[x].saved_bytes + fp32_kept[x]) * frac / t for x in range(a, e)}
+                # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients
+                transient = max(0.0, max(fp32_grads[x] for x in range(a, e)) * frac / t - big * g * (zm >= 2))
                 if st.predicted.get("tp_source") == "ilp":
                     pricer = LayerPricer(graph, t, cluster.devices[st.devices[0]].spec.name, cluster, st.devices)
                     shares = {}
@@ -135,10 +150,12 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 if recomputed:
                     act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
                               if x.kind == "block" else saved[x.index] for x in layers)
-                    works.append(max(saved[x.index] for x in layers if x.kind == "block") + sb.cast_copy * big)
+                    works.append(max(saved[x.index] for x in layers if x.kind == "block") + sb.cast_copy * big
+                                 + transient)
                     act += sb.cast_copy * (n - sum(owned[x.index] for x in layers if x.kind == "block") / t)
                 else:
                     act = sum(saved.values()) + sb.cast_copy * n
+                    works.append(transient)
                 acts.append(act * (1 if "activations" in off else inflight[r]))
                 if D > 1 and not bucketed:
                     reduced_after = not (zm >= 2 and per_layer[j] and not (z == 3 and "params" in off))

@@ -98,13 +98,12 @@ def test_vocab_parallel_matches_single_process(results_tp2: list, index: int) ->
 ])
 def test_overlapped_bucket_route_only_for_plain_data_parallel(tie: bool, spec: dict, bucketed: bool) -> None:
     import autopar
+    from autopar.lowering import param_groups
     from autopar.runtime.grad_sync import plain_data_parallel
-    from autopar.runtime.program import param_groups
 
     from .runtime_cases import layout_for
 
     case = build("gpt", layers=4, batch=8, tie_embeddings=tie)
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    blocks = sum(1 for layer in g.layers if layer.kind == "block")
-    lay = layout_for(case, len(g.layers), blocks, 4, spec)
+    lay = layout_for(g, 4, spec)
     assert plain_data_parallel(g, lay, param_groups(g, lay)) is bucketed

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from autopar.errors import PlanError
+from autopar.lowering import PipelineLayout, StageLayout, make_layout
 from autopar.runtime.dist import pack, unpack
 from autopar.runtime.launch import spawn_local
-from autopar.runtime.layout import PipelineLayout, StageLayout, make_layout
 
 from .runtime_cases import assert_matches_reference, reference, run_cases
 
@@ -85,12 +85,10 @@ def test_unknown_compress_dtype_is_a_plan_error() -> None:
 
 
 def test_plan_compress_reaches_the_runtime_layout() -> None:
-    from types import SimpleNamespace
-
-    from autopar.plan import Stage
-    from autopar.runtime.compile import layout_from_plan
+    from autopar.lowering import layout_of
+    from autopar.plan import Pipeline, Plan, Stage
 
     stages = [Stage([0, 2], [0], compress="bf16"), Stage([2, 4], [1])]
-    plan = SimpleNamespace(model={"num_layers": 4}, schedule="1f1b", chunks=1, cluster="1x2xcpu", global_batch=4,
-                           pipelines=[SimpleNamespace(stages=stages, batch_share=4, num_microbatches=2)])
-    assert [s.compress for s in layout_from_plan(plan, 4).pipelines[0].stages] == ["bf16", None]
+    plan = Plan(global_batch=4, precision="fp32", optimizer="adamw", schedule="1f1b", chunks=1, cluster="1x2xcpu",
+                model={"num_layers": 4}, pipelines=[Pipeline(4, 2, 2, stages)])
+    assert [s.compress for s in layout_of(plan, 4).pipelines[0].stages] == ["bf16", None]

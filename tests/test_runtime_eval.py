@@ -44,7 +44,7 @@ def test_eval_output_matches_eager_model(results_4: list, index: int) -> None:
 def fallback_eval(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     from torch import nn
 
-    from autopar.runtime.compile import compile
+    from autopar.compiler import compile
 
     from .fallback_model import build
 
@@ -108,11 +108,15 @@ def test_eval_step_errors_name_the_problem() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x).square().mean()
 
-    from autopar.runtime.layout import megatron_layout
+    import autopar
     from autopar.runtime.program import Program
 
+    from .runtime_cases import plan_for
+
     x = torch.randn(4, 4)
-    prog = Program(SelfLoss(), None, (x,), None, None, "sgd", 0, 1,
-                   layout_fn=lambda n: megatron_layout(1, 1, 1, 4, n, max(n - 1, 0), 1, first_block=min(1, n - 1)))
+    model = SelfLoss()
+    g = autopar.capture(model, (x,))
+    prog = Program(model, plan_for(g, 1, {}), (x,), None, None,
+                   "sgd", 0, 1, graph=g)
     with pytest.raises(PlanError, match="computes its own loss"):
         prog.eval_step(x)

@@ -17,10 +17,9 @@ from autopar import models
 from autopar.errors import PlanError
 from autopar.runtime import zero
 from autopar.runtime.launch import spawn_local
-from autopar.runtime.layout import StageLayout
-from autopar.runtime.zero import BUCKET_BYTES, check_stage_options
+from autopar.runtime.zero import BUCKET_BYTES
 
-from .runtime_cases import STEPS, assert_matches_reference, build, layout_for, optimizer, reference
+from .runtime_cases import STEPS, assert_matches_reference, build, optimizer, plan_for, reference
 
 RTOL, ATOL = 1e-4, 1e-5
 GPT = ("gpt", {"layers": 4, "batch": 8})
@@ -98,7 +97,7 @@ def _stats(prog: Any) -> dict:
 def _grad_bytes_after_sync(prog: Any, case: models.ModelCase) -> int:
     """Gradient bytes a rank keeps after the reduction of one forward/backward (no optimizer step)."""
     prog.zero.prepare()
-    prog._run_schedule(case.example_inputs, case.example_target)
+    prog._run(prog.lowered.actions, case.example_inputs, case.example_target)
     prog._sync_gradients()
     out = sum(_nbytes(p.grad) for p in prog.params.values() if p.grad is not None)
     for p in prog.params.values():
@@ -113,10 +112,8 @@ def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> tupl
 
     case = build(name, **kwargs)
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    blocks = sum(1 for layer in g.layers if layer.kind == "block")
-    lay = layout_for(case, len(g.layers), blocks, world, spec)
-    prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer, rank,
-                   world, timeout_s=60)
+    prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target, case.loss_fn,
+                   optimizer, rank, world, timeout_s=60, graph=g)
     return prog, case
 
 
@@ -255,12 +252,9 @@ def test_zero2_state_dict_loads_into_plain_model(results: list[dict], refs: Any)
 
 
 def test_bad_stage_options_raise() -> None:
-    from autopar.runtime.layout import PipelineLayout, make_layout
-
-    def layout(**kw: Any) -> Any:
-        return make_layout([PipelineLayout(0, (StageLayout((0, 3), (0,), **kw),), 0, 4, 1)], 1, 4, 3)
+    from autopar.lowering import PipelineLayout, StageLayout, make_layout
 
     for kw, msg in (({"zero": 4}, "zero must be an integer 0-3"), ({"offload": ("disk",)}, "unknown offload"),
                     ({"offload": "params"}, "tuple of kinds")):
         with pytest.raises(PlanError, match=msg):
-            check_stage_options(layout(**kw))
+            make_layout([PipelineLayout(0, (StageLayout((0, 3), (0,), **kw),), 0, 4, 1)], 1, 4, 3)

@@ -8,23 +8,21 @@ ranks: plans with ILP shardings that differ from Megatron's train like one proce
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
 import autopar
 from autopar.cluster import Cluster
+from autopar.lowering import layout_of
 from autopar.plan import Plan
-from autopar.runtime.compile import layout_from_plan
 from autopar.runtime.launch import spawn_local
-from autopar.runtime.layout import make_layout
 from autopar.runtime.program import Program
 from autopar.solver import intra_op_pricing as iop
 from autopar.solver.intra_op import _build
 from autopar.solver.intra_op_ilp import solve_problems
 
-from .runtime_cases import STEPS, assert_matches_reference, build, layout_for, optimizer, reference
+from .runtime_cases import assert_matches_reference, build, optimizer, plan_for, reference, train_observing
 
 RTOL, ATOL = 1e-4, 1e-5
 FAST = Cluster.load("1x4xA100-80GB")
@@ -90,7 +88,7 @@ def test_recorded_sharding_is_the_ilp_solution(tp: int, cluster: Cluster) -> Non
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert again.pipelines[0].stages[0].sharding == plan.pipelines[0].stages[0].sharding
-    lay = layout_from_plan(again, len(cm.graph.layers))
+    lay = layout_of(again, len(cm.graph.layers))
     assert dict(lay.pipelines[0].stages[0].sharding) == plan.pipelines[0].stages[0].sharding
 
 
@@ -152,20 +150,10 @@ def _train(rank: int, world: int, cases: list[tuple[str, dict, dict[str, str]]])
 
         case = build(name, **kwargs)
         g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-        blocks = sum(1 for layer in g.layers if layer.kind == "block")
-        lay = layout_for(case, len(g.layers), blocks, world, {"tp": world})
-        pipes = [replace(p, stages=tuple(replace(st, sharding=tuple(sorted(sharding.items())))
-                                         for st in p.stages)) for p in lay.pipelines]
-        lay = make_layout(pipes, lay.world_size, lay.global_batch, len(g.layers))
-        prog = Program(case.model, lay, case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                       rank, world, timeout_s=60)
+        prog = Program(case.model, plan_for(g, world, {"tp": world, "sharding": sharding}), case.example_inputs,
+                       case.example_target, case.loss_fn, optimizer, rank, world, timeout_s=60, graph=g)
         shapes = {k: tuple(getattr(v, "_local_tensor", v).shape) for k, v in prog.params.items()}
-        tensor_parallel._TPInterpreter.run_node = run_node
-        try:
-            losses = [prog.step(*case.example_inputs, target=case.example_target)]
-        finally:
-            tensor_parallel._TPInterpreter.run_node = original
-        losses += [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS - 1)]
+        losses = train_observing(prog, case, run_node)
         relayout = {k: _layout_name(v) for k, v in prog.tp.spec.relayout.items()}
         out.append((losses, prog.state_dict()["model"], shapes, placed, relayout))
     return out

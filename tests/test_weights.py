@@ -21,10 +21,9 @@ import autopar
 from autopar import models
 from autopar.errors import PlanError
 from autopar.runtime.launch import spawn_local
-from autopar.runtime.layout import megatron_layout
 from autopar.runtime.program import Program
 
-from .runtime_cases import STEPS, assert_matches_reference, optimizer
+from .runtime_cases import STEPS, assert_matches_reference, optimizer, plan_for
 
 CLUSTER = "1x4xA100-80GB"  # planned for 4 devices, run on 4 gloo processes
 BATCH, SEQ, VOCAB = 4, 16, 256
@@ -236,8 +235,7 @@ def _program(model: torch.nn.Module, weights: Any) -> Program:
     ids, target = batch()
     inputs = (ids.to("meta") if model.lm_head.weight.is_meta else ids,)
     g = autopar.capture(model, inputs, models.lm_loss, target.to(inputs[0].device))
-    lay = megatron_layout(1, 1, 1, BATCH, len(g.layers), sum(1 for la in g.layers if la.kind == "block"), 1)
-    return Program(model, lay, (ids,), target, models.lm_loss, optimizer, 0, 1, weights=weights)
+    return Program(model, plan_for(g, 1, {}), (ids,), target, models.lm_loss, optimizer, 0, 1, weights=weights)
 
 
 def test_mismatched_weights_name_the_entries(tmp_path: Path) -> None:

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from autopar.lowering import layerwise_params
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.layered import layer_calls
-from autopar.runtime.zero_layers import LayerwiseMemory, layerwise_params
+from autopar.runtime.zero_layers import LayerwiseMemory
 
 from .runtime_cases import STEPS, assert_matches_reference, compile_case, reference
 
@@ -145,18 +146,18 @@ def test_uneven_schedules_keep_whole_step_zero(results: list[dict]) -> None:
 def test_layerwise_selection_needs_identical_holders() -> None:
     import autopar
     from autopar import models
-    from autopar.runtime.layout import megatron_layout
+
+    from .runtime_cases import layout_for
 
     case = models.CASES["gpt"](seed=0, layers=4, batch=8, tie_embeddings=True)
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    blocks = sum(layer.kind == "block" for layer in g.layers)
     names = {g.canonical(p) for p, info in g.params.items() if not info.is_buffer}
     levels = dict.fromkeys(names, 3)
-    even = megatron_layout(2, 1, 2, 8, len(g.layers), blocks, 2)
+    even = layout_for(g, 4, {"dp": 2, "pp": 2, "m": 2})
     picked = layerwise_params(g, even, levels)
     assert picked and "wte.weight" not in picked  # the tied embedding is read by two layers
     assert all(n.startswith("blocks.") or n.startswith(("ln_f", "wpe")) for n in picked)
-    uneven = megatron_layout(2, 1, 2, 8, len(g.layers), blocks, 4, batch_split=[6, 2])
+    uneven = layout_for(g, 4, {"dp": 2, "pp": 2, "m": 4, "batch_split": [6, 2]})
     assert layerwise_params(g, uneven, levels) == {}
     assert layerwise_params(g, even, dict.fromkeys(names, 1)) == {}
     assert layerwise_params(g, even, levels, offloaded=set(picked)) == {}

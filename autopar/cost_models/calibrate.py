@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from .compute import OP_KINDS, ComputeModel, Profile, classify, load_profile, pointwise_flops, profile_path
-from .host import FAULT_THRESHOLD, OtherLoad, Timer, measure_cpu_peaks, page_fault_bandwidth
+from .compute import OP_KINDS, ComputeModel, Profile, load_profile, pointwise_flops, profile_path
+from .gpu_profiles import kind_peak
+from .host import FAULT_THRESHOLD, OtherLoad, Timer, measure_cpu_peaks, measure_framework, page_fault_bandwidth
 
 Sample = tuple[str, float, float, float, str]  # kind, flops, nbytes, seconds, op name
 Made = tuple[float, float, Callable[[], Any]]  # flops, nbytes, the call to time
@@ -46,7 +47,7 @@ def _nb(*ts: Any) -> float:
 # ---- sweeps: each yields jobs whose builder makes the tensors only when timed --------------------
 
 
-def _matmul_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
+def _matmul_jobs(torch: Any, dev: Any, quick: bool, dt: Any = None) -> Iterator[Job]:
     if quick:
         shapes = [(32, 32, 32), (128, 128, 128), (512, 512, 512), (8, 256, 256), (32, 512, 512),
                   (128, 256, 1024), (512, 1024, 256), (2048, 512, 512), (256, 512, 2048), (1024, 1024, 1024),
@@ -63,8 +64,8 @@ def _matmul_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
         f = 2.0 * m * n * k
 
         def make(which: str, m: int = m, k: int = k, n: int = n, f: float = f) -> Made:
-            x, w = torch.randn(m, k, device=dev), torch.randn(n, k, device=dev)
-            b, dy = torch.randn(n, device=dev), torch.randn(m, n, device=dev)
+            x, w = torch.randn(m, k, device=dev, dtype=dt), torch.randn(n, k, device=dev, dtype=dt)
+            b, dy = torch.randn(n, device=dev, dtype=dt), torch.randn(m, n, device=dev, dtype=dt)
             # Forward of a linear layer, then the two backward matmuls with autograd's layouts.
             if which == "addmm":
                 return f, _nb(x, w, b, dy), lambda: torch.addmm(b, x, w.t())
@@ -79,8 +80,8 @@ def _matmul_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
         f = 2.0 * bh * s * s * d
 
         def make_bmm(qk: bool, bh: int = bh, s: int = s, d: int = d, f: float = f) -> Made:
-            q, k = torch.randn(bh, s, d, device=dev), torch.randn(bh, s, d, device=dev)
-            p = torch.randn(bh, s, s, device=dev)
+            q, k = torch.randn(bh, s, d, device=dev, dtype=dt), torch.randn(bh, s, d, device=dev, dtype=dt)
+            p = torch.randn(bh, s, s, device=dev, dtype=dt)
             if qk:
                 return f, _nb(q, k, p), lambda: torch.bmm(q, k.transpose(1, 2))
             return f, _nb(p, q, q), lambda: torch.bmm(p, q)
@@ -218,13 +219,13 @@ def _gather_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
         yield "gather", "index_add", False, lambda make_graph=make_graph: make_graph(True)
 
 
-def _attention_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
+def _attention_jobs(torch: Any, dev: Any, quick: bool, dt: Any = None) -> Iterator[Job]:
     F = torch.nn.functional
     shapes = [(8, 4, 64, 32), (8, 8, 128, 64), (16, 8, 256, 64), (4, 8, 512, 64), (32, 8, 128, 32)]
     for b, h, s, d in shapes[: 3 if quick else 5]:
 
         def make(which: str, b: int = b, h: int = h, s: int = s, d: int = d) -> Made:
-            q, k, v = (torch.randn(b, h, s, d, device=dev, requires_grad=True) for _ in range(3))
+            q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
             f = 4.0 * b * h * s * s * d
             nb = _nb(q, k, v, q)
             if which == "sdpa_causal":
@@ -279,36 +280,6 @@ def _run(job: Job, timer: Timer) -> Sample:
     with torch.set_grad_enabled(needs_grad):
         flops, nbytes, fn = make()
         return kind, flops, nbytes, timer(fn), name
-
-
-def _overheads(torch: Any, dev: Any, timer: Timer) -> tuple[float, float]:
-    """(bare dispatch cost of one tiny op, per-kernel cost of a training step of tiny layers)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    a, m = torch.randn(1, device=dev), torch.randn(1, 1, device=dev)
-    with torch.no_grad():
-        tiny = (lambda: torch.add(a, a), lambda: torch.relu(a), lambda: torch.mm(m, m))
-        bare = sorted(timer(fn) for fn in tiny)[1]
-    nn = torch.nn
-    layers = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(8)])
-    layers.to(dev)
-    x = torch.randn(2, 4, device=dev)
-
-    def step() -> None:
-        layers.zero_grad(set_to_none=True)
-        layers(x).sum().backward()
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if classify(str(func)) != "view":
-                _Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        step()
-    return bare, timer(step) / max(_Count.n, 1)
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -372,7 +343,8 @@ def _flop_eff(heavy: list[Sample], overhead: float, peak: float, table: list[lis
     return float(np.median(eff))
 
 
-def _fit(groups: dict[str, list[Sample]], overhead: float, peak: float, bw: float) -> dict[str, dict]:
+def _fit(groups: dict[str, list[Sample]], overhead: float, peaks: dict[str, float], bw: float) -> dict[str, dict]:
+    """Curves of every kind; `peaks`: the FLOP/s each kind's efficiencies are relative to."""
     curves: dict[str, dict] = {}
     for kind in ("elementwise", "softmax"):
         # Ops at ~1 flop per element move data (the bandwidth table); transcendental ones (GELU,
@@ -380,7 +352,7 @@ def _fit(groups: dict[str, list[Sample]], overhead: float, peak: float, bw: floa
         moving = [s for s in groups[kind] if s[1] <= 0.5 * s[2]]
         heavy = [s for s in groups[kind] if s[1] > 0.5 * s[2]]
         table = _bw_table(moving or groups[kind], overhead, bw)
-        flop = {"eff_max": _flop_eff(heavy, overhead, peak, table, bw)} if heavy else None
+        flop = {"eff_max": _flop_eff(heavy, overhead, peaks[kind], table, bw)} if heavy else None
         curves[kind] = {"flop": flop, "bw": {"table": table}}
     ew_table = curves["elementwise"]["bw"]["table"]
     for kind in ("norm", "reduction", "embedding", "gather"):
@@ -388,9 +360,35 @@ def _fit(groups: dict[str, list[Sample]], overhead: float, peak: float, bw: floa
     curves["other"] = {"flop": None, "bw": {"table": ew_table}}
     roof = max(p[1] for p in ew_table)  # compute kinds: the fastest bandwidth seen is the roof
     for kind in ("matmul", "attention", "conv"):
-        curves[kind] = {"flop": _fit_flop_curve(groups[kind], overhead, peak, [[0.0, roof]], bw),
+        curves[kind] = {"flop": _fit_flop_curve(groups[kind], overhead, peaks[kind], [[0.0, roof]], bw),
                         "bw": {"eff_max": roof}}
     return curves
+
+
+def _precision_curves(torch: Any, dev: Any, quick: bool, timer: Timer, spec: Any, overhead: float, shift: float,
+                      groups: dict[str, list[Sample]]) -> dict[str, dict[str, dict]]:
+    """CUDA: the matmul and attention flop curves of every training precision (compute.py `flop_by_dtype`),
+    each relative to `gpu_profiles.kind_peak`: fp32 from the main sweep, tf32 the same sweep with
+    `allow_tf32`, fp16 and (Ampere+) bf16 with 16-bit tensors."""
+    from .gpu_profiles import has_tf32
+
+    roof = max(p[1] for p in _bw_table(groups["elementwise"], overhead, spec.memory_bandwidth))
+    variants = [("fp32", torch.float32, False), ("tf32", torch.float32, True), ("fp16", torch.float16, False)]
+    variants += [("bf16", torch.bfloat16, False)] if has_tf32(spec) else []
+    out: dict[str, dict[str, dict]] = {"matmul": {}, "attention": {}}
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for name, dt, tf32 in variants:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            for kind, sweep in (("matmul", _matmul_jobs), ("attention", _attention_jobs)):
+                samples = groups[kind] if name == "fp32" else [
+                    (k, f, b, t + shift, n) for k, f, b, t, n in (_run(j, timer) for j in sweep(torch, dev, quick, dt))]
+                curve = _fit_flop_curve(samples, overhead, kind_peak(spec, kind, name), [[0.0, roof]],
+                                        spec.memory_bandwidth)
+                out[kind][name] = {**curve, "source": f"calibrated on {spec.name} in {name}"}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    return out
 
 
 def _log_errors(groups: dict[str, list[Sample]], model: ComputeModel) -> dict[str, list[float]]:
@@ -435,7 +433,7 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
         peak, bw = measure_cpu_peaks(torch, timer)
     else:
         peak, bw = spec.flops("fp32"), spec.memory_bandwidth
-    bare, overhead = _overheads(torch, dev, timer)
+    bare, overhead, host = measure_framework(torch, dev, timer)
     fault = {"threshold": FAULT_THRESHOLD, "bandwidth": page_fault_bandwidth(torch, timer)} \
         if dev.type == "cpu" else None
     jobs = {kind: list(sweep(torch, dev, quick)) for kind, sweep in _SWEEPS.items()}
@@ -455,6 +453,7 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
         return k, f, b, t + shift, n
 
     groups = {kind: [run(j, (kind, i)) for i, j in enumerate(js)] for kind, js in jobs.items()}
+    per_dtype = _precision_curves(torch, dev, quick, timer, spec, overhead, shift, groups) if spec else {}
     if dev.type == "cpu":
         # The peaks were measured once, maybe while another process ran: keep the best seen.
         if time.perf_counter() < deadline - 2:
@@ -468,7 +467,11 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
     ref_peak, ref_bw = (peak, bw) if dev.type == "cpu" else (None, None)
 
     def fitted() -> tuple[Profile, dict[str, list[float]]]:
-        prof = Profile(device=name, curves=_fit(groups, overhead, peak, bw), overhead_s=overhead,
+        peaks = {k: peak if spec is None else kind_peak(spec, k, "fp32") for k in OP_KINDS}
+        curves = _fit(groups, overhead, peaks, bw)
+        for kind, by_dtype in per_dtype.items():
+            curves[kind]["flop_by_dtype"] = by_dtype
+        prof = Profile(device=name, curves=curves, overhead_s=overhead,
                        peak_flops=ref_peak, memory_bandwidth=ref_bw,
                        meta={"dtype": "fp32", "page_fault": fault})
         return prof, _log_errors(groups, ComputeModel(probe_spec, prof, dtype="fp32"))
@@ -501,7 +504,7 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
         "device_type": dev.type, "host": platform.node(),
         "processor": platform.processor() or platform.machine(),
         "quick": quick, "page_fault": fault, "bare_dispatch_s": bare, "measured_peak_flops": peak,
-        "measured_bandwidth": bw,
+        "measured_bandwidth": bw, "framework": host,
         "rms_log_error": rms, "samples": sum(len(s) for s in groups.values()), "retimed": retimed,
         "other_load_cpus": round(others, 2), "seconds": round(seconds, 2),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "kinds": [k for k in OP_KINDS if k in profile.curves],

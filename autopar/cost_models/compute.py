@@ -59,6 +59,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .gpu_profiles import default_profile, kind_peak
+from .overhead import HostOverhead, default_host, host_overhead
+
 if TYPE_CHECKING:
     from ..cluster import DeviceSpec
 
@@ -334,6 +337,13 @@ def load_profile(device_name: str) -> Profile | None:
         return None
 
 
+# Each memory-bound kind's share of a STREAM-like kernel's achieved bandwidth (GPU defaults above: norm,
+# softmax and reduction make two passes or reduce across threads; embedding gathers scattered rows; gather
+# and scatter-add collide on rows). gpu_profiles.py multiplies them with each device's STREAM fraction.
+KIND_BW_SHARE: dict[str, float] = {"elementwise": 1.0, "norm": 0.875, "softmax": 0.875, "reduction": 0.875,
+                                   "embedding": 0.625, "gather": 0.375, "other": 0.625}
+
+
 def default_curves(kind: str = "gpu") -> tuple[dict[str, dict], float]:
     """(curves, overhead_s) for a device kind without a profile; reasoning in the module docstring."""
     if kind == "cpu":
@@ -344,8 +354,7 @@ def default_curves(kind: str = "gpu") -> tuple[dict[str, dict], float]:
         scale, overhead, bw_half_s = 1.0, 3e-6, 1e-6
     else:
         flop = {"matmul": (0.75, 3e-6), "attention": (0.5, 5e-6), "conv": (0.6, 5e-6)}
-        bw = {"elementwise": 0.8, "norm": 0.7, "softmax": 0.7, "reduction": 0.7, "embedding": 0.5,
-              "gather": 0.3, "other": 0.5}
+        bw = {k: 0.8 * share for k, share in KIND_BW_SHARE.items()}
         scale, overhead, bw_half_s = (0.85, 15e-6, 1e-6) if kind == "edge" else (1.0, 6e-6, 1e-6)
     curves: dict[str, dict] = {}
     for k in OP_KINDS:
@@ -413,12 +422,19 @@ class ComputeModel:
             profile = load_profile(spec.name)
         self.calibrated = profile is not None
         if profile is None:
+            profile = default_profile(spec)  # catalog GPUs: kernel-level defaults (gpu_profiles.py)
+        if profile is None:
             curves, overhead = default_curves(spec.kind)
             profile = Profile(device=spec.name, curves=curves, overhead_s=overhead,
-                              meta={"source": f"defaults for kind {spec.kind!r}"})
+                              meta={"source": f"defaults for kind {spec.kind!r}",
+                                    "framework": default_host(spec.kind).to_meta()})
         self.profile = profile
         defaults, _ = default_curves(spec.kind)
         self._curves = {k: {**defaults.get(k, {}), **profile.curves.get(k, {})} for k in defaults}
+        for c in self._curves.values():  # a curve measured for this precision replaces the generic one
+            by_dtype = c.get("flop_by_dtype") or {}
+            if dtype in by_dtype:
+                c["flop"] = by_dtype[dtype]
         prof_dtype = profile.meta.get("dtype", "fp32")
         # Profile efficiencies are relative to the figures it was measured against; for another dtype
         # (say bf16 on tensor cores with an fp32 profile), assume they carry over to that dtype's peak.
@@ -428,14 +444,30 @@ class ComputeModel:
             self.peak = float(profile.peak_flops) * spec.flops(dtype) / spec.flops(prof_dtype)
         else:
             self.peak = spec.flops(dtype)
+        # Per kind, the peak the op runs against under this precision (gpu_profiles.kind_peak: TF32 or
+        # CUDA cores, fp32 pointwise math); profiles measured against their own peak use that one.
+        self.peaks = {k: self.peak if profile.peak_flops or spec.kind == "cpu" else kind_peak(spec, k, dtype)
+                      for k in OP_KINDS}
         self.bandwidth = float(profile.memory_bandwidth or spec.memory_bandwidth)
         self.overhead = float(profile.overhead_s)
         fault = profile.meta.get("page_fault") or {}
         self.fault_threshold = float(fault.get("threshold", math.inf))
         self.fault_bandwidth = float(fault.get("bandwidth", math.inf))
+        self._host: HostOverhead | None = None
 
     def _curve(self, kind: str) -> dict:
         return self._curves.get(kind) or self._curves["other"]
+
+    def _peak(self, kind: str) -> float:
+        return self.peaks.get(kind) or self.peaks["other"]
+
+    @property
+    def host(self) -> HostOverhead:
+        """Host/framework figures of this device's software stack (overhead.py): per kernel (= overhead),
+        view, module call, autograd node, micro-batch and optimizer step."""
+        if self._host is None:
+            self._host = host_overhead(self)
+        return self._host
 
     def efficiency(self, kind: str, flops: float, nbytes: float) -> tuple[float, float]:
         """(fraction of peak FLOP/s, fraction of memory bandwidth) an op of this size runs at."""
@@ -443,7 +475,7 @@ class ComputeModel:
             return 1.0, 1.0
         c = self._curve(kind)
         ai = flops / nbytes if nbytes > 0 else math.inf
-        return (_curve_eff(c.get("flop"), flops, ai, self.peak),
+        return (_curve_eff(c.get("flop"), flops, ai, self._peak(kind)),
                 _curve_eff(c.get("bw"), nbytes, ai, self.bandwidth))
 
     def op_time(self, kind: str, flops: float, nbytes: float, launches: int = 1,
@@ -458,7 +490,7 @@ class ComputeModel:
         n = max(int(launches), 1)
         c = self._curve(kind)
         eff_f, eff_b = self.efficiency(kind, flops / n, nbytes / n)
-        t_f = flops / (self.peak * eff_f) if flops > 0 and c.get("flop") else 0.0
+        t_f = flops / (self._peak(kind) * eff_f) if flops > 0 and c.get("flop") else 0.0
         t_b = nbytes / (self.bandwidth * eff_b) if nbytes > 0 else 0.0
         t = n * float(c.get("overhead_s", self.overhead)) + max(t_f, t_b)
         if out_bytes / n >= self.fault_threshold and kind in COMPUTE_KINDS:

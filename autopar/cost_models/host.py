@@ -177,3 +177,106 @@ class OtherLoad:
         if not wall > 0.02 or math.isnan(busy):  # /proc/stat ticks are 10 ms: too short to tell
             return 0.0
         return max(0.0, busy - own) / wall
+
+
+def _count_kernels(torch: Any, fn: Callable[[], Any]) -> int:
+    """Kernels (non-view aten ops) one call of `fn` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .compute import classify
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if classify(str(func)) != "view":
+                _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
+
+def _slope(timer: Timer, make: Callable[[int], Callable[[], Any]], n1: int, n2: int) -> tuple[float, float]:
+    """(seconds per unit, fixed seconds) of `make(n)`'s call, from timings at n1 and n2 units."""
+    t1, t2 = timer(make(n1)), timer(make(n2))
+    per = max(t2 - t1, 0.0) / (n2 - n1)
+    return per, max(t1 - n1 * per, 0.0)
+
+
+def measure_framework(torch: Any, dev: Any, timer: Timer) -> tuple[float, float, dict]:
+    """(bare cost of one tiny op, per-kernel cost in a training step, host figures as meta["framework"]).
+
+    Measured on `dev` with tensors of a few elements, so every figure is host time (overhead.py's terms):
+    view_s a view of a grad-requiring tensor; module_s an nn.ReLU call less torch.relu; autograd_node_s
+    and microbatch_s the slope and intercept of backward() over chains of 8 and 40 multiplies, less
+    their backward kernels at the bare cost; step_s and step_tensor_s the intercept and slope of
+    AdamW.step() over 4 and 32 tensors. The per-kernel cost is what a training step of 8 tiny
+    Linear+ReLU layers spends per kernel once its module calls, autograd nodes and backward() call are
+    taken out (at least the bare cost)."""
+    nn = torch.nn
+    a, m = torch.randn(1, device=dev), torch.randn(1, 1, device=dev)
+    with torch.no_grad():
+        tiny = (lambda: torch.add(a, a), lambda: torch.relu(a), lambda: torch.mm(m, m))
+        bare = sorted(timer(fn) for fn in tiny)[1]
+    w = torch.randn(2, 2, device=dev, requires_grad=True)
+    view = timer(lambda: w.t())
+    relu = nn.ReLU()
+    with torch.no_grad():
+        module = max(timer(lambda: relu(a)) - timer(lambda: torch.relu(a)), 0.0)
+
+    def chain(n: int) -> Callable[[], Any]:
+        x = torch.randn(4, device=dev, requires_grad=True)
+
+        def run() -> None:
+            y = x
+            for _ in range(n):
+                y = y * 1.5
+            y.sum().backward()
+        return run
+
+    per_node, per_call = _slope(timer, chain, 8, 40)
+    kernels_per_node = (_count_kernels(torch, chain(40)) - _count_kernels(torch, chain(8))) / 32 / 2  # fwd+bwd
+    node = max(per_node - bare * (1 + kernels_per_node), 0.0)  # the forward mul and its backward kernels
+    microbatch = max(per_call - 3 * bare, 0.0)  # less the sum, its backward and the grad accumulation
+
+    def adam(n: int) -> Callable[[], Any]:
+        ps = [torch.randn(4, device=dev, requires_grad=True) for _ in range(n)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(ps, lr=1e-3)
+        return opt.step
+
+    step_tensor, step = _slope(timer, adam, 4, 32)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(8)]).to(dev)
+    x = torch.randn(2, 4, device=dev)
+
+    def train_step() -> None:
+        layers.zero_grad(set_to_none=True)
+        layers(x).sum().backward()
+
+    calls = [0]
+    hooks = [mod.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for mod in layers.modules()]
+    kernels = _count_kernels(torch, train_step)
+    for h in hooks:
+        h.remove()
+    out = layers(x).sum()
+    seen, stack = set(), [out.grad_fn]
+    while stack:  # the autograd nodes backward() runs
+        fn = stack.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            stack.extend(f for f, _ in fn.next_functions)
+    t_step = timer(train_step)
+    rest = t_step - calls[0] * module - len(seen) * node - microbatch
+    overhead = max(rest / max(kernels, 1), bare)
+    src = f"measured by calibrate on {dev.type} ({time.strftime('%Y-%m-%d')})"
+    host = {"stack": f"{dev.type}-eager", "kernel_s": {"value": overhead, "source": src + ": per kernel in a "
+                                                                                        "tiny-layer training step"},
+            "view_s": {"value": view, "source": src}, "module_s": {"value": module, "source": src},
+            "autograd_node_s": {"value": node, "source": src}, "microbatch_s": {"value": microbatch, "source": src},
+            "step_s": {"value": step, "source": src + " (AdamW)"},
+            "step_tensor_s": {"value": step_tensor, "source": src + " (AdamW)"},
+            "check": {"tiny_step_s": t_step, "kernels": kernels, "module_calls": calls[0], "autograd_nodes": len(seen)}}
+    return bare, overhead, host

@@ -14,12 +14,50 @@ priced at 2 bytes per element (passes/annotate.py PRECISIONS): autocast's matmul
 but ops on its fp32 list (softmax, log-softmax, cross-entropy, norms on CUDA) and type promotion (a
 residual add of an fp32 stream) keep some activations in fp32, so the 2-byte figure is a lower bound
 there; stage transfers do travel in 2 bytes (runtime/precision.py).
+
+Two corrections to those 2 bytes and one transient (`activation_corrections`, per layer of the graph):
+
+* ops torch.autocast runs in float32 (`AUTOCAST_FP32_OPS`, PyTorch AMP docs, "CUDA Ops that can autocast
+  to float32": softmax, log_softmax, cross_entropy, nll_loss, ...) keep what they save themselves (their own
+  output, e.g. the softmax probabilities of an unfused attention, or the log-probabilities cross-entropy
+  keeps: the b x s x vocab tensor of a language model, the largest one it saves) in 4 bytes, not 2;
+* the backward of such an op materialises two fp32 buffers the size of its input (the gradient it receives
+  and the one it returns; for cross-entropy: d/d log-probs and d/d logits) while its saved tensor is
+  still alive: a transient `2 x 4 x numel` in every precision, on top of the activations in flight (added
+  to `StageMemory.work` through `StageBase.bwd_transient`). For a GPT's loss this is 8 bytes per logit,
+  so the log-probabilities' 4 plus 8 = 12 bytes per logit at the loss's backward. Where the op runs fused
+  (codegen/fusion_rules.py: it saves its input and recomputes, e.g. the fused cross-entropy keeps the
+  logits), nothing of its own is kept and its backward returns one fp32 buffer: `1 x 4 x numel`.
+
+Device memory outside the tensors (`runtime_reserve_bytes`, CUDA devices only: catalog boards of kind
+"gpu"; CPU ranks and the unified-memory edge boards are not charged, nor a custom device with a name of its
+own, e.g. a scaled-down test device or a board described by its usable memory): what every training
+process holds on its GPU before the first tensor, subtracted from the usable capacity (`CostModel.usable`),
+not counted in the predicted peak (which stays comparable to the allocator's `max_memory_allocated`):
+
+* CUDA context (driver state, loaded kernels): `CUDA_CONTEXT_BYTES` = 400 MiB with lazy module loading
+  (the default since PyTorch 1.13 / CUDA 11.7): pytorch/pytorch PR #86509 measured 287 MB (context plus a
+  6 MB tensor) lazy vs 667 MB eager; ptrblck in pytorch/pytorch#109888 "around 400MB if CUDA >= 11.7 is
+  used and lazy module loading enabled", and in #107667 ">1000MB" before CUDA 11.7, when all kernels
+  were loaded eagerly (a 2020-era stack such as AMP's DeepSpeed runs pays that larger figure);
+* cuBLAS workspace: `CUBLAS_WORKSPACE_BYTES` = 8,519,680 bytes per handle and stream (PyTorch's default
+  `:4096:2:16:8` config, 4096 KiB x 2 + 16 KiB x 8; the fixed 8519680-byte block reported on
+  discuss.pytorch.org "unexpected memory allocation in torch.cuda.memory_snapshot()");
+* NCCL buffers (multi-device runs): `NCCL_BUFFER_BYTES` = 256 MiB per process, an estimate: NCCL's
+  buffers grow linearly with the channels it opens and the peers it connects to (S. Jeaugey, NVIDIA/nccl
+  #864 and #986: ring uses 2 connections per channel; `NCCL_BUFFSIZE` default 4 MiB per connection and
+  protocol); measured 544-688 MB per process group on 4x A100 with NVLink (NVIDIA/nccl#964), which opens
+  many channels; PCIe and Ethernet links open far fewer, so 256 MiB is a middle figure, not a bound.
+  A process with tensor, data and pipeline groups holds one communicator per group (more than this).
+The caching allocator's fragmentation is not modelled separately: `memory_reserve` (default 10%) is the
+margin for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..catalog import CATALOG
 from ..errors import PlanError
 from ..graph import TrainingGraph
 
@@ -29,6 +67,19 @@ SYNC_BUCKET_BYTES = 64 << 20
 
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "momentum": 4, "adam": 8, "adamw": 8, "adagrad": 4,
                          "rmsprop": 4}
+
+
+# what a CUDA training process holds on its GPU besides tensors (module docstring, sources there)
+CUDA_CONTEXT_BYTES = 400 << 20
+CUBLAS_WORKSPACE_BYTES = 8_519_680
+NCCL_BUFFER_BYTES = 256 << 20
+RUNTIME_RESERVE_KINDS = ("gpu",)
+
+# aten ops torch.autocast runs in float32 on CUDA whose saved tensors are large enough to matter (PyTorch AMP
+# docs, "CUDA Ops that can autocast to float32"): their own saved outputs and internals stay 4-byte
+AUTOCAST_FP32_OPS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "cross_entropy_loss",
+                               "nll_loss", "nll_loss_nd", "nll_loss2d"})
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -75,3 +126,38 @@ def training_state_bytes(graph: TrainingGraph, optimizer: object = "adamw", prec
     step_bytes = 4 * len(counted) if optimizer_name(optimizer) in ("adam", "adamw") else 0
     return {"weights": per.weights * numel, "grads": per.grads * numel,
             "optimizer": per.optimizer * numel + step_bytes}
+
+
+def runtime_reserve_bytes(kind: str, distributed: bool, name: str | None = None) -> int:
+    """Device bytes a training process holds outside its tensors on a device of `kind` (module docstring):
+    CUDA context + cuBLAS workspace, + NCCL buffers when `distributed`; 0 on CPU and edge devices, and on a
+    custom device (`name` given and not in the catalog)."""
+    if kind not in RUNTIME_RESERVE_KINDS or (name is not None and name not in CATALOG):
+        return 0
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + (NCCL_BUFFER_BYTES if distributed else 0)
+
+
+def _op(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[float], list[float]]:
+    """Per layer of an annotated graph, per global batch (module docstring): bytes to add to
+    `Layer.saved_bytes` because ops autocast runs in fp32 keep their saved tensors in 4 bytes (0 outside
+    bf16/fp16), and the backward transient of those ops (two fp32 buffers of their input's size; the
+    largest one in the layer)."""
+    extra, transient = [0.0] * len(graph.layers), [0.0] * len(graph.layers)
+    scale = 0.5 if precision in ("bf16", "fp16") else 1.0  # annotate's bytes per element / 4
+    for node in graph.nodes.values():
+        if node.layer < 0 or _op(node.target) not in AUTOCAST_FP32_OPS:
+            continue
+        floats = [t for t in node.outputs if t.dtype.startswith("float")]
+        own = sum(t.nbytes for t in floats) if node.name in node.saved else 0
+        # captured in fp32 (TensorMeta bytes); annotate halved what the node saves in mixed precision
+        extra[node.layer] += (own + node.saved_internal_bytes / scale) * (1 - scale)
+        inp = graph.nodes.get(node.args[0]) if node.args else None
+        numel = max([t.numel for t in floats] + ([t.numel for t in inp.outputs[:1]] if inp else []))
+        buffers = 2 if own or node.saved_internal_bytes else 1  # fused: it keeps its input and recomputes
+        transient[node.layer] = max(transient[node.layer], buffers * FP32_BYTES * numel)
+    return extra, transient

@@ -27,7 +27,8 @@ from .fusion_pricing import apply_overrides, check_mode, fused_overrides, fusing
 PRECISIONS = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
 aten = torch.ops.aten
-# flop_counter has no formula for the CPU flash-attention kernels; use its generic sdpa formulas.
+# flop_counter has no formula for the CPU flash-attention kernels; use its generic sdpa formulas (full score
+# matrix even when causal, as FlopCounterMode counts: the fused kernels' skipped upper half is not priced).
 _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_val=None, **kw: sdpa_flop_count(
         q.shape, k.shape, v.shape

@@ -9,7 +9,7 @@ failing after it exited are not taken for dead ones (they report the ranks its n
 that is alive but stuck still beats, so the error then says that no rank died (a hang). Ranks waiting
 on the dead one fail at once; the others fail when their peers exit, or after timeout_s.
 
-Recovery (`train`, called by a user script under `autopar run --max-restarts K`, i.e. torchrun's
+Recovery (`autopar.compiler.train`, called by a user script under `autopar run --max-restarts K`, i.e. torchrun's
 elastic agent). When a worker exits with an error the agent stops the others and starts the worker
 group again, up to K times; `train` then re-plans, loads the newest complete checkpoint (resharding it
 to the new plan) and continues from its step. Which devices the new attempt runs on:
@@ -48,21 +48,17 @@ import datetime
 import fcntl
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..cluster import Cluster
-from ..errors import AutoparError, PlanError
-from . import checkpoint
-from .dist import DEFAULT_TIMEOUT_S, PeerLostError, ensure_initialized
+from ..errors import PlanError
+from .dist import PeerLostError, ensure_initialized
 
 HEARTBEAT_S = 0.2
 LOST_AFTER_S = 1.0  # a rank whose counter does not move for this long is dead (5 missed beats)
@@ -184,7 +180,7 @@ def peer_lost(cause: BaseException, rank: int, what: str) -> PeerLostError:
     _leave_notice(lost or [])
     first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
     fix = ("Restart from the last checkpoint on the remaining devices: a script using "
-           "autopar.runtime.elastic.train under `autopar run --max-restarts K` does this automatically.")
+           "autopar.compiler.train under `autopar run --max-restarts K` does this automatically.")
     if lost is None:
         msg = (f"rank {rank} stopped during {what}: the job's rendezvous store is unreachable, so rank 0 "
                f"(which hosts it unless torchrun does) or the launcher is lost. {fix} (cause: {first})")
@@ -260,107 +256,7 @@ def device_usable() -> bool:
         return False
 
 
-# ---- elastic training --------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepInfo:
-    """What an `on_step` callback sees after each step (and its checkpoint)."""
-
-    program: Any
-    step: int  # steps done
-    device: int  # this worker's device index in the full cluster
-    rank: int  # its rank in this attempt's process group
-    attempt: int  # TORCHELASTIC_RESTART_COUNT
-    checkpoint_dir: Path
-
-
-@dataclass
-class TrainResult:
-    program: Any  # the Program of the last attempt
-    devices: list[int]  # cluster devices this attempt ran on (rank r = devices[r])
-    attempt: int
-    resumed_from: int | None  # step of the checkpoint this attempt started from (None: from scratch)
-    losses: dict[int, float] = field(default_factory=dict)  # step number -> loss, this attempt's steps
-    # wall-clock (time.time()) milestones of this attempt: start, joined (process group), planned (program
-    # compiled), loaded (checkpoint read), first_step, done
-    times: dict[str, float] = field(default_factory=dict)
-
-
-def train(build: Callable[[], Any], cluster: Cluster | str | dict | os.PathLike, steps: int,
-          checkpoint_dir: str | os.PathLike, *, every: int = 1, optimizer: Any = "adamw",
-          batch: Callable[[int], tuple[tuple, Any]] | None = None,
-          on_step: Callable[[StepInfo], None] | None = None, keep: int | None = 2, time_limit_s: float = 30,
-          timeout_s: float = DEFAULT_TIMEOUT_S) -> TrainResult | None:
-    """Train `steps` steps on `cluster`, checkpointing every `every` steps to `checkpoint_dir`, resuming
-    from the newest checkpoint there on the devices that remain (see the module docstring).
-
-    `build()` returns the model case: an object with `model`, `example_inputs`, `example_target` and
-    `loss_fn` (like `autopar.models.ModelCase`) or that 4-tuple; it must build the same initial weights
-    every time. `batch(step)` gives (inputs, target) for step `step` (0-based; default: the example batch).
-    Call it from a script launched by `autopar run --max-restarts K` (or torchrun), without initializing
-    torch.distributed yourself. Returns None in a worker whose device is recorded as lost (exit 0 then).
-    """
-    times = {"start": time.time()}
-    root = Path(checkpoint_dir)
-    base = Cluster.load(cluster)
-    device = int(os.environ.get("RANK", "0"))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if every < 1 or steps < 0:
-        raise PlanError(f"train(): every must be >= 1 and steps >= 0, got every={every}, steps={steps}.")
-    if launched > base.world_size:
-        raise PlanError(f"{launched} workers were started for a cluster of {base.world_size} devices; start "
-                        f"at most one per device.")
-    if not device_usable():
-        mark_lost(root, device, f"failed the device check at attempt {attempt}")
-        raise AutoparError(f"device {device} failed its health check; recorded it as lost in "
-                           f"{root / LOST_FILE} so that the next restart runs without it.")
-    lost = set(lost_devices(root))
-    survivors = [d for d in range(launched) if d not in lost]
-    if device in lost:
-        print(f"autopar: device {device} is recorded as lost in {root / LOST_FILE}; this worker stands down "
-              f"(attempt {attempt}).", file=sys.stderr)
-        return None
-    rank, world = survivors.index(device), len(survivors)
-    sub = base if survivors == list(range(base.world_size)) else \
-        base.subset(survivors, name=f"{base.name}[{','.join(map(str, survivors))}]")
-    _join(rank, world, launched, attempt, timeout_s)
-    times["joined"] = time.time()
-    case = build()
-    model, inputs, target, loss_fn = (case if isinstance(case, tuple) else
-                                      (case.model, case.example_inputs, case.example_target, case.loss_fn))
-    from .compile import compile as compile_program
-
-    prog = compile_program(model, sub, inputs, target, loss_fn, optimizer, time_limit_s=time_limit_s,
-                           timeout_s=timeout_s)
-    times["planned"] = time.time()
-    found = checkpoint.latest(root)
-    if found is not None:
-        prog.load(found[1])
-    times["loaded"] = time.time()
-    if rank == 0:
-        what = f"resuming from step {found[0]}" if found else "starting from scratch"
-        print(f"autopar: attempt {attempt} on devices {survivors} of {base.world_size}, {what}.",
-              file=sys.stderr)
-    result = TrainResult(prog, survivors, attempt, found[0] if found else None, times=times)
-    while prog.step_count < steps:
-        xs, y = batch(prog.step_count) if batch is not None else (inputs, target)
-        xs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-        loss = prog.step(*xs, target=y)
-        result.losses[prog.step_count] = loss
-        times.setdefault("first_step", time.time())
-        if prog.step_count % every == 0 or prog.step_count == steps:
-            prog.save(checkpoint.step_dir(root, prog.step_count))
-            if rank == 0 and keep:
-                checkpoint.prune(root, keep)
-        if on_step is not None:
-            on_step(StepInfo(prog, prog.step_count, device, rank, attempt, root))
-    times["done"] = time.time()
-    return result
-
-
-def _join(rank: int, world: int, launched: int, attempt: int, timeout_s: float) -> None:
+def join_attempt(rank: int, world: int, launched: int, attempt: int, timeout_s: float) -> None:
     """Join this attempt's process group as `rank` of `world` (fewer than the launcher started when devices
     are recorded lost: the launcher's store still serves the rendezvous)."""
     if dist.is_available() and dist.is_initialized():
@@ -387,6 +283,6 @@ def _join(rank: int, world: int, launched: int, attempt: int, timeout_s: float) 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "StepInfo", "TrainResult", "device_usable", "is_comm_failure",
+__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "device_usable", "is_comm_failure", "join_attempt",
            "lost_devices", "lost_ranks", "mark_lost", "naming_lost_ranks", "peer_lost", "start_heartbeat",
-           "stop_heartbeat", "train", "unmark_lost"]
+           "stop_heartbeat", "unmark_lost"]

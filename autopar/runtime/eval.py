@@ -1,8 +1,7 @@
 """Forward-only evaluation of a compiled program: the model's full output for one global batch on every rank.
 
-Each pipeline runs its micro-batches through its stages in order (micro-batch by micro-batch, stage by
-stage: every rank walks (micro-batch, stage) in the same lexicographic order, so the blocking receives
-cannot wait in a cycle), under `torch.no_grad`, so nothing is saved for backward. The last stage runs
+Each rank runs the forward actions of its training action list (`RankProgram.eval_actions`) through the
+training executor (`Program._run`), under `torch.no_grad`, so nothing is saved for backward. The last stage runs
 its `eval_gm` (codegen/split.py), which returns the values the model hands to the loss instead of the
 loss. Tensor-parallel stages return full (un-sharded) tensors. The last stage's first rank of each
 pipeline then broadcasts its share, and every rank concatenates the shares in batch order.
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from .dist import broadcast, wait
+from .dist import broadcast
 from .elastic import naming_lost_ranks
 
 if TYPE_CHECKING:
@@ -55,33 +54,9 @@ def _has_model_output(prog: Program) -> bool:
 
 
 def _forward(prog: Program, inputs: tuple) -> list[torch.Tensor] | None:
-    """This rank's stages over its pipeline's micro-batches; the last stage's outputs concatenated."""
-    pipe, pos = prog.pipeline, prog.position
-    sizes = pipe.microbatch_sizes
-    n_mb = len(sizes)
-    starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(n_mb)]
-    args = tuple(inputs) + ((None,) if prog._has_target else ())  # the eval program reads no target
-    per_mb: list[tuple[torch.Tensor, ...]] = []
-    sends = []
-    for m in range(n_mb):
-        for s in sorted(pos.stages):
-            st = prog._stages[(s, sizes[m])]
-            recv = []
-            if s > 0:
-                recv = prog._recv(st, st.recv, prog._peer(s - 1), (s * n_mb + m) * 2, "activations (eval)",
-                                  grad=False, compress=pipe.stages[s - 1].compress)
-            params = [prog.params[p] if p in prog.params else prog.experts.placeholder for p in st.params]
-            other = ([prog.buffers[b] for b in st.buffers]
-                     + [prog._slice(args[i], starts[m], sizes[m]) for i in st.inputs] + recv)
-            gm = st.eval_gm if st.is_last else st.gm
-            out = prog.tp.run(gm, params, other) if prog.tp else gm(*params, *other)
-            if st.is_last:
-                per_mb.append(tuple(out))
-            else:
-                sends.append(prog._send(list(out), prog._peer(s + 1), ((s + 1) * n_mb + m) * 2,
-                                        pipe.stages[s].compress))
-    for work, peer, _keep in sends:
-        wait(work, "send (eval)", peer, prog.timeout_s)
+    """This rank's forward-only actions (`RankProgram.eval_actions`) run by the training executor; the last
+    stage's outputs concatenated over micro-batches."""
+    per_mb = prog._run(prog.lowered.eval_actions, inputs, None, train=False)
     if not per_mb:
         return None
     for t in per_mb[0]:

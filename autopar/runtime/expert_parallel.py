@@ -50,8 +50,8 @@ from torch import nn
 
 from ..errors import PlanError
 from ..graph import TrainingGraph
+from ..lowering import Layout
 from .dist import DEFAULT_TIMEOUT_S, Groups, wait
-from .layout import Layout
 from .tensor_parallel import TPStage
 
 _CONTEXTS: dict[str, _Context] = {}  # op key -> the rank's context; the op can only carry a string

@@ -29,9 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..graph import TrainingGraph
+from ..lowering import Layout, params_by_layer
 from .dist import wait
-from .layout import Layout
-from .zero import params_by_layer
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
+from ..lowering import COMPRESS_DTYPES
 from ..plan import compute_description
 from .dist import DEFAULT_TIMEOUT_S, wait
-from .layout import COMPRESS_DTYPES
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,7 +114,7 @@ class PrecisionPolicy:
 
     @staticmethod
     def of_plan(plan: Any, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> PrecisionPolicy:
-        """The policy of `plan.precision` (fp32 without a plan: programs built from a layout)."""
+        """The policy of `plan.precision`."""
         return PrecisionPolicy(getattr(plan, "precision", None) or "fp32", device, timeout_s)
 
     def describe(self) -> str:

@@ -1,10 +1,11 @@
-"""The per-rank training program: pipeline schedule execution, p2p, gradient sync, optimizer.
+"""The per-rank training program: the executor of a rank's lowered action list, p2p, gradient sync, optimizer.
 
-Every rank runs the same script. A rank finds its (pipeline, stage) in the layout, captures the model at
-its pipeline's micro-batch sizes, keeps the stage program for its layers, and executes the schedule's
-actions for its stage: forward, send activations, receive gradients, backward. Micro-batch losses are
-weighted by size / global batch and replica gradients summed, so one step equals one single-device
-step on the whole global batch (for losses that average over the batch). Each stage's ZeRO level and
+Every rank runs the same script. `lowering.lower(plan, graph, rank)` says what the rank executes: its
+(pipeline, stages), groups, parameter placements and its action list. The program cuts the stage programs
+for its layers (at each of its pipeline's micro-batch sizes) and executes the list: forward, send
+activations, receive gradients, backward, and the per-layer memory actions around them (zero_layers.py).
+Micro-batch losses are weighted by size / global batch and replica gradients summed, so one step equals
+one single-device step on the whole global batch (for losses that average over the batch). Each stage's ZeRO level and
 CPU offload (`StageLayout.zero`, `.offload`) are carried out by `zero.ZeroRuntime`; see zero.py for what
 each level partitions and at which granularity. Plain data-parallel layouts all-reduce gradients in
 buckets overlapped with backward (grad_sync.py). Stage transfers carry every value in its own dtype, or
@@ -28,20 +29,20 @@ from torch.distributed.tensor.experimental import implicit_replication
 from ..codegen.split import StageProgram, split_stages
 from ..errors import PlanError
 from ..graph import TrainingGraph
+from ..lowering import PipelineLayout, RankProgram, lower
 from ..passes.capture import LossFn, capture
-from ..plan import cached_schedule
+from ..schedule import MEMORY_OF, Action
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
 from .layered import NoHooks, layer_calls, layered, node_layers
-from .layout import Layout, PipelineLayout
 from .precision import PrecisionPolicy
 from .straggler import StageTimer, StragglerReport
 from .tensor_parallel import TPSpec, TPStage, megatron_spec, sharding_spec
 from .weights import ModelWeights, WeightsArg
-from .zero import ZeroRuntime, check_stage_options, offload_activations, params_by_layer, zero_levels
-from .zero_layers import LayerwiseMemory, layerwise_params, streamed_params
+from .zero import ZeroRuntime, offload_activations
+from .zero_layers import LayerwiseMemory
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -56,18 +57,6 @@ def make_optimizer(optimizer: str | OptimizerFactory, params: list[nn.Parameter]
     return table[optimizer](params, lr=1e-3) if optimizer != "sgd" else table[optimizer](params, lr=1e-2)
 
 
-def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Canonical parameter name -> the tensor-parallel groups (stages, any pipeline) holding a copy."""
-    by_layer = params_by_layer(graph)
-    holders: dict[str, set[tuple[int, ...]]] = {}
-    for p in layout.pipelines:
-        for st in p.stages:
-            for layer in range(*st.layers):
-                for name in by_layer.get(layer, ()):
-                    holders.setdefault(name, set()).add(tuple(st.ranks))
-    return {k: tuple(sorted(v)) for k, v in sorted(holders.items())}
-
-
 class Program:
     """A compiled training program; `step()` trains on one global batch across the whole cluster.
 
@@ -78,12 +67,12 @@ class Program:
     offload), or None when it updates none.
     """
 
-    def __init__(self, model: nn.Module, layout: Layout | None, example_inputs: tuple, example_target: Any,
+    def __init__(self, model: nn.Module, plan: Any, example_inputs: tuple, example_target: Any,
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
-                 plan: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 layout_fn: Callable[[int], Layout] | None = None, kernels: str = "auto",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, kernels: str = "auto",
                  weights: WeightsArg = None, graph: TrainingGraph | None = None) -> None:
-        """`graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
+        """`plan`: an `autopar.Plan` (what `autopar.plan`, `estimate` or `plan_from_strategy` return).
+        `graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
         caller has it (compile does), so the model is not captured again for it."""
         self.plan = plan
         self.kernels = kernels
@@ -102,23 +91,20 @@ class Program:
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
         self.graph = graph if graph is not None else capture(model, example_inputs, loss_fn, example_target)
-        if layout is None:
-            assert layout_fn is not None
-            layout = layout_fn(len(self.graph.layers))
+        self.lowered: RankProgram = lower(plan, self.graph, rank)  # what this rank executes
+        layout = self.lowered.layout
         if world_size != layout.world_size:
             raise PlanError(f"the plan is for {layout.world_size} ranks but {world_size} processes were "
                             f"started; launch one process per device (e.g. torchrun --nproc-per-node "
                             f"{layout.world_size}).")
-        check_stage_options(layout)
         self.layout = layout
-        self.holders = param_groups(self.graph, layout)
+        self.holders = self.lowered.holders
         self.experts = expert_runtime(model, layout, rank, timeout_s)  # None without expert parallelism
         ep_sets = self.experts.group_sets(self.holders) if self.experts else set()
         if self.experts:
             self.holders = self.experts.restrict_holders(self.holders)
-        tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
-        reps = {tuple(g[0] for g in groups) for groups in self.holders.values()}
-        self.groups = Groups(sorted(tp_groups | reps | ep_sets), world_size)
+        reps = {tuple(g[0] for g in groups) for groups in self.holders.values()}  # experts restrict holders
+        self.groups = Groups(sorted(set(self.lowered.groups) | reps | ep_sets), world_size)
         if self.experts:
             self.experts.bind(self.groups)
         self.position = layout.position(rank)
@@ -177,45 +163,36 @@ class Program:
         return self.layout.pipelines[self.position.pipeline]
 
     def _zero_runtime(self) -> ZeroRuntime:
-        offload: dict[str, set[str]] = {}
-        my_group: tuple[int, ...] = (self.rank,)
-        if self.position is not None:
-            my_group = tuple(self.pipeline.stages[self.position.stages[0]].ranks)
-            for (s, _), st in self._stages.items():
-                for name in st.params:
-                    offload.setdefault(name, set()).update(self.pipeline.stages[s].offload)
+        offload = {n: set(k) for n, k in self.lowered.offload.items()}
         sizes = {info.name: info.meta.numel for info in self.graph.params.values() if not info.is_buffer}
-        levels = zero_levels(self.graph, self.layout)
+        levels = dict(self.lowered.levels)
         if self.experts:
             levels = self.experts.zero_levels(levels)
         return ZeroRuntime(self.params, self.holders, levels, sizes, offload,
-                           self.rank, my_group, self.groups, self.tp, self.timeout_s)
+                           self.rank, self.lowered.tp_group, self.groups, self.tp, self.timeout_s)
 
     def _layer_hooks(self) -> LayerwiseMemory | None:
-        """Run stages layer by layer where the plan's memory actions are per layer: recompute per block, and
-        ZeRO-2/3 gathers and gradient reductions and offloaded parameters streamed per layer (layered.py,
-        zero_layers.py). Tensor-parallel stages recompute per block too (each layer through the DTensor
-        interpreter) but keep whole-step ZeRO; expert-parallel stages keep whole-stage programs (their
-        recompute is one checkpoint per stage, priced so: `pricing.stage_memory`)."""
-        self._layered: set[int] = set()
-        if self.position is None or self.experts:
+        """Run stages layer by layer where the lowered program says so: recompute per block, and the
+        per-layer memory actions of its action list (layered.py, zero_layers.py). Tensor-parallel stages
+        recompute per block too (each layer through the DTensor interpreter) but have no per-layer memory
+        actions (whole-step ZeRO); expert-parallel stages keep whole-stage programs (their recompute is one
+        checkpoint per stage, priced so: `pricing.stage_memory`)."""
+        low = self.lowered
+        self._memory: dict[tuple, list[Action]] = {}  # (kind, stage, micro-batch) -> its memory actions
+        for a in low.actions:
+            if a.kind in MEMORY_OF:
+                self._memory.setdefault((MEMORY_OF[a.kind], a.stage, a.microbatch), []).append(a)
+        self._layered = low.layered_stages() if self.position is not None and not self.experts else set()
+        if not self._layered:
             return None
-        hooks: LayerwiseMemory | NoHooks = NoHooks()
-        if self.tp is None:
-            offloaded = {n for n, st in self.zero.state.items() if st.offload_params}
-            levels = {n: st.level for n, st in self.zero.state.items()}
-            hooks = LayerwiseMemory(self.zero, layerwise_params(self.graph, self.layout, levels, offloaded),
-                                    streamed_params(self.graph, levels, offloaded),
-                                    [self.pipeline.stages[s].layers for s in self.position.stages])
+        hooks: LayerwiseMemory | NoHooks = LayerwiseMemory(self.zero, low) if self._memory else NoHooks()
         run = self.tp.interpret if self.tp is not None else None
         for (s, _), st in self._stages.items():
-            stage = self.pipeline.stages[s]
-            recompute = {i for i in range(*stage.layers) if stage.recompute and self.graph.layers[i].kind == "block"}
-            if recompute or hooks.layers() & set(range(*stage.layers)):
+            if s in self._layered:
+                stage = self.pipeline.stages[s]
                 layer_of = node_layers(st.gm, st.node_layers, stage.layers[0])  # type: ignore[attr-defined]
-                st.gm = layered(st.gm, layer_of, hooks, recompute, run)
-                self._layered.add(s)
-        return hooks if isinstance(hooks, LayerwiseMemory) and hooks else None
+                st.gm = layered(st.gm, layer_of, hooks, set(low.recompute.get(s, ())), run)
+        return hooks if isinstance(hooks, LayerwiseMemory) else None
 
     def _bucketed_sync(self) -> BucketedGradSync | None:
         """DDP-style overlapped gradient all-reduce where the layout is plain data parallel (grad_sync.py)."""
@@ -284,12 +261,7 @@ class Program:
                     self.grad_sync.prepare()
                 if self.layers is not None:
                     self.layers.resident.clear()  # the last step's release freed every gathered layer
-                    self.layers.armed = True
-                try:
-                    local_loss += self._run_schedule(inputs, target)
-                finally:
-                    if self.layers is not None:
-                        self.layers.armed = False
+                local_loss += self._run(self.lowered.actions, inputs, target)
                 summed = self._sync_gradients()
             if summed is not None:  # the loss rode in the last gradient bucket
                 local_loss.fill_(summed)
@@ -320,46 +292,67 @@ class Program:
             return None
         return pipe.stages[stage].ranks[self.position.tp_index]
 
-    def _run_schedule(self, inputs: tuple, target: Any) -> float:
+    def _run(self, actions: tuple[Action, ...] | list[Action], inputs: tuple, target: Any, train: bool = True
+             ) -> Any:
+        """Execute this rank's action list: the one executor of training steps and of `eval_step` (which
+        passes the forward-only list, `train=False`, under no_grad). Returns the rank's weighted loss sum
+        (train) or the last stage's outputs per micro-batch (eval). Memory actions run inside their F/B,
+        at its layer boundaries (zero_layers.py)."""
         pipe, pos = self.pipeline, self.position
         sizes = pipe.microbatch_sizes
         n_mb = len(sizes)
         starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(n_mb)]
         args = tuple(inputs) + ((target,) if self._has_target else ())
-        sched = cached_schedule(pipe.schedule, pipe.num_groups, n_mb, pipe.chunks)  # built once per shape
         tag = lambda stage, m, backward: (stage * n_mb + m) * 2 + backward  # receiver's stage
         recv_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int], Any] = {}
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         sends: list[tuple[dist.Work, int, list[torch.Tensor]]] = []
+        evaluated: list[tuple[torch.Tensor, ...]] = []
         loss_sum = 0.0
-        last_b = max((i for i, a in enumerate(sched.actions[pos.group]) if a.kind == "B"), default=-1)
-        for i, action in enumerate(sched.actions[pos.group]):
+        last_b = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+        what = "" if train else " (eval)"
+        for i, action in enumerate(actions):
             s, m, kind = action.stage, action.microbatch, action.kind
-            if kind == "ALLREDUCE":
-                continue  # gradients are synchronized once after the schedule
+            if kind == "ALLREDUCE" or kind in MEMORY_OF:
+                continue  # gradients are synchronized after the schedule; memory actions run inside F/B
             key = (s, m)
             st = self._stages[(s, sizes[m])]
+            memory = self._memory.get((kind, s, m), []) if train else []
+            if memory and self.layers is None:
+                raise PlanError(f"{action} has memory actions {memory[0]}... but stage {s} does not run layer by "
+                                f"layer on this rank: the rank's program and its action list disagree.")
             if kind == "RECV_F":
-                recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations",
-                                          grad=True, compress=pipe.stages[s - 1].compress)
+                recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations" + what,
+                                          grad=train, compress=pipe.stages[s - 1].compress)
             elif kind == "F":
                 mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
                 held = [self.params[p] if p in self.params else self.experts.placeholder for p in st.params]
-                vals = (held + [self.buffers[b] for b in st.buffers] + mb_args
-                        + recv_in.get(key, []))
+                received = recv_in.get(key, []) if train else recv_in.pop(key, [])  # SEND_B reads them
+                vals = held + [self.buffers[b] for b in st.buffers] + mb_args + received
+                gm = st.eval_gm if (st.is_last and not train) else st.gm
                 n_p = len(st.params)
-                run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
-                    if self.tp else st.gm
-                with offload_activations("activations" in pipe.stages[s].offload), self.timer.compute(), \
-                        self.amp.forward():
-                    if pipe.stages[s].recompute and s not in self._layered:  # layered stages recompute per block
-                        outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
+                run = (lambda *v, gm=gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
+                    if self.tp else gm
+                if self.layers is not None:
+                    self.layers.begin(action, memory)
+                with offload_activations(train and "activations" in pipe.stages[s].offload), \
+                        self.timer.compute() if train else contextlib.nullcontext(), self.amp.forward():
+                    if train and pipe.stages[s].recompute and s not in self._layered:  # layered: per block
+                        out = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                     else:
-                        outputs[key] = run(*vals)
+                        out = run(*vals)
+                if self.layers is not None:
+                    self.layers.end(action)
+                if train:
+                    outputs[key] = out
+                elif st.is_last:
+                    evaluated.append(tuple(out))
+                else:
+                    outputs[key] = out
             elif kind == "SEND_F":
-                sends.append(self._send([o.detach() for o in outputs[key]], self._peer(s + 1),
-                                        tag(s + 1, m, 0), pipe.stages[s].compress))
+                sends.append(self._send([o.detach() for o in outputs[key]] if train else list(outputs.pop(key)),
+                                        self._peer(s + 1), tag(s + 1, m, 0), pipe.stages[s].compress))
             elif kind == "RECV_B":
                 names = [n for n in st.send if n in st.grad_values]
                 grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients",
@@ -368,8 +361,8 @@ class Program:
                 weight = sizes[m] / self.layout.global_batch
                 if self.grad_sync is not None:  # all-reduce buckets launch during the last backward
                     self.grad_sync.final = i == last_b
-                if self.layers is not None:  # layer-wise ZeRO reduces each layer as its backward ends
-                    self.layers.begin_backward(st.layers)
+                if self.layers is not None:  # per-layer memory actions: REDUCE as each layer's backward ends
+                    self.layers.begin(action, memory)
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
                     if st.is_last:
                         loss = outputs.pop(key)
@@ -382,14 +375,14 @@ class Program:
                                 if n in st.grad_values]
                         torch.autograd.backward(outs, grads_out.pop(key))
                 if self.layers is not None:
-                    self.layers.end_backward()
+                    self.layers.end(action)
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
                 sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, m, 1), pipe.stages[s - 1].compress))
         for work, peer, _keep in sends:
-            wait(work, "send", peer, self.timeout_s)
-        return loss_sum
+            wait(work, "send" + what, peer, self.timeout_s)
+        return loss_sum if train else evaluated
 
     def _send(self, tensors: list[torch.Tensor], peer: int, tag: int, compress: str | None = None
               ) -> tuple[Any, int, list[torch.Tensor]]:
@@ -544,4 +537,4 @@ class Program:
         (d / f"rank{self.rank}.py").write_text("\n".join(lines) + "\n")
 
 
-__all__ = ["Program", "PeerLostError", "make_optimizer", "param_groups"]
+__all__ = ["Program", "PeerLostError", "make_optimizer"]

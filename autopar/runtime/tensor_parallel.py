@@ -24,32 +24,10 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
 from ..graph import TrainingGraph
+from ..passes.tp_patterns import attention_cores, attention_projection, megatron_placements, users, weight_of
 from .vocab_parallel import vocab_parallel_embedding, vocab_parallel_loss
 
 aten = torch.ops.aten
-_ELEMENTWISE_FOLLOW = {
-    "aten.gelu.default",
-    "aten.relu.default",
-    "aten.silu.default",
-    "aten.dropout.default",
-    "aten.mul.Tensor",
-    "aten.tanh.default",
-    "aten.add.Tensor",
-    "aten.pow.Tensor_Scalar",
-    "aten.sigmoid.default",
-    "aten.clone.default",
-    "aten.contiguous.default",
-}
-_VIEWS = {
-    "aten.view.default",
-    "aten.reshape.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten._unsafe_view.default",
-    "aten.contiguous.default",
-    "aten.clone.default",
-    "aten.flatten.using_ints",
-}
 
 
 @dataclass
@@ -67,103 +45,12 @@ class TPSpec:
         return lines
 
 
-def _weight_of(graph: TrainingGraph, node_name: str) -> tuple[str, int] | None:
-    """(parameter placeholder, index of its output-feature dim) for a linear-like node with a weight param."""
-    n = graph.nodes[node_name]
-    if n.target == "aten.linear.default" and len(n.args) >= 2 and n.args[1] in graph.params:
-        return n.args[1], 0  # weight (out, in)
-    if n.target in ("aten.addmm.default", "aten.mm.default"):
-        w = n.args[-1]
-        if w in graph.params and len(graph.params[w].meta.shape) == 2:
-            return w, 1  # Conv1D-style weight (in, out) used as mat2
-    return None
-
-
-def _users(graph: TrainingGraph, names: list[str]) -> dict[str, list[str]]:
-    users: dict[str, list[str]] = {}
-    for name in names:
-        for a in graph.nodes[name].args:
-            users.setdefault(a, []).append(name)
-    return users
-
-
-def _next_linear(graph: TrainingGraph, users: dict[str, list[str]], start: str, through: set[str]) -> str | None:
-    """The first linear-like node reading `start`'s value through ops in `through`."""
-    frontier, seen = [start], set()
-    while frontier:
-        cur = frontier.pop()
-        for u in users.get(cur, []):
-            if u in seen:
-                continue
-            seen.add(u)
-            if _weight_of(graph, u) and graph.nodes[u].args[
-                0 if graph.nodes[u].target != "aten.addmm.default" else 1
-            ] in ({cur} | seen | {start}):
-                return u
-            if graph.nodes[u].target in through:
-                frontier.append(u)
-    return None
-
-
-def attention_projection(graph: TrainingGraph, attention: str, names: list[str]) -> tuple[str, Shard] | None:
-    """(weight placeholder, its row-parallel placement) of the linear projecting attention node `attention`'s
-    output (through views, within `names`): attention runs head-parallel when that weight is so placed."""
-    proj = _next_linear(graph, _users(graph, names), attention, _VIEWS)
-    if proj is None:
-        return None
-    w, out_dim = _weight_of(graph, proj)
-    return w, Shard(1 - out_dim)
-
-
 def megatron_spec(graph: TrainingGraph, layers: tuple[int, int]) -> TPSpec:
-    """Megatron-style placements derived from the graph: an MLP's first linear column-parallel and its
-    second row-parallel; attention head-parallel with its output projection row-parallel. Fused QKV
-    projections stay replicated (their output is split by a view DTensor cannot shard evenly)."""
-    spec = TPSpec()
-    names = [n for layer in graph.layers[layers[0] : layers[1]] for n in layer.nodes]
-    users = _users(graph, names)
-
-    def bias_of(node_name: str) -> str | None:
-        n = graph.nodes[node_name]
-        if n.target == "aten.linear.default" and len(n.args) == 3 and n.args[2] in graph.params:
-            return n.args[2]
-        if n.target == "aten.addmm.default" and n.args[0] in graph.params:
-            return n.args[0]
-        return None
-
-    def next_linear(start: str, through: set[str]) -> str | None:
-        return _next_linear(graph, users, start, through)
-
-    row_done: set[str] = set()
-    for name in names:
-        n = graph.nodes[name]
-        if n.target == "aten.scaled_dot_product_attention.default":
-            for qkv in n.args[:3]:
-                if qkv in graph.nodes:
-                    spec.relayout[qkv] = Shard(1)
-            proj = next_linear(name, _VIEWS)
-            if proj:
-                w, out_dim = _weight_of(graph, proj)
-                spec.params[graph.canonical(w)] = Shard(1 - out_dim)
-                row_done.add(proj)
-    for name in names:
-        if name in row_done or not _weight_of(graph, name):
-            continue
-        second = next_linear(name, _ELEMENTWISE_FOLLOW | _VIEWS)
-        if second is None or second in row_done or len(users.get(name, [])) != 1:
-            continue
-        w1, d1 = _weight_of(graph, name)
-        w2, d2 = _weight_of(graph, second)
-        if graph.canonical(w1) in spec.params or graph.canonical(w2) in spec.params:
-            continue
-        spec.params[graph.canonical(w1)] = Shard(d1)
-        b1 = bias_of(name)
-        if b1:
-            spec.params[graph.canonical(b1)] = Shard(0)
-        spec.params[graph.canonical(w2)] = Shard(1 - d2)
-        row_done.update({name, second})
-    _vocab_parallel(graph, names, spec, row_done, graph.canonical, bias_of)
-    return spec
+    """Megatron-style placements derived from the graph (`tp_patterns.megatron_placements`): an MLP's first
+    linear column-parallel and its second row-parallel; attention head-parallel with its output projection
+    row-parallel; the LM head and vocabulary-sized embeddings vocab-parallel."""
+    found = megatron_placements(graph, layers)
+    return TPSpec({k: Shard(d) for k, d in found.params.items()}, {k: Shard(d) for k, d in found.relayout.items()})
 
 
 def parse_placement(text: str) -> Placement:
@@ -195,7 +82,7 @@ def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mappi
             raise PlanError(f"sharding {sharding[name]!r} of parameter {name!r} needs a dim < {rank}.")
     covered = [layer for layer in graph.layers[layers[0] : layers[1]]
                if any(graph.canonical(p) in chosen for p in layer.params)]
-    users = _users(graph, list(graph.nodes))
+    readers = users(graph, list(graph.nodes))
     for layer in covered:
         for p in layer.params:
             spec.params.pop(graph.canonical(p), None)
@@ -206,66 +93,16 @@ def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mappi
         inside = set(layer.nodes)
         for n in layer.nodes:
             node = graph.nodes[n]
-            if node.target == "aten.scaled_dot_product_attention.default":
-                proj = attention_projection(graph, n, layer.nodes)
-                if proj and spec.params.get(graph.canonical(proj[0])) == proj[1]:
-                    spec.relayout.update((a, Shard(1)) for a in node.args[:3] if a in graph.nodes)
-            weight = _weight_of(graph, n)
+            weight = weight_of(graph, n)
             if weight and spec.params.get(graph.canonical(weight[0])) == Shard(1 - weight[1]):
                 spec.relayout[n] = Replicate()
-            if node.outputs and any(u not in inside for u in users.get(n, [])):
+            if node.outputs and any(u not in inside for u in readers.get(n, [])):
                 spec.relayout[n] = Replicate()
+        for core in attention_cores(graph, layer.nodes):  # (re-laying out its inputs wins over the above)
+            proj = attention_projection(graph, core.output, layer.nodes)
+            if proj and spec.params.get(graph.canonical(proj[0])) == Shard(proj[1]):
+                spec.relayout.update((a, Shard(d)) for a, d in core.inputs)
     return spec
-
-
-_TO_LOSS = _VIEWS | {"aten.to.dtype", "aten._to_copy.default", "aten.alias.default", "aten.slice.Tensor",
-                     "aten._assert_tensor_metadata.default"}
-
-
-def _loss_heads(graph: TrainingGraph) -> list[str]:
-    """Linear-like nodes whose output reaches a cross-entropy through views and casts only (LM heads)."""
-    users = _users(graph, list(graph.nodes))
-    heads = []
-    for start in graph.nodes:
-        if not _weight_of(graph, start):
-            continue
-        frontier, seen = [start], {start}
-        while frontier:
-            for u in users.get(frontier.pop(), []):
-                if u in seen:
-                    continue
-                seen.add(u)
-                node = graph.nodes[u]
-                if node.target == "aten.cross_entropy_loss.default" and node.args[0] in seen:
-                    heads.append(start)
-                elif node.target in _TO_LOSS:
-                    frontier.append(u)
-    return heads
-
-
-def _vocab_parallel(graph: TrainingGraph, names: list[str], spec: TPSpec, done: set[str], canonical: Any,
-                    bias_of: Any) -> None:
-    """The LM head (a linear feeding a cross-entropy) column-parallel along the vocabulary, and embedding
-    tables with as many rows as a head has classes `Shard(0)` (see vocab_parallel.py); position and other
-    small tables stay replicated. A tied head and embedding get the same placement; a parameter already
-    placed otherwise is left alone."""
-    heads = _loss_heads(graph)
-    vocab = {graph.params[_weight_of(graph, h)[0]].meta.shape[_weight_of(graph, h)[1]] for h in heads}
-    mine = set(names)
-    for name in names:
-        n = graph.nodes[name]
-        if n.target == "aten.embedding.default" and n.args and n.args[0] in graph.params \
-                and graph.params[n.args[0]].meta.shape[0] in vocab:
-            spec.params.setdefault(canonical(n.args[0]), Shard(0))
-    for name in heads:
-        if name not in mine or name in done:
-            continue
-        w, out_dim = _weight_of(graph, name)
-        if spec.params.setdefault(canonical(w), Shard(out_dim)) != Shard(out_dim):
-            continue
-        bias = bias_of(name)
-        if bias:
-            spec.params.setdefault(canonical(bias), Shard(0))
 
 
 def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

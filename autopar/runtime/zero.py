@@ -24,7 +24,7 @@ What each level does, per parameter:
 * ZeRO-3: additionally non-owners hold no copy outside the layer in use (the storage is freed, the
   parameter keeps its shape: `untyped_storage().resize_(0)`).
 
-Granularity. Where the holders of a parameter run identical schedules (zero_layers.py,
+Granularity. Where the holders of a parameter run identical schedules (lowering.py's docstring,
 `layerwise_params`: same stage and layer range in every pipeline holding it, same micro-batch count,
 tensor-parallel degree 1, read by one layer), ZeRO-3 gathers it right before its layer's forward and
 backward and frees it after, and ZeRO-2/3 reduce its gradient to the owner as soon as its layer's
@@ -71,70 +71,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..cost_models.memory import SYNC_BUCKET_BYTES
-from ..errors import PlanError
-from ..graph import TrainingGraph
+from ..lowering import assign_owners
 from .dist import Groups, wait
-from .layout import Layout
 from .tensor_parallel import TPStage
 
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
 BUCKET_BYTES = SYNC_BUCKET_BYTES  # bounds the flat copy one collective makes (priced: `StageMemory.sync`)
 Group = tuple[int, ...]
-
-
-def check_stage_options(layout: Layout) -> None:
-    """Every stage's zero level and offload kinds must be ones the runtime implements."""
-    for p in layout.pipelines:
-        for s, st in enumerate(p.stages):
-            if isinstance(st.zero, bool) or not isinstance(st.zero, int) or not 0 <= st.zero <= 3:
-                raise PlanError(f"pipeline {p.index} stage {s}: zero must be an integer 0-3, got "
-                                f"{st.zero!r}.")
-            if isinstance(st.offload, str):
-                raise PlanError(f"pipeline {p.index} stage {s}: offload must be a tuple of kinds, got the "
-                                f"string {st.offload!r}; write ({st.offload!r},).")
-            unknown = sorted(set(st.offload) - set(OFFLOAD_KINDS))
-            if unknown:
-                raise PlanError(f"pipeline {p.index} stage {s}: unknown offload kind(s) {unknown}; "
-                                f"offload is a subset of {list(OFFLOAD_KINDS)}.")
-
-
-def params_by_layer(graph: TrainingGraph) -> dict[int, set[str]]:
-    """Layer index -> canonical names of the (non-buffer) parameters its ops read."""
-    by_layer: dict[int, set[str]] = {}
-    for n in graph.nodes.values():
-        for a in n.args:
-            if a in graph.params and not graph.params[a].is_buffer:
-                by_layer.setdefault(n.layer, set()).add(graph.canonical(a))
-    return by_layer
-
-
-def zero_levels(graph: TrainingGraph, layout: Layout) -> dict[str, int]:
-    """Canonical parameter name -> the highest ZeRO level among the stages (any pipeline) holding it."""
-    by_layer = params_by_layer(graph)
-    levels: dict[str, int] = {}
-    for p in layout.pipelines:
-        for st in p.stages:
-            for layer in range(*st.layers):
-                for name in by_layer.get(layer, ()):
-                    levels[name] = max(levels.get(name, 0), st.zero)
-    return levels
-
-
-def assign_owners(holders: dict[str, tuple[Group, ...]], levels: dict[str, int],
-                  sizes: dict[str, int]) -> dict[str, Group]:
-    """The owning tensor-parallel group of every parameter: greedy balancing of owned elements per group
-    over partitioned parameters, the first holder otherwise. Deterministic: equal on every rank."""
-    load: dict[Group, int] = {}
-    owners: dict[str, Group] = {}
-    for name in sorted(holders, key=lambda n: (-sizes.get(n, 0), n)):
-        groups = holders[name]
-        if levels.get(name, 0) == 0 or len(groups) == 1:
-            owners[name] = groups[0]
-            continue
-        best = min(groups, key=lambda g: (load.get(g, 0), g))
-        owners[name] = best
-        load[best] = load.get(best, 0) + sizes.get(name, 0)
-    return owners
 
 
 def offload_activations(enabled: bool) -> contextlib.AbstractContextManager:

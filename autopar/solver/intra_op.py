@@ -11,11 +11,14 @@ The ILP, for groups v with strategies i and group edges (u, v) (v reads a tensor
 
     variables   s[v,i] in {0,1}            group v runs strategy i
                 e[u,v,i,j] in {0,1}        u runs i and v runs j (the product s[u,i] * s[v,j])
-    minimize    W * ( sum_v,i c[v,i] s[v,i] + sum_uv,i,j r[u,v,i,j] e[u,v,i,j] ) + sum_v,i i * s[v,i]
+    minimize    W * ( sum_v,i c[v,i] s[v,i] + sum_uv,i,j r[u,v,i,j] e[u,v,i,j] + sum_x,i q[x,i] z[x,i] )
+                + sum_v,i i * s[v,i]
     subject to  sum_i s[v,i] = 1                                   for every v      (_one_hot)
                 sum_j e[u,v,i,j] = s[u,i],  sum_i e[u,v,i,j] = s[v,j]  for every edge  (_linearize)
                                                                    with a nonzero r
                 sum_v,i m[v,i] s[v,i] <= budget                  when a budget is given (_memory_limit)
+                z[x,i] >= s[u,i] + sum_j in need(x,v) s[v,j] - 1  for every shared resharding x of a
+                                   tensor u produces and reader v of it (`intra_op_shared`, _needed)
 
 c[v,i] (`_group_costs`) is the compute time of the group's ops, forward + backward, re-priced with the
 kernels' FLOPs and bytes divided by the split (launch overheads stay), plus the collectives the strategy
@@ -27,7 +30,9 @@ layout v's strategy reads, forward, plus resharding the gradient v returns to wh
     R -> S   free (slice)       S(d) -> R   all-gather      S(d) -> S(e)   all-to-all
     P -> R   all-reduce         P -> S(d)   reduce-scatter  (P = partial sums)
 
-priced with `comm.collective_time` over `group`. m[v,i] is the training state of the parameters the group
+priced with `comm.collective_time` over `group`. A tensor several groups read gets its partial-sum gradients
+summed by autograd first, so their reduction q[x,i] is paid once (a `Shared` x), as is, outside runtime mode,
+one gather serving several readers. m[v,i] is the training state of the parameters the group
 reads (weights, gradients, AdamW moments; divided by tp where sharded) plus the activations its ops save
 for backward in the layout they are produced in. Costs are integer picoseconds and bytes; W exceeds the
 tie-break sum, which prefers earlier (simpler) strategies among equal-cost optima and makes the answer
@@ -56,10 +61,11 @@ from ..cost_models.memory import state_bytes_per_param
 from ..errors import InfeasibleError, PlanError
 from ..graph import Layer, OpNode, TensorMeta, TrainingGraph
 from ..passes.annotate import PRECISIONS
+from ..passes.tp_patterns import attention_cores
 from .intra_op_ilp import _STATS, solve_problems
+from .intra_op_shared import PS, Shared, shared_reshards
 from .intra_op_strategies import OpSpec, P, R, Strategy, enumerate_strategies, layout_name, op_spec
 
-PS = 1e12  # objective unit: picoseconds
 FORBIDDEN = 1.0  # seconds: the price of a resharding the runtime would not do (runtime mode)
 
 
@@ -76,6 +82,7 @@ class IntraOpResult:
     comm_bwd: float = 0.0
     # model parameter name -> "replicate" | "shard(d)": what the runtime runs (intra_op_pricing, runtime mode)
     sharding: dict[str, str] | None = None
+    source: str = ""  # LayerPricer: which candidate placements won (intra_op_pricing.SOURCES)
 
 
 @dataclass
@@ -114,7 +121,8 @@ class _Group:
 
 @dataclass
 class Problem:
-    """One layer's ILP data: per group, per strategy costs; per group pair, resharding matrices."""
+    """One layer's ILP data: per group, per strategy costs; per group pair, resharding matrices; the
+    gradient reductions shared by several readers (`Shared`)."""
 
     groups: list[_Group]
     cost: list[list[int]]  # picoseconds
@@ -123,10 +131,12 @@ class Problem:
     detail: list[list[_Cost]]
     edge_detail: dict[tuple[int, int], list[list[tuple[float, float]]]]
     const: _Cost = field(default_factory=_Cost)
+    shared: list[Shared] = field(default_factory=list)
 
     def objective(self, choice: Sequence[int]) -> int:
         return sum(c[i] for c, i in zip(self.cost, choice, strict=True)) + sum(
-            m[choice[u]][choice[v]] for (u, v), m in self.edges.items())
+            m[choice[u]][choice[v]] for (u, v), m in self.edges.items()) + sum(
+            round(g.paid(choice) * PS) for g in self.shared)
 
     @property
     def const_memory(self) -> int:
@@ -145,6 +155,8 @@ class Problem:
             f, b = m[choice[u]][choice[v]]
             total.comm_fwd += f
             total.comm_bwd += b
+        total.comm_fwd += sum(g.paid(choice) for g in self.shared if not g.backward)
+        total.comm_bwd += sum(g.paid(choice) for g in self.shared if g.backward)
         return total
 
     def names(self, choice: Sequence[int]) -> dict[str, str]:
@@ -207,6 +219,8 @@ class _Context:
                 self.saved_by_layer.setdefault(home, set()).add(r)
         self._strategies: dict[str, list[_NodeStrategy]] = {}
         self._comm: dict[tuple, float] = {}
+        # node -> the attention core it belongs to (SDPA, or the two matmuls of matmul + softmax attention)
+        self.cores = {m: c for c in attention_cores(graph, graph.nodes) for m in c.nodes}
 
     # -- tensors
     def meta(self, name: str) -> TensorMeta:
@@ -351,7 +365,7 @@ def _merge_followers(ctx: _Context, members: list[str]) -> list[_Group]:
 
 
 def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], boundary: int,
-                 first_use: dict[str, str]) -> list[_Cost]:
+                 first_use: dict[str, str], shared: Container[tuple[str, int, bool]] = ()) -> list[_Cost]:
     """Compute, own collectives, boundary resharding and memory of each strategy of one group."""
     graph, tp = ctx.graph, ctx.tp
     saved = ctx.saved_by_layer.get(layer.index, set())
@@ -365,8 +379,9 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
             c.compute_fwd += f
             c.compute_bwd += b
             c.comm_fwd += sum(ctx.collective(kind, nbytes * ctx.frac) for kind, nbytes in s.base.comm_fwd)
+            c.comm_fwd += sum(ctx.collective(kind, ctx.tensor_bytes(node.outputs[i])) for kind, i in s.base.comm_out)
             partial_grads = 0.0  # bytes of replicated weights whose gradients are partial: one all-reduce
-            forced = _forced(graph, m, s)
+            forced = _forced(ctx, m, s)
             for a, layout in s.ins.items():
                 if a in graph.params:
                     p = graph.params[a]
@@ -380,8 +395,9 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
                 elif a not in inside:  # read from another layer (boundary layout) or a graph input (R)
                     src = ctx.boundary_layout(a, boundary) if a in graph.nodes else R
                     nbytes = ctx.tensor_bytes(ctx.meta(a))
-                    c.comm_fwd += ctx.reshard(src, layout, nbytes, forced)
-                    if ctx.needs_grad(a):
+                    if (a, layout, False) not in shared:  # (else paid once, in a Shared)
+                        c.comm_fwd += ctx.reshard(src, layout, nbytes, forced)
+                    if ctx.needs_grad(a) and (a, s.grads[a], True) not in shared:
                         c.comm_bwd += ctx.reshard(s.grads[a], src, nbytes)
             if partial_grads:
                 c.comm_bwd += ctx.collective("all_reduce", partial_grads)
@@ -401,18 +417,22 @@ def _group_costs(ctx: _Context, layer: Layer, g: _Group, inside: set[str], bound
     return costs
 
 
-def _forced(graph: TrainingGraph, node: str, s: _NodeStrategy) -> bool:
+def _forced(ctx: _Context, node: str, s: _NodeStrategy) -> bool:
     """Whether the strategy may slice a replicated input: it shards one of its parameters (DTensor slices
-    the input to match), or is head-parallel attention (the runtime re-lays its inputs out by heads,
-    `tensor_parallel.py`). DTensor also slices a replicated input to match another, sharded one; that
-    depends on two edges at once, so the ILP does not choose it (FORBIDDEN) and `runtime_choice` prices it."""
-    if graph.nodes[node].target == "aten.scaled_dot_product_attention.default":
-        return s.base.name != "R"
-    return any(layout >= 0 for a, layout in s.ins.items() if a in graph.params)
+    the input to match), or is an op of a head-parallel attention core, SDPA or matmul + softmax (the
+    runtime re-lays the core's inputs out by heads, `tp_patterns.AttentionCore`). DTensor also slices a
+    replicated input to match another, sharded one; that depends on two edges at once, so the ILP does not
+    choose it (FORBIDDEN) and `runtime_choice` prices it."""
+    core = ctx.cores.get(node)
+    if core is not None and s.base.name != "R" and core.heads(s.ins):
+        return True
+    return any(layout >= 0 for a, layout in s.ins.items() if a in ctx.graph.params)
 
 
-def _edge_costs(ctx: _Context, gu: _Group, gv: _Group) -> list[list[tuple[float, float]]]:
-    """(forward, backward) seconds of resharding every tensor group v's root reads from group u."""
+def _edge_costs(ctx: _Context, gu: _Group, gv: _Group, shared: Container[tuple[str, int, bool]] = ()
+                ) -> list[list[tuple[float, float]]]:
+    """(forward, backward) seconds of resharding every tensor group v's root reads from group u, but the
+    `shared` ones ((tensor, layout, backward): paid once, in a Shared)."""
     root = gv.members[0]
     reads = [a for a in gv.choices[0][root].ins if a in gu.choices[0]]
     takes = {a: {c[root].ins[a] for c in gv.choices} for a in reads}
@@ -422,11 +442,12 @@ def _edge_costs(ctx: _Context, gu: _Group, gv: _Group) -> list[list[tuple[float,
         for cv in gv.choices:
             f = b = 0.0
             s = cv[root]
-            forced = _forced(ctx.graph, root, s)
+            forced = _forced(ctx, root, s)
             for a in reads:
                 src, nbytes = cu[a].base.out, ctx.tensor_bytes(ctx.graph.nodes[a].outputs[0])
-                f += ctx.reshard(src, s.ins[a], nbytes, forced, takes[a])
-                if ctx.needs_grad(a):
+                if (a, s.ins[a], False) not in shared:
+                    f += ctx.reshard(src, s.ins[a], nbytes, forced, takes[a])
+                if ctx.needs_grad(a) and (a, s.grads[a], True) not in shared:
                     b += ctx.reshard(s.grads[a], R if src == P else src, nbytes)
             row.append((f, b))
         out.append(row)
@@ -455,18 +476,20 @@ def _build(ctx: _Context, layer: Layer, boundary: int, choice: Sequence[int] | N
     groups = _merge_followers(ctx, members)
     if choice is not None:
         groups = [_Group(g.members, [g.choices[i]]) for g, i in zip(groups, choice, strict=True)]
-    detail = [_group_costs(ctx, layer, g, inside, boundary, first_use) for g in groups]
     index = {m: i for i, g in enumerate(groups) for m in g.members}
+    found = shared_reshards(ctx, groups, index, boundary)
+    shared = {k for k, _ in found}
+    detail = [_group_costs(ctx, layer, g, inside, boundary, first_use, shared) for g in groups]
     edge_detail = {}
     for iv, gv in enumerate(groups):
         for iu in sorted({index[a] for a in gv.choices[0][gv.members[0]].ins if a in index}):
-            edge_detail[iu, iv] = _edge_costs(ctx, groups[iu], gv)
+            edge_detail[iu, iv] = _edge_costs(ctx, groups[iu], gv, shared)
     edges = {k: [[round((f + b) * PS) for f, b in row] for row in m] for k, m in edge_detail.items()}
     const = _Cost(act_bytes=sum(ctx.tensor_bytes(graph.input_meta[r]) for r in
                                 ctx.saved_by_layer.get(layer.index, ()) if r in graph.input_meta))
     return Problem(groups, [[round(c.seconds * PS) for c in d] for d in detail],
                    [[round(c.state_bytes + c.act_bytes) for c in d] for d in detail], edges, detail,
-                   edge_detail, const)
+                   edge_detail, const, [g for _, g in found])
 
 
 # ---- entry point ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from ortools.sat.python import cp_model
 from ..errors import InfeasibleError, PlanError
 
 if TYPE_CHECKING:
-    from .intra_op import Problem
+    from .intra_op import Problem, Shared
 
 _STATS = {"ilp_solves": 0, "hits": 0, "misses": 0}
 
@@ -30,6 +30,21 @@ def _linearize(model: cp_model.CpModel, xu: list, xv: list) -> list[list]:
     for j in range(len(xv)):
         model.add(sum(row[j] for row in e) == xv[j])
     return e
+
+
+def _needed(model: cp_model.CpModel, xs: list[list], g: Shared) -> list:
+    """Per producer strategy i, a variable that is 1 when the producer runs i and some reader needs the
+    shared resharding (z >= s[u,i] + sum of that reader's strategies needing it - 1, for every reader); the
+    objective keeps it at 0 otherwise."""
+    zs = []
+    for i in range(len(g.seconds)):
+        z = model.new_bool_var("")
+        on = xs[g.producer][i] if g.producer is not None else 1
+        for v, part in g.readers:
+            if part:
+                model.add(z >= on + sum(xs[v][j] for j in part) - 1)
+        zs.append(z)
+    return zs
 
 
 def _memory_limit(model: cp_model.CpModel, terms: list, budget: float) -> None:
@@ -58,6 +73,8 @@ def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float
                 continue
             e = _linearize(model, xs[u], xs[v])
             cost_terms += [weight * mat[i][j] * e[i][j] for i in range(len(mat)) for j in range(len(mat[0]))]
+        for g in prob.shared:
+            cost_terms += [weight * c * z for c, z in zip(g.cost, _needed(model, xs, g), strict=True)]
     if memory_budget is not None:
         _memory_limit(model, [*mem_terms, const_mem], memory_budget)
     w = 1 + sum(len(x) - 1 for xs in xs_all for x in xs)

@@ -5,15 +5,17 @@ Plans are run by the DTensor runtime (runtime/tensor_parallel.py), which takes p
 activations out. So the planner prices what that runs (`LayerPricer(runtime=True)`, the default):
 
 * the ILP runs in runtime mode (`_Context.runtime`): only strategies and input reshardings DTensor makes
-  (views keep a shard on a split's first factor; attention is replicated or head-parallel; no partial sum
-  or shard turns into another shard before an op, a replicated input is sliced only for an op whose
-  sharded parameters ask for it), tensors crossing the layer replicated (the runtime replicates them);
+  (views keep a shard on a split's first factor; attention, SDPA or matmul + softmax (`tp_patterns`), is
+  replicated or head-parallel; no partial sum or shard turns into another shard before an op, a replicated
+  input is sliced only for an op whose sharded parameters ask for it or an attention core run by heads),
+  tensors crossing the layer replicated (the runtime replicates them);
 * the ILP's parameter layouts are then run through `runtime_choice`, a model of the propagation (each op
   takes the strategy its inputs' layouts reach cheapest: same layout free, a free slice of a replicated
   input where a sharded parameter or an input already so sharded asks for it, else a partial sum or
   shard replicated), and that strategy set is priced with the ILP's cost model (`_build(..., choice)`).
-  Fully replicated parameters are priced the same way, and the faster of the two is the layer's price
-  and sharding. Where propagation agrees with the ILP (the usual case) the price is the ILP's optimum.
+  Fully replicated parameters and Megatron's placements are priced the same way, and the fastest is the
+  layer's price and sharding (`IntraOpResult.source`; `tp_reason` says which, next to Megatron's closed
+  form, in the plan). Where propagation agrees with the ILP (the usual case) the price is the ILP's optimum.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..cluster import Cluster
 from ..errors import PlanError
 from ..graph import Layer, TrainingGraph
+from ..passes.tp_patterns import attention_cores, attention_projection, fused_qkv, megatron_placements
+from ..report import fmt_time
 from .intra_op import (
     _CACHE,
     _STATS,
@@ -37,6 +41,7 @@ from .intra_op import (
     _Context,
     _Group,
     _merge_followers,
+    _NodeStrategy,
     _result,
     _solution,
     solve_problems,
@@ -108,35 +113,47 @@ class LayerPricer:
         layer = self.ctx.graph.layers[layer_index]
         ctx = self._at(batch)
         key = ctx.layer_key(layer)
-        options: list[tuple[int, tuple[int, ...], dict[str, int] | None]] = []
+        # (boundary, strategy per group, parameter layouts, what they are: SOURCES keys)
+        options: list[tuple[int, tuple[int, ...], dict[str, int] | None, set[str]]] = []
         groups = _merge_followers(ctx, [n for n in layer.nodes if ctx.graph.nodes[n].outputs])
+
+        def add(layouts: dict[str, int], label: str) -> None:
+            same = next((o for o in options if o[2] == layouts), None)
+            if same is None:
+                options.append((R, runtime_choice(ctx, layer, groups, layouts), layouts, {label}))
+            else:
+                same[3].add(label)
+
         for size in buckets(batch):
             picked = self._choice(layer, size)
             if picked is None:
                 continue
             if not ctx.runtime:
-                options.append((*picked, None))
+                options.append((*picked, None, {"ilp"}))
                 continue
             layouts = param_layouts(ctx, groups, picked[1])
-            if layouts is not None and all(layouts != o[2] for o in options):
-                options.append((R, runtime_choice(ctx, layer, groups, layouts), layouts))
+            if layouts is not None:
+                add(layouts, "ilp")
         if ctx.runtime and options:  # also replicated parameters (no communication) and Megatron's placements
             if layer.index not in self._megatron:
                 self._megatron[layer.index] = megatron_layouts(ctx, layer)
-            for layouts in (dict.fromkeys(param_layouts(ctx, groups, (0,) * len(groups)) or {}, R),
-                            self._megatron[layer.index]):
-                if all(layouts != o[2] for o in options):
-                    options.append((R, runtime_choice(ctx, layer, groups, layouts), layouts))
+            add(dict.fromkeys(param_layouts(ctx, groups, (0,) * len(groups)) or {}, R), "replicated")
+            add(self._megatron[layer.index], "megatron")
         best: tuple[float, IntraOpResult] | None = None
         ctx.forbid = False  # a known answer: every resharding at its price
-        for boundary, choice, layouts in options:
+        for boundary, choice, layouts, labels in options:
             sol = _solution(_build(ctx, layer, boundary, choice), layer, (0,) * len(choice))
             res = _result(ctx.tp, [layer], [key], {key: sol})
+            res.source = "+".join(k for k in SOURCES if k in labels)
             if layouts is not None:
                 res.sharding = sharding_of(ctx, layer, layouts)
             if best is None or res.time_fwd + res.time_bwd < best[0]:
                 best = (res.time_fwd + res.time_bwd, res)
         return None if best is None else best[1]
+
+
+# what a LayerPricer answer is (IntraOpResult.source, "+"-joined where several coincide)
+SOURCES = {"ilp": "the ILP's optimum", "megatron": "Megatron's placements", "replicated": "replicated parameters"}
 
 
 def param_layouts(ctx: _Context, groups: list[_Group], choice: Sequence[int]) -> dict[str, int] | None:
@@ -150,36 +167,37 @@ def param_layouts(ctx: _Context, groups: list[_Group], choice: Sequence[int]) ->
     return out
 
 
-def couple_attention(ctx: _Context, layer: Layer, prob: Problem) -> None:
-    """Make head-parallel attention and a row-parallel output projection go together in `prob`, as the
-    runtime runs them (`tensor_parallel.sharding_spec`): the other pairings cost FORBIDDEN."""
-    from ..runtime.tensor_parallel import attention_projection
+def _heads(ctx: _Context, m: str, s: _NodeStrategy) -> bool:
+    """Whether op `m`'s strategy `s` runs its attention core head-parallel."""
+    return s.base.name != "R" and ctx.cores[m].heads(s.ins)
 
+
+def couple_attention(ctx: _Context, layer: Layer, prob: Problem) -> None:
+    """Make head-parallel attention (every op of each attention core) and a row-parallel output projection
+    go together in `prob`, as the runtime runs them (`tensor_parallel.sharding_spec`): the other pairings
+    cost FORBIDDEN."""
     g = ctx.graph
     index = {m: i for i, grp in enumerate(prob.groups) for m in grp.members}
-    for m in layer.nodes:
-        if g.nodes[m].target != "aten.scaled_dot_product_attention.default" or m not in index:
-            continue
-        proj = attention_projection(g, m, layer.nodes)
+    for core in attention_cores(g, layer.nodes):
+        proj = attention_projection(g, core.output, layer.nodes)
         v = next((i for i, grp in enumerate(prob.groups) if proj and proj[0] in grp.choices[0][grp.members[0]].ins),
                  None)
-        if v is None:
+        if v is None or proj is None:
             continue
-        u, pen = index[m], round(FORBIDDEN * PS)
         root = prob.groups[v].members[0]
-        mat = prob.edges.setdefault((u, v), [[0] * len(prob.groups[v].choices) for _ in prob.groups[u].choices])
-        for i, cu in enumerate(prob.groups[u].choices):
-            for j, cv in enumerate(prob.groups[v].choices):
-                if (cu[m].base.name != "R") != (cv[root].ins[proj[0]] == proj[1].dim):
-                    mat[i][j] += pen
+        for m in (x for x in core.nodes if x in index):
+            u, pen = index[m], round(FORBIDDEN * PS)
+            mat = prob.edges.setdefault((u, v), [[0] * len(prob.groups[v].choices) for _ in prob.groups[u].choices])
+            for i, cu in enumerate(prob.groups[u].choices):
+                for j, cv in enumerate(prob.groups[v].choices):
+                    if _heads(ctx, m, cu[m]) != (cv[root].ins[proj[0]] == proj[1]):
+                        mat[i][j] += pen
 
 
 def megatron_layouts(ctx: _Context, layer: Layer) -> dict[str, int]:
-    """The layouts `tensor_parallel.megatron_spec` gives the layer's parameters (placeholder -> layout)."""
-    from ..runtime.tensor_parallel import megatron_spec
-
-    spec = megatron_spec(ctx.graph, (layer.index, layer.index + 1))
-    return {p: getattr(spec.params.get(name), "dim", R) for p, name in layer_params(ctx.graph, layer)}
+    """The layouts the runtime's `megatron_spec` gives the layer's parameters (placeholder -> layout)."""
+    spec = megatron_placements(ctx.graph, (layer.index, layer.index + 1))
+    return {p: spec.params.get(name, R) for p, name in layer_params(ctx.graph, layer)}
 
 
 def layer_params(graph: TrainingGraph, layer: Layer) -> list[tuple[str, str]]:
@@ -197,21 +215,19 @@ def runtime_choice(ctx: _Context, layer: Layer, groups: list[_Group], layouts: d
     """Strategy index per group that DTensor's propagation reaches from parameter `layouts` with the
     layer's inputs replicated (module docstring); a group whose members do not follow their root takes
     the replicated strategy of every member."""
-    from ..runtime.tensor_parallel import attention_projection
-
     g = ctx.graph
     out: dict[str, int] = {}
     picked: dict[str, object] = {}
     for m in (n for grp in groups for n in grp.members):
-        node, heads = g.nodes[m], False
-        if node.target == "aten.scaled_dot_product_attention.default":
-            proj = attention_projection(g, m, layer.nodes)
-            heads = proj is not None and layouts.get(proj[0]) == proj[1].dim
+        heads = False
+        if m in ctx.cores:
+            proj = attention_projection(g, ctx.cores[m].output, layer.nodes)
+            heads = proj is not None and layouts.get(proj[0]) == proj[1]
         best: tuple[float, int, int] | None = None
         strategies = ctx.strategies(m)
         for k, s in enumerate(strategies):
-            if heads and s.base.name == "R":
-                continue  # the runtime re-lays the inputs out by heads
+            if heads and not _heads(ctx, m, s):
+                continue  # the runtime re-lays the core's inputs out by heads
             acts = {a: out.get(a, R) for a in s.ins if a not in g.params}
             forced = heads or any(layouts.get(a, R) >= 0 for a in s.ins if a in g.params)
             comm, inexact = 0.0, 0
@@ -243,7 +259,8 @@ def buckets(batch: int) -> tuple[int, ...]:
     return (lo,) if lo == batch else (lo, 2 * lo)
 
 
-__all__ = ["LayerPricer", "buckets", "layer_params", "param_layouts", "runtime_choice", "sharding_of"]
+__all__ = ["SOURCES", "LayerPricer", "buckets", "closed_form", "layer_params", "param_layouts", "runtime_choice",
+           "sharding_of", "tp_reason"]
 
 
 # ---- the planner's price of one tensor-parallel layer (re-exported by pricing) ---------------------
@@ -260,6 +277,7 @@ class LayerCost(NamedTuple):
     # with ilp: the placements priced for the layer's parameters, in `layer_params` order (identical blocks
     # share one LayerCost, so names come from the layer at hand; `stage_sharding`)
     sharding: tuple[str, ...] = ()
+    source: str = ""  # with ilp: which candidate placements won (SOURCES keys, "+"-joined)
 
 
 def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost:
@@ -280,15 +298,48 @@ def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple
                 res.param_bytes_per_device / cm.graph.layers[layer].param_bytes
                 if cm.graph.layers[layer].param_bytes else 1 / tp, res.activation_bytes_per_device, True,
                 tuple(res.sharding[name] for _, name in layer_params(cm.graph, cm.graph.layers[layer]))
-                if res.sharding else ()))
+                if res.sharding else (), res.source))
         if hit is not None:
             return hit  # type: ignore[return-value]
+    return closed_form(cm, layer, dtype, n, tp_group)
+
+
+def closed_form(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost:
+    """Megatron's closed form of one layer on a tensor-parallel group: every kernel split t ways, 2
+    all-reduces of the block's output activation in forward and 2 in backward (1 + 1 around the blocks)."""
+    tp = len(tp_group)
     fwd, bwd = cm.layer_compute(layer, dtype, n, tp)
     if tp == 1:
         return LayerCost(fwd, bwd, 0.0, 0.0)
     nbytes = (cm.boundary[layer] or cm.in_bytes[layer]) * n / cm.B
     ar = (2 if cm.is_block[layer] else 1) * cm.collective("all_reduce", nbytes, tp_group)
     return LayerCost(fwd, bwd, ar, ar, 1 / tp)
+
+
+def tp_reason(cm: CostModel, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> str:
+    """Why the blocks of layers [a, e) got their tensor-parallel price (a plan stage's `tp_reason`): the
+    ILP's answer and which candidate won, with its time next to Megatron's closed form, or why the
+    closed form was used. "" without tensor parallelism or blocks."""
+    blocks = [i for i in range(a, e) if cm.is_block[i]]
+    t = len(tp_group)
+    if t < 2 or not blocks:
+        return ""
+    c, ideal = tp_layer_cost(cm, blocks[0], dtype, n, tp_group), closed_form(cm, blocks[0], dtype, n, tp_group)
+    total = lambda x: x.fwd + x.bwd + x.fwd_comm + x.bwd_comm
+    if not c.ilp:
+        why = ("the intra-op ILP is switched off" if not cm.intra_op else
+               f"the intra-op ILP found no solution within {cm.intra_op_time_limit_s:g} s")
+        return (f"Megatron's closed form ({fmt_time(total(c))} per block and micro-batch): {why}; the runtime "
+                f"runs Megatron's placements")
+    picked = " = ".join(SOURCES[k] for k in c.source.split("+") if k in SOURCES) or SOURCES["ilp"]
+    ratio = total(c) / total(ideal)
+    layer = cm.graph.layers[blocks[0]]
+    fused = any(fused_qkv(cm.graph, core) for core in attention_cores(cm.graph, layer.nodes))
+    gap = (f"; the closed form splits every op {t} ways, the runtime replicates norms and elementwise ops"
+           + (" and gathers the fused QKV's output" if fused else "") if ratio > 1.05 else "")
+    return (f"intra-op ILP, {picked} (the fastest of the ILP's optimum, Megatron's placements and replicated "
+            f"parameters, as the DTensor runtime runs them): {fmt_time(total(c))} per block and micro-batch, "
+            f"{ratio:.2f}x Megatron's closed form {fmt_time(total(ideal))} (predictions{gap})")
 
 
 def stage_sharding(cm: CostModel, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]

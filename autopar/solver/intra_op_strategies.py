@@ -55,6 +55,9 @@ class Strategy:
     split_fwd: int = 1  # forward work is divided this many ways
     split_bwd: int = 1
     comm_fwd: tuple[tuple[str, float], ...] = ()  # collectives the op runs itself: (kind, bytes)
+    # collectives of its own output activations: (kind, output index), priced at the activation's bytes in
+    # the plan's precision and micro-batch (the runtime's all-reduce right after a row-parallel linear)
+    comm_out: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -419,8 +422,7 @@ def enumerate_strategies(spec: OpSpec, tp: int, runtime: bool = False) -> list[S
         found += _partial(spec)
     if runtime and handler is _matmul and found:
         # the runtime all-reduces a row-parallel linear's output right away (tensor_parallel.sharding_spec)
-        reduce = (("all_reduce", float(spec.outs[0].nbytes)),)
-        found = [replace(s, out=R, comm_fwd=reduce) if s.name == "row" else s for s in found]
+        found = [replace(s, out=R, comm_out=(("all_reduce", 0),)) if s.name == "row" else s for s in found]
     if runtime and found and handler is _attention:
         # the runtime shards attention over heads only (the dim before the sequence), never from a batch dim
         heads = f"S({len(spec.ins[0].shape) - 3})" if len(spec.ins[0].shape) >= 4 else "R"

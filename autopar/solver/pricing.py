@@ -22,11 +22,14 @@ Per micro-batch, stage [a, e) on device type T (`tp_layer_cost`, summed by `Cost
                  compute / t, 2 all-reduces of the block's output activation in forward and 2 in backward
                  (1 + 1 for the layers before/after the blocks), parameters and activations / t
 
+host_f / host_b: host/framework seconds per micro-batch (views, module calls, autograd nodes, the micro-batch's
+setup; cost_models/overhead.py), host_f paid again by recomputed blocks; sync adds the optimizer step's host time.
+
 `stage_times` adds the per-stage option costs (AR/RS/AG = all-reduce/reduce-scatter/all-gather over
 the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
 
-    fwd  = compute_f + tp_f + [zero 3] AG(N w) + [offload params] h2d(N w) + [offload act.] h2d(act)
-    bwd  = compute_b + tp_b + [recompute] (compute_f + tp_f of the blocks) + [zero 3] AG(N w)
+    fwd  = compute_f + tp_f + host_f + [zero 3] AG(N w) + [offload params] h2d(N w) + [offload act.] h2d(act)
+    bwd  = compute_b + tp_b + host_b + [recompute] (compute_f + tp_f of the blocks) + [zero 3] AG(N w)
            + [zero >= 2] RS(N g) + [offload params] h2d(N w) + h2d(N g) + [offload act.] h2d(act)
     sync = AR(N g) | RS(N g) + AG(N w) | AG(N w) | 0          for zero 0 | 1 | 2 | 3  (per step)
            + optimizer step: 2 (w + g + o) N' / memory bandwidth, or with the optimizer offloaded
@@ -91,7 +94,8 @@ from ..checks import check_memory_reserve
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
 from ..cost_models.compute import ComputeModel, kernel_flops
-from ..cost_models.memory import optimizer_name, state_bytes_per_param
+from ..cost_models.memory import activation_corrections, optimizer_name, runtime_reserve_bytes, state_bytes_per_param
+from ..cost_models.overhead import stage_host_seconds
 from ..errors import PlanError
 from ..graph import TrainingGraph
 from ..host_memory import UNIFIED_KINDS
@@ -108,7 +112,7 @@ from ..plan import (
 )
 from ..schedule import peak_inflight
 from . import experts
-from .intra_op_pricing import LayerPricer, stage_sharding, tp_layer_cost
+from .intra_op_pricing import LayerPricer, stage_sharding, tp_layer_cost, tp_reason
 from .pricing_plan import (
     ACT_BYTES,
     COMPRESS_DTYPE,
@@ -123,7 +127,7 @@ from .pricing_plan import (
     rank_peak,
     tied_sync,
 )
-from .stage_memory import StageMemory, bucketed_gradients, stage_memory
+from .stage_memory import StageMemory, bucketed_gradients, runtime_note, stage_memory
 
 # Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
 # bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
@@ -165,6 +169,8 @@ class StageBase:
     expert_stacked: float = 0.0  # of those, the ones in stacked (E, ...) tensors, which ZeRO leaves whole
     multi_layer: float = 0.0  # of `params`, those read by several layers (tied embeddings): kept whole-step
     block_params: float = 0.0  # of `params`, those of the range's repeated blocks
+    bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
+    host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,10 @@ class StageTimes:
     bwd: float
     comm: float  # the communication part of fwd + bwd
     sync: float  # per step
+    # the part of fwd (and of bwd) that the stage's per-layer GATHER_F (GATHER_B) memory actions take, and
+    # the part of bwd its REDUCEs take (lowering.py; `Plan.simulate` runs them as actions)
+    gather: float = 0.0
+    reduce: float = 0.0
 
 
 def inflight_closed_form(schedule: str, ranks: int, microbatches: int, chunks: int = 1) -> list[int]:
@@ -236,7 +246,9 @@ class CostModel:
             if used - {owner}:
                 self.shared.append((info.meta.numel, owner, frozenset(used)))
         inputs = sum(g.input_meta[n].nbytes for n in g.inputs[:1])
-        self.saved = [float(layer.saved_bytes) for layer in g.layers]
+        # fp32-kept saved tensors under autocast and backward transients (cost_models/memory.py)
+        fp32_saved, self.bwd_transient = activation_corrections(g, self.precision)
+        self.saved = [float(layer.saved_bytes) + x for layer, x in zip(g.layers, fp32_saved, strict=True)]
         self.boundary = [float(layer.boundary_bytes) for layer in g.layers]
         self.in_bytes = [float(inputs)] + self.boundary[:-1]
         classes: dict[tuple, int] = {}
@@ -286,18 +298,20 @@ class CostModel:
             for d in group:
                 node = self.cluster.devices[d].node
                 nodes[node] = nodes.get(node, 0) + 1
-            full = (len(group), tuple((self.cluster.nodes[k].intra_node, c) for k, c in nodes.items()),
-                    group_bandwidth(group, self.cluster))
+            full = (len(group), tuple((self.cluster.nodes[k].intra_node, self.cluster.nic_bandwidth(k), c)
+                                      for k, c in nodes.items()),
+                    group_bandwidth(group, self.cluster), {self.cluster.devices[d].spec.kind for d in group} == {"gpu"})
             sig = self._sig_of_group[group] = self._sigs.setdefault(full, len(self._sigs))
         return sig
 
-    def collective(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+    def collective(self, kind: str, nbytes: float, group: tuple[int, ...], concurrent: int = 1) -> float:
+        """`concurrent`: groups of this shape running it at once, sharing their nodes' NICs (comm.py)."""
         if len(group) < 2 or nbytes <= 0:
             return 0.0
-        key = (kind, nbytes, self.group_sig(group))
+        key = (kind, nbytes, self.group_sig(group), concurrent)
         t = self._memo.get(key)
         if t is None:
-            t = self._memo[key] = float(collective_time(kind, nbytes, group, self.cluster))
+            t = self._memo[key] = float(collective_time(kind, nbytes, group, self.cluster, concurrent=concurrent))
         return t  # type: ignore[return-value]
 
     def send_time(self, nbytes: float, src: int, dst: int, compress: str | None = None) -> float:
@@ -343,7 +357,14 @@ class CostModel:
         return hit  # type: ignore[return-value]
 
     def usable(self, device: int) -> float:
-        return self.cluster.devices[device].spec.memory * (1 - self.reserve)
+        """Bytes the plan's tensors may fill: (1 - memory_reserve) of the capacity, less what the runtime
+        holds outside tensors on a GPU (CUDA context, cuBLAS workspace, NCCL buffers: `runtime_reserve`)."""
+        return self.cluster.devices[device].spec.memory * (1 - self.reserve) - self.runtime_reserve(device)
+
+    def runtime_reserve(self, device: int) -> int:
+        """`cost_models.memory.runtime_reserve_bytes` of one device of this cluster."""
+        spec = self.cluster.devices[device].spec
+        return runtime_reserve_bytes(spec.kind, self.cluster.world_size > 1, spec.name)
 
     def host_usable(self, node: int) -> float:
         """Bytes of a node's host memory its devices may fill with what they offload."""
@@ -380,7 +401,7 @@ class CostModel:
 
     def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
         t, frac = len(tp_group), n / self.B
-        f = b = fc = bc = rc = act = act_rc = work = 0.0
+        f = b = fc = bc = rc = act = act_rc = work = transient = 0.0
         extra = tp_max = 0.0
         ilp = t > 1 and any(self.is_block[a:e])
         for i in range(a, e):
@@ -397,12 +418,16 @@ class CostModel:
                 work = max(work, saved)
             else:
                 act_rc += saved
+            transient = max(transient, self.bwd_transient[i] * frac / t)
+        host = stage_host_seconds(self, a, e, dtype)  # host/framework time (cost_models/overhead.py)
+        f, b, rc = f + host.fwd, b + host.bwd, rc + host.recompute
         params, biggest = self.range_params(a, e)
         multi = float(sum(n for n, _, us in self.shared if any(a <= u < e for u in us)))
         blocks = float(sum(self.own_params[i] for i in range(a, e) if self.is_block[i]))
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
-                         extra, tp_max, multi_layer=multi, block_params=blocks)
+                         extra, tp_max, multi_layer=multi, block_params=blocks, bwd_transient=transient,
+                         host_step=host.step)
         return experts.adjust_base(self, a, e, dtype, n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
@@ -415,19 +440,24 @@ class CostModel:
 
     # ---- options ------------------------------------------------------------------------------
     def stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
-                    dp_group: tuple[int, ...], dp_sig: int | None = None) -> StageTimes:
+                    dp_group: tuple[int, ...], dp_sig: int | None = None, layerwise: bool = True) -> StageTimes:
         """Per-micro-batch times and the per-step sync of a stage with option `opt` (module docstring).
-        `dp_sig` is `group_sig(dp_group)` when the caller has it."""
+        `dp_sig` is `group_sig(dp_group)` when the caller has it. Without `layerwise` (`plan.layerwise_stages`)
+        the runtime's ZeRO-2/3 is whole-step: one gather at the start of the step and one reduction after the
+        schedule, i.e. ZeRO-1's communication (and memory), priced so."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         t, D = len(tp_group), len(dp_group)
         N = base.params / t + base.tp_extra
         z = opt.zero if D > 1 else 0
-        key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig)  # same for every option
+        if not layerwise:
+            z = min(z, 1)
+        key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = (self.collective("all_gather", N * w, dp_group),
-                                     self.collective("reduce_scatter", N * g, dp_group),
-                                     self.collective("all_reduce", N * g, dp_group))
+            # the stage's t data-parallel groups (one per tp rank) sync at once: they share the nodes' NICs
+            hit = self._memo[key] = (self.collective("all_gather", N * w, dp_group, t),
+                                     self.collective("reduce_scatter", N * g, dp_group, t),
+                                     self.collective("all_reduce", N * g, dp_group, t))
         ag, rs, ar = hit  # type: ignore[misc]
         host = self.specs[dtype].host_link
         h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # host link: latency + bytes / bandwidth
@@ -444,7 +474,7 @@ class CostModel:
             fc, bc = fc + h2d(N * w), bc + h2d(N * w) + h2d(N * g)
         if "activations" in opt.offload:
             fc, bc = fc + h2d(act), bc + h2d(act)
-        sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync
+        sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync + base.host_step
         local = N / D + (experts.zero_extra(self, base, D) if base.moe_layers else 0.0) if z >= 1 else N
         if "optimizer" in opt.offload:
             sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
@@ -453,7 +483,10 @@ class CostModel:
             sync += 2 * (w + g + o) * local / self.models[dtype].bandwidth
         fwd = base.fwd + fc
         bwd = base.bwd + bc + (base.recompute if opt.recompute else 0.0)
-        return StageTimes(fwd, bwd, fc + bc, sync)
+        streamed = "params" in opt.offload
+        gather = (ag if z == 3 else 0.0) + (h2d(N * w) if streamed else 0.0)
+        reduce = (rs if z >= 2 else 0.0) + (h2d(N * g) if streamed else 0.0)
+        return StageTimes(fwd, bwd, fc + bc, sync, gather, reduce)
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
         """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py)."""
@@ -498,9 +531,10 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
         tp_group, dp_group = tuple(st.devices), dp_groups[j]
         opt = stage_option(st)
         base = cm.base(st.layers[0], st.layers[1], dtype, full, tp_group)
-        tf = cm.stage_times(base, opt, dtype, tp_group, dp_group)
+        tf = cm.stage_times(base, opt, dtype, tp_group, dp_group, layerwise=j in layerwise)
         ts = cm.stage_times(cm.base(st.layers[0], st.layers[1], dtype, full - 1, tp_group), opt, dtype,
-                            tp_group, dp_group) if n_small else StageTimes(0.0, 0.0, 0.0, tf.sync)
+                            tp_group, dp_group, layerwise=j in layerwise) \
+            if n_small else StageTimes(0.0, 0.0, 0.0, tf.sync)
         send = (cm.send_time(base.out_bytes, st.devices[0], pipe.stages[j + 1].devices[0], st.compress)
                 if j + 1 < len(pipe.stages) else 0.0)
         sync = tf.sync + tied[j]
@@ -509,6 +543,8 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
         m_full = len(sizes) - n_small
         preds.append({"fwd_s": tf.fwd, "bwd_s": tf.bwd, "fwd_small_s": ts.fwd, "bwd_small_s": ts.bwd,
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
+                      "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group),
+                      "gather_s": tf.gather, "reduce_s": tf.reduce,
                       "compute_s": m_full * (tf.fwd + tf.bwd - tf.comm)
                       + n_small * (ts.fwd + ts.bwd - ts.comm),
                       "comm_s": m_full * tf.comm + n_small * ts.comm + sync
@@ -564,7 +600,8 @@ def price(cm: CostModel, plan: Plan) -> Priced:
                 shared = on_host if cm.unified(d) else 0.0
                 peak[d] = math.ceil(need + shared)
                 if need + shared > cm.usable(d):
-                    problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared))
+                    problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared)
+                                    + runtime_note(cm, d))
         bound = max(bound, lower_bound(vals, sizes, ranks))
         pipes.append(replace(pipe, stages=stages))
     node_host = [sum(host.get(d, 0.0) for d in node.devices) for node in cm.cluster.nodes]

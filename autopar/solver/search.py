@@ -254,10 +254,12 @@ class Search:
         units = {cm.cluster.devices[u[0]].spec.name: u for u in reversed(pipe)}
         key = tuple((d, cm.group_sig(u)) for d, u in sorted(units.items())) + (b,)
         if key not in self._work:
-            total = 0.0
+            # a stage's per-micro-batch host setup (forward and backward) is paid once per stage, not per layer
+            setup = {d: 2 * cm.models[d].host.microbatch_s for d in units}
+            total = min(setup.values())
             for i in range(cm.L):
-                costs = [cm.base(i, i + 1, d, b, u) for d, u in units.items()]
-                total += min(c.fwd + c.bwd + c.fwd_comm + c.bwd_comm for c in costs)
+                costs = [(cm.base(i, i + 1, d, b, u), setup[d]) for d, u in units.items()]
+                total += min(c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - once for c, once in costs)
             self._work[key] = total / b
         return self._work[key]
 

@@ -178,7 +178,8 @@ class Splitter:
                         if z == 3 and "params" in off:
                             continue
                         opt = Option(z, rc, off)
-                        tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1])
+                        tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1],
+                                            slot.layerwise)
                         mem = cm.stage_memory(base, opt, t, D, slot.layerwise)
                         ranked.append((m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem))
             # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
@@ -415,7 +416,8 @@ class Splitter:
         for j, (a, e, c) in enumerate(split.stages):
             slot = slots[j]
             ts = (cm.stage_times(cm.base(a, e, slot.dtype, small, slot.tp_group), c.option, slot.dtype,
-                                 slot.tp_group, slot.dp_group) if small else StageTimes(0.0, 0.0, 0.0, 0.0))
+                                 slot.tp_group, slot.dp_group, layerwise=slot.layerwise) if small
+                  else StageTimes(0.0, 0.0, 0.0, 0.0))
             last = j + 1 == len(slots)
             send = 0.0 if last else cm.boundary_send(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
             vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync + tied[j]))

@@ -25,7 +25,15 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
              while it is recomputed; with activations offloaded only one micro-batch stays on the device;
              mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x N per
-             micro-batch, the recomputed blocks' only while one is recomputed)
+             micro-batch, the recomputed blocks' only while one is recomputed); ops autocast runs in fp32
+             (softmax, log-softmax / cross-entropy) keep what they save in 4 bytes (cost_models/memory.py)
+    work     + `StageBase.bwd_transient`: the two fp32 gradient buffers the backward of the stage's largest
+             such op holds next to its saved tensor (the loss's d/d log-probs and d/d logits: 8 bytes per
+             logit), live once, while one micro-batch goes through it; under per-layer ZeRO-2/3 it
+             comes before the first gradient, so only what exceeds the in-flight gradient buffer counts
+
+The device's capacity is what its tensors may fill: `CostModel.usable` takes the runtime's own device
+memory (CUDA context, cuBLAS workspace, NCCL buffers; cost_models/memory.py) off it on GPUs.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from ..cost_models.memory import SYNC_BUCKET_BYTES
 from ..plan import Plan
+from ..report import fmt_bytes
 from . import experts
 from .pricing_plan import offload_host_bytes
 
@@ -84,8 +93,8 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
         static += experts.zero_bytes(cm, base, opt._replace(zero=zm), dp)
     if zm == 3:
         static += 2 * P * w  # the layer in use and the next one, prefetched
-    if zm >= 2:
-        static += P * g  # one layer's gradients in flight to their owners while the backward goes on
+    in_flight_grads = P * g if zm >= 2 else 0.0
+    static += in_flight_grads  # ZeRO-2/3: one layer's gradients in flight to their owners during the backward
     if streamed:
         static += P * (w + g)  # the layer in use and its gradient
     # N' owned parameters, as the optimizer step's `local` in stage_times
@@ -93,6 +102,9 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     host = offload_host_bytes(cm.optimizer, w, N, owned, z, opt.offload)
     off_act = "activations" in opt.offload
     act, work = (base.act_recompute, base.act_work) if opt.recompute and base.has_blocks else (base.act, 0.0)
+    # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
+    # gradients above never coexist
+    work += max(0.0, base.bwd_transient - in_flight_grads)
     cast = cm.state.cast_copy  # autocast keeps a low-precision copy of each weight for the backward
     if cast:
         recomputed = base.block_params / tp if opt.recompute and base.has_blocks else 0.0
@@ -124,3 +136,10 @@ def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
             if zero or len(st.devices) != 1 or {"params", "optimizer"} & set(st.offload):
                 return False
     return True
+
+
+def runtime_note(cm: CostModel, device: int) -> str:
+    """The sentence a memory problem on a GPU adds: the usable figure also excludes the runtime's own memory."""
+    held = cm.runtime_reserve(device)
+    return (f" The usable figure also excludes {fmt_bytes(held)} the CUDA runtime holds outside tensors (context, "
+            f"cuBLAS workspace, NCCL buffers; cost_models/memory.py)." if held else "")

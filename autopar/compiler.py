@@ -1,53 +1,36 @@
-"""`autopar.compile`: plan (or take a plan), lower it to this rank's program, return it ready to train."""
+"""The entry points that build programs: `autopar.compile` (plan, or take a plan, lower it to this rank's
+program and return it ready to train) and `train` (elastic training: re-plan on the devices that remain and
+resume from the newest checkpoint, runtime/elastic.py). They sit above both the planner (api.py) and the
+runtime, which never imports them."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import check_seconds
-from ..cluster import Cluster
-from ..errors import AutoparError, CaptureError, PlanError
-from ..passes.batch_stats import pieces_of, warn_if_batch_split
-from ..passes.capture import LossFn, capture
-from ..report import dump_dir as _dump_dir
-from .dist import DEFAULT_TIMEOUT_S, ensure_initialized
-from .fallback import ReplicatedProgram
-from .layout import Layout, PipelineLayout, StageLayout, make_layout
-from .program import OptimizerFactory, Program
-from .straggler import AdaptiveProgram, AdaptPolicy
-from .weights import ModelWeights, WeightsArg, is_meta
-
-
-def layout_from_plan(plan: Any, num_layers: int) -> Layout:
-    """The rank-level layout of a Plan (pipelines in order take consecutive slices of the batch)."""
-    if plan.model.get("num_layers") not in (None, num_layers):
-        raise PlanError(
-            f"the plan was made for a model with {plan.model['num_layers']} layers in its chain, but "
-            f"this model has {num_layers}: plan again for this model."
-        )
-    pipelines, offset = [], 0
-    for i, p in enumerate(plan.pipelines):
-        stages = tuple(
-            StageLayout(
-                (int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute, tuple(s.offload),
-                getattr(s, "compress", None),
-                None if getattr(s, "sharding", None) is None else tuple(sorted(s.sharding.items())),
-            )
-            for s in p.stages
-        )
-        pipelines.append(
-            PipelineLayout(i, stages, offset, p.batch_share, p.num_microbatches, plan.schedule, plan.chunks)
-        )
-        offset += p.batch_share
-    world = Cluster.load(plan.cluster).world_size
-    ep = int((getattr(plan, "experts", None) or {}).get("degree", 1))
-    return make_layout(pipelines, world, plan.global_batch, num_layers, ep)
+from .checks import check_seconds
+from .cluster import Cluster
+from .errors import AutoparError, CaptureError, PlanError
+from .passes.batch_stats import pieces_of, warn_if_batch_split
+from .passes.capture import LossFn, capture
+from .report import dump_dir as _dump_dir
+from .runtime import checkpoint
+from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
+from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
+from .runtime.fallback import ReplicatedProgram
+from .runtime.program import OptimizerFactory, Program
+from .runtime.straggler import AdaptiveProgram, AdaptPolicy
+from .runtime.weights import ModelWeights, WeightsArg, is_meta
 
 
 def compile(
@@ -98,9 +81,9 @@ def compile(
     that `autopar.materialize(model, seed=0)` reproduces in one process. A non-meta model with `weights`
     trains from them. See autopar/runtime/weights.py.
     """
-    from ..api import estimate
-    from ..api import plan as make_plan
-    from ..plan import Plan, Strategy
+    from .api import estimate
+    from .api import plan as make_plan
+    from .plan import Plan, Strategy
 
     check_seconds("time_limit_s", time_limit_s)
     check_seconds("timeout_s", timeout_s)
@@ -113,11 +96,11 @@ def compile(
             f"--nproc-per-node {cluster.world_size})."
         )
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    from ..graphs.planner import graph_kind
+    from .graphs.planner import graph_kind
 
     if graph_kind(model, inputs) is not None or getattr(plan, "graph", None):
         # GNNs: partitioned full-graph or sampled data-parallel program (graphs/); TGN: temporal data parallel
-        from ..graphs.entry import compile_graph
+        from .graphs.entry import compile_graph
 
         return compile_graph(model, cluster, inputs, example_target, loss_fn, optimizer, plan, rank, world,
                              timeout_s, graph_options, precision)
@@ -143,7 +126,7 @@ def compile(
         if rank == 0:
             args = dict(example_inputs=capture_inputs, example_target=capture_target, loss_fn=loss_fn,
                         optimizer=optimizer if isinstance(optimizer, str) else "adamw",
-                        kernels=kernels, precision=precision)  # priced as the program will run
+                        kernels=kernels, precision=precision, captured=graph)  # priced as the program will run
             try:
                 made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
                         else make_plan(model, cluster, time_limit_s=time_limit_s, **args))
@@ -178,16 +161,14 @@ def compile(
         warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
     prog = Program(
         model,
-        None,
+        plan,
         inputs,
         example_target,
         loss_fn,
         optimizer,
         rank,
         world,
-        plan=plan,
         timeout_s=timeout_s,
-        layout_fn=lambda n_layers: layout_from_plan(plan, n_layers),
         kernels=kernels,
         weights=weights,
         graph=graph,
@@ -197,7 +178,7 @@ def compile(
         prog.dump(str(d))
         if rank == 0:
             (d / "plan.json").write_text(plan.to_json())
-            from ..api import analyze  # graph.txt/json/dot: the annotated graph, priced as the plan runs
+            from .api import analyze  # graph.txt/json/dot: the annotated graph, priced as the plan runs
 
             analyze(model, cluster, capture_inputs, capture_target, loss_fn, plan.precision, d, kernels)
     if adapt:
@@ -218,3 +199,101 @@ def compile(
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
         return AdaptiveProgram(prog, rebuild, cluster, policy)
     return prog
+
+
+# ---- elastic training --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepInfo:
+    """What an `on_step` callback sees after each step (and its checkpoint)."""
+
+    program: Any
+    step: int  # steps done
+    device: int  # this worker's device index in the full cluster
+    rank: int  # its rank in this attempt's process group
+    attempt: int  # TORCHELASTIC_RESTART_COUNT
+    checkpoint_dir: Path
+
+
+@dataclass
+class TrainResult:
+    program: Any  # the Program of the last attempt
+    devices: list[int]  # cluster devices this attempt ran on (rank r = devices[r])
+    attempt: int
+    resumed_from: int | None  # step of the checkpoint this attempt started from (None: from scratch)
+    losses: dict[int, float] = field(default_factory=dict)  # step number -> loss, this attempt's steps
+    # wall-clock (time.time()) milestones of this attempt: start, joined (process group), planned (program
+    # compiled), loaded (checkpoint read), first_step, done
+    times: dict[str, float] = field(default_factory=dict)
+
+
+def train(build: Callable[[], Any], cluster: Cluster | str | dict | os.PathLike, steps: int,
+          checkpoint_dir: str | os.PathLike, *, every: int = 1, optimizer: Any = "adamw",
+          batch: Callable[[int], tuple[tuple, Any]] | None = None,
+          on_step: Callable[[StepInfo], None] | None = None, keep: int | None = 2, time_limit_s: float = 30,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> TrainResult | None:
+    """Train `steps` steps on `cluster`, checkpointing every `every` steps to `checkpoint_dir`, resuming
+    from the newest checkpoint there on the devices that remain (runtime/elastic.py's docstring).
+
+    `build()` returns the model case: an object with `model`, `example_inputs`, `example_target` and
+    `loss_fn` (like `autopar.models.ModelCase`) or that 4-tuple; it must build the same initial weights
+    every time. `batch(step)` gives (inputs, target) for step `step` (0-based; default: the example batch).
+    Call it from a script launched by `autopar run --max-restarts K` (or torchrun), without initializing
+    torch.distributed yourself. Returns None in a worker whose device is recorded as lost (exit 0 then).
+    """
+    times = {"start": time.time()}
+    root = Path(checkpoint_dir)
+    base = Cluster.load(cluster)
+    device = int(os.environ.get("RANK", "0"))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if every < 1 or steps < 0:
+        raise PlanError(f"train(): every must be >= 1 and steps >= 0, got every={every}, steps={steps}.")
+    if launched > base.world_size:
+        raise PlanError(f"{launched} workers were started for a cluster of {base.world_size} devices; start "
+                        f"at most one per device.")
+    if not device_usable():
+        mark_lost(root, device, f"failed the device check at attempt {attempt}")
+        raise AutoparError(f"device {device} failed its health check; recorded it as lost in "
+                           f"{root / LOST_FILE} so that the next restart runs without it.")
+    lost = set(lost_devices(root))
+    survivors = [d for d in range(launched) if d not in lost]
+    if device in lost:
+        print(f"autopar: device {device} is recorded as lost in {root / LOST_FILE}; this worker stands down "
+              f"(attempt {attempt}).", file=sys.stderr)
+        return None
+    rank, world = survivors.index(device), len(survivors)
+    sub = base if survivors == list(range(base.world_size)) else \
+        base.subset(survivors, name=f"{base.name}[{','.join(map(str, survivors))}]")
+    join_attempt(rank, world, launched, attempt, timeout_s)
+    times["joined"] = time.time()
+    case = build()
+    model, inputs, target, loss_fn = (case if isinstance(case, tuple) else
+                                      (case.model, case.example_inputs, case.example_target, case.loss_fn))
+    prog = compile(model, sub, inputs, target, loss_fn, optimizer, time_limit_s=time_limit_s,
+                           timeout_s=timeout_s)
+    times["planned"] = time.time()
+    found = checkpoint.latest(root)
+    if found is not None:
+        prog.load(found[1])
+    times["loaded"] = time.time()
+    if rank == 0:
+        what = f"resuming from step {found[0]}" if found else "starting from scratch"
+        print(f"autopar: attempt {attempt} on devices {survivors} of {base.world_size}, {what}.",
+              file=sys.stderr)
+    result = TrainResult(prog, survivors, attempt, found[0] if found else None, times=times)
+    while prog.step_count < steps:
+        xs, y = batch(prog.step_count) if batch is not None else (inputs, target)
+        xs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+        loss = prog.step(*xs, target=y)
+        result.losses[prog.step_count] = loss
+        times.setdefault("first_step", time.time())
+        if prog.step_count % every == 0 or prog.step_count == steps:
+            prog.save(checkpoint.step_dir(root, prog.step_count))
+            if rank == 0 and keep:
+                checkpoint.prune(root, keep)
+        if on_step is not None:
+            on_step(StepInfo(prog, prog.step_count, device, rank, attempt, root))
+    times["done"] = time.time()
+    return result

@@ -1,0 +1,271 @@
+"""Host and framework overhead: what the Python/C++ host spends per kernel, module call, autograd node,
+micro-batch and optimizer step, priced apart from the kernels' device time.
+
+Terms (seconds; one `HostOverhead` per device kind and software stack, kept in a profile's
+`meta["framework"]` with the source of every figure):
+
+    kernel_s         per kernel launch, forward or backward: Python/C++ dispatch plus the launch
+                     (`Profile.overhead_s`, charged by `ComputeModel.op_time` with each kernel)
+    view_s           per captured op that launches no kernel (views: view, permute, transpose, ...):
+                     argument parsing, dispatcher, a new TensorImpl and autograd view metadata
+    module_s         per nn.Module call (forward; again when a block is recomputed)
+    autograd_node_s  per autograd node the backward pass runs (one per captured op that requires grad,
+                     plus one AccumulateGrad per trainable parameter tensor), beyond its kernels
+    microbatch_s     per micro-batch per stage, forward and again backward: the schedule's Python
+                     step, the batch split, p2p send/recv setup, one backward() call (its GraphTask and
+                     engine-thread hand-off)
+    step_s           per optimizer step: zero_grad, the loss-scale / grad-norm checks and their
+                     host syncs, the fused (foreach) AdamW launches
+    step_tensor_s    per parameter tensor per optimizer step (per-tensor Python work: state lookup,
+                     grouping lists for the foreach kernels)
+
+Pricing (solver/pricing.py): a stage's forward per micro-batch = its kernels (op_time, kernel_s each)
++ sum over its layers of view_s * views + module_s * module calls + microbatch_s; its backward = kernels +
+autograd_node_s * autograd nodes + microbatch_s; its sync adds step_s + step_tensor_s * tensors. The
+terms are additive with the device time: exact when the host is the bottleneck (small kernels, small
+micro-batches: where they matter), at most the host time too high when the device is (large kernels,
+where the host terms are a small fraction of the step).
+
+Counting (from the captured graph, `layer_counts`): module calls are the entries into a module path in
+the op order (a module called twice counts twice), skipping indexed containers (`blocks` of
+`blocks.0`: a ModuleList is not called) and counting the root model once; getitem nodes (tuple
+indexing) cost nothing. Autograd nodes: one per captured op that requires grad (two for aten.linear,
+whose t and addmm autograd records apart) and one AccumulateGrad per trainable parameter tensor.
+
+Defaults: eager PyTorch on CUDA (a server CPU core issuing), CPU (uncalibrated), and edge boards (ARM
+cores: 2.5x the CUDA figures, the ratio of their per-kernel overheads, 15 us vs 6 us). `autopar
+calibrate` measures the host figures on the device at hand (calibrate.py, `measure_host`).
+
+Validation target, not a fitted constant: on a single 8-GPU A100 node Megatron-LM runs (hidden
+1024-2048, micro-batch 1-8) show ~1.8 ms per layer per micro-batch of host time beyond 6 us per kernel
+(issue 12). `layer_host_seconds` of a GPT block at these defaults is far below that
+(tests/test_overhead.py prints it): Megatron's layers add Python autograd Functions, fused-kernel
+wrappers and NCCL launches this graph does not have, so the figure is reported, not matched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..graph import TrainingGraph
+    from .compute import ComputeModel
+
+_CUDA_SOURCES = {
+    "kernel_s": "eager PyTorch per-op launch + dispatch 5-10 us (CUDA launch alone a few us: NVIDIA "
+                "'Getting Started with CUDA Graphs', 2019); 6 us",
+    "view_s": "estimate: a Python-level view op (no kernel) costs ~1/3 of a launching op's host time",
+    "module_s": "estimate: nn.Module.__call__ (hook checks, Python frames) ~3-5 us on a server core",
+    "autograd_node_s": "estimate: autograd engine bookkeeping per node (ready queue, input buffers, "
+                       "grad accumulation) ~2-4 us beyond the node's kernel launches",
+    "microbatch_s": "estimate: schedule step + p2p isend/irecv setup (NCCL via torch.distributed, tens of "
+                    "us each) + one backward() call's setup: ~100 us per direction",
+    "step_s": "estimate: zero_grad, grad-norm/inf checks with their host syncs, ~10 foreach AdamW "
+              "launches: ~300 us",
+    "step_tensor_s": "estimate: per-tensor Python work of torch.optim (state dict lookup, foreach "
+                     "grouping): ~2 us",
+}
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """Host seconds per framework event of one device kind and software stack (module docstring)."""
+
+    stack: str
+    kernel_s: float
+    view_s: float
+    module_s: float
+    autograd_node_s: float
+    microbatch_s: float
+    step_s: float
+    step_tensor_s: float
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def to_meta(self) -> dict:
+        """JSON form kept in a profile's meta["framework"]: every figure with its source."""
+        out: dict[str, Any] = {"stack": self.stack}
+        for f in fields(self):
+            if f.name not in ("stack", "sources"):
+                out[f.name] = {"value": getattr(self, f.name), "source": self.sources.get(f.name, "")}
+        return out
+
+    @staticmethod
+    def from_meta(d: dict, fallback: HostOverhead) -> HostOverhead:
+        """Read meta["framework"]; figures it lacks come from `fallback` (with its sources)."""
+        vals: dict[str, Any] = {"stack": str(d.get("stack", fallback.stack))}
+        sources = dict(fallback.sources)
+        for f in fields(HostOverhead):
+            if f.name in ("stack", "sources"):
+                continue
+            item = d.get(f.name)
+            if isinstance(item, dict) and "value" in item:
+                vals[f.name] = float(item["value"])
+                sources[f.name] = str(item.get("source", ""))
+            elif isinstance(item, (int, float)):
+                vals[f.name] = float(item)
+            else:
+                vals[f.name] = getattr(fallback, f.name)
+        return HostOverhead(**vals, sources=sources)
+
+    def scaled(self, factor: float, stack: str, why: str) -> HostOverhead:
+        vals = {f.name: getattr(self, f.name) * factor for f in fields(self) if f.name not in ("stack", "sources")}
+        return HostOverhead(stack=stack, **vals, sources={k: f"{v}; x{factor:g} ({why})"
+                                                          for k, v in self.sources.items()})
+
+
+CUDA_EAGER = HostOverhead("cuda-eager", kernel_s=6e-6, view_s=2e-6, module_s=4e-6, autograd_node_s=3e-6,
+                          microbatch_s=100e-6, step_s=300e-6, step_tensor_s=2e-6, sources=_CUDA_SOURCES)
+CPU_EAGER = HostOverhead("cpu-eager", kernel_s=3e-6, view_s=1.5e-6, module_s=3e-6, autograd_node_s=2e-6,
+                         microbatch_s=30e-6, step_s=50e-6, step_tensor_s=20e-6, sources={
+                             k: "estimate for an uncalibrated CPU (run `autopar calibrate`); "
+                                + ("for-loop AdamW on CPU: ~5 ops per tensor" if k == "step_tensor_s" else
+                                   "no launch, no device sync")
+                             for k in _CUDA_SOURCES})
+
+
+def default_host(kind: str) -> HostOverhead:
+    """Default figures for a device kind ('gpu', 'edge', 'cpu')."""
+    if kind == "cpu":
+        return CPU_EAGER
+    if kind == "edge":
+        return CUDA_EAGER.scaled(2.5, "cuda-eager-arm", "ARM host cores; 15 us vs 6 us per kernel")
+    return CUDA_EAGER
+
+
+def host_overhead(model: ComputeModel) -> HostOverhead:
+    """A compute model's host figures: its profile's meta["framework"] over the kind's defaults, with the
+    per-kernel figure the model charges (`ComputeModel.overhead`)."""
+    base = default_host(model.spec.kind)
+    meta = model.profile.meta.get("framework")
+    host = HostOverhead.from_meta(meta, base) if isinstance(meta, dict) else base
+    if host.kernel_s != model.overhead:
+        vals = {f.name: getattr(host, f.name) for f in fields(host) if f.name != "sources"}
+        vals["kernel_s"] = model.overhead
+        host = HostOverhead(**vals, sources={**host.sources, "kernel_s": "the profile's overhead_s"})
+    return host
+
+
+# ---- counting -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostCounts:
+    """Host events of one layer per micro-batch (per optimizer step for `param_tensors`)."""
+
+    views: int = 0
+    modules: int = 0
+    autograd_nodes: int = 0
+    param_tensors: int = 0
+
+
+def _base_name(target: str) -> str:
+    from .compute import _base_name as base
+
+    return base(target)
+
+
+def _is_getitem(target: str) -> bool:
+    return "getitem" in str(target)
+
+
+def _call_prefixes(path: str) -> list[str]:
+    """The module paths whose call a node inside `path` is part of (indexed containers skipped)."""
+    if not path:
+        return []
+    parts = path.split(".")
+    out = []
+    for i in range(1, len(parts) + 1):
+        if i < len(parts) and parts[i].isdigit():
+            continue  # `blocks` of `blocks.0`: a ModuleList/indexed container, not called itself
+        out.append(".".join(parts[:i]))
+    return out
+
+
+def layer_counts(graph: TrainingGraph) -> list[HostCounts]:
+    """Per layer of `graph`: its Python-level views, module calls, autograd nodes and parameter tensors."""
+    views = [0] * len(graph.layers)
+    modules = [0] * len(graph.layers)
+    nodes = [0] * len(graph.layers)
+    tensors = [0] * len(graph.layers)
+    active: set[str] = set()
+    first = True
+    for layer in graph.layers:
+        for name in layer.nodes:
+            node = graph.nodes[name]
+            i = layer.index
+            if _is_getitem(node.target):
+                continue
+            if first:  # the root model's own call
+                modules[i] += 1
+                first = False
+            now = set(_call_prefixes(node.module))
+            modules[i] += len(now - active)
+            active = now
+            views[i] += int(node.is_view)
+            # aten.linear is CompositeImplicitAutograd: autograd records its t and addmm, two nodes
+            nodes[i] += (2 if _base_name(node.target) == "linear" else 1) if node.requires_grad else 0
+    for info in graph.params.values():
+        if info.counts and 0 <= info.layer < len(graph.layers):
+            tensors[info.layer] += 1
+            nodes[info.layer] += 1  # its AccumulateGrad node
+    return [HostCounts(*c) for c in zip(views, modules, nodes, tensors, strict=True)]
+
+
+def layer_host_seconds(counts: HostCounts, host: HostOverhead) -> tuple[float, float]:
+    """(forward, backward) host seconds of one layer per micro-batch, kernels' launches excluded."""
+    return (counts.views * host.view_s + counts.modules * host.module_s,
+            counts.autograd_nodes * host.autograd_node_s)
+
+
+def step_host_seconds(param_tensors: int, host: HostOverhead) -> float:
+    """Host seconds of one optimizer step over `param_tensors` parameter tensors."""
+    return host.step_s + param_tensors * host.step_tensor_s
+
+
+def graph_host_seconds(graph: TrainingGraph, model: ComputeModel, microbatches: int = 1,
+                       optimizer_step: bool = False) -> float:
+    """Host seconds of one whole-graph training step on one device (`microbatches` forward+backward
+    passes, kernels' launches excluded: those are in the kernels' times), plus the optimizer step."""
+    host = host_overhead(model)
+    counts = layer_counts(graph)
+    per_mb = sum(sum(layer_host_seconds(c, host)) for c in counts) + 2 * host.microbatch_s
+    step = step_host_seconds(sum(c.param_tensors for c in counts), host) if optimizer_step else 0.0
+    return microbatches * per_mb + step
+
+
+
+@dataclass(frozen=True)
+class StageHost:
+    """Host seconds of a pipeline stage: per micro-batch forward / backward, the forward of its blocks
+    paid again under recompute, and per optimizer step."""
+
+    fwd: float
+    bwd: float
+    recompute: float
+    step: float
+
+
+def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
+    """`StageHost` of layers [a, e) on device type `dtype` of a `solver.pricing.CostModel` (memoised in it)."""
+    key = ("host", cm.range_key(a, e), dtype)
+    hit = cm._memo.get(key)
+    if hit is None:
+        counts = cm._memo.get(("host_counts",))
+        if counts is None:
+            counts = cm._memo[("host_counts",)] = layer_counts(cm.graph)
+        host = cm.models[dtype].host
+        f = b = rc = 0.0
+        for i in range(a, e):
+            lf, lb = layer_host_seconds(counts[i], host)
+            f, b = f + lf, b + lb
+            rc += lf if cm.is_block[i] else 0.0
+        tensors = sum(counts[i].param_tensors for i in range(a, e))
+        hit = cm._memo[key] = StageHost(f + host.microbatch_s, b + host.microbatch_s, rc,
+                                        step_host_seconds(tensors, host))
+    return hit
+
+
+__all__ = ["CPU_EAGER", "CUDA_EAGER", "HostCounts", "HostOverhead", "StageHost", "default_host",
+           "graph_host_seconds", "host_overhead", "layer_counts", "layer_host_seconds", "stage_host_seconds",
+           "step_host_seconds"]

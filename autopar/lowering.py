@@ -1,0 +1,426 @@
+"""Lowering: a Plan and the model's graph -> everything one rank executes, `lower(plan, graph, rank)`.
+
+The plan is the one description of what runs; a rank's view of it is derived here by pure functions
+(no process groups, no tensors), and the runtime (runtime/program.py) executes exactly that view:
+
+    layout_of(plan, num_layers)     the pipelines: each stage's layer range, tensor-parallel group of
+                                    ranks, ZeRO level, recompute, offload, compression; each pipeline's
+                                    batch slice, micro-batches, schedule. Checked (PlanError) here.
+    placements                      per parameter: the groups holding a copy (`holders`), its ZeRO level
+                                    (the highest among its holding stages; 0 with a single holder), its
+                                    owner (`assign_owners`), this rank's offload kinds, and whether its
+                                    memory actions run per layer (`layer_reduced`, `layer_gathered`,
+                                    `streamed`) or for the whole step
+    memory_actions(schedule, ...)   the pipeline schedule (schedule.py) with this rank's per-layer memory
+                                    actions inserted around each F/B: GATHER_F / FREE_F, GATHER_B /
+                                    REDUCE / FREE_B (schedule.py's docstring)
+    RankProgram                     all of it; `Plan.simulate` prices the same action lists
+                                    (`priced_schedule`) and the runtime runs them (zero_layers.py)
+
+Collective order. Per-layer memory actions run inside the pipeline schedule, so they are used only where
+every holder of a parameter executes the same sequence of them: a parameter is per-layer when all
+pipelines holding it hold it in the same stage (same index and layer range, tensor-parallel degree 1),
+with the same micro-batch count, schedule and chunks (`plan.layerwise_stages`), and it is read by one layer
+only (not a tied embedding) and not offloaded. Its holders then run identical action lists, reductions are
+issued strictly in descending layer order, and each gather/free is an action of the list, never a decision
+taken from ownership. Streaming needs no collective: every offloaded parameter read by one layer, at ZeRO
+level <= 2, that this rank does not update on the device (its optimizer is offloaded, or another replica
+owns it) streams, on stages of tensor-parallel degree 1 without expert parallelism. Every other parameter
+keeps the whole-step path of runtime/zero.py (gathered or brought back at the start of the step, reduced
+after the schedule), and the planner prices that path for it (solver/stage_memory.py, solver/pricing.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cluster import Cluster
+from .errors import PlanError
+from .graph import TrainingGraph
+from .plan import OFFLOAD_KINDS, Pipeline, Plan, even_split, layerwise_stages
+from .schedule import MEMORY_OF, Action, Schedule, make_schedule
+
+COMPRESS_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+Group = tuple[int, ...]
+
+
+# ---- the layout: who does what ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageLayout:
+    layers: tuple[int, int]
+    ranks: tuple[int, ...]  # the stage's tensor-parallel group
+    zero: int = 0
+    recompute: bool = False
+    offload: tuple[str, ...] = ()
+    # "bf16" | "fp16": floating activations this stage sends to the next one, and the gradients sent back
+    # to it, travel in that dtype (see runtime/dist.py, `wire_dtype`); None sends them exactly
+    compress: str | None = None
+    # (parameter name, "replicate" | "shard(d)") pairs: the intra-op ILP's placements (`plan.Stage.sharding`);
+    # None runs Megatron's placements
+    sharding: tuple[tuple[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """A data-parallel replica. With `chunks` > 1 (interleaved 1F1B), stage s runs on device group
+    s % (len(stages) // chunks), so each group holds `chunks` stages."""
+
+    index: int
+    stages: tuple[StageLayout, ...]
+    batch_offset: int
+    batch_size: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.stages) // self.chunks
+
+    @property
+    def microbatch_sizes(self) -> list[int]:
+        """Sizes of the micro-batches, as even as possible (larger ones first, like torch.tensor_split)."""
+        return even_split(self.batch_size, self.num_microbatches)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        return [s.layers for s in self.stages]
+
+
+@dataclass(frozen=True)
+class Position:
+    pipeline: int
+    group: int  # pipeline rank (device group) index within the pipeline
+    tp_index: int
+    stages: tuple[int, ...]  # the stages this rank runs (several with interleaving)
+
+
+@dataclass(frozen=True)
+class Layout:
+    pipelines: tuple[PipelineLayout, ...]
+    world_size: int
+    global_batch: int
+    positions: dict[int, Position] = field(default_factory=dict, compare=False)
+    ep: int = 1  # expert-parallel degree: consecutive replicas share their experts (expert_parallel.py)
+
+    def position(self, rank: int) -> Position | None:
+        return self.positions.get(rank)
+
+
+def _check_stage(p: PipelineLayout, s: int, st: StageLayout) -> None:
+    if isinstance(st.zero, bool) or not isinstance(st.zero, int) or not 0 <= st.zero <= 3:
+        raise PlanError(f"pipeline {p.index} stage {s}: zero must be an integer 0-3, got {st.zero!r}.")
+    if isinstance(st.offload, str):
+        raise PlanError(f"pipeline {p.index} stage {s}: offload must be a tuple of kinds, got the string "
+                        f"{st.offload!r}; write ({st.offload!r},).")
+    unknown = sorted(set(st.offload) - set(OFFLOAD_KINDS))
+    if unknown:
+        raise PlanError(f"pipeline {p.index} stage {s}: unknown offload kind(s) {unknown}; offload is a "
+                        f"subset of {list(OFFLOAD_KINDS)}.")
+    if st.compress not in COMPRESS_DTYPES:
+        raise PlanError(f"pipeline {p.index} stage {s}: compress={st.compress!r}; choose one of "
+                        f"{sorted(k for k in COMPRESS_DTYPES if k)} or None (uncompressed).")
+
+
+def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: int, num_layers: int,
+                ep: int = 1) -> Layout:
+    """Check a layout for consistency and index rank positions."""
+    positions: dict[int, Position] = {}
+    covered = 0
+    for p in sorted(pipelines, key=lambda p: p.batch_offset):
+        if p.batch_offset != covered:
+            raise PlanError(f"pipeline {p.index} takes samples from {p.batch_offset}, expected {covered}: batch "
+                            f"shares must tile the global batch.")
+        covered += p.batch_size
+        if p.num_microbatches < 1 or p.num_microbatches > p.batch_size:
+            raise PlanError(f"pipeline {p.index}: {p.num_microbatches} micro-batches for {p.batch_size} samples.")
+        if p.stages[0].layers[0] != 0 or p.stages[-1].layers[1] != num_layers:
+            raise PlanError(f"pipeline {p.index} must cover layers [0, {num_layers}), got {p.bounds()}.")
+        if p.chunks < 1 or len(p.stages) % p.chunks:
+            raise PlanError(f"pipeline {p.index}: {len(p.stages)} stages cannot be {p.chunks} chunks per group.")
+        for s, st in enumerate(p.stages):
+            _check_stage(p, s, st)
+            if s and st.layers[0] != p.stages[s - 1].layers[1]:
+                raise PlanError(f"pipeline {p.index}: stage {s} starts at layer {st.layers[0]}, expected "
+                                f"{p.stages[s - 1].layers[1]}.")
+            group = s % p.num_groups
+            if st.ranks != p.stages[group].ranks:
+                raise PlanError(f"pipeline {p.index}: stage {s} must run on the devices of stage {group} "
+                                f"({list(p.stages[group].ranks)}) with {p.chunks} chunks per device group.")
+            for k, r in enumerate(st.ranks):
+                if not 0 <= r < world_size:
+                    raise PlanError(f"rank {r} in pipeline {p.index} stage {s} is outside the world of "
+                                    f"{world_size} ranks.")
+                if r in positions and s < p.num_groups:
+                    raise PlanError(f"rank {r} is used twice (pipeline {p.index} stage {s} and {positions[r]}).")
+                old = positions.get(r)
+                positions[r] = Position(p.index, group, k, (old.stages if old else ()) + (s,))
+    if covered != global_batch:
+        raise PlanError(f"pipelines take {covered} samples but the global batch has {global_batch}.")
+    return Layout(tuple(pipelines), world_size, global_batch, positions, ep)
+
+
+def layout_of(plan: Plan, num_layers: int) -> Layout:
+    """The rank-level layout of a Plan (pipelines in order take consecutive slices of the batch)."""
+    if plan.model.get("num_layers") not in (None, num_layers):
+        raise PlanError(f"the plan was made for a model with {plan.model['num_layers']} layers in its chain, but "
+                        f"this model has {num_layers}: plan again for this model.")
+    pipelines, offset = [], 0
+    for i, p in enumerate(plan.pipelines):
+        stages = tuple(
+            StageLayout((int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute,
+                        tuple(s.offload), s.compress,
+                        None if s.sharding is None else tuple(sorted(s.sharding.items())))
+            for s in p.stages)
+        pipelines.append(PipelineLayout(i, stages, offset, p.batch_share, p.num_microbatches, plan.schedule,
+                                        plan.chunks))
+        offset += p.batch_share
+    world = Cluster.load(plan.cluster).world_size
+    ep = int((plan.experts or {}).get("degree", 1))
+    return make_layout(pipelines, world, plan.global_batch, num_layers, ep)
+
+
+# ---- parameters: who holds, owns, partitions, streams what -----------------------------------------------
+
+def params_by_layer(graph: TrainingGraph) -> dict[int, set[str]]:
+    """Layer index -> canonical names of the (non-buffer) parameters its ops read."""
+    by_layer: dict[int, set[str]] = {}
+    for n in graph.nodes.values():
+        for a in n.args:
+            if a in graph.params and not graph.params[a].is_buffer:
+                by_layer.setdefault(n.layer, set()).add(graph.canonical(a))
+    return by_layer
+
+
+def _layers_of(by_layer: dict[int, set[str]]) -> dict[str, set[int]]:
+    layers_of: dict[str, set[int]] = {}
+    for layer, names in by_layer.items():
+        for n in names:
+            layers_of.setdefault(n, set()).add(layer)
+    return layers_of
+
+
+def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[Group, ...]]:
+    """Canonical parameter name -> the tensor-parallel groups (stages, any pipeline) holding a copy."""
+    by_layer = params_by_layer(graph)
+    holders: dict[str, set[Group]] = {}
+    for p in layout.pipelines:
+        for st in p.stages:
+            for layer in range(*st.layers):
+                for name in by_layer.get(layer, ()):
+                    holders.setdefault(name, set()).add(tuple(st.ranks))
+    return {k: tuple(sorted(v)) for k, v in sorted(holders.items())}
+
+
+def zero_levels(graph: TrainingGraph, layout: Layout) -> dict[str, int]:
+    """Canonical parameter name -> the highest ZeRO level among the stages (any pipeline) holding it."""
+    by_layer = params_by_layer(graph)
+    levels: dict[str, int] = {}
+    for p in layout.pipelines:
+        for st in p.stages:
+            for layer in range(*st.layers):
+                for name in by_layer.get(layer, ()):
+                    levels[name] = max(levels.get(name, 0), st.zero)
+    return levels
+
+
+def assign_owners(holders: dict[str, tuple[Group, ...]], levels: dict[str, int],
+                  sizes: dict[str, int]) -> dict[str, Group]:
+    """The owning tensor-parallel group of every parameter: greedy balancing of owned elements per group
+    over partitioned parameters, the first holder otherwise. Deterministic: equal on every rank."""
+    load: dict[Group, int] = {}
+    owners: dict[str, Group] = {}
+    for name in sorted(holders, key=lambda n: (-sizes.get(n, 0), n)):
+        groups = holders[name]
+        if levels.get(name, 0) == 0 or len(groups) == 1:
+            owners[name] = groups[0]
+            continue
+        best = min(groups, key=lambda g: (load.get(g, 0), g))
+        owners[name] = best
+        load[best] = load.get(best, 0) + sizes.get(name, 0)
+    return owners
+
+
+def layerwise_params(graph: TrainingGraph, layout: Layout, levels: dict[str, int],
+                     offloaded: set[str] = frozenset()) -> dict[str, int]:
+    """Canonical name -> layer of the ZeRO-2/3 parameters reduced (and gathered) per layer: those of the
+    stages `plan.layerwise_stages` names, read by one layer only, not offloaded ("params": they stream).
+    `levels`: effective levels (0 for a single holder)."""
+    by_layer = params_by_layer(graph)
+    layers_of = _layers_of(by_layer)
+    stages = layerwise_stages([(p.num_microbatches, [(st.layers, len(st.ranks)) for st in p.stages])
+                               for p in layout.pipelines])
+    out: dict[str, int] = {}
+    for i, j in stages:
+        for layer in range(*layout.pipelines[i].stages[j].layers):
+            for n in by_layer.get(layer, ()):
+                if levels.get(n, 0) >= 2 and n not in offloaded and len(layers_of[n]) == 1:
+                    out[n] = layer
+    return out
+
+
+# ---- the memory actions -----------------------------------------------------------------------------------
+
+def memory_actions(schedule: Schedule, group: int, gathered: dict[int, set[int]],
+                   reduced: dict[int, set[int]]) -> Schedule:
+    """`schedule` with pipeline rank `group`'s memory actions inserted (a new Schedule): around each F of
+    stage s with layers in `gathered[s]` (ascending) GATHER_F before and FREE_F after; around each B
+    (descending) GATHER_B before and, after it, REDUCE for the layers in `reduced[s]` and FREE_B for
+    those in `gathered[s]`. Layers are absolute; each action's stage is its compute action's."""
+    out: list[Action] = []
+    for a in schedule.actions[group]:
+        if a.kind not in ("F", "B"):
+            out.append(a)
+            continue
+        r, s, m = a.rank, a.stage, a.microbatch
+        g = sorted(gathered.get(s, ()))
+        red = sorted(reduced.get(s, ()), reverse=True)
+        if a.kind == "F":
+            out += [Action(r, "GATHER_F", s, m, lay) for lay in g] + [a]
+            out += [Action(r, "FREE_F", s, m, lay) for lay in g]
+        else:
+            out += [Action(r, "GATHER_B", s, m, lay) for lay in reversed(g)] + [a]
+            out += [Action(r, "REDUCE", s, m, lay) for lay in red]
+            out += [Action(r, "FREE_B", s, m, lay) for lay in reversed(g)]
+    actions = dict(schedule.actions)
+    actions[group] = out
+    return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank,
+                    actions)
+
+
+def pipeline_schedule(pipe: PipelineLayout) -> Schedule:
+    return make_schedule(pipe.schedule, pipe.num_groups, pipe.num_microbatches, pipe.chunks)
+
+
+# ---- the rank's program -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankProgram:
+    """Everything one rank executes (module docstring). Stage programs are cut from the graph by layer
+    range (`layout.pipelines[position.pipeline].stages[s].layers`, codegen/split.py)."""
+
+    rank: int
+    layout: Layout
+    position: Position | None  # None: an idle rank (takes part in collectives only)
+    holders: dict[str, tuple[Group, ...]]  # parameter -> tensor-parallel groups holding a copy
+    levels: dict[str, int]  # parameter -> ZeRO level (highest among its holding stages)
+    owners: dict[str, Group]
+    params: tuple[str, ...]  # the parameters of this rank's stages
+    offload: dict[str, frozenset[str]]  # this rank's parameters -> offload kinds of its stages holding them
+    layer_reduced: dict[str, int]  # ZeRO-2/3 parameter -> the layer whose REDUCE reduces it
+    layer_gathered: dict[str, int]  # ZeRO-3 parameter -> the layer whose GATHER_* / FREE_* bring it in
+    streamed: dict[str, int]  # offloaded parameter -> the layer that streams it (GATHER/FREE/REDUCE)
+    recompute: dict[int, frozenset[int]]  # stage -> its blocks recomputed one at a time
+    groups: tuple[Group, ...]  # process groups: tensor-parallel groups and replica sets of parameters
+    schedule: Schedule | None  # this rank's pipeline's schedule, with this rank's memory actions
+    actions: tuple[Action, ...] = ()  # this rank's list in it
+
+    @property
+    def pipeline(self) -> PipelineLayout:
+        assert self.position is not None
+        return self.layout.pipelines[self.position.pipeline]
+
+    @property
+    def tp_group(self) -> Group:
+        """This rank's tensor-parallel group ((rank,) for an idle rank)."""
+        if self.position is None:
+            return (self.rank,)
+        return tuple(self.pipeline.stages[self.position.stages[0]].ranks)
+
+    @property
+    def eval_actions(self) -> tuple[Action, ...]:
+        """The forward-only list `eval_step` runs: the F / SEND_F / RECV_F actions in training order (a subset
+        of a deadlock-free list whose forwards never wait for a backward, so it cannot deadlock either)."""
+        return tuple(a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F"))
+
+    def layered_stages(self) -> set[int]:
+        """This rank's stages that run layer by layer (runtime/layered.py): recompute per block, or memory
+        actions."""
+        with_memory = {a.stage for a in self.actions if a.kind in MEMORY_OF}
+        return {s for s, blocks in self.recompute.items() if blocks} | with_memory
+
+
+def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
+    """What `rank` executes of `plan` for the model captured as `graph` (module docstring). Pure."""
+    layout = layout_of(plan, len(graph.layers))
+    if not 0 <= rank < layout.world_size:
+        raise PlanError(f"rank {rank} is outside the plan's world of {layout.world_size} devices.")
+    holders = param_groups(graph, layout)
+    levels = zero_levels(graph, layout)
+    effective = {n: (levels.get(n, 0) if len(g) > 1 else 0) for n, g in holders.items()}
+    sizes = {info.name: info.meta.numel for info in graph.params.values() if not info.is_buffer}
+    owners = assign_owners(holders, levels, sizes)
+    by_layer = params_by_layer(graph)
+    layers_of = _layers_of(by_layer)
+    tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
+    reps = {tuple(g[0] for g in groups) for groups in holders.values()}
+    groups = tuple(sorted(tp_groups | reps))
+    pos = layout.position(rank)
+    if pos is None:
+        return RankProgram(rank, layout, None, holders, levels, owners, (), {}, {}, {}, {}, {}, groups, None)
+    pipe = layout.pipelines[pos.pipeline]
+    mine: dict[str, set[str]] = {}
+    for s in pos.stages:
+        st = pipe.stages[s]
+        for layer in range(*st.layers):
+            for n in by_layer.get(layer, ()):
+                mine.setdefault(n, set()).update(st.offload)
+    offload = {n: frozenset(k) for n, k in sorted(mine.items())}
+    my_group = tuple(pipe.stages[pos.stages[0]].ranks)
+    # the runtime's per-layer memory actions need single-device stages (DTensor stages keep whole-step ZeRO)
+    per_layer = len(my_group) == 1 and layout.ep == 1
+    offloaded = {n for n, k in offload.items() if "params" in k}
+    reduced = {n: lay for n, lay in layerwise_params(graph, layout, effective, offloaded).items()
+               if n in offload} if per_layer else {}
+    gathered = {n: lay for n, lay in reduced.items() if effective[n] == 3}
+    streamed = {n: next(iter(layers_of[n])) for n in sorted(offloaded)
+                if per_layer and effective[n] <= 2 and len(layers_of.get(n, ())) == 1
+                # its device value is never the optimizer's: the master is on the host, or another replica updates it
+                and ("optimizer" in offload[n] or (effective[n] >= 1 and owners[n] != my_group))}
+    recompute = {s: frozenset(lay for lay in range(*pipe.stages[s].layers)
+                              if pipe.stages[s].recompute and graph.layers[lay].kind == "block")
+                 for s in pos.stages}
+    stage_of = {lay: s for s in pos.stages for lay in range(*pipe.stages[s].layers)}
+    bring: dict[int, set[int]] = {}
+    red: dict[int, set[int]] = {}
+    for lay in {**gathered, **streamed}.values():
+        bring.setdefault(stage_of[lay], set()).add(lay)
+    for lay in {**reduced, **streamed}.values():
+        red.setdefault(stage_of[lay], set()).add(lay)
+    schedule = memory_actions(pipeline_schedule(pipe), pos.group, bring, red)
+    return RankProgram(rank, layout, pos, holders, levels, owners, tuple(sorted(mine)), offload, reduced,
+                       gathered, streamed, recompute, groups, schedule, tuple(schedule.actions[pos.group]))
+
+
+def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, float]]:
+    """Pipeline `pipe` of `plan` as `Plan.simulate` prices it: its schedule with the memory actions of its
+    stages priced per layer (`Stage.predicted` gather_s / reduce_s > 0; every layer of such a stage gets
+    them, as the plan does not say which layers hold parameters: their times sum to the stage's either way),
+    and the seconds of each memory action by (kind, stage)."""
+    ranks = len(pipe.stages) // plan.chunks
+    sched = make_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
+    times: dict[Any, float] = {}
+    for g in range(ranks):
+        bring: dict[int, set[int]] = {}
+        red: dict[int, set[int]] = {}
+        for s in range(g, len(pipe.stages), ranks):
+            p = pipe.stages[s].predicted
+            layers = set(range(*pipe.stages[s].layers))
+            n = len(layers)
+            if p.get("gather_s", 0.0) > 0:
+                bring[s] = layers
+                for kind in ("GATHER_F", "GATHER_B"):
+                    times[(kind, s)] = p["gather_s"] / n
+            if p.get("reduce_s", 0.0) > 0:
+                red[s] = layers
+                times[("REDUCE", s)] = p["reduce_s"] / n
+        sched = memory_actions(sched, g, bring, red)
+    return sched, times
+
+
+__all__ = ["COMPRESS_DTYPES", "Layout", "PipelineLayout", "Position", "RankProgram", "StageLayout",
+           "assign_owners", "layerwise_params", "layout_of", "lower", "make_layout", "memory_actions",
+           "param_groups", "params_by_layer", "pipeline_schedule", "priced_schedule", "zero_levels"]
