@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -11,15 +12,17 @@ from torch import nn
 
 from .checks import check_memory_reserve, check_seconds
 from .cluster import Cluster
-from .errors import PlanError
+from .errors import InfeasibleError, PlanError
 from .graph import TrainingGraph
 from .passes.annotate import annotate
 from .passes.capture import LossFn, capture
 from .plan import Estimate, Plan, Strategy
 from .report import dump_dir as _dump_dir
 from .report import dump_graph
+from .runtime.asynchronous import choose_async, delay_of
 from .runtime.precision import check_precision, unsupported
-from .solver.pricing import CostModel, price_strategy
+from .solver.objective import check_objective, score
+from .solver.pricing import CostModel, price, price_strategy
 from .solver.search import search
 
 
@@ -79,7 +82,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
          example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
          time_limit_s: float = 60, precision: str | None = None, *, memory_reserve: float = 0.1,
          progress: Callable[[int, int, float | None], None] | None = None, kernels: str = "auto",
-         graph_options: dict | None = None, captured: TrainingGraph | None = None) -> Plan:
+         graph_options: dict | None = None, captured: TrainingGraph | None = None, sync: str = "sync",
+         staleness: int | None = None, objective: str = "time", budget_per_hour: float | None = None) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
@@ -95,11 +99,24 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     the graph planner (autopar/graphs): partitioned full-graph training by default, sampled mini-batch data
     parallelism (a different estimator) only with `graph_options={"mode": "sampled_dp", ...}` (batch_size,
     fanout, seed; see graphs.planner.plan_graph); `plan.graph` set. `captured`: as in `cost_model`.
+
+    `sync="2bw"` or `"wsp"` (with `staleness`) allows asynchronous training (runtime/asynchronous.py): the
+    plan is searched as for synchronous training and `predicted["async"]` holds the predicted step time with
+    delayed updates against the synchronous one; its "sync" is the mode chosen (the asynchronous one only
+    when predicted faster). The default "sync" never chooses asynchrony.
+
+    `objective`: "time" (the fastest plan) or "cost" (the lowest cost per sample, from the cluster file's
+    `price_per_hour`); `budget_per_hour`: the most the devices the plan uses may cost per hour. Both need
+    every device priced (PlanError otherwise) and are passed to the search (solver/objective.py `score`);
+    InfeasibleError when the plan returned costs more than the budget. A plan that leaves devices out says
+    why in `predicted["idle_devices"]`.
     """
     from .graphs.planner import graph_kind
 
     check_seconds("time_limit_s", time_limit_s)
     check_memory_reserve(memory_reserve)
+    delay_of(sync, staleness)
+    check_objective(objective, budget_per_hour, Cluster.load(cluster))
     if graph_kind(model, example_inputs) is not None:
         from .graphs.entry import plan_workload
 
@@ -110,8 +127,18 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
                     memory_reserve, kernels, captured=captured)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
-    result = search(cm, time_limit_s=remaining, progress=progress)
+    result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
+                    budget_per_hour=budget_per_hour)
+    if score(result.predicted, cm.cluster, objective, budget_per_hour) == math.inf:
+        raise InfeasibleError(f"the plan found costs {result.predicted.get('cost_per_hour', 0.0):.4g} per hour, over "
+                              f"budget_per_hour={budget_per_hour}: raise the budget or use fewer or cheaper devices.")
     result.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
+    if sync != "sync":  # the user allows asynchrony: priced against the synchronous plan
+        def reprice(p: Plan) -> Plan | None:
+            priced = price(cm, p)
+            return priced.plan if priced.fits else None
+
+        result = choose_async(result, sync, staleness, reprice)
     d = _dump_dir()
     if d is not None:
         (d / "plan.json").write_text(result.to_json())

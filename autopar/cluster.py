@@ -20,6 +20,12 @@ Measured figures may also be given apart from the node groups, in a top-level ``
 A node group's ``nic_GBps`` is the network bandwidth one node's NICs carry in all (one direction); groups
 that cross the network at once share it (default: devices_per_node x the network's per-device figure,
 one NIC share per device, so sharing never bites unless a file says its nodes have fewer NICs).
+
+Prices. A node group's ``price_per_hour`` is what one of its DEVICES costs per hour (a cloud instance's
+price divided by its GPUs; any currency, the same in the whole file). With prices on every group the plan
+predicts ``cost_per_hour`` (of the devices it uses) and ``cost_per_sample``, and `autopar.plan(...,
+objective="cost")` looks for the lowest cost per sample, `budget_per_hour=` for the fastest plan within a
+budget (solver/objective.py). Without it a group has no price; the "cost" objective then raises PlanError.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import ALIASES, CATALOG, DEFAULT_NETWORK, EDGE_NETWORK
+from .cluster_files import read_file as _read_file
 from .cluster_links import measured_links
 from .errors import ClusterError, PlanError, close_matches
 from .host_memory import UNIFIED_KINDS, default_host_memory, total_ram
@@ -109,6 +116,7 @@ class Node:
     intra_node: Link
     host_memory: int  # bytes of host (CPU) memory the node's devices offload to (host_memory.py)
     nic_bandwidth: float | None = None  # bytes/s all its NICs carry (one direction); None: a share per device
+    price_per_hour: float | None = None  # what one of its devices costs per hour (module docstring); None: unpriced
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,10 @@ class Cluster:
         n = self.nodes[node]
         return n.nic_bandwidth if n.nic_bandwidth is not None else len(n.devices) * self.network.bandwidth
 
+    def price_per_hour(self, device: int) -> float | None:
+        """What device `device` costs per hour (its node group's `price_per_hour`), None when unpriced."""
+        return self.nodes[self.devices[device].node].price_per_hour
+
     def subset(self, indices: list[int] | tuple[int, ...], name: str | None = None) -> Cluster:
         """The cluster made of the given devices (re-indexed in the given order)."""
         indices = list(indices)
@@ -222,7 +234,8 @@ class Cluster:
             if d.node not in node_map:
                 old = self.nodes[d.node]
                 node_map[d.node] = len(nodes)
-                nodes.append(Node(len(nodes), old.group, (), old.intra_node, old.host_memory, old.nic_bandwidth))
+                nodes.append(Node(len(nodes), old.group, (), old.intra_node, old.host_memory, old.nic_bandwidth,
+                                  old.price_per_hour))
             n = node_map[d.node]
             local = len(nodes[n].devices)
             nodes[n] = replace(nodes[n], devices=nodes[n].devices + (new_i,))
@@ -231,7 +244,7 @@ class Cluster:
         prev, key, gid = None, None, -1
         for k, node in enumerate(nodes):
             key = (node.group, len(node.devices), devices[node.devices[0]].spec, node.intra_node,
-                   node.host_memory, node.nic_bandwidth)
+                   node.host_memory, node.nic_bandwidth, node.price_per_hour)
             if key != prev:
                 gid += 1
             prev = key
@@ -258,6 +271,8 @@ class Cluster:
                      "intra_node": node.intra_node.to_dict(), "host_memory_GiB": node.host_memory / GiB}
             if node.nic_bandwidth is not None:
                 entry["nic_GBps"] = node.nic_bandwidth / 1e9
+            if node.price_per_hour is not None:
+                entry["price_per_hour"] = node.price_per_hour
             last = groups[-1] if groups else None
             if last and node.group == last_group and {k: v for k, v in last.items() if k != "count"} == {
                     k: v for k, v in entry.items() if k != "count"}:
@@ -309,60 +324,8 @@ def parse_shorthand(s: str) -> dict:
     return {"name": s, "nodes": groups}
 
 
-_YAML_LOADER: Any = None
-
-
-def _yaml_loader() -> Any:
-    """yaml.SafeLoader that also reads exponent floats without a dot (1e2, 5E-3) as numbers (YAML 1.2)."""
-    global _YAML_LOADER
-    if _YAML_LOADER is None:
-        import yaml
-
-        class Loader(yaml.SafeLoader):
-            pass
-
-        Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                                     list("-+0123456789"))
-        _YAML_LOADER = Loader
-    return _YAML_LOADER
-
-
-def _read_file(path: Path) -> dict:
-    if not path.is_file():
-        raise ClusterError(f"cluster file {str(path)!r} does not exist (pass a path, a dict or a shorthand "
-                           f"string like '1x8xA100-80GB').")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        # json, not yaml: PyYAML (YAML 1.1) reads JSON numbers like 1e2 as strings and rejects tab indents.
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ClusterError(f"malformed cluster file {str(path)!r} at line {e.lineno}, column {e.colno}: "
-                               f"{e.msg}. Fix the JSON there (commas, quotes, closing brackets).") from None
-        if not isinstance(data, dict):
-            raise ClusterError(f"cluster file {str(path)!r} must hold a mapping with a 'nodes' list, "
-                               f"got {type(data).__name__}.")
-        return data
-    import yaml
-
-    try:
-        data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ClusterError(f"malformed cluster file {str(path)!r}{at}: {e.problem or e}. "
-                           f"Fix the YAML there (indentation, ':' after keys, closing brackets).") from None
-    except yaml.YAMLError as e:
-        raise ClusterError(f"malformed cluster file {str(path)!r}: {e}") from None
-    if not isinstance(data, dict):
-        raise ClusterError(f"cluster file {str(path)!r} must hold a mapping with a 'nodes' list, "
-                           f"got {type(data).__name__}.")
-    return data
-
-
 _TOP_KEYS = ("name", "nodes", "network", "links")
-_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node", "host_memory_GiB", "nic_GBps")
+_GROUP_KEYS = ("device", "devices_per_node", "count", "intra_node", "host_memory_GiB", "nic_GBps", "price_per_hour")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us", "kind", "measured")
 _DEVICE_KEYS = ("name", "based_on", "tflops_fp32", "tflops_tf32", "tflops_bf16", "tflops_fp16", "memory_GiB",
                 "memory_bandwidth_GBps", "intra_node", "host_link", "kind")
@@ -525,9 +488,11 @@ def _from_dict(d: dict, where: str) -> Cluster:
         intra = _link(g.get("intra_node"), f"{gw}.intra_node", spec.intra_node.to_dict())
         host = _host_memory(g, gw, spec, per)
         nic = None if g.get("nic_GBps") is None else _number(g["nic_GBps"], f"{gw}.nic_GBps") * 1e9
+        price = None if g.get("price_per_hour") is None else _number(
+            g["price_per_hour"], f"{gw}.price_per_hour (what one device of the group costs per hour)", allow_zero=True)
         for _ in range(count):
             idx = tuple(range(len(devices), len(devices) + per))
-            nodes.append(Node(len(nodes), g_i, idx, intra, host, nic))
+            nodes.append(Node(len(nodes), g_i, idx, intra, host, nic, price))
             devices.extend(Device(i, len(nodes) - 1, k, spec) for k, i in enumerate(idx))
     default_net = EDGE_NETWORK if all(dev.spec.kind == "edge" for dev in devices) else DEFAULT_NETWORK
     network = _link(d.get("network"), f"{where}: network", default_net)

@@ -5,6 +5,7 @@ runtime, which never imports them."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
+from .runtime.asynchronous import AsyncProgram, delay_of, warn_async
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
@@ -51,7 +53,9 @@ def compile(
     fallback: bool = True,
     graph_options: dict | None = None,
     weights: WeightsArg = None,
-) -> Program | AdaptiveProgram | ReplicatedProgram:
+    sync: str = "sync",
+    staleness: int | None = None,
+) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
     `plan` may also be a hand-written `autopar.Strategy`: it is priced as `autopar.estimate` prices it and
@@ -80,6 +84,11 @@ def compile(
     that do not match raise a PlanError. Without `weights` a meta model gets a deterministic per-module init
     that `autopar.materialize(model, seed=0)` reproduces in one process. A non-meta model with `weights`
     trains from them. See autopar/runtime/weights.py.
+
+    `sync` ("sync", default: synchronous training) may ask for delayed updates: "2bw" (PipeDream-2BW, each
+    gradient one update stale) or "wsp" (HetPipe wave-synchronous, a pipeline at most `staleness` waves
+    ahead of the slowest). They change the update rule to W[c+1] = W[c] - opt(grad L_c(W[c-D])), warned
+    about (AsyncUpdateWarning); the program is an AsyncProgram (runtime/asynchronous.py).
     """
     from .api import estimate
     from .api import plan as make_plan
@@ -87,6 +96,10 @@ def compile(
 
     check_seconds("time_limit_s", time_limit_s)
     check_seconds("timeout_s", timeout_s)
+    delay = delay_of(sync, staleness)  # a bad mode or staleness fails before any collective
+    if delay and adapt:
+        raise PlanError(f"sync={sync!r} with adapt=: re-planning around stragglers is for synchronous programs; "
+                        f"pass adapt=False (delayed updates already let fast replicas run ahead) or sync='sync'.")
     rank, world = ensure_initialized(timeout_s)
     cluster = Cluster.load(cluster)
     if world != cluster.world_size:
@@ -99,6 +112,8 @@ def compile(
     from .graphs.planner import graph_kind
 
     if graph_kind(model, inputs) is not None or getattr(plan, "graph", None):
+        if delay:
+            raise PlanError(f"sync={sync!r}: delayed updates are not supported for graph workloads; use sync='sync'.")
         # GNNs: partitioned full-graph or sampled data-parallel program (graphs/); TGN: temporal data parallel
         from .graphs.entry import compile_graph
 
@@ -111,13 +126,14 @@ def compile(
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a
         # meta model: replicas would need it whole)
-        if not fallback or meta:
+        if not fallback or meta or delay:  # delayed updates run only on captured programs
             raise
         batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0)
         if rank == 0:
             warn_if_batch_split(model, world, batch, "replicated data parallelism")
         return ReplicatedProgram(model, cluster, batch, loss_fn, optimizer, rank, world, e, timeout_s)
     strategy = plan if isinstance(plan, Strategy) else None
+    planned = plan is None  # autopar plans: with sync= it may choose synchronous training (api.plan)
     if plan is None or strategy is not None:
         # one rank plans (or prices the hand-written strategy, as autopar.estimate does) and the others take
         # its plan, so every rank runs the same one; its error is raised on every rank, none is left waiting
@@ -129,7 +145,8 @@ def compile(
                         kernels=kernels, precision=precision, captured=graph)  # priced as the program will run
             try:
                 made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
-                        else make_plan(model, cluster, time_limit_s=time_limit_s, **args))
+                        else make_plan(model, cluster, time_limit_s=time_limit_s, sync=sync, staleness=staleness,
+                                       **args))
                 box[0] = made.to_json()
             except Exception as e:
                 failed = e
@@ -157,9 +174,18 @@ def compile(
         raise PlanError(f"compile(precision={precision!r}) but the plan computes in {plan.precision!r}: drop "
                         f"precision= to train as the plan says, or plan again with autopar.plan(..., "
                         f"precision={precision!r}).")
+    chose = (plan.predicted.get("async") or {}) if planned and delay else {}
+    if chose.get("sync") == "sync":
+        if rank == 0:
+            warnings.warn(f"sync={sync!r} was allowed but the planner chose synchronous training "
+                          f"({chose.get('reason')}); training synchronously. Pass plan=autopar.Strategy(...) "
+                          f"to train a layout asynchronously regardless.", stacklevel=2)
+        delay = 0
     if rank == 0:
         warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
-    prog = Program(
+        warn_async(sync, delay)
+    program = Program if not delay else functools.partial(AsyncProgram, sync=sync, staleness=staleness)
+    prog = program(
         model,
         plan,
         inputs,
@@ -181,6 +207,10 @@ def compile(
             from .api import analyze  # graph.txt/json/dot: the annotated graph, priced as the plan runs
 
             analyze(model, cluster, capture_inputs, capture_target, loss_fn, plan.precision, d, kernels)
+    # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)
+    rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights, graph,
+                             (capture_inputs, capture_target))
+    prog = rebuilder.wrap(prog)
     if adapt:
         rebuild = lambda c: compile(
             model,
@@ -197,8 +227,46 @@ def compile(
             weights=weights,
         )
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
-        return AdaptiveProgram(prog, rebuild, cluster, policy)
+        return AdaptiveProgram(prog, rebuild, cluster, policy,
+                               reshare=lambda p: rebuilder.wrap(rebuilder.build(p, rank, world)))
     return prog
+
+
+@dataclass
+class _Rebuilder:
+    """Builds and prices Programs for rewritten plans of one compile (a lost rank's plan, shed batch shares):
+    the runtime's re-routing and shedding call back into it, since the runtime cannot price plans itself."""
+
+    model: nn.Module
+    inputs: tuple
+    target: Any
+    loss_fn: LossFn | None
+    optimizer: Any
+    timeout_s: float
+    kernels: str
+    weights: WeightsArg
+    graph: Any
+    capture_args: tuple
+
+    def build(self, plan: Any, rank: int, world: int) -> Program:
+        return Program(self.model, plan, self.inputs, self.target, self.loss_fn, self.optimizer, rank, world,
+                       timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=self.graph)
+
+    def price(self, plan: Any) -> Any:
+        from .api import cost_model
+        from .solver.pricing import price
+
+        opt = self.optimizer if isinstance(self.optimizer, str) else "adamw"
+        cm = cost_model(self.model, plan.cluster, *self.capture_args, self.loss_fn, opt, plan.precision,
+                        plan.memory_reserve, self.kernels, captured=self.graph)
+        out = price(cm, plan).plan
+        out.model = dict(plan.model)
+        return out
+
+    def wrap(self, prog: Any) -> Any:
+        from .runtime.reroute import wrap
+
+        return wrap(prog, self.build, self.price)
 
 
 # ---- elastic training --------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ import torch
 from .cluster import Cluster
 from .errors import PlanError
 from .graph import TrainingGraph
-from .plan import OFFLOAD_KINDS, Pipeline, Plan, even_split, layerwise_stages
-from .schedule import MEMORY_OF, Action, Schedule, make_schedule
+from .plan import OFFLOAD_KINDS, Pipeline, Plan, even_split, layerwise_stages, recompute_count
+from .schedule import MEMORY_OF, SPLIT_SCHEDULES, Action, Schedule, make_schedule, splits_backward
 
 COMPRESS_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 Group = tuple[int, ...]
@@ -54,7 +54,7 @@ class StageLayout:
     layers: tuple[int, int]
     ranks: tuple[int, ...]  # the stage's tensor-parallel group
     zero: int = 0
-    recompute: bool = False
+    recompute: bool | int = False  # all / none of the stage's blocks, or its first k (`plan.recompute_count`)
     offload: tuple[str, ...] = ()
     # "bf16" | "fp16": floating activations this stage sends to the next one, and the gradients sent back
     # to it, travel in that dtype (see runtime/dist.py, `wire_dtype`); None sends them exactly
@@ -113,6 +113,9 @@ class Layout:
 def _check_stage(p: PipelineLayout, s: int, st: StageLayout) -> None:
     if isinstance(st.zero, bool) or not isinstance(st.zero, int) or not 0 <= st.zero <= 3:
         raise PlanError(f"pipeline {p.index} stage {s}: zero must be an integer 0-3, got {st.zero!r}.")
+    if not isinstance(st.recompute, (bool, int)) or st.recompute < 0:
+        raise PlanError(f"pipeline {p.index} stage {s}: recompute must be True, False or the number of the "
+                        f"stage's first blocks to recompute (an integer >= 0), got {st.recompute!r}.")
     if isinstance(st.offload, str):
         raise PlanError(f"pipeline {p.index} stage {s}: offload must be a tuple of kinds, got the string "
                         f"{st.offload!r}; write ({st.offload!r},).")
@@ -269,10 +272,12 @@ def memory_actions(schedule: Schedule, group: int, gathered: dict[int, set[int]]
     """`schedule` with pipeline rank `group`'s memory actions inserted (a new Schedule): around each F of
     stage s with layers in `gathered[s]` (ascending) GATHER_F before and FREE_F after; around each B
     (descending) GATHER_B before and, after it, REDUCE for the layers in `reduced[s]` and FREE_B for
-    those in `gathered[s]`. Layers are absolute; each action's stage is its compute action's."""
+    those in `gathered[s]`. Layers are absolute; each action's stage is its compute action's. A schedule
+    that splits the backward (zero-bubble) gets the REDUCEs after the W of the micro-batch instead."""
     out: list[Action] = []
+    split = splits_backward(schedule)
     for a in schedule.actions[group]:
-        if a.kind not in ("F", "B"):
+        if a.kind not in ("F", "B", "W"):
             out.append(a)
             continue
         r, s, m = a.rank, a.stage, a.microbatch
@@ -282,9 +287,9 @@ def memory_actions(schedule: Schedule, group: int, gathered: dict[int, set[int]]
             out += [Action(r, "GATHER_F", s, m, lay) for lay in g] + [a]
             out += [Action(r, "FREE_F", s, m, lay) for lay in g]
         else:
-            out += [Action(r, "GATHER_B", s, m, lay) for lay in reversed(g)] + [a]
-            out += [Action(r, "REDUCE", s, m, lay) for lay in red]
-            out += [Action(r, "FREE_B", s, m, lay) for lay in reversed(g)]
+            out += [Action(r, "GATHER_B", s, m, lay) for lay in reversed(g) if a.kind == "B"] + [a]
+            out += [Action(r, "REDUCE", s, m, lay) for lay in red if (a.kind == "W") == split]
+            out += [Action(r, "FREE_B", s, m, lay) for lay in reversed(g) if a.kind == "B"]
     actions = dict(schedule.actions)
     actions[group] = out
     return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank,
@@ -313,7 +318,7 @@ class RankProgram:
     layer_reduced: dict[str, int]  # ZeRO-2/3 parameter -> the layer whose REDUCE reduces it
     layer_gathered: dict[str, int]  # ZeRO-3 parameter -> the layer whose GATHER_* / FREE_* bring it in
     streamed: dict[str, int]  # offloaded parameter -> the layer that streams it (GATHER/FREE/REDUCE)
-    recompute: dict[int, frozenset[int]]  # stage -> its blocks recomputed one at a time
+    recompute: dict[int, frozenset[int]]  # stage -> its blocks recomputed one at a time (`recomputed_blocks`)
     groups: tuple[Group, ...]  # process groups: tensor-parallel groups and replica sets of parameters
     schedule: Schedule | None  # this rank's pipeline's schedule, with this rank's memory actions
     actions: tuple[Action, ...] = ()  # this rank's list in it
@@ -341,6 +346,15 @@ class RankProgram:
         actions."""
         with_memory = {a.stage for a in self.actions if a.kind in MEMORY_OF}
         return {s for s, blocks in self.recompute.items() if blocks} | with_memory
+
+
+def recomputed_blocks(graph: TrainingGraph, pipe: PipelineLayout, s: int) -> frozenset[int]:
+    """The blocks stage `s` of `pipe` recomputes: all, none, or its first k (`plan.recompute_count`: the order
+    of the lower peak under 1F1B, plan.py's docstring); PlanError when k exceeds the stage's blocks."""
+    st = pipe.stages[s]
+    blocks = [lay for lay in range(*st.layers) if graph.layers[lay].kind == "block"]
+    k = recompute_count(st.recompute, len(blocks), f"pipeline {pipe.index} stage {s} recompute")
+    return frozenset(blocks[:k])
 
 
 def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
@@ -371,7 +385,8 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
     offload = {n: frozenset(k) for n, k in sorted(mine.items())}
     my_group = tuple(pipe.stages[pos.stages[0]].ranks)
     # the runtime's per-layer memory actions need single-device stages (DTensor stages keep whole-step ZeRO)
-    per_layer = len(my_group) == 1 and layout.ep == 1
+    # and a backward not split into B and W (zero_layers.py reduces a layer as its B ends)
+    per_layer = len(my_group) == 1 and layout.ep == 1 and pipe.schedule not in SPLIT_SCHEDULES
     offloaded = {n for n, k in offload.items() if "params" in k}
     reduced = {n: lay for n, lay in layerwise_params(graph, layout, effective, offloaded).items()
                if n in offload} if per_layer else {}
@@ -380,9 +395,7 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
                 if per_layer and effective[n] <= 2 and len(layers_of.get(n, ())) == 1
                 # its device value is never the optimizer's: the master is on the host, or another replica updates it
                 and ("optimizer" in offload[n] or (effective[n] >= 1 and owners[n] != my_group))}
-    recompute = {s: frozenset(lay for lay in range(*pipe.stages[s].layers)
-                              if pipe.stages[s].recompute and graph.layers[lay].kind == "block")
-                 for s in pos.stages}
+    recompute = {s: recomputed_blocks(graph, pipe, s) for s in pos.stages}
     stage_of = {lay: s for s in pos.stages for lay in range(*pipe.stages[s].layers)}
     bring: dict[int, set[int]] = {}
     red: dict[int, set[int]] = {}
@@ -423,4 +436,5 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
 
 __all__ = ["COMPRESS_DTYPES", "Layout", "PipelineLayout", "Position", "RankProgram", "StageLayout",
            "assign_owners", "layerwise_params", "layout_of", "lower", "make_layout", "memory_actions",
-           "param_groups", "params_by_layer", "pipeline_schedule", "priced_schedule", "zero_levels"]
+           "param_groups", "params_by_layer", "pipeline_schedule", "priced_schedule", "recomputed_blocks",
+           "zero_levels"]

@@ -7,7 +7,16 @@ cuts them into `num_microbatches` micro-batches as evenly as possible, larger on
 `torch.tensor_split`), so `microbatch_size` is the largest. Its `stages` tile the coarse layer chain of the
 captured graph: stage j runs layers [start, end) on `devices` (the tensor-parallel group, tp =
 len(devices)). With the interleaved schedule a pipeline has `chunks` stages per device group: stage j
-runs on the device group of stage j % (len(stages) // chunks).
+runs on the device group of stage j % (len(stages) // chunks). Pipelines may differ in tensor-parallel
+degree (fast devices at tp 2 beside slow ones at tp 1), and a plan may leave devices of its cluster out
+(they hold nothing and get no batch; `predicted["idle_devices"]` says why).
+
+`Stage.recompute`: True (every repeated block of the stage is recomputed in the backward, one block at a
+time), False (none), or an integer k: the stage's FIRST k blocks are recomputed (`recompute_count`). The
+first k, not the last: under 1F1B (and GPipe) a micro-batch's backward runs the stage's blocks last to
+first, so the blocks kept whole are freed before the recomputed ones are rebuilt; one recomputed block's
+activations (the recompute workspace) then coexist with only the block inputs of that micro-batch, not
+with its full activations, which is the lower peak of the two orders.
 
 Every stage carries its predicted per-micro-batch times, so a plan read back from JSON can still be
 explained and simulated (`timeline`) without the model.
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +34,29 @@ from typing import Any
 from .checks import check_number
 from .errors import PlanError
 from .report import dump_dir, fmt_bytes, fmt_count, fmt_time, render_table
-from .schedule import Schedule, make_schedule
-from .simulate import SimResult, simulate
+from .schedule import SCHEDULES, Schedule, make_schedule
+from .simulate import WGRAD_FRACTION, SimResult, simulate
 
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
+
+
+def recompute_count(recompute: bool | int, blocks: int, where: str = "Stage.recompute") -> int:
+    """How many of a stage's `blocks` repeated blocks `recompute` (True, False or k) recomputes; its first
+    that many (module docstring). PlanError when it is not a bool or an integer in [0, blocks]."""
+    if isinstance(recompute, bool):
+        return blocks if recompute else 0
+    if not isinstance(recompute, int) or not 0 <= recompute <= blocks:
+        raise PlanError(f"{where} = {recompute!r}: give True (all blocks), False (none) or the number of the "
+                        f"stage's first blocks to recompute, an integer in [0, {blocks}] (the stage holds "
+                        f"{blocks} repeated block(s)).")
+    return recompute
+
+
+def recompute_label(recompute: bool | int) -> str:
+    """The `explain()` cell of a stage's recompute: yes, no, or 'first k'."""
+    if isinstance(recompute, bool) or not recompute:
+        return "yes" if recompute else "no"
+    return f"first {recompute}"
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -43,7 +72,7 @@ class Stage:
     layers: list[int]
     devices: list[int]
     zero: int = 0
-    recompute: bool = False
+    recompute: bool | int = False  # True / False: all / none of its blocks; k: its first k blocks
     offload: list[str] = field(default_factory=list)
     # dtype ("bf16" | "fp16") that activations sent to the next stage and gradients sent back are cast to
     # on the wire (cast back to the compute dtype on arrival); None sends them uncompressed
@@ -86,7 +115,7 @@ class Plan:
     global_batch: int
     precision: str
     optimizer: str
-    schedule: str  # "gpipe" | "1f1b" | "interleaved_1f1b"
+    schedule: str  # "gpipe" | "1f1b" | "interleaved_1f1b" | "zb_h1"
     chunks: int  # stages per device group (1 unless interleaved)
     cluster: dict  # Cluster.to_dict()
     model: dict  # name, num_layers (coarse chain), params, layer_names
@@ -116,7 +145,7 @@ class Plan:
             pipelines = [Pipeline(p["batch_share"], p["microbatch_size"], p["num_microbatches"],
                                   [Stage(**s) for s in p["stages"]]) for p in d["pipelines"]]
             predicted = dict(d.get("predicted", {}))
-            for key in ("peak_memory_bytes", "memory_capacity_bytes"):
+            for key in ("peak_memory_bytes", "memory_capacity_bytes", "idle_devices"):
                 if key in predicted:  # JSON object keys are strings; device indices are ints
                     predicted[key] = {int(k): v for k, v in predicted[key].items()}
             return Plan(d["global_batch"], d["precision"], d["optimizer"], d["schedule"], d["chunks"],
@@ -202,19 +231,32 @@ def cached_schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Sc
 def simulate_stages(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
                     times: list[tuple[float, float, float, float, float, float]]) -> SimResult:
     """Simulate one step of a pipeline whose stage j takes times[j] = (fwd, fwd_small, bwd, bwd_small,
-    send, sync): fwd/bwd of a full micro-batch, of a one-sample-smaller one, the activation transfer to
-    stage j + 1 and the end-of-step gradient sync."""
+    send, sync[, bwd_w]): fwd/bwd of a full micro-batch, of a one-sample-smaller one, the activation transfer
+    to stage j + 1, the end-of-step gradient sync and, optionally, the weight-gradient part of the full bwd
+    (what a zero-bubble schedule's W takes; `wgrad_times`)."""
     sched = cached_schedule(schedule, len(times) // chunks, num_microbatches, chunks)
     r = batch_share % num_microbatches  # micro-batches 0..r-1 are the full ones (all when r == 0)
     full = [r == 0 or i < r for i in range(num_microbatches)]
+    bwd = lambda s, m: times[s][2] if full[m] else times[s][3]  # noqa: E731
     return simulate(
         sched,
         lambda s, m: times[s][0] if full[m] else times[s][1],
-        lambda s, m: times[s][2] if full[m] else times[s][3],
+        bwd,
         # the gradient going back from stage s to s-1 has the size of the activation s-1 sent forward
         lambda src, dst: times[min(src, dst)][4],
         [t[5] for t in times],
+        wgrad_time=wgrad_times(times, bwd),
     )
+
+
+def wgrad_times(times: Sequence[Sequence[float]], bwd: Callable[[int, int], float]
+                ) -> Callable[[int, int], float] | None:
+    """W's seconds f(stage, micro-batch) from the stages' optional 7th time (bwd_w of a full micro-batch, as
+    a share of its bwd for the smaller ones); None (simulate's default share) when no stage has one."""
+    if all(len(t) < 7 for t in times):
+        return None
+    share = [t[6] / t[2] if len(t) > 6 and t[2] > 0 else WGRAD_FRACTION for t in times]
+    return lambda s, m: share[s] * bwd(s, m)
 
 
 def simulated_step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
@@ -230,11 +272,12 @@ def _step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: i
     return simulate_stages(schedule, chunks, batch_share, num_microbatches, list(times)).step_time  # type: ignore[arg-type]
 
 
-def stage_times(stage: Stage) -> tuple[float, float, float, float, float, float]:
-    """The `simulate_stages` times of a stage, from its predictions."""
+def stage_times(stage: Stage) -> tuple[float, ...]:
+    """The `simulate_stages` times of a stage, from its predictions (bwd_w_s, when predicted, 7th)."""
     p = stage.predicted
-    return (p["fwd_s"], p.get("fwd_small_s", 0.0), p["bwd_s"], p.get("bwd_small_s", 0.0),
+    base = (p["fwd_s"], p.get("fwd_small_s", 0.0), p["bwd_s"], p.get("bwd_small_s", 0.0),
             p.get("send_s", 0.0), p.get("sync_s", 0.0))
+    return base + (p["bwd_w_s"],) if "bwd_w_s" in p else base
 
 
 def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
@@ -251,13 +294,15 @@ def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
     m = pipeline.num_microbatches
     r = pipeline.batch_share % m  # micro-batches 0..r-1 are the full ones (all when r == 0)
     full = [r == 0 or i < r for i in range(m)]
+    bwd = lambda s, i: (times[s][2] if full[i] else times[s][3]) - gather[s] - reduce[s]  # noqa: E731
     return simulate(
         sched,
         lambda s, i: (times[s][0] if full[i] else times[s][1]) - gather[s],
-        lambda s, i: (times[s][2] if full[i] else times[s][3]) - gather[s] - reduce[s],
+        bwd,
         lambda src, dst: times[min(src, dst)][4],
         [t[5] for t in times],
         memory_time=lambda a: memory.get((a.kind, a.stage), 0.0),
+        wgrad_time=wgrad_times(times, bwd),
     )
 
 
@@ -297,7 +342,7 @@ def _ranges(xs: list[int]) -> str:
 def _pipeline_key(p: Pipeline) -> tuple:
     """What makes two replicas look the same in the table: everything but their devices."""
     return (p.batch_share, p.microbatch_size, p.num_microbatches,
-            tuple((tuple(s.layers), len(s.devices), s.zero, s.recompute, tuple(s.offload), s.compress,
+            tuple((tuple(s.layers), len(s.devices), s.zero, repr(s.recompute), tuple(s.offload), s.compress,
                    tuple(sorted(s.predicted.items()))) for s in p.stages))
 
 
@@ -327,6 +372,29 @@ def _idle_tail(pr: dict[str, Any]) -> str:
     return text + (f", waiting for slower replicas {100 * wait:.1f}%" if wait >= 5e-4 else "")
 
 
+def _async_line(a: dict[str, Any] | None) -> list[str]:
+    """`predicted["async"]` (autopar.plan(..., sync="2bw" | "wsp"), runtime/asynchronous.py) in one line."""
+    if not a:
+        return []
+    sync_ms = f"{a['sync_step_time_s'] * 1e3:.4g} ms/step synchronous"
+    if a["sync"] == "sync":
+        return [f"asynchrony (sync={a['asked']!r} allowed): not chosen, predicted no faster than {sync_ms}"]
+    return [f"asynchrony (predicted): sync={a['sync']!r}, staleness {a['staleness']} (each gradient computed on "
+            f"weights {a['staleness']} update(s) old): {a['step_time_s'] * 1e3:.4g} ms/step against {sync_ms}, "
+            f"x{a['speedup']:.3g}"]
+
+
+def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
+    """The predicted price of the plan (cluster files with `price_per_hour`) and the devices it leaves out."""
+    out = []
+    if pr.get("cost_per_hour") is not None:
+        out.append(f"cost (predicted): {pr['cost_per_hour']:.4g} per hour for the devices used, "
+                   f"{pr['cost_per_sample']:.4g} per sample")
+    for d, why in sorted((pr.get("idle_devices") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(f"device {d} ({names.get(int(d), '?')}) left out: {why}")
+    return out
+
+
 def compute_description(precision: str, device: str = "") -> str:
     """What a device computes in under a plan's precision (what runtime/precision.py runs)."""
     if precision in ("bf16", "fp16"):
@@ -350,7 +418,8 @@ def explain(plan: Plan) -> str:
     lines += [
         f"model {plan.model.get('name', '?')}: {fmt_count(plan.model.get('params', 0))} params, "
         f"{plan.model.get('num_layers', '?')} layers in the coarse chain",
-        f"cluster {plan.cluster.get('name', '?')}: {plan.world_size} devices; "
+        f"cluster {plan.cluster.get('name', '?')}: {plan.world_size} devices"
+        + (f" of its {len(names)} used" if len(names) > plan.world_size else "") + "; "
         f"global batch {plan.global_batch}, {plan.precision}, optimizer {plan.optimizer}, schedule {sched}, "
         f"{n_dp} data-parallel "
         f"pipeline(s)",
@@ -362,6 +431,7 @@ def explain(plan: Plan) -> str:
                      f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
                      f"pipeline bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%"
                      + _idle_tail(pr))
+    lines += _cost_and_idle(pr, names) + _async_line(pr.get("async"))
     if plan.experts:
         ex = plan.experts
         lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"
@@ -384,7 +454,7 @@ def explain(plan: Plan) -> str:
             rows.append([
                 label, str(j), _layer_label(plan, *s.layers), _ranges(devs), names.get(s.devices[0], "?"),
                 str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
-                f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), "yes" if s.recompute else "no",
+                f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), recompute_label(s.recompute),
                 "+".join(s.offload) or "-", s.compress or (wire if j + 1 < len(p.stages) else "-"),
                 fmt_time(sp.get("compute_s", 0.0)),
                 fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
@@ -425,7 +495,7 @@ class Strategy:
     microbatch_size: int | None = None
     schedule: str = "1f1b"
     zero: int = 0
-    recompute: bool = False
+    recompute: bool | int = False  # all / no blocks of every stage, or its first k (all of a smaller stage)
     layer_split: list[int] | tuple[int, ...] | None = None
     batch_split: list[int] | tuple[int, ...] | None = None
     chunks: int | None = None
@@ -441,6 +511,9 @@ class Strategy:
         for name in ("microbatch_size", "chunks"):
             check_number(f"Strategy.{name}", getattr(self, name), integer=True, low=1, optional=True)
         check_number("Strategy.zero", self.zero, integer=True)
+        if not isinstance(self.recompute, bool):
+            check_number("Strategy.recompute", self.recompute, integer=True, low=0,
+                         hint="True, False, or the number of each stage's first blocks to recompute")
         for name in ("layer_split", "batch_split"):
             value = getattr(self, name)
             if value is None:
@@ -460,8 +533,8 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
         raise PlanError(f"dp * tp * pp = {st.dp} * {st.tp} * {st.pp} = {st.dp * st.tp * st.pp}, but the "
                         f"cluster has {world_size} devices; every device must get one tensor-parallel "
                         f"rank of one stage.")
-    if st.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise PlanError(f"unknown schedule {st.schedule!r}; choose gpipe, 1f1b or interleaved_1f1b.")
+    if st.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {st.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     chunks = (st.chunks or 2) if st.schedule == "interleaved_1f1b" else 1
     if st.chunks not in (None, chunks):
         raise PlanError(f"chunks={st.chunks} only applies to the interleaved_1f1b schedule.")
@@ -511,7 +584,8 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
                             f"multiple of pp={st.pp}; change microbatch_size or the batch split.")
         stages = [Stage([edges[j], edges[j + 1]],
                         [(j % st.pp) * st.dp * st.tp + d * st.tp + k for k in range(st.tp)],
-                        st.zero, st.recompute, [k for k in OFFLOAD_KINDS if k in st.offload],
+                        st.zero, st.recompute if isinstance(st.recompute, bool) else min(st.recompute, split[j]),
+                        [k for k in OFFLOAD_KINDS if k in st.offload],
                         st.compress if j + 1 < stages_per_pipe else None)
                   for j in range(stages_per_pipe)]
         pipelines.append(Pipeline(share, mbs, m, stages))
@@ -537,4 +611,5 @@ class Estimate:
 
 
 __all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule", "explain",
-           "plan_from_strategy", "simulate_pipeline", "simulate_stages", "stage_times", "timeline_trace"]
+           "plan_from_strategy", "recompute_count", "recompute_label", "simulate_pipeline", "simulate_stages",
+           "stage_times", "timeline_trace", "wgrad_times"]

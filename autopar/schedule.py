@@ -4,6 +4,12 @@ A schedule is, per pipeline rank (a pipeline position / stage group, not a proce
 of actions. Each action has a one-token string form, e.g. ``r0:s1F3`` (rank 0, stage 1, forward of
 micro-batch 3), ``r1:s2SEND_B0`` or ``r0:s0ALLREDUCE``; ``Action.parse(str(a)) == a``.
 
+Zero-bubble schedules (``zb_h1``, Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split the backward:
+``B`` computes only the stage's input gradients (what the previous stage waits for) and ``W`` the weight
+gradients of the same micro-batch later (``r0:s1W3``), from the graph B retained; a schedule with any W
+(`splits_backward`) has one W per B, after it. There ALLREDUCE waits for the W's, and REDUCE belongs to
+the W of its micro-batch (`memory_owner`); the activations of a micro-batch live until its W.
+
 Transfer actions are named after the stage that owns them, the stage on the acting rank:
 ``SEND_F(s, m)`` sends stage s's output to stage s+1, ``RECV_F(s, m)`` receives stage s's input from
 stage s-1, ``SEND_B(s, m)`` sends stage s's input gradient to stage s-1 and ``RECV_B(s, m)`` receives
@@ -41,13 +47,22 @@ from .errors import PlanError
 Key = tuple  # (kind, stage, micro-batch), memory actions (kind, stage, micro-batch, layer)
 
 MEMORY_KINDS = ("GATHER_F", "FREE_F", "GATHER_B", "REDUCE", "FREE_B")
-KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE") + MEMORY_KINDS
-COMPUTE_KINDS = frozenset({"F", "B"})
+KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE") + MEMORY_KINDS
+COMPUTE_KINDS = frozenset({"F", "B", "W"})
 MEMORY_OF = {"GATHER_F": "F", "FREE_F": "F", "GATHER_B": "B", "REDUCE": "B", "FREE_B": "B"}
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SPLIT_SCHEDULES = frozenset({"zb_h1"})  # schedules whose backward is split into B (input grads) and W
 
 _ACTION_RE = re.compile(r"^(?:r(\d+):)?s(\d+)(GATHER_F|FREE_F|GATHER_B|REDUCE|FREE_B|SEND_F|RECV_F|SEND_B|RECV_B"
-                        r"|ALLREDUCE|F|B)(\d*)(?:L(\d+))?$")
+                        r"|ALLREDUCE|F|B|W)(\d*)(?:L(\d+))?$")
+
+
+def memory_owner(kind: str, split: bool = False) -> str:
+    """The compute kind a memory action of `kind` runs around: `MEMORY_OF`, except that REDUCE follows the
+    W of its micro-batch in a schedule that splits the backward (`split`; the weight gradients exist then)."""
+    return "W" if split and kind == "REDUCE" else MEMORY_OF[kind]
+
+
 _HEADER_RE = re.compile(r'^schedule (".*") stages=(\d+) microbatches=(\d+) stage_to_rank=([\d,]*)$')
 _RANK_RE = re.compile(r"^r(\d+):(.*)$")
 
@@ -186,7 +201,7 @@ def _with_comms(name: str, num_stages: int, num_microbatches: int, stage_to_rank
     last = num_stages - 1
     actions: dict[int, list[Action]] = {}
     for r, order in compute.items():
-        last_b = {s: i for i, (k, s, _) in enumerate(order) if k == "B"}
+        last_b = {s: i for i, (k, s, _) in enumerate(order) if k in ("B", "W")}  # the stage's last backward
         out: list[Action] = []
         for i, (kind, s, m) in enumerate(order):
             if kind == "F":
@@ -195,6 +210,10 @@ def _with_comms(name: str, num_stages: int, num_microbatches: int, stage_to_rank
                 out.append(Action(r, "F", s, m))
                 if s < last and s2r[s + 1] != r:
                     out.append(Action(r, "SEND_F", s, m))
+            elif kind == "W":
+                out.append(Action(r, "W", s, m))
+                if last_b[s] == i:
+                    out.append(Action(r, "ALLREDUCE", s, -1))
             else:
                 if s < last and s2r[s + 1] != r:
                     out.append(Action(r, "RECV_B", s, m))
@@ -221,10 +240,8 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     return _with_comms("gpipe", num_stages, num_microbatches, range(num_stages), compute)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """PipeDream-flush 1F1B: min(p-s-1, m) warm-up forwards, then alternate F/B, then drain the Bs."""
-    _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
+def _one_f_one_b_orders(p: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Per stage, 1F1B's compute order: min(p-s-1, m) warm-up forwards, then alternate F/B, then drain the Bs."""
     compute: dict[int, list[tuple[str, int, int]]] = {}
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -233,7 +250,41 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
             order += [("F", s, warmup + i), ("B", s, i)]
         order += [("B", s, i) for i in range(m - warmup, m)]
         compute[s] = order
-    return _with_comms("1f1b", p, m, range(p), compute)
+    return compute
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeDream-flush 1F1B: min(p-s-1, m) warm-up forwards, then alternate F/B, then drain the Bs."""
+    _check_sizes(num_stages, num_microbatches)
+    return _with_comms("1f1b", num_stages, num_microbatches, range(num_stages),
+                       _one_f_one_b_orders(num_stages, num_microbatches))
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): 1F1B's warm-up and steady
+    state with the backward split into B (input gradients, sent upstream at once) and W (weight gradients).
+
+    Stage s runs min(p-s-1, m) warm-up forwards and then F/B pairs as 1F1B does, but keeps up to s of its
+    W's pending: W(i) runs after B(i+s) in the steady state, one pending W after each cool-down B, the rest
+    after the stage's last B. The later stages' B's of the last micro-batches thus run early (their W's
+    fill the cool-down bubbles), and with F = B = W the step is (m + (p-1)/3)(F+B+W) instead of 1F1B's
+    (m + p - 1)(F+B+W): bubble (p-1)(F+B-W) per stage, the paper's figure. A micro-batch's activations
+    live from its F to its W, so stage s holds at most min(p, m): 1F1B's peak (on stage 0) on every stage."""
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    compute: dict[int, list[tuple[str, int, int]]] = {}
+    for s, order in _one_f_one_b_orders(p, m).items():
+        cool = m - min(p - s - 1, m)  # B(i) with i >= cool is a cool-down B (no F after it)
+        pending: deque[int] = deque()
+        compute[s] = []
+        for kind, _, i in order:
+            compute[s].append((kind, s, i))
+            if kind == "B":
+                pending.append(i)
+                if len(pending) > s or i >= cool:  # steady state: W lags B by s; cool-down: one per B
+                    compute[s].append(("W", s, pending.popleft()))
+        compute[s] += [("W", s, i) for i in pending]
+    return _with_comms("zb_h1", p, m, range(p), compute)
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int) -> Schedule:
@@ -274,13 +325,15 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int) -> Sche
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
-    """Dispatch on the schedule name: 'gpipe' | '1f1b' | 'interleaved_1f1b'."""
+    """Dispatch on the schedule name: 'gpipe' | '1f1b' | 'interleaved_1f1b' | 'zb_h1'."""
     if name == "gpipe":
         return gpipe(num_ranks, num_microbatches)
     if name == "1f1b":
         return one_f_one_b(num_ranks, num_microbatches)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, chunks)
+    if name == "zb_h1":
+        return zb_h1(num_ranks, num_microbatches)
     raise PlanError(f"unknown pipeline schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
 
 
@@ -296,16 +349,19 @@ class Compiled:
     stage_to_rank: tuple[int, ...]
 
 
-def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_microbatches: int
-                 ) -> tuple[Key, ...]:
+def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_microbatches: int,
+                 split: bool = False) -> tuple[Key, ...]:
     """Keys of the actions `a` waits for (besides its stream predecessor), before `compile_schedule`
-    moves a dependency on a compute action to the last memory action listed after it."""
+    moves a dependency on a compute action to the last memory action listed after it. `split`: the
+    schedule splits the backward into B and W (`splits_backward`)."""
     s, m, kind = a.stage, a.microbatch, a.kind
     if kind in MEMORY_OF:
-        own = MEMORY_OF[kind]
+        own = memory_owner(kind, split)
         if kind.startswith("GATHER"):  # runs at the start of its compute action: waits for its inputs
-            return dependencies(Action(a.rank, own, s, m), stage_to_rank, num_stages, num_microbatches)
+            return dependencies(Action(a.rank, own, s, m), stage_to_rank, num_stages, num_microbatches, split)
         return ((own, s, m),)
+    if kind == "W":
+        return (("B", s, m),)
     if kind == "F":
         if s == 0:
             return ()
@@ -323,19 +379,20 @@ def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_m
         return (("SEND_F", s - 1, m),)
     if kind == "RECV_B":
         return (("SEND_B", s + 1, m),)
-    return tuple(("B", s, i) for i in range(num_microbatches))  # ALLREDUCE
+    return tuple(("W" if split else "B", s, i) for i in range(num_microbatches))  # ALLREDUCE
 
 
 def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Compiled:
     """Split each rank's list into its compute and comm FIFOs; RECVs are completed by their SENDs."""
     s2r, ns, nm = schedule.stage_to_rank, schedule.num_stages, schedule.num_microbatches
+    split = splits_backward(schedule)
     queues = []
     recv_of_send: dict[Key, Action] = {}
     end_of: dict[Key, Key] = {}  # compute action -> the last memory action listed after it
     for acts in schedule.actions.values():
         for a in acts:
             if a.kind in MEMORY_OF and not a.kind.startswith("GATHER"):
-                end_of[(MEMORY_OF[a.kind], a.stage, a.microbatch)] = a.key
+                end_of[(memory_owner(a.kind, split), a.stage, a.microbatch)] = a.key
     for r, acts in schedule.actions.items():
         compute, comm = [], []
         for a in acts:
@@ -344,7 +401,7 @@ def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Comp
                 recv_of_send[(("SEND_F", a.stage - 1, a.microbatch) if kind == "RECV_F"
                               else ("SEND_B", a.stage + 1, a.microbatch))] = a
                 continue
-            deps = dependencies(a, s2r, ns, nm)
+            deps = dependencies(a, s2r, ns, nm, split)
             if end_of and not (kind in MEMORY_OF and not kind.startswith("GATHER")):
                 deps = tuple(end_of.get(d, d) for d in deps)
             entry = (a, a.key, deps)
@@ -443,113 +500,43 @@ def _fmt_key(k: Key) -> str:
 # ----------------------------------------------------------------------------------------------- checks
 
 def validate(schedule: Schedule) -> None:
-    """Raise PlanError naming the offending action if `schedule` is incomplete, misplaced or can deadlock."""
-    S, M, s2r = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
-    if S < 1 or M < 1:
-        raise PlanError(f"schedule {schedule.name!r} has {S} stages and {M} micro-batches; both must be >= 1")
-    if len(s2r) != S:
-        raise PlanError(f"stage_to_rank has {len(s2r)} entries for {S} stages")
-    if sorted(set(s2r)) != list(range(schedule.num_ranks)):
-        raise PlanError(f"stage_to_rank {s2r} leaves a rank without stages; ranks must be 0..n-1, all used")
-    pos: dict[Key, tuple[int, int]] = {}  # key -> (rank, index in the rank's list)
-    for r, acts in schedule.actions.items():
-        if not 0 <= r < schedule.num_ranks:
-            raise PlanError(f"schedule has actions for rank {r}, but stage_to_rank only uses ranks "
-                            f"0..{schedule.num_ranks - 1}")
-        for i, a in enumerate(acts):
-            if a.rank != r:
-                raise PlanError(f"action {a} is listed under rank {r}")
-            if not 0 <= a.stage < S:
-                raise PlanError(f"action {a} names stage {a.stage}; the schedule has stages 0..{S - 1}")
-            if a.kind != "ALLREDUCE" and a.microbatch >= M:
-                raise PlanError(f"action {a} names micro-batch {a.microbatch}; the schedule has 0..{M - 1}")
-            if s2r[a.stage] != r:
-                raise PlanError(f"action {a} runs on rank {r}, but stage {a.stage} lives on rank "
-                                f"{s2r[a.stage]}")
-            if a.key in pos:
-                raise PlanError(f"action {a} appears twice (first at position {pos[a.key][1]} of rank {r})")
-            pos[a.key] = (r, i)
-    for s in range(S):
-        for m in range(M):
-            for kind in ("F", "B"):
-                if (kind, s, m) not in pos:
-                    raise PlanError(f"action r{s2r[s]}:s{s}{kind}{m} is missing from the schedule")
+    """Raise PlanError naming the offending action if `schedule` is incomplete, misplaced or can deadlock
+    (schedule_check.py)."""
+    from .schedule_check import check_schedule
 
-    def before(first: Key, then: Key, what: str) -> None:
-        if pos[first][1] > pos[then][1]:
-            r = pos[then][0]
-            raise PlanError(f"action r{r}:{_fmt_key(then)} is scheduled before {what} r{r}:{_fmt_key(first)}")
+    check_schedule(schedule)
 
-    for key, (r, _) in pos.items():
-        kind, s, m = key[:3]
-        a = f"r{r}:{_fmt_key(key)}"
-        if kind in MEMORY_OF:
-            own = (MEMORY_OF[kind], s, m)
-            if own not in pos or pos[own][0] != r:
-                raise PlanError(f"memory action {a} has no compute action r{r}:{_fmt_key(own)} on its rank")
-            if kind.startswith("GATHER"):
-                before(key, own, "its memory action")
-            else:
-                before(own, key, "its compute action")
-            continue
-        if kind in ("SEND_F", "RECV_B"):
-            if s == S - 1 or s2r[s + 1] == r:
-                raise PlanError(f"action {a} has no peer: stage {s + 1} is not on another rank")
-        if kind in ("SEND_B", "RECV_F"):
-            if s == 0 or s2r[s - 1] == r:
-                raise PlanError(f"action {a} has no peer: stage {s - 1} is not on another rank")
-        if kind == "RECV_F" and ("SEND_F", s - 1, m) not in pos:
-            raise PlanError(f"action {a} has no matching send r{s2r[s - 1]}:s{s - 1}SEND_F{m}")
-        if kind == "RECV_B" and ("SEND_B", s + 1, m) not in pos:
-            raise PlanError(f"action {a} has no matching send r{s2r[s + 1]}:s{s + 1}SEND_B{m}")
-        if kind == "SEND_F" and ("RECV_F", s + 1, m) not in pos:
-            raise PlanError(f"action {a} has no matching receive r{s2r[s + 1]}:s{s + 1}RECV_F{m}")
-        if kind == "SEND_B" and ("RECV_B", s - 1, m) not in pos:
-            raise PlanError(f"action {a} has no matching receive r{s2r[s - 1]}:s{s - 1}RECV_B{m}")
-        if kind == "F":
-            if s > 0 and s2r[s - 1] != r:
-                if ("RECV_F", s, m) not in pos:
-                    raise PlanError(f"action {a} has no receive r{r}:s{s}RECV_F{m} of its input")
-                before(("RECV_F", s, m), (kind, s, m), "its receive")
-        elif kind == "B":
-            before(("F", s, m), (kind, s, m), "its forward")
-            if s < S - 1 and s2r[s + 1] != r:
-                if ("RECV_B", s, m) not in pos:
-                    raise PlanError(f"action {a} has no receive r{r}:s{s}RECV_B{m} of its output gradient")
-                before(("RECV_B", s, m), (kind, s, m), "its receive")
-        elif kind == "SEND_F":
-            before(("F", s, m), (kind, s, m), "its forward")
-        elif kind == "SEND_B":
-            before(("B", s, m), (kind, s, m), "its backward")
-        elif kind == "ALLREDUCE":
-            for i in range(M):
-                before(("B", s, i), (kind, s, m), "the backward")
-    with no_gc():
-        execute(compile_schedule(schedule), lambda a: 1.0)
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether the schedule splits the backward into B (input gradients) and W (weight gradients)."""
+    return any(a.kind == "W" for acts in schedule.actions.values() for a in acts)
 
 
 def peak_inflight(schedule: Schedule) -> dict[int, int]:
-    """Per rank, the most (stage, micro-batch) pairs whose forward has run and backward has not."""
+    """Per rank, the most (stage, micro-batch) pairs whose forward has run and backward has not (with a
+    split backward: whose W has not, as W reads the activations B left)."""
     peaks = {}
+    end = "W" if splits_backward(schedule) else "B"
     for r, acts in schedule.actions.items():
         live = peak = 0
         for a in acts:
             if a.kind == "F":
                 live += 1
                 peak = max(peak, live)
-            elif a.kind == "B":
+            elif a.kind == end:
                 live -= 1
         peaks[r] = peak
     return peaks
 
 
 def compute_actions(schedule: Schedule, rank: int) -> list[Action]:
-    """The F/B actions of `rank` in order (transfers and ALLREDUCE left out)."""
+    """The F/B/W actions of `rank` in order (transfers and ALLREDUCE left out)."""
     return [a for a in schedule.actions.get(rank, []) if a.kind in COMPUTE_KINDS]
 
 
 __all__ = [
-    "Action", "Schedule", "KINDS", "MEMORY_KINDS", "MEMORY_OF", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "Action", "Schedule", "KINDS", "MEMORY_KINDS", "MEMORY_OF", "SCHEDULES", "SPLIT_SCHEDULES", "gpipe", "one_f_one_b",
+    "interleaved_1f1b", "zb_h1", "memory_owner", "splits_backward",
     "make_schedule", "validate", "peak_inflight", "compute_actions", "no_gc",
     "Compiled", "compile_schedule", "execute", "dependencies",
 ]

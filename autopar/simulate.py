@@ -8,6 +8,10 @@ F(s, m) needs F(s-1, m) (same rank) or RECV_F(s, m); B(s, m) needs F(s, m) and B
 RECV_B(s, m); ALLREDUCE(s) needs every B(s, *). Memory actions (GATHER_F, FREE_F, GATHER_B, REDUCE,
 FREE_B: ZeRO gathers and reductions, streamed offload, per layer) run on the compute stream around their
 F/B and take `memory_time(action)`; a send waits for the memory actions after the F/B it sends from.
+
+Split backward (zero-bubble schedules, `schedule.splits_backward`): `bwd_time` stays the whole backward of
+a micro-batch; W takes `wgrad_time` of it (default WGRAD_FRACTION of it) and B the rest. W(s, m) needs
+B(s, m), ALLREDUCE(s) every W(s, *).
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError
-from .schedule import Action, Schedule, compile_schedule, execute, no_gc
+from .schedule import Action, Schedule, compile_schedule, execute, no_gc, splits_backward
 
 StageTime = Callable[[int, int], float] | Sequence[float] | float
 P2PTime = Callable[[int, int], float] | float
 Event = tuple[int, str, str, float, float]  # (rank, stream, name, start, end), seconds
 
 _TIDS = {"compute": 0, "comm": 1, "recv": 2}
+
+# The weight-gradient share of a backward when the caller gives none: a linear layer's backward is two
+# matmuls of equal FLOPs, dX = dY W^T and dW = X^T dY (2 n d_in d_out each), so matmul-dominated layers
+# split it about half and half; Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", section 2) take
+# T_B ~ T_W for the same reason. The planner prices the split from the graph (solver/pricing.py, bwd_w_s).
+WGRAD_FRACTION = 0.5
 
 
 @dataclass
@@ -81,6 +91,7 @@ def simulate(
     allreduce_time: Sequence[float] | float = 0.0,
     overlap_allreduce: bool = True,
     memory_time: Callable[[Action], float] | float = 0.0,
+    wgrad_time: StageTime | None = None,
 ) -> SimResult:
     """Simulate one step of `schedule`.
 
@@ -88,11 +99,20 @@ def simulate(
     p2p_time: seconds per transfer, or f(src_stage, dst_stage). allreduce_time: per-stage list or number.
     overlap_allreduce: ALLREDUCE on the comm stream (overlapping later compute) instead of the compute stream.
     memory_time: seconds of a memory action (f(action) or one number); F/B times exclude them.
+    wgrad_time: with a split backward, the part of bwd_time that W takes (f(stage, microbatch), per-stage
+    list or number; default WGRAD_FRACTION of bwd_time); B takes the rest. Ignored without W actions.
     Raises PlanError if the schedule deadlocks.
     """
     S = schedule.num_stages
     fwd = _per_stage(fwd_time, S, "fwd_time")
     bwd = _per_stage(bwd_time, S, "bwd_time")
+    if splits_backward(schedule):
+        full_bwd = bwd
+        wgrad = (lambda s, m: WGRAD_FRACTION * full_bwd(s, m)) if wgrad_time is None \
+            else _per_stage(wgrad_time, S, "wgrad_time")
+        bwd = lambda s, m: full_bwd(s, m) - wgrad(s, m)
+    else:
+        wgrad = bwd
     if callable(p2p_time):
         p2p = p2p_time
     else:
@@ -116,6 +136,8 @@ def simulate(
             return fwd(a.stage, a.microbatch)
         if k == "B":
             return bwd(a.stage, a.microbatch)
+        if k == "W":
+            return wgrad(a.stage, a.microbatch)
         if k == "SEND_F":
             return send_f[a.stage]
         if k == "SEND_B":
@@ -130,7 +152,7 @@ def simulate(
 
     def on_event(a: Action, stream: str, start: float, end: float) -> None:
         k = a.kind
-        if k == "F" or k == "B":
+        if k == "F" or k == "B" or k == "W":
             busy[a.rank] += end - start
             append((a.rank, stream, f"{k} s{a.stage} mb{a.microbatch}", start, end))
         elif k == "ALLREDUCE":
@@ -152,4 +174,4 @@ def simulate(
     return SimResult(step, busy, bubble, events)
 
 
-__all__ = ["SimResult", "simulate"]
+__all__ = ["WGRAD_FRACTION", "SimResult", "simulate"]

@@ -13,7 +13,7 @@ from dataclasses import replace
 from autopar.errors import PlanError
 from autopar.plan import Estimate, Plan, Strategy, even_split
 from autopar.solver.pricing import CostModel, price, price_strategy
-from autopar.solver.search import _divisors
+from autopar.solver.search import divisors
 
 GRID_CHUNKS = (2, 4)
 DP_MICROBATCH_COUNTS = (1, 2, 4, 8)
@@ -132,13 +132,13 @@ def compressed(cm: CostModel, plan: Plan) -> Plan | None:
 def grid_strategies(cm: CostModel) -> Iterator[Strategy]:
     W, blocks = cm.cluster.world_size, cm.num_blocks
     per_node = math.gcd(*(len(n.devices) for n in cm.cluster.nodes))
-    for tp in (t for t in _divisors(per_node) if t & (t - 1) == 0):
-        for pp in _divisors(blocks) if blocks else [1]:
+    for tp in (t for t in divisors(per_node) if t & (t - 1) == 0):
+        for pp in divisors(blocks) if blocks else [1]:
             if W % (tp * pp) or cm.B % (W // (tp * pp)):
                 continue
             dp = W // (tp * pp)
             share = cm.B // dp
-            for mbs in (b for b in _divisors(share) if b & (b - 1) == 0 or b == share):
+            for mbs in (b for b in divisors(share) if b & (b - 1) == 0 or b == share):
                 m = share // mbs
                 scheds: list[tuple[str, int | None]] = [("1f1b", None)]
                 if pp > 1 and m % pp == 0:

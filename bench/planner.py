@@ -25,8 +25,9 @@ Per case, the predicted training throughput (samples/s) of
               are optimised independently (the step is the slowest pipeline's, and a pipeline's times and
               memory do not depend on the others' choices). The optimum is re-priced with
               `pricing.price` as a whole plan. Run twice: over that whole space, and restricted to the
-              part autopar's search enumerates (its groupings, schedules and shared micro-batch sizes),
-              which separates a search that misses its own optimum from a space that lacks the optimum.
+              part autopar's search enumerates (its groupings, its schedules but zero-bubble ones, its shared
+              micro-batch sizes), which separates a search that misses its own optimum from a space that
+              lacks the optimum.
 Baselines are priced like `autopar.estimate` (`price_strategy` on one cost model per case, built by
 `autopar.api.cost_model` as `plan`/`estimate` do); the first case checks that against `autopar.estimate`.
 
@@ -40,7 +41,13 @@ configurations) is marked `plan_time_limited` with `plan_configs` = "k/N".
 Targets: autopar never below the best baseline (DP-only, DP-speed, Megatron); >= 1.3x the best uniform plan
 (the same baselines) on the heterogeneous cases, 3 and 4 (case 5's four boards are all one device type, so
 a uniform plan is the natural one there and only the never-below target applies); <= 60 s planning for
-GPT-3 175B on 1024 A100s; exact optimum on the exhaustive cases (within 1e-9 relative).
+GPT-3 175B on 1024 A100s; at least the exhaustive optimum on the exhaustive cases (within 1e-9 relative;
+autopar's space is the larger one: it also has zero-bubble schedules, which the exhaustive search does not
+price, so it may beat it).
+
+Scaling: planning time of GPT-3 175B (batch 1536) on 64 to 16,384 A100-80GB (`scaling`), printed as a table
+and stored under the summary's "scaling". Times are wall-clock on whatever machine runs this (a shared one
+is slower while others run).
 
 Run: cd bench && python planner.py
 """
@@ -74,12 +81,13 @@ from autopar.solver.pricing import (
     stage_option,
     tied_sync,
 )
-from autopar.solver.search import _divisors, _groupings, _microbatches, _schedules, _units, config_microbatch_sizes
+from autopar.solver.search import config_microbatch_sizes, divisors, groupings, microbatch_count, schedules, tp_units
 
 TIME_LIMIT_S = 60.0  # autopar.plan's default
 EXACT_RTOL = 1e-9
 HET_TARGET = 1.3
 PLAN_TIME_TARGET_S = 60.0
+EXHAUSTIVE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # the schedules the exhaustive search prices
 TINY_GPT = dict(layers=4, hidden=1024, heads=16, seq=512, vocab=8192)
 
 
@@ -269,17 +277,19 @@ class Exhaustive:
         or of the part autopar's search enumerates (its groupings, schedules and micro-batch sizes)."""
         cm = self.cm
         per_node = math.gcd(*(len(n.devices) for n in cm.cluster.nodes))
-        for t in _divisors(per_node):
-            units = _units(cm, t)
+        for t in divisors(per_node):
+            units = tp_units(cm, t)
             if autopar_space:
-                for _, pipes in _groupings(cm, units):
+                for _, pipes in groupings(cm, units):
                     p = len(pipes[0])
-                    for sched, v in _schedules(p, cm.L):
+                    for sched, v in schedules(p, cm.L):
+                        if sched not in EXHAUSTIVE_SCHEDULES:
+                            continue  # its stage times need more than `stage_times` gives (zero-bubble W split)
                         for b in config_microbatch_sizes(cm, pipes):
                             yield pipes, sched, v, lambda s, b=b, p=p, sched=sched: [
-                                m for m in [_microbatches(s, min(b, s), p, sched)] if m is not None]
+                                m for m in [microbatch_count(s, min(b, s), p, sched)] if m is not None]
                 continue
-            for D in _divisors(len(units)):
+            for D in divisors(len(units)):
                 p = len(units) // D
                 if D > cm.B or p > cm.L:
                     continue
@@ -388,7 +398,7 @@ def run_case(case: Case, check_api: bool) -> dict[str, Any]:
             ex_step = priced.plan.predicted["step_time_s"]
             assert math.isclose(ex_step, step, rel_tol=1e-12), (ex_step, step)
             row.update({f"{tag}_step_s": ex_step, f"{tag}_sps": cm.B / ex_step, f"{tag}_plan": describe(priced.plan),
-                        f"{tag}_exact": abs(plan.predicted["step_time_s"] / ex_step - 1) <= EXACT_RTOL})
+                        f"{tag}_exact": plan.predicted["step_time_s"] <= ex_step * (1 + EXACT_RTOL)})
         row["exhaustive_simulated"] = ex.simulated
     for k in ("autopar", "dp", "dpspeed", "grid", "exh", "exh_space"):
         if row.get(f"{k}_sps") is not None:
@@ -434,6 +444,31 @@ def _yn(ok: bool) -> str:
     return "yes" if ok else "NO"
 
 
+SCALING_SIZES = (64, 256, 1024, 4096, 16384)  # A100-80GB devices, 8 per node
+SCALING_MODEL, SCALING_BATCH = "gpt3-175b", 1536
+
+
+def scaling() -> list[dict[str, Any]]:
+    """Planning time of GPT-3 175B (batch 1536) vs cluster size: `autopar.plan` end to end (capture included)
+    with its default time limit, on N/8 nodes of 8 A100-80GB."""
+    out = []
+    mc = build(Case("scaling", SCALING_MODEL, SCALING_BATCH, ""))
+    for n in SCALING_SIZES:
+        cluster = f"{n // 8}x8xA100-80GB"
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = autopar.plan(mc.model, cluster, mc.example_inputs, mc.example_target, mc.loss_fn,
+                                time_limit_s=TIME_LIMIT_S)
+        limit = next((str(w.message) for w in caught if "time limit" in str(w.message)), None)
+        out.append({"devices": n, "cluster": cluster, "plan_s": time.perf_counter() - t0,
+                    "time_limit": f"hit ({time_limit_configs(limit)})" if limit else "-",
+                    "samples_per_s": plan.predicted["samples_per_s"], "plan": describe(plan)})
+        row = out[-1]
+        print(f"    {n:6d} devices: plan {row['plan_s']:.1f} s {row['time_limit']}  {row['plan']}", flush=True)
+    return out
+
+
 def main() -> None:
     t0 = time.perf_counter()
     rows = []
@@ -472,7 +507,7 @@ def main() -> None:
             (f">= {HET_TARGET}x the best uniform plan on the mixed-device cases", not het_miss, ratios),
             (f"GPT-3 175B planning <= {PLAN_TIME_TARGET_S:g} s", big["plan_s"] <= PLAN_TIME_TARGET_S,
              f"{big['plan_s']:.1f} s" + (", hit the time limit" if big["plan_time_limited"] else "")),
-            ("exact optimum on the exhaustive cases", not inexact,
+            ("at least the exhaustive optimum", not inexact,
              f"not exact on {', '.join(inexact)}" if inexact else "")):
         print(f"  {label + ':':50s} {_yn(ok):3s}" + (f"  ({extra})" if extra else ""))
     for r in exh:
@@ -495,7 +530,11 @@ def main() -> None:
             print(f"  MISSED on {r['case']}: autopar {r['autopar_sps']:.4g} samples/s [{r['autopar_plan']}]")
             for tag, what in (("exh", "exhaustive"), ("exh_space", "exhaustive within autopar's search space")):
                 print(f"      {what} {r[f'{tag}_sps']:.4g} samples/s [{r[f'{tag}_plan']}]")
-    summary = {"targets": targets, "all_met": all(t["met"] for t in targets.values()),
+    print(f"\nplanning time vs cluster size ({SCALING_MODEL}, batch {SCALING_BATCH}, A100-80GB; a shared machine: "
+          f"times vary with its load):")
+    scale = scaling()
+    print_table(scale, ["devices", "plan_s", "time_limit", "samples_per_s"])
+    summary = {"targets": targets, "all_met": all(t["met"] for t in targets.values()), "scaling": scale,
                "time_limit_s": TIME_LIMIT_S, "elapsed_s": time.perf_counter() - t0,
                "api_check_rel_diff": rows[0].get("api_check_rel_diff")}
     if summary["api_check_rel_diff"] is not None:

@@ -25,13 +25,13 @@ from autopar.solver.intra_op_pricing import LayerPricer
 from autopar.solver.pricing import CostModel, Option, model_summary, price, price_strategy
 from autopar.solver.search import (
     Search,
-    _divisors,
-    _groupings,
-    _microbatch_sizes,
-    _microbatches,
-    _schedules,
-    _units,
+    divisors,
+    groupings,
+    microbatch_count,
+    microbatch_sizes,
+    schedules,
     search,
+    tp_units,
 )
 from autopar.solver.split import OFFLOAD_LADDER
 
@@ -408,14 +408,14 @@ def brute_force(cm: CostModel) -> float:
     types and shares use the same split and options)."""
     best = math.inf
     gcd = math.gcd(*(len(n.devices) for n in cm.cluster.nodes))
-    for t in _divisors(gcd):
-        for _, pipes in _groupings(cm, _units(cm, t)):
+    for t in divisors(gcd):
+        for _, pipes in groupings(cm, tp_units(cm, t)):
             p, D = len(pipes[0]), len(pipes)
             types = [tuple(cm.cluster.devices[u[0]].spec.name for u in pipe) for pipe in pipes]
-            for sched, v in _schedules(p, cm.L):
-                for b in _microbatch_sizes(-(-cm.B // D)):
+            for sched, v in schedules(p, cm.L):
+                for b in microbatch_sizes(-(-cm.B // D)):
                     for shares in _compositions(cm.B, D):
-                        ms = [_microbatches(s, min(b, s), p, sched) for s in shares]
+                        ms = [microbatch_count(s, min(b, s), p, sched) for s in shares]
                         if None in ms:
                             continue
                         keys = sorted({(types[d], shares[d], ms[d]) for d in range(D)})

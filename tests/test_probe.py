@@ -36,10 +36,10 @@ def test_probe_writes_measured_links_the_model_uses(tmp_path, layout):
         assert c.network == link and c.devices[1].node == 1
     (rec,) = raw["probe"]["records"]
     assert rec["ranks"] == [0, 1] and rec["p2p"]["latency_us"] > 0 and rec["p2p"]["bandwidth_GBps"] > 0
-    # The fit reproduces the timed all_reduces: 8 bytes is 2 ring steps of the measured latency.
-    t_small = rec["all_reduce_s"]["8"]
-    assert 2 * link.latency == pytest.approx(t_small, rel=1e-6)
-    t_large = rec["all_reduce_s"][str(2**20)]
+    # The fit reproduces the timed all_reduces: 8 bytes is 2 ring steps of the measured latency (capped at
+    # half the large all_reduce's time when noise made the small one no faster)
+    t_small, t_large = rec["all_reduce_s"]["8"], rec["all_reduce_s"][str(2**20)]
+    assert 2 * link.latency == pytest.approx(min(t_small, t_large / 2), rel=1e-6)
     assert collective_time("all_reduce", 2**20, [0, 1], c, "ring") == pytest.approx(t_large, rel=1e-6)
     # gloo prices p2p on the measured figures as given: latency + n / bandwidth
     n = 4 * 2**20

@@ -302,6 +302,10 @@ def test_item8_run_without_cluster_is_a_clear_error(capsys) -> None:
 
 def test_item8_run_dry_run_prints_the_script_arguments(capsys) -> None:
     assert cli.main(["run", "train.py", "--cluster", "1x2xcpu", "--nproc", "2", "--dry-run", "--lr", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 worker processes" in out and "train.py --lr 0.1 " in out  # one process per device, args kept
+    assert cli.main(["run", "train.py", "--cluster", "1x2xcpu", "--nproc", "2", "--max-restarts", "1", "--dry-run",
+                     "--lr", "0.1"]) == 0  # with restarts: torchrun's elastic agent
     cmd = capsys.readouterr().out.strip().split()
     assert "--nproc-per-node=2" in cmd and cmd[-3:] == ["train.py", "--lr", "0.1"]
 

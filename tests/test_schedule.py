@@ -21,7 +21,8 @@ from autopar.schedule import (
 
 CASES = [("gpipe", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \
         [("1f1b", p, m, 1) for p in (1, 2, 4, 5) for m in (1, 3, 8)] + \
-        [("interleaved_1f1b", p, m, v) for p in (1, 2, 3) for m in (p, 2 * p, 4 * p) for v in (1, 2, 3)]
+        [("interleaved_1f1b", p, m, v) for p in (1, 2, 3) for m in (p, 2 * p, 4 * p) for v in (1, 2, 3)] + \
+        [("zb_h1", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)]
 
 
 def _all_actions(s: Schedule) -> list[Action]:
@@ -52,7 +53,7 @@ def test_action_parse_rejects(bad: str) -> None:
 
 def test_action_constructor_rejects_bad_kind_and_microbatch() -> None:
     with pytest.raises(PlanError, match="unknown action kind"):
-        Action(0, "W", 0, 0)
+        Action(0, "X", 0, 0)  # (W is a kind since zero-bubble schedules: the weight-gradient backward)
     with pytest.raises(PlanError):
         Action(0, "ALLREDUCE", 0, 3)
     with pytest.raises(PlanError):

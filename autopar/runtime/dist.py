@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -58,8 +60,52 @@ class Groups:
         return self._groups[ranks]
 
 
+# (store, key) where a survivor of a lost rank announces that it re-routes around it (reroute.py); while set,
+# `wait` polls collectives for completion and gives up as soon as the key appears, so that a rank blocked in
+# one with a survivor (which no closed connection wakes: leaving a gloo group does not close its sockets)
+# joins the others at once instead of after timeout_s. Transfers are not polled (gloo runs them inside
+# wait()); a pipeline's ranks meet the dead one directly. Only on gloo: NCCL's wait does not block the host.
+_abort_watch: tuple[dist.Store, str] | None = None
+
+
+def watch_aborts(store: dist.Store | None, key: str = "") -> None:
+    """Make `wait` give up when `key` appears in `store` (None: stop watching)."""
+    global _abort_watch
+    _abort_watch = (store, key) if store is not None and dist.get_backend() == "gloo" else None
+
+
+def announce_abort(lost: list[int]) -> None:
+    """Tell the ranks blocked in `wait` that `lost` are lost and the survivors re-route around them."""
+    if _abort_watch is not None:
+        _abort_watch[0].set(_abort_watch[1], json.dumps(lost))
+
+
+def _poll(work: dist.Work, what: str, timeout_s: float) -> None:
+    try:
+        work.get_future()
+    except RuntimeError:  # gloo send/recv run inside wait() (no future): they cannot be polled
+        return
+    store, key = _abort_watch  # type: ignore[misc]
+    start = time.monotonic()
+    nap, checked = 2e-5, start
+    while not work.is_completed():
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise PeerLostError(f"{what} timed out after {timeout_s:.0f} s.")
+        if now - checked > 0.02:
+            checked = now
+            if store.check([key]):
+                err = PeerLostError(f"{what} abandoned: the survivors of a lost rank re-route around it.")
+                err.lost_ranks = json.loads(store.get(key))  # type: ignore[attr-defined]
+                raise err
+        time.sleep(nap)
+        nap = min(2 * nap, 1e-3)
+
+
 def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Wait for a transfer or collective, turning a timeout or a broken connection into a named error."""
+    if _abort_watch is not None:
+        _poll(work, what, timeout_s)
     try:
         ok = work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
@@ -128,3 +174,21 @@ def message_bytes(metas: list[tuple[tuple[int, ...], torch.dtype]], compress: to
 
 def _wire_bytes(shape: tuple[int, ...], dtype: torch.dtype, compress: torch.dtype | None) -> int:
     return wire_dtype(dtype, compress).itemsize * math.prod(shape)
+
+
+def root_store() -> dist.Store:
+    """The store under the default process group (its innermost non-prefix store): the launcher's TCPStore
+    under `autopar run`, rank 0's under a plain env:// rendezvous. It outlives the group."""
+    store = dist.distributed_c10d._get_default_store()
+    return getattr(store, "_underlying_non_prefix_store", store)
+
+
+def regroup(store: dist.Store, prefix: str, rank: int, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Replace the process group (and every subgroup) by a fresh one of `world` ranks meeting in `store` under
+    `prefix`: how survivors of a lost rank continue, since a gloo or NCCL group cannot drop a member (and
+    new_group over the survivors needs the dead one too). Every survivor calls it with the same prefix."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))

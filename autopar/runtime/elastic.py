@@ -9,8 +9,13 @@ failing after it exited are not taken for dead ones (they report the ranks its n
 that is alive but stuck still beats, so the error then says that no rank died (a hang). Ranks waiting
 on the dead one fail at once; the others fail when their peers exit, or after timeout_s.
 
-Recovery (`autopar.compiler.train`, called by a user script under `autopar run --max-restarts K`, i.e. torchrun's
-elastic agent). When a worker exits with an error the agent stops the others and starts the worker
+Re-routing without a restart (reroute.py): under `autopar run` without --max-restarts the workers are
+separate processes around a store the launcher hosts, and when a data-parallel peer holds every layer of
+the lost rank the survivors re-form the process group among themselves and carry on, redoing the failed
+step; otherwise the PeerLostError says why it was not re-routed, and the restart below applies.
+
+Recovery by restart (`autopar.compiler.train`, called by a user script under `autopar run --max-restarts K`,
+i.e. torchrun's elastic agent). When a worker exits with an error the agent stops the others and starts the worker
 group again, up to K times; `train` then re-plans, loads the newest complete checkpoint (resharding it
 to the new plan) and continues from its step. Which devices the new attempt runs on:
 

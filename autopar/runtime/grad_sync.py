@@ -5,12 +5,14 @@ partitioning or parameter/optimizer offload, one stage per rank, and all paramet
 by the same replicas), gradients need no per-parameter routing: they are packed into buckets in reverse
 order of first use (about the order backward produces them; the first bucket small, 1 MiB, then 25 MiB,
 DDP's defaults), and each bucket's all-reduce is launched asynchronously from the post-accumulate-grad
-hooks of the step's last backward as soon as the bucket is complete. Buckets are launched strictly in
-bucket order (a ready bucket waits for its predecessors), so every rank issues the same collectives in
-the same order whatever order its autograd runs in. As DDP's `gradient_as_bucket_view`, each `.grad` is a
-view of its slice of the bucket (`prepare()`, at the start of a step, zeroes the buckets and points the
-gradients at them), so autograd accumulates straight into the buckets and the gradients take N g bytes,
-not twice that. `finish()` launches what is left, waits, and leaves each `.grad` on the reduced slice.
+hooks of the step's last backward as soon as the bucket is complete (under a zero-bubble schedule the
+last W: the B's compute input gradients only, the W's accumulate the parameters', split_backward.py).
+Buckets are launched strictly in bucket order (a ready bucket waits for its predecessors), so every rank
+issues the same collectives in the same order whatever order its autograd runs in. As DDP's
+`gradient_as_bucket_view`, each `.grad` is a view of its slice of the bucket (`prepare()`, at the start of
+a step, zeroes the buckets and points the gradients at them), so autograd accumulates straight into the
+buckets and the gradients take N g bytes, not twice that. `finish()` launches what is left, waits, and
+leaves each `.grad` on the reduced slice.
 
 Gradients travel in their own dtype: summing fp32 gradients of the replicas in fp32 is what DDP does and
 stays within the runtime tests' rtol 1e-4. When the replica group is the whole world and every rank
@@ -96,7 +98,7 @@ class BucketedGradSync:
             extra = 1 if self.carry_loss and b == len(self.buckets) - 1 else 0
             self.flats.append(torch.zeros(off + extra, dtype=params[names[0]].dtype,
                                           device=params[names[0]].device))
-        self.final = False  # set around the step's last backward of this rank
+        self.final = False  # set around the step's last backward of this rank (its last W under zero-bubble)
         self.loss = 0.0
         self._reset()
         for name, p in params.items():

@@ -38,6 +38,7 @@ from .expert_parallel import expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
 from .layered import NoHooks, layer_calls, layered, node_layers
 from .precision import PrecisionPolicy
+from .split_backward import PendingWeights, backward_input, backward_weight
 from .straggler import StageTimer, StragglerReport
 from .tensor_parallel import TPSpec, TPStage, megatron_spec, sharding_spec
 from .weights import ModelWeights, WeightsArg
@@ -310,7 +311,14 @@ class Program:
         sends: list[tuple[dist.Work, int, list[torch.Tensor]]] = []
         evaluated: list[tuple[torch.Tensor, ...]] = []
         loss_sum = 0.0
-        last_b = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+        # zero-bubble schedules: B computes input gradients, W the weight gradients later (split_backward.py)
+        split = any(a.kind == "W" for a in actions)
+        pending: dict[tuple[int, int], PendingWeights] = {}  # (stage, micro-batch) -> what its W runs
+        if split and self._memory:
+            raise PlanError("the action list splits the backward (B and W) and has per-layer memory actions: the "
+                            "runtime reduces a layer's gradients as its B ends, so zero-bubble schedules run "
+                            "ZeRO whole-step (lowering.lower); the rank's program and its action list disagree.")
+        last_b = max((i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")), default=-1)
         what = "" if train else " (eval)"
         for i, action in enumerate(actions):
             s, m, kind = action.stage, action.microbatch, action.kind
@@ -369,13 +377,23 @@ class Program:
                         loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
                         if self.grad_sync is not None:
                             self.grad_sync.loss = loss_sum
-                        self.amp.scale(loss * weight).backward()
+                        outs, out_grads = [self.amp.scale(loss * weight)], None
                     else:
                         outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True)
                                 if n in st.grad_values]
-                        torch.autograd.backward(outs, grads_out.pop(key))
+                        out_grads = grads_out.pop(key)
+                    if split:  # zero-bubble B: the received inputs' gradients only
+                        pending[key] = backward_input(outs, out_grads, recv_in.get(key, []),
+                                                      [self.params[p] for p in st.params if p in self.params])
+                    else:
+                        torch.autograd.backward(outs, out_grads)
                 if self.layers is not None:
                     self.layers.end(action)
+            elif kind == "W":  # zero-bubble W: the weight gradients its B left
+                if self.grad_sync is not None:  # the buckets launch during the last W
+                    self.grad_sync.final = i == last_b
+                with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
+                    backward_weight(pending.pop(key))
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]

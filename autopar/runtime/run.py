@@ -1,8 +1,12 @@
-"""`autopar run`: start one process per device of a cluster through torchrun.
+"""`autopar run`: start one process per device of a cluster.
 
 On a machine without GPUs every device of the cluster file becomes a local gloo process standing in for
-its device type, so a heterogeneous plan can be executed and checked here. For a cluster of several GPU
-nodes it prints the torchrun command to start on each node (or runs this node's share with --node-rank).
+its device type, so a heterogeneous plan can be executed and checked here. Without --max-restarts the
+workers are plain processes sharing a store the launcher hosts (launch.launch_workers): when one dies the
+others re-route its micro-batches and keep training (reroute.py). With --max-restarts K they run under
+torchrun's elastic agent, which restarts the whole group from the last checkpoint (elastic.py). For a
+cluster of several GPU nodes it prints the torchrun command to start on each node (or runs this node's
+share with --node-rank).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from ..checks import check_number
 from ..cluster import Cluster
-from .launch import free_port
+from .launch import free_port, launch_workers
 
 
 def torchrun_command(
@@ -74,6 +78,12 @@ def run(
             script, n, master=master or f"127.0.0.1:{free_port()}", max_restarts=max_restarts
         )
         print(f"autopar run: {n} local gloo process(es) standing in for {c.describe()}", file=sys.stderr)
+        if max_restarts == 0:  # each worker its own process: survivors of a lost worker keep training
+            if dry_run:
+                print(f"{n} worker processes of {shlex.join([sys.executable, *script])} sharing a TCPStore "
+                      f"hosted by autopar run (no torchrun agent; lost workers are re-routed around)")
+                return 0
+            return launch_workers(script, n, env)
         if dry_run:
             print(shlex.join(cmd))
             return 0

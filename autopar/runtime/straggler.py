@@ -11,6 +11,13 @@ window it checks the report and, when a rank straggles, plans again on a cluster
 is `relative` times slower (its own device type: FLOP/s and memory bandwidth divided by the factor, its
 per-kernel overhead multiplied by it through a compute profile), builds the new program and moves the
 full training state into it (`state_dict` / `load_state_dict`), so training continues exactly.
+
+Smaller slowdowns (relative < `AdaptPolicy.shed_below`, default 3) on a plan with several pipelines are
+handled without re-planning the cluster: the slow rank's pipeline sheds micro-batches to its
+data-parallel peers (`shed_plan`: every pipeline's batch share in proportion to its measured speed,
+share / its slowest rank's compute seconds per step; the same global batch, micro-batch sizes kept, stages
+and devices unchanged), the program is rebuilt for that plan (compile's `reshare`) and the full state moved
+over, as for a re-plan, so training still equals single-process training. See reroute.py.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import torch.distributed as dist
 
 from ..cluster import Cluster
 from ..errors import AutoparError
+from ..plan import Plan
 from .dist import wait
+from .reroute import proportional, simulated, with_shares
 
 SLOWDOWN_ENV = "AUTOPAR_EMULATE_SLOWDOWN"
 
@@ -161,7 +170,27 @@ def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> Stra
     return StragglerReport(rows, len(recent), threshold)
 
 
-# ---- re-planning around stragglers -------------------------------------------------------------------------
+# ---- shedding micro-batches, re-planning around stragglers -------------------------------------------------
+
+
+def shed_plan(plan: Plan | None, rep: StragglerReport) -> Plan | None:
+    """`plan` with every pipeline's batch share in proportion to its measured speed (share / the compute
+    seconds per step of its slowest rank), the same global batch; its step re-simulated from the old stage
+    times. None when there is nothing to shed to (one pipeline, experts, graph programs) or nothing changes."""
+    if plan is None or len(plan.pipelines) < 2 or plan.experts or plan.graph:
+        return None
+    measured = {t.rank: t.measured_s for t in rep.ranks}
+    speeds = []
+    for p in plan.pipelines:
+        slowest = max(measured.get(d, 0.0) for st in p.stages for d in st.devices)
+        if slowest <= 0:
+            return None
+        speeds.append(p.batch_share / slowest)
+    shares = proportional(plan.global_batch, speeds)
+    if shares == [p.batch_share for p in plan.pipelines]:
+        return None
+    return simulated(with_shares(plan, dict(enumerate(shares))), plan)
+
 
 
 def scaled_cluster(cluster: Cluster, slowdown: dict[int, float]) -> Cluster:
@@ -247,7 +276,8 @@ class AdaptPolicy:
     warmup: int = 1  # steps not measured (first-step allocation and caching)
     window: int = 3  # steps measured per check (their median)
     threshold: float = 1.5  # relative slowdown that counts as a straggler
-    max_replans: int = 1
+    max_replans: int = 1  # plan changes (re-plans and sheds together)
+    shed_below: float = 3.0  # slower than threshold but below this: shed micro-batches to peers, no re-plan
 
 
 @dataclass
@@ -262,6 +292,9 @@ class AdaptiveProgram:
     slowdown: dict[int, float] = field(default_factory=dict)  # device -> factor applied so far
     reports: list[StragglerReport] = field(default_factory=list)
     replans: int = 0
+    # builds a Program for a plan on the same devices (shed batch shares); None: stragglers are re-planned
+    reshare: Callable[[Plan], Any] | None = None
+    sheds: int = 0
     _since: int = 0
 
     def step(self, *inputs: Any, target: Any = None) -> float:
@@ -273,7 +306,13 @@ class AdaptiveProgram:
             self.reports.append(rep)
             self._since = p.warmup  # the next check measures a fresh window
             slow = rep.stragglers()
-            if slow:
+            worst = max((float(rep.ranks[r].relative) for r in slow), default=0.0)  # type: ignore[arg-type]
+            shed = shed_plan(self.program.plan, rep) if slow and self.reshare is not None \
+                and worst < p.shed_below else None
+            if shed is not None:
+                self._move(lambda: self.reshare(shed))  # type: ignore[misc]
+                self.sheds += 1
+            elif slow:
                 for r in slow:
                     t = rep.ranks[r]
                     self.slowdown[r] = self.slowdown.get(r, 1.0) * float(t.relative)  # type: ignore[arg-type]
@@ -281,10 +320,14 @@ class AdaptiveProgram:
         return loss
 
     def _replan(self) -> None:
-        state = self.program.state_dict()
         cluster = scaled_cluster(self.cluster, self.slowdown)
         with scaled_profiles(self.cluster, self.slowdown):
-            new = self.rebuild(cluster)
+            self._move(lambda: self.rebuild(cluster))
+
+    def _move(self, build: Callable[[], Any]) -> None:
+        """Continue on the program `build()` makes, with the full training state moved over."""
+        state = self.program.state_dict()
+        new = build()
         new.load_state_dict(state)
         self.program = new
         self.replans += 1
@@ -301,4 +344,4 @@ class AdaptiveProgram:
 
 
 __all__ = ["AdaptPolicy", "AdaptiveProgram", "RankTiming", "StageTimer", "StragglerReport",
-           "emulated_slowdown", "predicted_compute", "report", "scaled_cluster", "scaled_profiles"]
+           "emulated_slowdown", "predicted_compute", "report", "scaled_cluster", "scaled_profiles", "shed_plan"]

@@ -128,17 +128,26 @@ def find_moe(graph: TrainingGraph) -> list[MoELayer]:
 # ---- the cost model at a degree ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """What a cost model prices of expert parallelism (`CostModel.expert_parallel`): the degree ep and
+    the graph's MoE layers by chain index (`find_moe`)."""
+
+    degree: int
+    layers: dict[int, MoELayer]
+
+    @classmethod
+    def of(cls, graph: TrainingGraph, degree: int = 1) -> ExpertParallel:
+        return cls(degree, {m.layer: m for m in find_moe(graph)})
+
+
 def moe_layers(cm: Any) -> dict[int, MoELayer]:
-    """The cost model's MoE layers by chain index (found once per graph)."""
-    hit = getattr(cm, "_moe_layers", None)
-    if hit is None:
-        hit = {m.layer: m for m in find_moe(cm.graph)}
-        cm._moe_layers = hit
-    return hit
+    """The cost model's MoE layers by chain index (found when it is built: `ExpertParallel.of`)."""
+    return cm.expert_parallel.layers
 
 
 def degree(cm: Any) -> int:
-    return getattr(cm, "ep", 1)
+    return cm.expert_parallel.degree
 
 
 def with_degree(cm: Any, ep: int) -> Any:
@@ -149,7 +158,7 @@ def with_degree(cm: Any, ep: int) -> Any:
         return cm
     out = copy.copy(cm)
     out._memo = {}
-    out.ep = ep
+    out.expert_parallel = replace(cm.expert_parallel, degree=ep)
     return out
 
 
@@ -387,5 +396,5 @@ def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> An
     return best
 
 
-__all__ = ["IMBALANCE", "MoELayer", "a2a_times", "adjust_base", "candidates", "checked", "choose", "config_ok",
-           "describe", "find_moe", "for_plan", "holders", "with_degree", "zero_bytes", "zero_extra"]
+__all__ = ["IMBALANCE", "ExpertParallel", "MoELayer", "a2a_times", "adjust_base", "candidates", "checked", "choose",
+           "config_ok", "describe", "find_moe", "for_plan", "holders", "with_degree", "zero_bytes", "zero_extra"]

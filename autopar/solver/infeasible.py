@@ -5,7 +5,7 @@ Two different reasons (`message`):
           replica, so world = replicas x stages x tp, with at most one replica per sample of the global
           batch, at most one stage per layer of the chain, tp dividing every node's device count (tp stays
           in a node) and, on several device types, replicas holding equal slices of every type ("mixed")
-          or pipelines of one type ("by-type"); `search._groupings` and `experts.config_ok` are the rules,
+          or pipelines of one type ("by-type"); `search.groupings` and `experts.config_ok` are the rules,
           and they are checked here on the same code. Memory plays no part, so the message never blames it;
           it names the smallest global batch (and layer count) that would allow a layout and a subset of
           the cluster that can be planned on as it is.
@@ -30,20 +30,20 @@ class _Shape(NamedTuple):
     cluster: Cluster
     B: int
     L: int
-    ep: int
+    expert_parallel: experts.ExpertParallel
 
 
 def layouts(cm: Any, cluster: Cluster | None = None, B: int | None = None, L: int | None = None
             ) -> list[tuple[int, str, tuple]]:
     """(tp, grouping, pipelines) the search would enumerate on `cluster` with global batch B and L layers
     (default: the cost model's own), whatever memory says."""
-    from .search import _divisors, _groupings, _units
+    from .search import divisors, groupings, tp_units
 
-    shape = _Shape(cluster or cm.cluster, B or cm.B, L or cm.L, experts.degree(cm))
+    shape = _Shape(cluster or cm.cluster, B or cm.B, L or cm.L, cm.expert_parallel)
     gcd = 0
     for node in shape.cluster.nodes:
         gcd = math.gcd(gcd, len(node.devices))
-    return [(t, name, pipes) for t in _divisors(gcd) for name, pipes in _groupings(shape, _units(shape, t))
+    return [(t, name, pipes) for t in divisors(gcd) for name, pipes in groupings(shape, tp_units(shape, t))
             if experts.config_ok(shape, t, pipes)]
 
 
@@ -92,30 +92,31 @@ def _best_subset(cm: Any) -> tuple[list[int], list[int]] | None:
 
 def _why_not(cm: Any, t: int) -> str:
     """Why tp=t has no layout: each replicas x stages factorisation of the tp groups and what breaks it."""
-    from .search import _divisors, _groupings, _units
+    from .search import divisors, groupings, tp_units
 
-    shape = _Shape(cm.cluster, cm.B, cm.L, experts.degree(cm))
+    shape = _Shape(cm.cluster, cm.B, cm.L, cm.expert_parallel)
     U = cm.cluster.world_size // t
     types = len(cm.cluster.device_types())
     parts = []
-    for D in _divisors(U):
+    for D in divisors(U):
         p = U // D
         if D > cm.B:
             why = f"{D} replicas > batch {cm.B}"
         elif p > cm.L:
             why = f"{p} stages > {cm.L} layers"
-        elif not any(len(pipes) == D for _, pipes in _groupings(shape, _units(shape, t))):
+        elif not any(len(pipes) == D for _, pipes in groupings(shape, tp_units(shape, t))):
             why = (f"the {types} device types do not split into {D} replicas with equal slices of each or "
                    f"into {p}-stage pipelines of one type")
         else:
-            why = f"expert parallelism ep={shape.ep} needs groups of {shape.ep} identical replicas"
+            ep = shape.expert_parallel.degree
+            why = f"expert parallelism ep={ep} needs groups of {ep} identical replicas"
         parts.append(f"{D}x{p} ({why})")
     return f"tp={t}: {U} group(s) as replicas x stages = " + ", ".join(parts)
 
 
 def layout_message(cm: Any) -> str:
     """No layout covers the cluster (see the module docstring): the constraint, the numbers, the fixes."""
-    from .search import _divisors
+    from .search import divisors
 
     cluster, W = cm.cluster, cm.cluster.world_size
     gcd = 0
@@ -126,9 +127,9 @@ def layout_message(cm: Any) -> str:
            f"(the training state is {fmt_bytes(state)}). Every device must run one stage of one data-parallel "
            f"replica: {W} devices = replicas x stages x tp, with at most {cm.B} replica(s) (one sample of the "
            f"global batch of {cm.B} each), at most {cm.L} stages per replica (one layer of the model's {cm.L} "
-           f"at least each), tp dividing every node's device count ({', '.join(map(str, _divisors(gcd)))}) and, "
+           f"at least each), tp dividing every node's device count ({', '.join(map(str, divisors(gcd)))}) and, "
            f"on several device types, replicas holding equal slices of every type or pipelines of one type. "
-           + "; ".join(_why_not(cm, t) for t in _divisors(gcd)) + ".")
+           + "; ".join(_why_not(cm, t) for t in divisors(gcd)) + ".")
     fixes = []
     batch = next((b for b in range(cm.B + 1, W + 1) if layouts(cm, B=b)), None)
     if batch is not None:

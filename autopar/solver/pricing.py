@@ -29,7 +29,8 @@ setup; cost_models/overhead.py), host_f paid again by recomputed blocks; sync ad
 the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
 
     fwd  = compute_f + tp_f + host_f + [zero 3] AG(N w) + [offload params] h2d(N w) + [offload act.] h2d(act)
-    bwd  = compute_b + tp_b + host_b + [recompute] (compute_f + tp_f of the blocks) + [zero 3] AG(N w)
+    bwd  = compute_b + tp_b + host_b + [recompute] (compute_f + tp_f + host_f of the k recomputed blocks: the
+           stage's first k, all of them with recompute=True; `stage_memory.recomputed`) + [zero 3] AG(N w)
            + [zero >= 2] RS(N g) + [offload params] h2d(N w) + h2d(N g) + [offload act.] h2d(act)
     sync = AR(N g) | RS(N g) + AG(N w) | AG(N w) | 0          for zero 0 | 1 | 2 | 3  (per step)
            + optimizer step: 2 (w + g + o) N' / memory bandwidth, or with the optimizer offloaded
@@ -92,7 +93,6 @@ from typing import NamedTuple
 
 from ..checks import check_memory_reserve
 from ..cluster import Cluster
-from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
 from ..cost_models.compute import ComputeModel, kernel_flops
 from ..cost_models.memory import activation_corrections, optimizer_name, runtime_reserve_bytes, state_bytes_per_param
 from ..cost_models.overhead import stage_host_seconds
@@ -109,15 +109,18 @@ from ..plan import (
     cached_schedule,
     layerwise_stages,
     plan_from_strategy,
+    recompute_count,
 )
-from ..schedule import peak_inflight
+from ..schedule import SPLIT_SCHEDULES, peak_inflight
 from . import experts
 from .intra_op_pricing import LayerPricer, stage_sharding, tp_layer_cost, tp_reason
-from .pricing_plan import (
-    ACT_BYTES,
-    COMPRESS_DTYPE,
-    SLOW_LINK_BYTES_PER_S,
-    WIRE_BYTES,
+from .objective import cost_figures, idle_devices
+from .pricing_comm import CommPricing
+from .pricing_plan import (  # the wire constants are read here by callers (tests/test_edge.py)
+    ACT_BYTES,  # noqa: F401
+    COMPRESS_DTYPE,  # noqa: F401
+    SLOW_LINK_BYTES_PER_S,  # noqa: F401
+    WIRE_BYTES,  # noqa: F401
     check_plan,
     host_problem,
     idle_split,
@@ -127,7 +130,8 @@ from .pricing_plan import (
     rank_peak,
     tied_sync,
 )
-from .stage_memory import StageMemory, bucketed_gradients, runtime_note, stage_memory
+from .stage_memory import StageMemory, bucketed_gradients, recomputed, runtime_note, stage_memory
+from .wgrad import wgrad_share
 
 # Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
 # bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
@@ -138,7 +142,7 @@ class Option(NamedTuple):
     """Per-stage memory/time trade-offs."""
 
     zero: int = 0
-    recompute: bool = False
+    recompute: bool | int = False  # True / False: all / none of the stage's blocks; k: its first k
     offload: tuple[str, ...] = ()
 
 
@@ -171,6 +175,9 @@ class StageBase:
     block_params: float = 0.0  # of `params`, those of the range's repeated blocks
     bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
     host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
+    # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
+    # saved activation bytes per micro-batch, its input's bytes, its parameters), for selective recompute
+    block_parts: tuple[tuple[float, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,10 +199,12 @@ def inflight_closed_form(schedule: str, ranks: int, microbatches: int, chunks: i
         return [m] * p
     if schedule == "1f1b":
         return [min(p - r, m) for r in range(p)]
+    if schedule == "zb_h1":  # activations live until W: min(p, m) on every rank (schedule.zb_h1)
+        return [min(p, m)] * p
     return [min(min(2 * (p - r - 1) + (chunks - 1) * p, m * chunks) + 1, m * chunks) for r in range(p)]
 
 
-class CostModel:
+class CostModel(CommPricing):
     """Costs of layer ranges of one annotated graph on one cluster; everything is memoised.
 
     Identical blocks share one cost class, and on a uniform chain (prologue, identical blocks, epilogue)
@@ -222,6 +231,8 @@ class CostModel:
         self._sig_of_group: dict[tuple[int, ...], int] = {}
         self.intra_op, self.intra_op_time_limit_s = intra_op, intra_op_time_limit_s
         self._pricers: dict[tuple, LayerPricer | None] = {}
+        # the expert-parallel degree priced and the graph's MoE layers (solver/experts.py)
+        self.expert_parallel = experts.ExpertParallel.of(graph)
 
     # ---- layer data ---------------------------------------------------------------------------
     def _init_layers(self) -> None:
@@ -288,66 +299,6 @@ class CostModel:
         extra = sum(n for n, owner, us in self.shared if not a <= owner < e and any(a <= u < e for u in us))
         return sum(own) + extra, max(own)
 
-    # ---- communication ------------------------------------------------------------------------
-    def group_sig(self, group: tuple[int, ...]) -> int:
-        """A small int naming what a collective's time over `group` depends on (group size, members per
-        node and node links, ring bottleneck), so equivalent groups share cache entries."""
-        sig = self._sig_of_group.get(group)
-        if sig is None:
-            nodes: dict[int, int] = {}
-            for d in group:
-                node = self.cluster.devices[d].node
-                nodes[node] = nodes.get(node, 0) + 1
-            full = (len(group), tuple((self.cluster.nodes[k].intra_node, self.cluster.nic_bandwidth(k), c)
-                                      for k, c in nodes.items()),
-                    group_bandwidth(group, self.cluster), {self.cluster.devices[d].spec.kind for d in group} == {"gpu"})
-            sig = self._sig_of_group[group] = self._sigs.setdefault(full, len(self._sigs))
-        return sig
-
-    def collective(self, kind: str, nbytes: float, group: tuple[int, ...], concurrent: int = 1) -> float:
-        """`concurrent`: groups of this shape running it at once, sharing their nodes' NICs (comm.py)."""
-        if len(group) < 2 or nbytes <= 0:
-            return 0.0
-        key = (kind, nbytes, self.group_sig(group), concurrent)
-        t = self._memo.get(key)
-        if t is None:
-            t = self._memo[key] = float(collective_time(kind, nbytes, group, self.cluster, concurrent=concurrent))
-        return t  # type: ignore[return-value]
-
-    def send_time(self, nbytes: float, src: int, dst: int, compress: str | None = None) -> float:
-        """Point-to-point seconds for one activation (or its gradient) of `nbytes` (in the plan's precision)
-        between two stages; with `compress` the wire carries 2-byte elements, cast on both ends."""
-        if src == dst:
-            return 0.0
-        link = self.cluster.link(src, dst)
-        key = ("p2p", nbytes, link, compress, self.cluster.devices[src].spec.name,
-               self.cluster.devices[dst].spec.name)
-        t = self._memo.get(key)
-        if t is None:
-            if compress is None:
-                t = float(p2p_time(nbytes, src, dst, self.cluster))
-            else:
-                elems = nbytes / ACT_BYTES[self.precision]
-                cast = elems * (ACT_BYTES[self.precision] + WIRE_BYTES[compress])  # read + write, each end
-                t = float(p2p_time(elems * WIRE_BYTES[compress], src, dst, self.cluster)) + sum(
-                    cast / self.cluster.devices[d].spec.memory_bandwidth for d in (src, dst))
-            self._memo[key] = t
-        return t  # type: ignore[return-value]
-
-    def compress_choice(self, nbytes: float, src: int, dst: int) -> str | None:
-        """The wire dtype for a stage boundary under the planner's rule (module docstring, "Compressed
-        sends"): COMPRESS_DTYPE when the plan trains in fp32/tf32, the link is slow and the send gets
-        faster; else None."""
-        if (src == dst or self.precision not in ("fp32", "tf32")
-                or self.cluster.link(src, dst).bandwidth > SLOW_LINK_BYTES_PER_S):
-            return None
-        faster = self.send_time(nbytes, src, dst, COMPRESS_DTYPE) < self.send_time(nbytes, src, dst)
-        return COMPRESS_DTYPE if faster else None
-
-    def boundary_send(self, nbytes: float, src: int, dst: int) -> float:
-        """Send seconds of a stage boundary as the search plans it (compressed where `compress_choice` says)."""
-        return self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst))
-
     def peak_inflight(self, schedule: str, ranks: int, microbatches: int, chunks: int) -> dict[int, int]:
         """`schedule.peak_inflight` of the generated schedule (memoised: replicas share it)."""
         key = ("inflight", schedule, ranks, microbatches, chunks)
@@ -404,6 +355,7 @@ class CostModel:
         f = b = fc = bc = rc = act = act_rc = work = transient = 0.0
         extra = tp_max = 0.0
         ilp = t > 1 and any(self.is_block[a:e])
+        parts = []
         for i in range(a, e):
             c = tp_layer_cost(self, i, dtype, n, tp_group)
             f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
@@ -416,6 +368,8 @@ class CostModel:
                 rc += c.fwd + c.fwd_comm
                 act_rc += self.in_bytes[i] * frac
                 work = max(work, saved)
+                parts.append((c.fwd + c.fwd_comm + stage_host_seconds(self, i, i + 1, dtype).recompute, saved,
+                              self.in_bytes[i] * frac, float(self.own_params[i])))
             else:
                 act_rc += saved
             transient = max(transient, self.bwd_transient[i] * frac / t)
@@ -427,7 +381,7 @@ class CostModel:
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, block_params=blocks, bwd_transient=transient,
-                         host_step=host.step)
+                         host_step=host.step, block_parts=tuple(parts))
         return experts.adjust_base(self, a, e, dtype, n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
@@ -440,11 +394,15 @@ class CostModel:
 
     # ---- options ------------------------------------------------------------------------------
     def stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
-                    dp_group: tuple[int, ...], dp_sig: int | None = None, layerwise: bool = True) -> StageTimes:
+                    dp_group: tuple[int, ...], dp_sig: int | None = None, layerwise: bool = True,
+                    mixed_tp: bool = False) -> StageTimes:
         """Per-micro-batch times and the per-step sync of a stage with option `opt` (module docstring).
         `dp_sig` is `group_sig(dp_group)` when the caller has it. Without `layerwise` (`plan.layerwise_stages`)
         the runtime's ZeRO-2/3 is whole-step: one gather at the start of the step and one reduction after the
-        schedule, i.e. ZeRO-1's communication (and memory), priced so."""
+        schedule, i.e. ZeRO-1's communication (and memory), priced so. `mixed_tp`: the stage's data-parallel
+        peers run at different tensor-parallel degrees (a tp per pipeline class), so the sync moves what
+        runtime/zero.py moves then: whole (unsharded) tensors among the groups' first ranks, after each group
+        gathers them and before it broadcasts the result (`_mixed_tp_sync`)."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         t, D = len(tp_group), len(dp_group)
         N = base.params / t + base.tp_extra
@@ -452,7 +410,7 @@ class CostModel:
         if not layerwise:
             z = min(z, 1)
         key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
-        hit = self._memo.get(key)
+        hit = self._memo.get(key) if not mixed_tp else self._mixed_tp_sync(base, tp_group, dp_group)
         if hit is None:
             # the stage's t data-parallel groups (one per tp rank) sync at once: they share the nodes' NICs
             hit = self._memo[key] = (self.collective("all_gather", N * w, dp_group, t),
@@ -461,7 +419,7 @@ class CostModel:
         ag, rs, ar = hit  # type: ignore[misc]
         host = self.specs[dtype].host_link
         h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # host link: latency + bytes / bandwidth
-        act = base.act_recompute if opt.recompute else base.act
+        rc_time, act, _, _ = recomputed(base, opt.recompute)
         # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
         a2a_f, a2a_b, moe_sync = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
             else (0.0, 0.0, 0.0)
@@ -482,11 +440,24 @@ class CostModel:
         else:
             sync += 2 * (w + g + o) * local / self.models[dtype].bandwidth
         fwd = base.fwd + fc
-        bwd = base.bwd + bc + (base.recompute if opt.recompute else 0.0)
+        bwd = base.bwd + bc + rc_time
         streamed = "params" in opt.offload
         gather = (ag if z == 3 else 0.0) + (h2d(N * w) if streamed else 0.0)
         reduce = (rs if z >= 2 else 0.0) + (h2d(N * g) if streamed else 0.0)
         return StageTimes(fwd, bwd, fc + bc, sync, gather, reduce)
+
+    def _mixed_tp_sync(self, base: StageBase, tp_group: tuple[int, ...], dp_group: tuple[int, ...]
+                       ) -> tuple[float, float, float]:
+        """(all-gather, reduce-scatter, all-reduce) seconds of a stage whose data-parallel peers differ in
+        tensor-parallel degree: runtime/zero.py reduces whole tensors (all of the stage's parameters, E)
+        among the groups' first ranks, once (not t groups at once), and a tp group first gathers its shards
+        (all-gather of E g over it) and then broadcasts the result to its ranks (as much again)."""
+        w, g = self.state.weights, self.state.grads
+        E = float(base.params)
+        inner = 2 * self.collective("all_gather", E * g, tp_group)
+        return (self.collective("all_gather", E * w, dp_group) + inner,
+                self.collective("reduce_scatter", E * g, dp_group) + inner,
+                self.collective("all_reduce", E * g, dp_group) + inner)
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
         """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py)."""
@@ -512,14 +483,20 @@ def model_summary(graph: TrainingGraph) -> dict:
             "layer_names": [layer.name for layer in graph.layers]}
 
 
-def stage_option(stage: Stage) -> Option:
-    return Option(stage.zero, stage.recompute, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
+def stage_option(stage: Stage, cm: CostModel | None = None) -> Option:
+    """The stage's options; with `cm`, its recompute as the number of blocks it recomputes (so that True and
+    an integer naming the same blocks are one option, and True and 1 on a stage of several blocks are not)."""
+    rc = stage.recompute
+    if cm is not None:
+        rc = recompute_count(rc, sum(cm.is_block[stage.layers[0]:stage.layers[1]]))
+    return Option(stage.zero, rc, tuple(k for k in OFFLOAD_KINDS if k in stage.offload))
 
 
-def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]], layerwise: set[int]
-                  ) -> tuple[list[dict], list[tuple], list[StageMemory]]:
+def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]], layerwise: set[int],
+                  mixed_tp: set[int] = frozenset()) -> tuple[list[dict], list[tuple], list[StageMemory]]:
     """Per stage of one pipeline: its predictions, the (fwd, fwd_small, bwd, bwd_small, send, sync) times
-    for `lower_bound`, and its memory (`layerwise`: the stage indices whose ZeRO runs per layer)."""
+    for `lower_bound`, and its memory (`layerwise`: the stage indices whose ZeRO runs per layer; `mixed_tp`:
+    those whose data-parallel peers differ in tensor-parallel degree, `CostModel.stage_times`)."""
     devices = cm.cluster.devices
     sizes, full = pipe.microbatch_sizes(), pipe.microbatch_size
     n_small = sum(s != full for s in sizes)
@@ -529,22 +506,24 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
     for j, st in enumerate(pipe.stages):
         dtype = devices[st.devices[0]].spec.name
         tp_group, dp_group = tuple(st.devices), dp_groups[j]
-        opt = stage_option(st)
+        opt = stage_option(st, cm)
         base = cm.base(st.layers[0], st.layers[1], dtype, full, tp_group)
-        tf = cm.stage_times(base, opt, dtype, tp_group, dp_group, layerwise=j in layerwise)
+        tf = cm.stage_times(base, opt, dtype, tp_group, dp_group, layerwise=j in layerwise, mixed_tp=j in mixed_tp)
         ts = cm.stage_times(cm.base(st.layers[0], st.layers[1], dtype, full - 1, tp_group), opt, dtype,
-                            tp_group, dp_group, layerwise=j in layerwise) \
+                            tp_group, dp_group, layerwise=j in layerwise, mixed_tp=j in mixed_tp) \
             if n_small else StageTimes(0.0, 0.0, 0.0, tf.sync)
         send = (cm.send_time(base.out_bytes, st.devices[0], pipe.stages[j + 1].devices[0], st.compress)
                 if j + 1 < len(pipe.stages) else 0.0)
         sync = tf.sync + tied[j]
-        vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, sync))
+        vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, sync))  # (lower_bound reads the first six)
         mems.append(cm.stage_memory(base, opt, len(tp_group), len(dp_group), j in layerwise))
         m_full = len(sizes) - n_small
         preds.append({"fwd_s": tf.fwd, "bwd_s": tf.bwd, "fwd_small_s": ts.fwd, "bwd_small_s": ts.bwd,
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
                       "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group),
                       "gather_s": tf.gather, "reduce_s": tf.reduce,
+                      # the weight-gradient part of bwd_s: a zero-bubble schedule's W (solver/wgrad.py)
+                      "bwd_w_s": wgrad_share(cm, st.layers[0], st.layers[1], dtype) * tf.bwd,
                       "compute_s": m_full * (tf.fwd + tf.bwd - tf.comm)
                       + n_small * (ts.fwd + ts.bwd - ts.comm),
                       "comm_s": m_full * tf.comm + n_small * ts.comm + sync
@@ -552,12 +531,16 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
     return preds, vals, mems
 
 
-def price(cm: CostModel, plan: Plan) -> Priced:
+def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None) -> Priced:
     """Fill in `plan`'s predictions: stage times, per-device peak memory, the simulated step.
 
     Raises PlanError when the plan is inconsistent (`check_plan`); a plan that does not fit is priced
-    anyway, with `fits` False and the `problems` spelled out."""
+    anyway, with `fits` False and the `problems` spelled out. Devices the plan leaves out are idle:
+    `predicted["idle_devices"]` maps each to why (`idle_reasons` from the caller, else the reason the plan
+    already carries, else `objective.idle_devices`' default). With prices in the cluster file it also
+    predicts `cost_per_hour` and `cost_per_sample` (solver/objective.py)."""
     check_plan(cm, plan)
+    reasons = {**{int(d): r for d, r in (plan.predicted.get("idle_devices") or {}).items()}, **(idle_reasons or {})}
     cm = experts.checked(cm, plan)
     devices = cm.cluster.devices
     pipes: list[Pipeline] = []
@@ -570,7 +553,11 @@ def price(cm: CostModel, plan: Plan) -> Priced:
     # which stages' ZeRO runs per layer: the same stages in every pipeline, or none (plan.layerwise_stages)
     layerwise = {j for _, j in layerwise_stages([(p.num_microbatches, [(tuple(st.layers), len(st.devices))
                                                                         for st in p.stages])
-                                                 for p in plan.pipelines])}
+                                                 for p in plan.pipelines])
+                 if plan.schedule not in SPLIT_SCHEDULES}  # zero-bubble: whole-step ZeRO (lowering.lower)
+    # stages whose data-parallel peers run at different tensor-parallel degrees (a tp per pipeline class)
+    mixed_tp = {j for j in range(len(dp_groups))
+                if len({len(p.stages[j].devices) for p in plan.pipelines if j < len(p.stages)}) > 1}
     bucketed = bucketed_gradients(cm, plan)
     seen: dict[tuple, tuple[list[dict], list[tuple], list[StageMemory]]] = {}
     for i, pipe in enumerate(plan.pipelines):
@@ -578,11 +565,11 @@ def price(cm: CostModel, plan: Plan) -> Priced:
         # replicas that differ only in which (equivalent) devices they use are priced once
         key = (pipe.batch_share, pipe.num_microbatches, tuple(
             (tuple(st.layers), devices[st.devices[0]].spec.name, cm.group_sig(tuple(st.devices)),
-             cm.group_sig(dp_groups[j]), stage_option(st), st.compress,
+             cm.group_sig(dp_groups[j]), stage_option(st, cm), st.compress,
              cm.group_sig((st.devices[0], pipe.stages[j + 1].devices[0])) if j + 1 < len(pipe.stages) else -1)
             for j, st in enumerate(pipe.stages)))
         if key not in seen:
-            seen[key] = _stage_values(cm, pipe, dp_groups, layerwise)
+            seen[key] = _stage_values(cm, pipe, dp_groups, layerwise, mixed_tp)
         preds, vals, mems = seen[key]
         stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr),
                           sharding=stage_sharding(cm, st.layers[0], st.layers[1], devices[st.devices[0]].spec.name,
@@ -602,7 +589,7 @@ def price(cm: CostModel, plan: Plan) -> Priced:
                 if need + shared > cm.usable(d):
                     problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared)
                                     + runtime_note(cm, d))
-        bound = max(bound, lower_bound(vals, sizes, ranks))
+        bound = max(bound, lower_bound(vals, sizes, ranks, plan.schedule in SPLIT_SCHEDULES))
         pipes.append(replace(pipe, stages=stages))
     node_host = [sum(host.get(d, 0.0) for d in node.devices) for node in cm.cluster.nodes]
     problems += [host_problem(cm, k, need, host) for k, need in enumerate(node_host) if need > cm.host_usable(k)]
@@ -631,6 +618,8 @@ def price(cm: CostModel, plan: Plan) -> Priced:
         # per node (cluster order): bytes its devices offload to host memory, and its host memory
         "host_memory_bytes": [math.ceil(x) for x in node_host],
         "host_capacity_bytes": [node.host_memory for node in cm.cluster.nodes],
+        "idle_devices": idle_devices(cm.cluster, out, reasons),
+        **cost_figures(cm.cluster, sorted(peak), cm.B / step),
     }
     return Priced(out, not problems, problems, bound)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..cost_models.memory import OPTIMIZER_STATE_BYTES
 from ..errors import PlanError
 from ..passes.annotate import PRECISIONS
-from ..plan import OFFLOAD_KINDS, Plan
+from ..plan import OFFLOAD_KINDS, Plan, recompute_count
 from ..report import fmt_bytes
 from ..schedule import SCHEDULES
 from ..simulate import SimResult
@@ -28,7 +28,8 @@ HOST_GRAD_BYTES = 4
 
 
 def check_plan(cm: CostModel, plan: Plan) -> None:
-    """Raise PlanError unless `plan` places every layer once per pipeline and every device at most once."""
+    """Raise PlanError unless `plan` places every layer once per pipeline and every device at most once
+    (devices it leaves out are idle: allowed), and its stage options are valid."""
     if plan.schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if sum(p.batch_share for p in plan.pipelines) != cm.B:
@@ -67,6 +68,7 @@ def check_plan(cm: CostModel, plan: Plan) -> None:
             if not 0 <= st.zero <= 3 or set(st.offload) - set(OFFLOAD_KINDS):
                 raise PlanError(f"pipeline {i} stage {j}: zero must be 0-3 and offload a subset of "
                                 f"{list(OFFLOAD_KINDS)}, got zero={st.zero}, offload={st.offload}.")
+            recompute_count(st.recompute, sum(cm.is_block[a:e]), f"pipeline {i} stage {j} recompute")
             if st.compress is not None and st.compress not in WIRE_BYTES:
                 raise PlanError(f"pipeline {i} stage {j}: compress={st.compress!r}; use one of "
                                 f"{sorted(WIRE_BYTES)} (the dtype sends to the next stage travel in) or None.")
@@ -79,14 +81,14 @@ def check_plan(cm: CostModel, plan: Plan) -> None:
             raise PlanError(f"pipeline {i} stops at layer {edge}; the model has {cm.L} layers.")
 
 
-def lower_bound(stages: list[tuple[float, float, float, float, float, float]], sizes: list[int],
-                ranks: int) -> float:
+def lower_bound(stages: list[tuple[float, ...]], sizes: list[int], ranks: int, split: bool = False) -> float:
     """A bound no simulated step of this pipeline beats; stages[j] = (fwd, fwd_small, bwd, bwd_small,
     send, sync) with sizes[0] the largest micro-batch.
 
     Device r first computes F(stage r, 0), which waits for the forward of stages < r; its last compute is
     B(stage r, last), followed on its comm stream by the gradient send to stage r - 1 and stage r's sync,
-    and by the backward chain back to stage 0, which stage 0's sync follows.
+    and by the backward chain back to stage 0, which stage 0's sync follows. `split` (a zero-bubble schedule,
+    schedule.SPLIT_SCHEDULES): device r's last compute may be a W, after which only its own sync is sure.
     """
     full = sizes[0]
     n_full = sum(s == full for s in sizes)
@@ -97,7 +99,8 @@ def lower_bound(stages: list[tuple[float, float, float, float, float, float]], s
         work = sum(n_full * (st[0] + st[2]) + (len(sizes) - n_full) * (st[1] + st[3])
                    for st in stages[r::ranks])
         send_back = stages[r - 1][4] if r else 0.0
-        best = max(best, pre_f + work + max(pre_b + stages[0][5], send_back + stages[r][5]))
+        tail = stages[r][5] if split else max(pre_b + stages[0][5], send_back + stages[r][5])
+        best = max(best, pre_f + work + tail)
         pre_f += stages[r][0] + stages[r][4]
         pre_b += (stages[r][3] if last_small else stages[r][2]) + stages[r][4]
     return best

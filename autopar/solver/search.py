@@ -25,7 +25,7 @@ to minimise the simulated step time  max_d simulate(schedule(sigma, p, m_d, v), 
     (C2') every node's host memory: what its devices offload (`pricing.rank_host`) <= (1 - reserve) x the
          node's host memory; the search holds each device to an even share of it      `Slot.host_budget`
     (C3) sum_d s_d = B, 1 <= m_d <= s_d, m_d % p == 0 for interleaved            `_batch_split`, `_solve`
-    (C4) every device in exactly one tp group of one pipeline rank              `_groupings`
+    (C4) every device in exactly one tp group of one pipeline rank              `groupings`
     (C5) c_j compressed only where `CostModel.compress_choice` allows it (fp32/tf32 plan, link <= 10 Gb/s,
          faster send) and only if it shortens the step             `CostModel.boundary_send`, `run`
 
@@ -38,9 +38,10 @@ is at most MICROBATCH_ENUMERATION samples, else powers of two and the share; wit
 a replica with a small share runs it as one micro-batch while another splits its larger one. Groupings
 on one device type: Megatron's stage-major order (stage s of replica d = tp group s*D + d) and
 replica-major order (a replica on consecutive groups). On several types: "mixed" pipelines (each holds
-an equal slice of every type, its stages in cluster order, so one pipeline spans device types and the
-split gives the faster ones more layers) and "by-type" pipelines (each on one device type; the batch
-split gives faster replicas more samples). Every config gets a valid lower
+an equal slice of every type, its stages in cluster order, or with the types in reverse order for
+"mixed-reversed", so one pipeline spans device types and the split gives the faster ones more layers)
+and "by-type" pipelines (each on one device type; the batch split gives faster replicas more samples).
+Every config gets a valid lower
 bound on its step time (`_config_bound`): for a single pipeline class with X the work of its largest
 share at the fastest device type's per-sample cost, X/m / (1 - (1 - 1/m)^p) for gpipe/1f1b (the min
 over real stage splits of max_s [prefix forward + stage work]), max(X/p, X/m) for interleaved, and the
@@ -71,11 +72,23 @@ Inner, per config and pipeline class:
     in memory, or that lose to a greedy split's value, are left out of the domains). Splits are then
     re-solved at the chosen shares.
 Leaves: a config's candidate is simulated (each distinct replica once) only when its lower bound
-beats the incumbent, and a new incumbent is priced in full by `pricing.price` (memory per device).
+beats the incumbent (inside `Splitter.split` too: `cutoff`), and a new incumbent is priced in full by
+`pricing.price` (memory per device).
+
+Refinement (`_refine`): the configs simulating within REFINE_WINDOW of the best (at most REFINE) are
+solved again with the layer split and the per-stage options decided together instead of the option
+ladder's fastest-fitting choice per range: with at most 64 splits, every split with every combination of
+each stage's non-dominated options (`Splitter.pareto`), simulated in bound order; otherwise, on chains
+of at most `split.STAGE_MODEL_LAYERS` layers, the CP-SAT stage model (stage_model.py, its formulation in
+its docstring), proven optimal for E within `split.STAGE_MODEL_TIME_S`; where neither applies (long chains:
+GPT-3's 98 layers), the dynamic program or the bisection above. The simulator judges: a refined plan
+replaces the incumbent only if it simulates (and prices) faster.
 
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
-fixed, and CP-SAT runs single-threaded with a fixed seed, so equal inputs give equal plans. A time limit
-returns the best plan found so far with a warning.
+fixed, the batch split's CP-SAT runs single-threaded with a fixed seed and the stage model's 8 workers
+interleaved (deterministic) with a fixed seed, so equal inputs give equal plans (a stage model stopped by
+its time limit, which depends on the machine's speed, falls back as said). A time limit returns the best
+plan found so far with a warning.
 """
 
 from __future__ import annotations
@@ -91,6 +104,7 @@ from typing import NamedTuple
 from ..errors import InfeasibleError
 from ..plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ..report import fmt_time
+from ..schedule import SPLIT_SCHEDULES
 from . import experts
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from .split import Slot, Split, Splitter, Unit, rank_fits, surrogate
@@ -99,6 +113,10 @@ Progress = Callable[[int, int, float | None], None]
 CHUNKS = (2, 4)
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
 MICROBATCH_ENUMERATION = 32  # batch shares up to which every micro-batch size is tried
+# configs whose splits and options are re-solved exactly (`_refine`): those simulating within REFINE_WINDOW of
+# the best, at most REFINE of them, fastest first
+REFINE = 8
+REFINE_WINDOW = 0.05
 
 
 class Config(NamedTuple):
@@ -123,21 +141,21 @@ class Solved(NamedTuple):
 # ---- enumeration --------------------------------------------------------------------------------
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _units(cm: CostModel, t: int) -> list[Unit]:
+def tp_units(cm: CostModel, t: int) -> list[Unit]:
     """The tensor-parallel groups of degree t: consecutive devices of one node."""
     return [tuple(node.devices[i:i + t]) for node in cm.cluster.nodes for i in range(0, len(node.devices), t)]
 
 
-def _groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[Unit, ...], ...]]]:
+def groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[Unit, ...], ...]]]:
     by_type: dict[str, list[Unit]] = {}
     for u in units:
         by_type.setdefault(cm.cluster.devices[u[0]].spec.name, []).append(u)
     U, out = len(units), []
-    for D in _divisors(U):
+    for D in divisors(U):
         p = U // D
         if p > cm.L or D > cm.B:
             continue
@@ -147,16 +165,19 @@ def _groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[
                 out.append(("replica-major", tuple(tuple(units[d * p:(d + 1) * p]) for d in range(D))))
             continue
         if all(len(us) % D == 0 for us in by_type.values()):
-            out.append(("mixed", tuple(tuple(u for us in by_type.values()
-                                             for u in us[d * len(us) // D:(d + 1) * len(us) // D])
-                                       for d in range(D))))
+            # the types in cluster order, and reversed (which device type runs the first stages matters
+            # when memory differs: the first stages hold the most in-flight activations)
+            types = list(by_type.values())
+            for name, order in (("mixed", types), ("mixed-reversed", types[::-1])):
+                out.append((name, tuple(tuple(u for us in order for u in us[d * len(us) // D:(d + 1) * len(us) // D])
+                                        for d in range(D))))
         if all(len(us) % p == 0 for us in by_type.values()):
             out.append(("by-type", tuple(tuple(us[k * p:(k + 1) * p]) for us in by_type.values()
                                          for k in range(len(us) // p))))
     return out
 
 
-def _microbatch_sizes(share: int) -> list[int]:
+def microbatch_sizes(share: int) -> list[int]:
     """Candidate micro-batch sizes b; a replica then runs the fewest micro-batches of at most b samples.
     Up to MICROBATCH_ENUMERATION samples every size giving a distinct micro-batch count, else powers of two."""
     if share <= MICROBATCH_ENUMERATION:
@@ -174,17 +195,17 @@ def config_microbatch_sizes(cm: CostModel, pipes: tuple[tuple[Unit, ...], ...]) 
     kinds = {tuple(cm.cluster.devices[u[0]].spec.name for u in pipe) for pipe in pipes}
     top = cm.B - (len(pipes) - 1)
     if len(kinds) == 1 or top > MICROBATCH_ENUMERATION:
-        return _microbatch_sizes(-(-cm.B // len(pipes)))
+        return microbatch_sizes(-(-cm.B // len(pipes)))
     return list(range(1, top + 1))
 
 
-def _schedules(p: int, L: int) -> list[tuple[str, int]]:
+def schedules(p: int, L: int) -> list[tuple[str, int]]:
     if p == 1:
         return [("1f1b", 1)]
-    return [("gpipe", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in CHUNKS if p * v <= L]
+    return [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1)] + [("interleaved_1f1b", v) for v in CHUNKS if p * v <= L]
 
 
-def _microbatches(share: int, b: int, ranks: int, schedule: str) -> int | None:
+def microbatch_count(share: int, b: int, ranks: int, schedule: str) -> int | None:
     m = -(-share // b)
     if schedule == "interleaved_1f1b" and m % ranks:
         m += ranks - m % ranks
@@ -226,6 +247,8 @@ class Search:
         self.splitter = Splitter(cm)
         self._work: dict[tuple, float] = {}
         self._dp_cache: tuple[object, list[Unit]] = (None, [])  # data-parallel groups of the last config
+        self.best_step = math.inf  # the incumbent's simulated step
+        self.refining = False  # splits by the CP-SAT stage model (`_refine`)
 
     # -- configs --
     def _configs(self) -> list[Config]:
@@ -234,12 +257,12 @@ class Search:
         for node in cm.cluster.nodes:
             gcd = math.gcd(gcd, len(node.devices))
         out: list[Config] = []
-        for t in _divisors(gcd):
-            for name, pipes in _groupings(cm, _units(cm, t)):
+        for t in divisors(gcd):
+            for name, pipes in groupings(cm, tp_units(cm, t)):
                 if not experts.config_ok(cm, t, pipes):
                     continue
                 p = len(pipes[0])
-                for schedule, v in _schedules(p, cm.L):
+                for schedule, v in schedules(p, cm.L):
                     for b in config_microbatch_sizes(cm, pipes):
                         cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
                         bound = self._config_bound(cfg)
@@ -270,7 +293,7 @@ class Search:
         if len(set(per)) > 1:
             return cm.B / sum(p / w for w in per)
         share = -(-cm.B // D)
-        m = _microbatches(share, cfg.b, p, cfg.schedule)
+        m = microbatch_count(share, cfg.b, p, cfg.schedule)
         if m is None or (cfg.b > share):
             return None
         X = share * per[0]
@@ -279,7 +302,8 @@ class Search:
         return X / m / (1 - (1 - 1 / m) ** p)
 
     def _split(self, cfg: Config, slots: list[Slot], share: int, m: int) -> Split | None:
-        return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound)
+        return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound, cutoff=self.best_step,
+                                   model=self.refining)
 
     def _slots(self, cfg: Config, pipe: tuple[Unit, ...], m: int, alike: bool = True) -> list[Slot]:
         """The stage positions of one pipeline; `alike`: every replica of the config gets the same split and
@@ -352,13 +376,13 @@ class Search:
         solved: dict[int, tuple[list[Slot], Split | None, int]] = {}
         table: list[int | None] = [None]
         for s in range(1, top + 1):
-            m = _microbatches(s, min(cfg.b, s), p, cfg.schedule)
+            m = microbatch_count(s, min(cfg.b, s), p, cfg.schedule)
             if m is None:
                 table.append(None)
                 continue
             a = next(x for x in anchors if x >= s)
             if a not in solved:
-                ma = _microbatches(a, min(cfg.b, a), p, cfg.schedule) or m
+                ma = microbatch_count(a, min(cfg.b, a), p, cfg.schedule) or m
                 slots = self._slots(cfg, pipe, ma, False)  # several replica classes: never alike
                 # many shares: the table only guides CP-SAT, so the cheap bisection split does
                 split = self.splitter.split(slots, a, ma, cfg.schedule, cfg.chunks, cfg.bound,
@@ -402,7 +426,7 @@ class Search:
         splits: dict[tuple, tuple[list[Slot], Split]] = {}
         distinct: dict[tuple, tuple[int, int, list[tuple]]] = {}
         keys = []
-        counts = [_microbatches(share, min(cfg.b, share), p, cfg.schedule) for share in shares]
+        counts = [microbatch_count(share, min(cfg.b, share), p, cfg.schedule) for share in shares]
         alike = len({(types[d], shares[d], counts[d]) for d in range(len(pipes))}) == 1
         for d, pipe in enumerate(pipes):
             share, m = shares[d], counts[d]
@@ -425,7 +449,7 @@ class Search:
                 distinct[key + (links,)] = (share, m, self.splitter.values(slots, split, small, pipe))
         bound = 0.0
         for share, m, vals in distinct.values():
-            bound = max(bound, lower_bound(vals, even_split(share, m), p))
+            bound = max(bound, lower_bound(vals, even_split(share, m), p, cfg.schedule in SPLIT_SCHEDULES))
 
         def build() -> Plan:
             out = []
@@ -443,33 +467,61 @@ class Search:
         return Solved(build, bound, list(distinct.values()))
 
     # -- driver --
+    def _consider(self, cfg: Config, best: Plan | None) -> tuple[Plan | None, float | None]:
+        """Solve one config; (the new incumbent or `best`, the config's simulated step or None)."""
+        solved = self._solve(cfg)
+        if solved is None or solved.bound >= self.best_step:
+            return best, None
+        step = max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
+                   for share, m, vals in solved.pipelines)
+        if step < self.best_step:
+            priced = price(self.cm, solved.build())
+            # the search's per-stage memory checks are sufficient for the per-device ones; should they
+            # ever disagree, the plan is dropped (and said), never returned
+            if not priced.fits:
+                warnings.warn(f"autopar planner: a candidate its memory checks admitted does not fit "
+                              f"when priced in full ({priced.problems[0]}); skipped. Please report this.",
+                              stacklevel=3)
+            else:
+                best, self.best_step = priced.plan, priced.plan.predicted["step_time_s"]
+        return best, step
+
+    def _refine(self, finalists: list[tuple[float, int, Config]], best: Plan | None) -> Plan | None:
+        """Re-solve the fastest configs (REFINE, REFINE_WINDOW) with their splits and options decided
+        together (`split.Splitter.split(model=True)`: every split with every non-dominated option combination
+        where few, else the CP-SAT stage model); a plan replaces the incumbent only if it simulates (and
+        prices) faster."""
+        self.refining = True
+        try:
+            top = sorted(finalists)[:REFINE]
+            for step, _, cfg in top:
+                if step > top[0][0] * (1 + REFINE_WINDOW):
+                    break
+                if time.perf_counter() > self.deadline:
+                    break
+                best, _ = self._consider(cfg, best)
+        finally:
+            self.refining = False
+        return best
+
     def run(self) -> Plan:
         configs = self._configs()
         best: Plan | None = None
-        best_step = math.inf
         stopped_early = False
+        finalists: list[tuple[float, int, Config]] = []
         for k, cfg in enumerate(configs):
-            if cfg.bound >= best_step:
+            if cfg.bound >= self.best_step:
                 break  # configs come in bound order: none of the rest can win
             if time.perf_counter() > self.deadline and best is not None:
                 stopped_early = True
                 break
-            solved = self._solve(cfg)
-            if solved is not None and solved.bound < best_step:
-                step = max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
-                           for share, m, vals in solved.pipelines)
-                if step < best_step:
-                    priced = price(self.cm, solved.build())
-                    # the search's per-stage memory checks are sufficient for the per-device ones; should they
-                    # ever disagree, the plan is dropped (and said), never returned
-                    if not priced.fits:
-                        warnings.warn(f"autopar planner: a candidate its memory checks admitted does not fit "
-                                      f"when priced in full ({priced.problems[0]}); skipped. Please report this.",
-                                      stacklevel=2)
-                    else:
-                        best, best_step = priced.plan, priced.plan.predicted["step_time_s"]
+            best, step = self._consider(cfg, best)
+            if step is not None:
+                finalists.append((step, k, cfg))
             if self.progress is not None:
-                self.progress(k + 1, len(configs), best_step if best is not None else None)
+                self.progress(k + 1, len(configs), self.best_step if best is not None else None)
+        best = self._refine(finalists, best)
+        best_step = self.best_step
         if best is None:
             raise InfeasibleError(self._infeasible_message())
         if any(st.compress for pipe in best.pipelines for st in pipe.stages):
@@ -492,9 +544,21 @@ class Search:
         return infeasible.message(self.cm, self.splitter)
 
 
-def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None) -> Plan:
-    """The fastest plan that fits; see the module docstring for the formulation."""
-    return experts.choose(cm, lambda c, seconds: Search(c, seconds, progress).run(), time_limit_s)
+def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None, *,
+           objective: str = "time", budget_per_hour: float | None = None) -> Plan:
+    """The fastest plan that fits; see the module docstring for the formulation. `objective` / `budget_per_hour`:
+    what to minimise (solver/objective.py `score`: "time" or "cost" per sample, within a budget per hour);
+    then every union of device types is searched and the best-scoring plan may leave devices out
+    (solver/subsets.py)."""
+    def run(c: CostModel, seconds: float) -> Plan:
+        return experts.choose(c, lambda c2, limit: Search(c2, limit, progress).run(), seconds)
+
+    if objective == "time" and budget_per_hour is None:
+        return run(cm, time_limit_s)
+    from .subsets import best_subset_plan  # the cost objective and budgets may leave device types out
+
+    return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
 
 
-__all__ = ["Config", "Search", "search"]
+__all__ = ["Config", "Search", "config_microbatch_sizes", "divisors", "groupings", "microbatch_count",
+           "microbatch_sizes", "schedules", "search", "tp_units"]

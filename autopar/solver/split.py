@@ -20,11 +20,21 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..plan import even_split, simulated_step_time
+from ..schedule import SPLIT_SCHEDULES
 from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, rank_host, rank_peak, tied_sync
+from .wgrad import wgrad_share
 
-OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"),
+# the offload sets tried; ("optimizer", "params") without activations wins where activations fit but
+# weights do not (tests/test_exhaustive_memory.py); ("params",) and ("activations", "params") are not tried
+OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"), ("optimizer", "params"),
                   ("optimizer", "activations", "params"))
 SPLIT_ENUMERATION = 64  # layer splits up to which every split is simulated
+STAGE_MODEL_TIME_S = 2.0  # the stage model's time limit per pipeline class; not proven by then: DP or bisection
+# chains up to which the stage model runs: on longer ones its LP bound is weak and proving the optimum takes
+# seconds per pipeline (measured on GPT-3's 98-layer chain: 161 entries, 8 stages, 1.8-4.8 s; 486 entries,
+# 4 stages, 2.7-8.7 s), where the dynamic program (non-interleaved) takes milliseconds
+STAGE_MODEL_LAYERS = 32
+PARETO_COMBOS = 256  # option combinations per layer split up to which `_enumerate(pareto=True)` tries them all
 EXACT_SPLIT_LIMIT = 6_000  # stages x layers^2 up to which the surrogate is minimised exactly
 Unit = tuple[int, ...]  # a tensor-parallel group
 
@@ -154,6 +164,7 @@ class Splitter:
         self.cm = cm
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
+        self._pareto: dict[tuple, list[Choice]] = {}
         # what stopped the options of a stage that found none, for the infeasibility message (`Closest`)
         self.closest: Closest | None = None
         self.closest_host: Closest | None = None
@@ -162,14 +173,30 @@ class Splitter:
         """The fastest option for layers [a, e) on `slot` whose device still fits: `rank` holds what the
         device's earlier chunks (interleaved schedules) already use and how many chunks follow, which are
         assumed to need this one's static memory each (`RankState.need`)."""
+        key = (self.cm.range_key(a, e), m, n, slot.inflight, slot.budget, slot.host_budget, slot.unified, rank,
+              slot.dtype, slot.sigs, slot.layerwise)
+        if key in self._choices:
+            return self._choices[key]
+        ranked = self.ranked(slot, a, e, m, n)
+        base = self.cm.base(a, e, slot.dtype, n, slot.tp_group)
+        choice = None
+        for _, opt, tm, mem in ranked:
+            if rank.fits(mem, slot):
+                choice = Choice(opt, tm, mem, base.out_bytes)
+                break
+        if choice is None:
+            self._note_closest(slot, ranked, rank, (a, e))
+        self._choices[key] = choice
+        return choice
+
+    def ranked(self, slot: Slot, a: int, e: int, m: int, n: int) -> list[tuple[float, Option, StageTimes, StageMemory]]:
+        """Every option of layers [a, e) on `slot` as (m (fwd + bwd) + sync, option, times, memory), fastest
+        first (ties in the canonical, simplest-first order); memoised per range class."""
         cm = self.cm
         key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n, slot.layerwise)
-        ck = (key, slot.inflight, slot.budget, slot.host_budget, slot.unified, rank)
-        if ck in self._choices:
-            return self._choices[ck]
         ranked = self._sorted.get(key)
-        base = cm.base(a, e, slot.dtype, n, slot.tp_group)
         if ranked is None:
+            base = cm.base(a, e, slot.dtype, n, slot.tp_group)
             D, t = len(slot.dp_group), len(slot.tp_group)
             ranked = []
             for off in OFFLOAD_LADDER:
@@ -185,15 +212,7 @@ class Splitter:
             # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
             ranked.sort(key=lambda x: round(x[0], 12))
             self._sorted[key] = ranked
-        choice = None
-        for _, opt, tm, mem in ranked:
-            if rank.fits(mem, slot):
-                choice = Choice(opt, tm, mem, base.out_bytes)
-                break
-        if choice is None:
-            self._note_closest(slot, ranked, rank, (a, e))
-        self._choices[ck] = choice
-        return choice
+        return ranked
 
     def _note_closest(self, slot: Slot, ranked: list[tuple[float, Option, StageTimes, StageMemory]],
                       rank: RankState, layers: tuple[int, int]) -> None:
@@ -262,7 +281,7 @@ class Splitter:
         return Split(out, worst)
 
     def split(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int, lo: float = 0.0,
-              fast: bool = False) -> Split | None:
+              fast: bool = False, cutoff: float = math.inf, model: bool = False) -> Split | None:
         """The layer split of one pipeline (with its stage options) for `share` samples in m micro-batches.
 
         Few possible splits: all are scored by their lower bound and simulated in bound order (exact).
@@ -270,16 +289,27 @@ class Splitter:
         else by bisection between `lo` (a bound the surrogate cannot beat) and the memory-only split,
         with the greedy feasibility test (always, with `fast`). The chunks of one device (interleaved
         schedules) are checked together against its memory, as `pricing.rank_peak` prices them.
+        `cutoff`: a step the caller already has; candidates whose lower bound reaches it are not simulated
+        (the one returned then has a bound >= cutoff, so the caller discards it). `model`: first the CP-SAT
+        stage model (stage_model.py: split and per-stage options together, proven optimal for the
+        surrogate) on chains of at most STAGE_MODEL_LAYERS layers; where it proves nothing in time, as above.
         """
         n = -(-share // m)
         if not fast and math.comb(self.cm.L - 1, len(slots) - 1) <= SPLIT_ENUMERATION:
-            return self._enumerate(slots, share, m, schedule, chunks)
+            return self._enumerate(slots, share, m, schedule, chunks, cutoff, pareto=model)
         best = self.greedy(slots, math.inf, m, n, chunks)
         if best is None:
             return None
+        if model and not fast and self.cm.L <= STAGE_MODEL_LAYERS:
+            from .stage_model import solve_split  # it builds on this module's Slot, Split and Choice
+
+            got = solve_split(self.cm, self, slots, m, n, chunks, best, STAGE_MODEL_TIME_S)
+            if got is not None:
+                return self._simulated_best([got, self.even(slots, m, n, chunks)], slots, share, m, schedule,
+                                            chunks, cutoff)
         if not fast and chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
             return self._simulated_best([self._exact(slots, m, n, best), self.even(slots, m, n, chunks)],
-                                        slots, share, m, schedule, chunks)
+                                        slots, share, m, schedule, chunks, cutoff)
         hi = best.surrogate
         while hi - lo > 1e-3 * hi:  # the surrogate only guides the split; 0.1% is plenty
             mid = (lo + hi) / 2
@@ -292,7 +322,8 @@ class Splitter:
                     best = got
         if fast:
             return best
-        return self._simulated_best([best, self.even(slots, m, n, chunks)], slots, share, m, schedule, chunks)
+        return self._simulated_best([best, self.even(slots, m, n, chunks)], slots, share, m, schedule, chunks,
+                                    cutoff)
 
     def even(self, slots: list[Slot], m: int, n: int, chunks: int) -> Split | None:
         """Megatron's split: the repeated blocks evenly over the stages (the first ones one more when they
@@ -322,52 +353,106 @@ class Splitter:
         return min(found, key=lambda sp: sp.surrogate) if found else None
 
     def _simulated_best(self, splits: list[Split | None], slots: list[Slot], share: int, m: int, schedule: str,
-                        chunks: int) -> Split:
-        """The candidate whose simulated step is shortest (the first on ties)."""
-        if sum(split is not None for split in splits) == 1:
-            return next(split for split in splits if split is not None)
-        q, r = divmod(share, m)
-        best, best_step = None, math.inf
-        for split in splits:
-            if split is None:
-                continue
-            step = simulated_step_time(schedule, chunks, share, m, self.values(slots, split, q if r else 0))
-            if step < best_step:
-                best, best_step = split, step
-        assert best is not None
-        return best
-
-    def _enumerate(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int) -> Split | None:
-        cm, S, n = self.cm, len(slots), -(-share // m)
+                        chunks: int, cutoff: float = math.inf) -> Split:
+        """The candidate whose simulated step is shortest (the first on ties). Candidates are simulated in
+        lower-bound order while their bound beats the best step so far and `cutoff`; when none does, the
+        one with the smallest bound is returned unsimulated."""
+        found = [split for split in splits if split is not None]
+        if len(found) == 1:
+            return found[0]
         q, r = divmod(share, m)
         sizes = even_split(share, m)
         scored = []
-        p = S // chunks
-        for cuts in itertools.combinations(range(1, cm.L), S - 1):
-            edges = (0, *cuts, cm.L)
-            # a device's chunks share its memory: each takes the fastest option that fits with the ones
-            # before it (exact device peak, `rank_peak`; an option choice that is sufficient, not optimal)
-            held = [NO_CHUNKS] * p
-            stages = []
-            for j in range(S):
-                c = self.stage(slots[j], edges[j], edges[j + 1], m, n, held[j % p])
-                if c is None:
-                    break
-                held[j % p] = held[j % p].add(c.memory, slots[j].inflight)
-                stages.append((edges[j], edges[j + 1], c))
-            if len(stages) == S:
-                split = Split(stages, 0.0)  # type: ignore[arg-type]
-                vals = self.values(slots, split, q if r else 0)
-                scored.append((lower_bound(vals, sizes, S // chunks), len(scored), split, vals))
-        best, best_step = None, math.inf
-        for bound, _, split, vals in sorted(scored, key=lambda x: x[:2]):
+        for k, split in enumerate(found):
+            vals = self.values(slots, split, q if r else 0)
+            scored.append((lower_bound(vals, sizes, len(slots) // chunks, schedule in SPLIT_SCHEDULES), k, split, vals))
+        scored.sort(key=lambda x: x[:2])
+        best, best_step = scored[0][2], cutoff
+        for bound, _, split, vals in scored:
             if bound >= best_step:
                 break
             step = simulated_step_time(schedule, chunks, share, m, vals)
             if step < best_step:
                 best, best_step = split, step
-        if best is not None:
-            best.surrogate = best_step
+        return best
+
+    def pareto(self, slot: Slot, a: int, e: int, m: int, n: int, chunks: int = 1) -> list[Choice]:
+        """The options of layers [a, e) on `slot` that fit its device alone and that no other such option
+        dominates: no slower in forward, backward and sync and, with several chunks per device, needing no
+        more of any memory term (the simulated step and the surrogate are monotone in each)."""
+        key = (slot, self.cm.range_key(a, e), m, n, chunks)
+        hit = self._pareto.get(key)
+        if hit is not None:
+            return hit
+        inflight = slot.inflight
+        out_bytes = self.cm.base(a, e, slot.dtype, n, slot.tp_group).out_bytes
+        kept: list[tuple] = []
+        out: list[Choice] = []
+        for _, opt, tm, mem in self.ranked(slot, a, e, m, n):
+            if not NO_CHUNKS.fits(mem, slot):
+                continue
+            vec: tuple = (tm.fwd, tm.bwd, tm.sync)
+            if chunks > 1:
+                act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
+                vec += (mem.static, act, mem.work, mem.sync, mem.host, inflight * mem.host_act)
+            if not any(all(k <= v for k, v in zip(kv, vec, strict=True)) for kv in kept):
+                kept.append(vec)
+                out.append(Choice(opt, tm, mem, out_bytes))
+        self._pareto[key] = out
+        return out
+
+    def _combos(self, slots: list[Slot], edges: tuple[int, ...], m: int, n: int, chunks: int,
+                pareto: bool) -> list[list[tuple[int, int, Choice]]]:
+        """The option choices of one layer split: each stage the fastest option that fits with its device's
+        chunks before it (exact device peak, `rank_peak`; sufficient, not optimal), or, with `pareto`,
+        every combination of each stage's `pareto` options whose devices fit (at most PARETO_COMBOS)."""
+        S, p = len(slots), len(slots) // chunks
+        if pareto:
+            lists = [self.pareto(slots[j], edges[j], edges[j + 1], m, n, chunks) for j in range(S)]
+            if all(lists) and math.prod(map(len, lists)) <= PARETO_COMBOS:
+                out = []
+                for combo in itertools.product(*lists):
+                    if chunks == 1 or all(rank_fits([c.memory for c in combo[q::p]], slots[q].inflight, slots[q])
+                                          for q in range(p)):
+                        out.append([(edges[j], edges[j + 1], c) for j, c in enumerate(combo)])
+                return out
+        held = [NO_CHUNKS] * p
+        stages = []
+        for j in range(S):
+            c = self.stage(slots[j], edges[j], edges[j + 1], m, n, held[j % p])
+            if c is None:
+                return []
+            held[j % p] = held[j % p].add(c.memory, slots[j].inflight)
+            stages.append((edges[j], edges[j + 1], c))
+        return [stages]
+
+    def _enumerate(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int,
+                   cutoff: float = math.inf, pareto: bool = False) -> Split | None:
+        """Every layer split (with `_combos`' options), simulated in lower-bound order: exact under the
+        simulator for the options tried."""
+        cm, S, n = self.cm, len(slots), -(-share // m)
+        q, r = divmod(share, m)
+        sizes = even_split(share, m)
+        scored = []
+        for cuts in itertools.combinations(range(1, cm.L), S - 1):
+            for stages in self._combos(slots, (0, *cuts, cm.L), m, n, chunks, pareto):
+                split = Split(stages, 0.0)
+                vals = self.values(slots, split, q if r else 0)
+                scored.append((lower_bound(vals, sizes, S // chunks, schedule in SPLIT_SCHEDULES), len(scored), split,
+                               vals))
+        if not scored:
+            return None
+        scored.sort(key=lambda x: x[:2])
+        best, best_step = None, math.inf
+        for bound, _, split, vals in scored:
+            if bound >= min(best_step, cutoff):
+                break
+            step = simulated_step_time(schedule, chunks, share, m, vals)
+            if step < best_step:
+                best, best_step = split, step
+        if best is None:  # no split beats the cutoff: the smallest bound (unsimulated), for the caller to drop
+            best, best_step = scored[0][2], scored[0][0]
+        best.surrogate = best_step
         return best
 
     def _exact(self, slots: list[Slot], m: int, n: int, incumbent: Split) -> Split:
@@ -420,7 +505,8 @@ class Splitter:
                   else StageTimes(0.0, 0.0, 0.0, 0.0))
             last = j + 1 == len(slots)
             send = 0.0 if last else cm.boundary_send(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
-            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync + tied[j]))
+            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync + tied[j],
+                         wgrad_share(cm, a, e, slot.dtype) * c.times.bwd))  # zero-bubble W (wgrad.py)
         return vals
 
 

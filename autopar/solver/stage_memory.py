@@ -21,9 +21,13 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              flat bucket (<= SYNC_BUCKET_BYTES) of the gradients reduced there (N g under ZeRO-0/1, N g / D
              under whole-step ZeRO-2/3, none where they were reduced per layer) or of an owner's updated
              values broadcast (N w / D, ZeRO-1/2 and whole-step ZeRO-3); none for DDP-style bucketed plans
-    act      per micro-batch: saved activations x n / B / t; with recompute only each block's input
-             (n / B of the previous layer's boundary) is kept, plus `work` = one block's full activations
-             while it is recomputed; with activations offloaded only one micro-batch stays on the device;
+    act      per micro-batch: saved activations x n / B / t; with recompute (k of the stage's blocks, its
+             first k: `recomputed`; True = all) only each recomputed block's input (n / B of the previous
+             layer's boundary) is kept for it, the other blocks keep their full activations, plus `work` =
+             one recomputed block's full activations while it is rebuilt (the largest of the k), less the
+             full activations F of the blocks kept whole: the first k are rebuilt in the backward after it
+             has freed those (`recomputed`), so work = max(0, W - F) (W with every block recomputed);
+             with activations offloaded only one micro-batch stays on the device;
              mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x N per
              micro-batch, the recomputed blocks' only while one is recomputed); ops autocast runs in fp32
              (softmax, log-softmax / cross-entropy) keep what they save in 4 bytes (cost_models/memory.py)
@@ -68,6 +72,25 @@ class StageMemory:
         return self.static + max(act, self.sync)
 
 
+def recomputed(base: StageBase, recompute: bool | int) -> tuple[float, float, float, float]:
+    """What recomputing a stage's first k blocks (`recompute`: True = all, False = none, or k; clamped to
+    the stage's blocks) costs and saves: (seconds its backward adds, activation bytes kept per micro-batch,
+    the recompute workspace, the recomputed blocks' parameters). The workspace is one rebuilt block's
+    activations (the largest of the k) less the activations of the blocks kept whole, which that
+    micro-batch's backward frees before it reaches the first k (module docstring). k = all gives `StageBase.recompute`,
+    `act_recompute`, `act_work`, `block_params` exactly; so does any k > 0 on a stage with expert-parallel MoE
+    layers, whose runtime recomputes the whole stage in one checkpoint (runtime/program.py)."""
+    n = len(base.block_parts)
+    k = (n if recompute else 0) if isinstance(recompute, bool) else min(int(recompute), n)
+    if not base.has_blocks or k <= 0:
+        return 0.0, base.act, 0.0, 0.0
+    if k >= n or base.moe_layers:
+        return base.recompute, base.act_recompute, base.act_work, base.block_params
+    parts, kept = base.block_parts[:k], base.block_parts[k:]
+    work = max(0.0, max(x[1] for x in parts) - sum(x[1] for x in kept))
+    return (sum(x[0] for x in parts), base.act - sum(x[1] - x[2] for x in parts), work, sum(x[3] for x in parts))
+
+
 def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True
                  ) -> StageMemory:
     """Peak device (and host) bytes of a stage, as the runtime keeps them (module docstring).
@@ -101,15 +124,14 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     owned = N / dp + (experts.zero_extra(cm, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
     host = offload_host_bytes(cm.optimizer, w, N, owned, z, opt.offload)
     off_act = "activations" in opt.offload
-    act, work = (base.act_recompute, base.act_work) if opt.recompute and base.has_blocks else (base.act, 0.0)
+    _, act, work, recomputed_params = recomputed(base, opt.recompute)
     # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
     # gradients above never coexist
     work += max(0.0, base.bwd_transient - in_flight_grads)
     cast = cm.state.cast_copy  # autocast keeps a low-precision copy of each weight for the backward
     if cast:
-        recomputed = base.block_params / tp if opt.recompute and base.has_blocks else 0.0
-        act += cast * (N - recomputed)
-        work += cast * (P if recomputed else 0.0)
+        act += cast * (N - recomputed_params / tp)
+        work += cast * (P if recomputed_params else 0.0)
     # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
     # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
     sync = 0.0

@@ -1,0 +1,77 @@
+"""A tensor-parallel degree per pipeline class: fast devices at tp 2 beside slow ones at tp 1.
+
+On 4 gloo ranks: pipeline 0 runs on ranks (0, 1) at tp 2, pipelines 1 and 2 on ranks 2 and 3 at tp 1
+(and, in a second case, one 2-stage pipeline on ranks 2 and 3), with uneven batch shares; training equals
+one process and the tp 2 ranks hold shards. Pricing: such a plan on 2 A100 + 2 T4 prices, and its
+gradient sync is what the runtime runs when peers differ in tp (runtime/zero.py): whole gradients
+all-reduced among the groups' first ranks, after the tp 2 group gathers them and before it broadcasts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.cost_models.comm import collective_time
+from autopar.plan import Pipeline, Plan, Stage
+from autopar.runtime.launch import spawn_local
+from autopar.solver.pricing import model_summary, price
+
+from .runtime_cases import assert_matches_reference, assert_work_split, build, reference, run_cases
+from .test_planner import cm_for
+
+GPT = ("gpt", {"layers": 4, "batch": 8})
+CASES = [
+    (*GPT, {"pipelines": [{"batch": 4, "m": 2, "stages": [(4, (0, 1))]},
+                          {"batch": 3, "m": 1, "stages": [(4, (2,))]},
+                          {"batch": 1, "m": 1, "stages": [(4, (3,))]}]}),
+    (*GPT, {"pipelines": [{"batch": 5, "m": 1, "stages": [(4, (0, 1))]},
+                          {"batch": 3, "m": 3, "stages": [(2, (2,)), (2, (3,))]}]}),
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> list:
+    return spawn_local(run_cases, 4, CASES, timeout_s=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_mixed_tp_trains_like_one_process(results: list, index: int) -> None:
+    name, kwargs, spec = CASES[index]
+    ref_losses, ref_params = reference(name, kwargs)
+    for rank, per_rank in enumerate(results):
+        losses, params, _ = per_rank[index]
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"case {index} rank {rank}")
+    full = build(name, **kwargs).model.state_dict()
+    works = [r[index][2] for r in results]
+    assert_work_split(works, spec, kwargs["batch"], full)
+    # the tp 2 ranks hold shards of the block matrices, the tp 1 ranks whole ones
+    for rank in (0, 1):
+        assert any(shape != tuple(full[k].shape) for k, shape in works[rank]["params"].items())
+    for rank in (2, 3):
+        assert all(shape == tuple(full[k].shape) for k, shape in works[rank]["params"].items())
+
+
+def _mixed_plan(cm):  # noqa: ANN001, ANN202
+    L = cm.L
+    pipes = [Pipeline(4, 2, 2, [Stage([0, L], [0, 1])]), Pipeline(2, 1, 2, [Stage([0, L], [2])]),
+             Pipeline(2, 1, 2, [Stage([0, L], [3])])]
+    return Plan(cm.B, cm.precision, cm.optimizer, "1f1b", 1, cm.cluster.to_dict(), model_summary(cm.graph), pipes,
+                {}, cm.reserve)
+
+
+def test_mixed_tp_plan_is_priced_with_the_runtime_sync() -> None:
+    cm = cm_for("1x2xA100-80GB+1x2xT4", layers=4, batch=8)
+    priced = price(cm, _mixed_plan(cm))
+    assert priced.fits
+    pr = priced.plan.predicted
+    assert sorted(pr["peak_memory_bytes"]) == [0, 1, 2, 3] and pr["idle_devices"] == {}
+    fast, slow = priced.plan.pipelines[0].stages[0], priced.plan.pipelines[1].stages[0]
+    assert fast.tp == 2 and slow.tp == 1
+    # independently of the pricing: whole fp32 gradients (4 bytes per parameter) all-reduced over the first
+    # ranks (0, 2, 3), and the tp 2 group's gather and broadcast of them (an all-gather's bytes each)
+    grads = 4.0 * cm.graph.num_params()
+    reps = collective_time("all_reduce", grads, (0, 2, 3), cm.cluster)
+    inner = collective_time("all_gather", grads, (0, 1), cm.cluster)
+    assert fast.predicted["sync_s"] >= reps + 2 * inner
+    assert slow.predicted["sync_s"] >= reps
+    assert pr["step_time_s"] >= max(s.predicted["compute_s"] for p in priced.plan.pipelines for s in p.stages)
