@@ -145,6 +145,7 @@ def test_sigkilled_rank_is_rerouted_without_restart(tmp_path: Path) -> None:
         assert plan.predicted.get("samples_per_s", 0) > 0  # re-priced
 
 
+@pytest.mark.slow  # 3 launched processes and two recoveries: ~15 s; CI runs it in its slow step
 def test_two_losses_in_turn_leave_one_rank_training_alone(tmp_path: Path) -> None:
     from autopar import models
 
