@@ -123,7 +123,7 @@ def _worker_main(root: str) -> int:
     return 0
 
 
-def _check_resumed(root: Path) -> None:
+def _check_resumed(root: Path, attempts: tuple[int, ...] = (1,)) -> None:
     """Attempt 1 ran on devices 0-2 from the step-DIE_AT checkpoint and matches single-process training."""
     from autopar import models
     from autopar.runtime import checkpoint
@@ -131,7 +131,8 @@ def _check_resumed(root: Path) -> None:
     from .runtime_cases import reference
 
     res = torch.load(root / "result.pt", weights_only=False)
-    assert (res["attempt"], res["devices"], res["world"], res["resumed_from"]) == (1, [0, 1, 2], 3, DIE_AT)
+    assert res["attempt"] in attempts, res["attempt"]
+    assert (res["devices"], res["world"], res["resumed_from"]) == ([0, 1, 2], 3, DIE_AT)
     assert sorted(res["losses"]) == list(range(DIE_AT + 1, STEPS + 1))
     # reference: the same checkpoint loaded into the plain model, the remaining steps in one process
     case = _build()
@@ -200,7 +201,9 @@ def test_torchrun_shrinks_the_world_when_a_node_is_lost(tmp_path: Path) -> None:
             codes.append(None)
     assert codes[:3] == [0, 0, 0] and codes[3] == -signal.SIGKILL, codes
     assert elastic.lost_devices(root) == []  # nothing recorded: the world itself shrank
-    _check_resumed(root)
+    # torchrun's TORCHELASTIC_RESTART_COUNT: 1 when the agents restart for the failed workers, 0 when they see
+    # the rendezvous change first (a membership restart is not counted); either way the survivors restarted
+    _check_resumed(root, attempts=(0, 1))
 
 
 def test_train_resumes_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
