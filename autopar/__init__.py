@@ -9,6 +9,7 @@ from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, P
 from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
+from .runtime.asynchronous import AsyncUpdateWarning
 from .runtime.weights import materialize
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "InfeasibleError",
     "PlanError",
     "BatchStatisticsWarning",
+    "AsyncUpdateWarning",
 ]
 __version__ = "0.1.0"

@@ -235,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-reserve", type=number(low=0, high=1, high_open=True), default=0.1,
                    help="fraction of each device's memory kept free (default 0.1)")
     s.set_defaults(func=cmd_plan)
-    s = sub.add_parser("run", help="start one process per device of the cluster (torchrun) running a script",
-                       description="Start one process per device of the cluster (torchrun) running a script. "
+    s = sub.add_parser("run", help="start one process per device of the cluster running a script "
+                                   "(independent processes that survive a lost one; torchrun with --max-restarts)",
+                       description="Start one process per device of the cluster running a script. "
                        + RUN_RULE + ".")
     for name, kwargs in RUN_OPTIONS.items():
         s.add_argument(name, **kwargs)
