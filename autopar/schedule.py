@@ -50,6 +50,8 @@ MEMORY_KINDS = ("GATHER_F", "FREE_F", "GATHER_B", "REDUCE", "FREE_B")
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE") + MEMORY_KINDS
 COMPUTE_KINDS = frozenset({"F", "B", "W"})
 MEMORY_OF = {"GATHER_F": "F", "FREE_F": "F", "GATHER_B": "B", "REDUCE": "B", "FREE_B": "B"}
+_GATHER_KINDS = frozenset({"GATHER_F", "GATHER_B"})
+_COMPUTE_STREAM = COMPUTE_KINDS | set(MEMORY_KINDS)  # what runs on a rank's compute stream (ALLREDUCE aside)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 SPLIT_SCHEDULES = frozenset({"zb_h1"})  # schedules whose backward is split into B (input grads) and W
 
@@ -355,13 +357,6 @@ def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_m
     moves a dependency on a compute action to the last memory action listed after it. `split`: the
     schedule splits the backward into B and W (`splits_backward`)."""
     s, m, kind = a.stage, a.microbatch, a.kind
-    if kind in MEMORY_OF:
-        own = memory_owner(kind, split)
-        if kind.startswith("GATHER"):  # runs at the start of its compute action: waits for its inputs
-            return dependencies(Action(a.rank, own, s, m), stage_to_rank, num_stages, num_microbatches, split)
-        return ((own, s, m),)
-    if kind == "W":
-        return (("B", s, m),)
     if kind == "F":
         if s == 0:
             return ()
@@ -379,20 +374,30 @@ def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_m
         return (("SEND_F", s - 1, m),)
     if kind == "RECV_B":
         return (("SEND_B", s + 1, m),)
+    if kind == "W":
+        return (("B", s, m),)
+    if kind in MEMORY_OF:
+        own = memory_owner(kind, split)
+        if kind in _GATHER_KINDS:  # runs at the start of its compute action: waits for its inputs
+            return dependencies(Action(a.rank, own, s, m), stage_to_rank, num_stages, num_microbatches, split)
+        return ((own, s, m),)
     return tuple(("W" if split else "B", s, i) for i in range(num_microbatches))  # ALLREDUCE
 
 
 def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Compiled:
     """Split each rank's list into its compute and comm FIFOs; RECVs are completed by their SENDs."""
     s2r, ns, nm = schedule.stage_to_rank, schedule.num_stages, schedule.num_microbatches
-    split = splits_backward(schedule)
-    queues = []
-    recv_of_send: dict[Key, Action] = {}
-    end_of: dict[Key, Key] = {}  # compute action -> the last memory action listed after it
+    split, after = False, []  # one pass: does it split the backward, and its memory actions after a compute
     for acts in schedule.actions.values():
         for a in acts:
-            if a.kind in MEMORY_OF and not a.kind.startswith("GATHER"):
-                end_of[(memory_owner(a.kind, split), a.stage, a.microbatch)] = a.key
+            if a.kind == "W":
+                split = True
+            elif a.layer >= 0 and a.kind not in _GATHER_KINDS:
+                after.append(a)
+    # compute action -> the last memory action listed after it (what its dependents wait for)
+    end_of: dict[Key, Key] = {(memory_owner(a.kind, split), a.stage, a.microbatch): a.key for a in after}
+    queues = []
+    recv_of_send: dict[Key, Action] = {}
     for r, acts in schedule.actions.items():
         compute, comm = [], []
         for a in acts:
@@ -402,10 +407,16 @@ def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Comp
                               else ("SEND_B", a.stage + 1, a.microbatch))] = a
                 continue
             deps = dependencies(a, s2r, ns, nm, split)
-            if end_of and not (kind in MEMORY_OF and not kind.startswith("GATHER")):
-                deps = tuple(end_of.get(d, d) for d in deps)
-            entry = (a, a.key, deps)
-            if kind in COMPUTE_KINDS or kind in MEMORY_OF or (kind == "ALLREDUCE" and not overlap_allreduce):
+            if a.layer < 0:
+                key = (kind, a.stage, a.microbatch)
+                if end_of:
+                    deps = tuple(end_of.get(d, d) for d in deps)
+            else:
+                key = (kind, a.stage, a.microbatch, a.layer)
+                if end_of and kind in _GATHER_KINDS:
+                    deps = tuple(end_of.get(d, d) for d in deps)
+            entry = (a, key, deps)
+            if kind in _COMPUTE_STREAM or (kind == "ALLREDUCE" and not overlap_allreduce):
                 compute.append(entry)
             else:
                 comm.append(entry)
