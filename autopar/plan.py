@@ -235,16 +235,28 @@ def simulate_stages(schedule: str, chunks: int, batch_share: int, num_microbatch
     to stage j + 1, the end-of-step gradient sync and, optionally, the weight-gradient part of the full bwd
     (what a zero-bubble schedule's W takes; `wgrad_times`)."""
     sched = cached_schedule(schedule, len(times) // chunks, num_microbatches, chunks)
+    return _simulate_times(sched, batch_share, num_microbatches, times)
+
+
+def _simulate_times(sched: Schedule, batch_share: int, num_microbatches: int, times: Sequence[Sequence[float]],
+                    gather: Sequence[float] | None = None, reduce: Sequence[float] | None = None,
+                    memory: dict[Any, float] | None = None) -> SimResult:
+    """`simulate` of `sched` with `simulate_stages`' per-stage times; with memory actions in `sched`, F and B
+    lose the stage's `gather` (and B its `reduce`) seconds, which its memory actions take (`memory`:
+    seconds by (kind, stage), `lowering.priced_schedule`)."""
     r = batch_share % num_microbatches  # micro-batches 0..r-1 are the full ones (all when r == 0)
     full = [r == 0 or i < r for i in range(num_microbatches)]
-    bwd = lambda s, m: times[s][2] if full[m] else times[s][3]  # noqa: E731
+    g = gather or [0.0] * len(times)
+    rd = reduce or [0.0] * len(times)
+    bwd = lambda s, m: (times[s][2] if full[m] else times[s][3]) - g[s] - rd[s]  # noqa: E731
     return simulate(
         sched,
-        lambda s, m: times[s][0] if full[m] else times[s][1],
+        lambda s, m: (times[s][0] if full[m] else times[s][1]) - g[s],
         bwd,
         # the gradient going back from stage s to s-1 has the size of the activation s-1 sent forward
         lambda src, dst: times[min(src, dst)][4],
         [t[5] for t in times],
+        memory_time=(lambda a: memory.get((a.kind, a.stage), 0.0)) if memory else 0.0,
         wgrad_time=wgrad_times(times, bwd),
     )
 
@@ -288,22 +300,10 @@ def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
     from .lowering import priced_schedule
 
     sched, memory = priced_schedule(plan, pipeline)
-    times = [stage_times(s) for s in pipeline.stages]
-    gather = [s.predicted.get("gather_s", 0.0) for s in pipeline.stages]
-    reduce = [s.predicted.get("reduce_s", 0.0) for s in pipeline.stages]
-    m = pipeline.num_microbatches
-    r = pipeline.batch_share % m  # micro-batches 0..r-1 are the full ones (all when r == 0)
-    full = [r == 0 or i < r for i in range(m)]
-    bwd = lambda s, i: (times[s][2] if full[i] else times[s][3]) - gather[s] - reduce[s]  # noqa: E731
-    return simulate(
-        sched,
-        lambda s, i: (times[s][0] if full[i] else times[s][1]) - gather[s],
-        bwd,
-        lambda src, dst: times[min(src, dst)][4],
-        [t[5] for t in times],
-        memory_time=lambda a: memory.get((a.kind, a.stage), 0.0),
-        wgrad_time=wgrad_times(times, bwd),
-    )
+    return _simulate_times(sched, pipeline.batch_share, pipeline.num_microbatches,
+                           [stage_times(s) for s in pipeline.stages],
+                           [s.predicted.get("gather_s", 0.0) for s in pipeline.stages],
+                           [s.predicted.get("reduce_s", 0.0) for s in pipeline.stages], memory)
 
 
 def timeline_trace(plan: Plan) -> dict:
