@@ -32,6 +32,7 @@ after the schedule), and the planner prices that path for it (solver/stage_memor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,27 +207,32 @@ def _layers_of(by_layer: dict[int, set[str]]) -> dict[str, set[int]]:
     return layers_of
 
 
-def param_groups(graph: TrainingGraph, layout: Layout) -> dict[str, tuple[Group, ...]]:
-    """Canonical parameter name -> the tensor-parallel groups (stages, any pipeline) holding a copy."""
-    by_layer = params_by_layer(graph)
-    holders: dict[str, set[Group]] = {}
+def _holdings(by_layer: dict[int, set[str]], layout: Layout) -> Iterator[tuple[str, StageLayout]]:
+    """(parameter, stage) for every stage (any pipeline) holding the parameter (`params_by_layer`'s map)."""
     for p in layout.pipelines:
         for st in p.stages:
             for layer in range(*st.layers):
                 for name in by_layer.get(layer, ()):
-                    holders.setdefault(name, set()).add(tuple(st.ranks))
+                    yield name, st
+
+
+def param_groups(graph: TrainingGraph, layout: Layout,
+                 by_layer: dict[int, set[str]] | None = None) -> dict[str, tuple[Group, ...]]:
+    """Canonical parameter name -> the tensor-parallel groups (stages, any pipeline) holding a copy.
+    `by_layer`: `params_by_layer(graph)` when the caller has it."""
+    holders: dict[str, set[Group]] = {}
+    for name, st in _holdings(params_by_layer(graph) if by_layer is None else by_layer, layout):
+        holders.setdefault(name, set()).add(tuple(st.ranks))
     return {k: tuple(sorted(v)) for k, v in sorted(holders.items())}
 
 
-def zero_levels(graph: TrainingGraph, layout: Layout) -> dict[str, int]:
-    """Canonical parameter name -> the highest ZeRO level among the stages (any pipeline) holding it."""
-    by_layer = params_by_layer(graph)
+def zero_levels(graph: TrainingGraph, layout: Layout,
+                by_layer: dict[int, set[str]] | None = None) -> dict[str, int]:
+    """Canonical parameter name -> the highest ZeRO level among the stages (any pipeline) holding it.
+    `by_layer`: `params_by_layer(graph)` when the caller has it."""
     levels: dict[str, int] = {}
-    for p in layout.pipelines:
-        for st in p.stages:
-            for layer in range(*st.layers):
-                for name in by_layer.get(layer, ()):
-                    levels[name] = max(levels.get(name, 0), st.zero)
+    for name, st in _holdings(params_by_layer(graph) if by_layer is None else by_layer, layout):
+        levels[name] = max(levels.get(name, 0), st.zero)
     return levels
 
 
@@ -248,11 +254,12 @@ def assign_owners(holders: dict[str, tuple[Group, ...]], levels: dict[str, int],
 
 
 def layerwise_params(graph: TrainingGraph, layout: Layout, levels: dict[str, int],
-                     offloaded: set[str] = frozenset()) -> dict[str, int]:
+                     offloaded: set[str] = frozenset(), by_layer: dict[int, set[str]] | None = None) -> dict[str, int]:
     """Canonical name -> layer of the ZeRO-2/3 parameters reduced (and gathered) per layer: those of the
     stages `plan.layerwise_stages` names, read by one layer only, not offloaded ("params": they stream).
-    `levels`: effective levels (0 for a single holder)."""
-    by_layer = params_by_layer(graph)
+    `levels`: effective levels (0 for a single holder); `by_layer`: `params_by_layer(graph)` if known."""
+    if by_layer is None:
+        by_layer = params_by_layer(graph)
     layers_of = _layers_of(by_layer)
     stages = layerwise_stages([(p.num_microbatches, [(st.layers, len(st.ranks)) for st in p.stages])
                                for p in layout.pipelines])
@@ -362,13 +369,13 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
     layout = layout_of(plan, len(graph.layers))
     if not 0 <= rank < layout.world_size:
         raise PlanError(f"rank {rank} is outside the plan's world of {layout.world_size} devices.")
-    holders = param_groups(graph, layout)
-    levels = zero_levels(graph, layout)
+    by_layer = params_by_layer(graph)
+    layers_of = _layers_of(by_layer)
+    holders = param_groups(graph, layout, by_layer)
+    levels = zero_levels(graph, layout, by_layer)
     effective = {n: (levels.get(n, 0) if len(g) > 1 else 0) for n, g in holders.items()}
     sizes = {info.name: info.meta.numel for info in graph.params.values() if not info.is_buffer}
     owners = assign_owners(holders, levels, sizes)
-    by_layer = params_by_layer(graph)
-    layers_of = _layers_of(by_layer)
     tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
     reps = {tuple(g[0] for g in groups) for groups in holders.values()}
     groups = tuple(sorted(tp_groups | reps))
@@ -388,7 +395,7 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
     # and a backward not split into B and W (zero_layers.py reduces a layer as its B ends)
     per_layer = len(my_group) == 1 and layout.ep == 1 and pipe.schedule not in SPLIT_SCHEDULES
     offloaded = {n for n, k in offload.items() if "params" in k}
-    reduced = {n: lay for n, lay in layerwise_params(graph, layout, effective, offloaded).items()
+    reduced = {n: lay for n, lay in layerwise_params(graph, layout, effective, offloaded, by_layer).items()
                if n in offload} if per_layer else {}
     gathered = {n: lay for n, lay in reduced.items() if effective[n] == 3}
     streamed = {n: next(iter(layers_of[n])) for n in sorted(offloaded)
