@@ -61,8 +61,8 @@ def plan_for(graph: Any, world: int, spec: dict) -> Plan:
             stages, start = [], 0
             for k, (n_blocks, ranks) in enumerate(p["stages"]):
                 end = n_layers if k == len(p["stages"]) - 1 else (1 if k == 0 else start) + n_blocks
-                stages.append(Stage([start, end], list(ranks), compress=spec.get("compress")
-                                    if k + 1 < len(p["stages"]) else None))
+                stages.append(Stage([start, end], list(ranks), spec.get("zero", 0), spec.get("recompute", False),
+                                    compress=spec.get("compress") if k + 1 < len(p["stages"]) else None))
                 start = end
             m = p.get("m", 1)
             pipes.append(Pipeline(p["batch"], -(-p["batch"] // m), m, stages))
@@ -74,18 +74,16 @@ def plan_for(graph: Any, world: int, spec: dict) -> Plan:
                             zero=spec.get("zero", 0), recompute=spec.get("recompute", False),
                             layer_split=spec.get("layer_split"), batch_split=spec.get("batch_split"),
                             chunks=spec.get("chunks") if schedule == "interleaved_1f1b" else None,
-                            offload=tuple(spec.get("offload", ())), compress=spec.get("compress"))
-        strategy.microbatch_size = 1
+                            offload=tuple(spec.get("offload", ())), compress=spec.get("compress"),
+                            microbatch_size=1)  # micro-batch counts are set below from "m"
         plan = plan_from_strategy(strategy, world_size=world, global_batch=batch, num_layers=n_layers,
                                   first_block=1, num_blocks=blocks, **fields)
         for p in plan.pipelines:
             p.num_microbatches = min(spec.get("m", 1), p.batch_share)
             p.microbatch_size = -(-p.batch_share // p.num_microbatches)
-    for p in plan.pipelines:
-        for st in p.stages:
-            st.zero = spec.get("zero", st.zero)
-            st.recompute = spec.get("recompute", st.recompute)
-            if "sharding" in spec:
+    if "sharding" in spec:
+        for p in plan.pipelines:
+            for st in p.stages:
                 st.sharding = dict(spec["sharding"])
     if spec.get("ep", 1) > 1:
         plan.experts = {"degree": spec["ep"]}
@@ -160,6 +158,17 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> lis
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((losses, prog.state_dict()["model"], work_of(prog)))
     return out
+
+
+def assert_ranks_match_reference(results: list, index: int, name: str, kwargs: dict, who: str = ""
+                                 ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Case `index` of `run_cases`' per-rank results: every rank's losses and final state equal the
+    single-process run's (returned, for further checks)."""
+    ref_losses, ref_params = reference(name, kwargs)
+    for rank, per_rank in enumerate(results):
+        losses, params, _ = per_rank[index]
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"{who}rank {rank}")
+    return ref_losses, ref_params
 
 
 def assert_work_split(works: list[dict], spec: dict, batch: int, full: dict[str, torch.Tensor]) -> None:

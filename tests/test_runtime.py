@@ -6,7 +6,15 @@ import pytest
 
 from autopar.runtime.launch import spawn_local
 
-from .runtime_cases import assert_matches_reference, assert_work_split, build, reference, run_cases, run_sharding_cases
+from .runtime_cases import (
+    assert_matches_reference,
+    assert_ranks_match_reference,
+    assert_work_split,
+    build,
+    reference,
+    run_cases,
+    run_sharding_cases,
+)
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -46,10 +54,7 @@ def results_4() -> list:
 @pytest.mark.parametrize("index", range(len(CASES_4)), ids=[f"{c[0]}-{c[2]}" for c in CASES_4])
 def test_parallel_training_matches_single_process(results_4: list, index: int) -> None:
     name, kwargs, _ = CASES_4[index]
-    ref_losses, ref_params = reference(name, kwargs)
-    for rank, per_rank in enumerate(results_4):
-        losses, params, _ = per_rank[index]
-        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
+    ref_losses, _ = assert_ranks_match_reference(results_4, index, name, kwargs)
     assert ref_losses[-1] < ref_losses[0]  # the run trains: the loss falls
 
 

@@ -16,7 +16,12 @@ from autopar.plan import Pipeline, Plan, Stage
 from autopar.runtime.launch import spawn_local
 from autopar.solver.pricing import model_summary, price
 
-from .runtime_cases import assert_matches_reference, assert_work_split, build, reference, run_cases
+from .runtime_cases import (
+    assert_ranks_match_reference,
+    assert_work_split,
+    build,
+    run_cases,
+)
 from .test_planner import cm_for
 
 GPT = ("gpt", {"layers": 4, "batch": 8})
@@ -37,10 +42,7 @@ def results() -> list:
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_mixed_tp_trains_like_one_process(results: list, index: int) -> None:
     name, kwargs, spec = CASES[index]
-    ref_losses, ref_params = reference(name, kwargs)
-    for rank, per_rank in enumerate(results):
-        losses, params, _ = per_rank[index]
-        assert_matches_reference(losses, params, ref_losses, ref_params, f"case {index} rank {rank}")
+    assert_ranks_match_reference(results, index, name, kwargs, f"case {index} ")
     full = build(name, **kwargs).model.state_dict()
     works = [r[index][2] for r in results]
     assert_work_split(works, spec, kwargs["batch"], full)
