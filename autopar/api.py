@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -19,8 +20,9 @@ from .passes.capture import LossFn, capture
 from .plan import Estimate, Plan, Strategy
 from .report import dump_dir as _dump_dir
 from .report import dump_graph
-from .runtime.asynchronous import choose_async, delay_of
+from .runtime.asynchronous import choose_async, delay_of, force_async
 from .runtime.precision import check_precision, unsupported
+from .solver.async_memory import async_memory
 from .solver.objective import check_objective, score
 from .solver.pricing import CostModel, price, price_strategy
 from .solver.search import search
@@ -138,7 +140,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
             priced = price(cm, p)
             return priced.plan if priced.fits else None
 
-        result = choose_async(result, sync, staleness, reprice)
+        result = choose_async(result, sync, staleness, reprice, functools.partial(async_memory, cm))
     d = _dump_dir()
     if d is not None:
         (d / "plan.json").write_text(result.to_json())
@@ -146,6 +148,18 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
         result.timeline()
         dump_graph(cm.graph, d)
     return result
+
+
+def price_async(plan: Plan, model: nn.Module, example_inputs: tuple = (), example_target: Any = None,
+                loss_fn: LossFn | None = None, optimizer: object = "adamw", *, sync: str, staleness: int | None = None,
+                kernels: str = "auto", captured: TrainingGraph | None = None) -> Plan:
+    """`plan` (priced) to be trained with `sync` ("2bw" | "wsp") whatever the planner would choose, as
+    `compile(plan=..., sync=...)` trains it: `predicted["async"]` for that mode and `predicted["peak_memory_bytes"]`
+    with its pending wave gradients (and, where sync="2bw" runs the flushless schedule, its second weight
+    version: solver/async_memory.py); PlanError naming each device that does not fit."""
+    cm = cost_model(model, plan.cluster, example_inputs, example_target, loss_fn, optimizer, plan.precision,
+                    plan.memory_reserve, kernels, captured=captured)
+    return force_async(plan, sync, staleness, functools.partial(async_memory, cm))
 
 
 def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy,

@@ -30,6 +30,7 @@ from .runtime.asynchronous import AsyncProgram, delay_of, warn_async
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
+from .runtime.flushless import async_program  # 2BW's flushless schedule where it runs
 from .runtime.program import OptimizerFactory, Program
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
@@ -90,7 +91,7 @@ def compile(
     ahead of the slowest). They change the update rule to W[c+1] = W[c] - opt(grad L_c(W[c-D])), warned
     about (AsyncUpdateWarning); the program is an AsyncProgram (runtime/asynchronous.py).
     """
-    from .api import estimate
+    from .api import estimate, price_async
     from .api import plan as make_plan
     from .plan import Plan, Strategy
 
@@ -181,10 +182,14 @@ def compile(
                           f"({chose.get('reason')}); training synchronously. Pass plan=autopar.Strategy(...) "
                           f"to train a layout asynchronously regardless.", stacklevel=2)
         delay = 0
+    if delay and not planned:  # a given layout: its pending wave gradients must fit (every rank: PlanError)
+        plan = price_async(plan, model, capture_inputs, capture_target, loss_fn,
+                           optimizer if isinstance(optimizer, str) else "adamw", sync=sync, staleness=staleness,
+                           kernels=kernels, captured=graph)
     if rank == 0:
         warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
-        warn_async(sync, delay)
-    program = Program if not delay else functools.partial(AsyncProgram, sync=sync, staleness=staleness)
+        warn_async(sync, delay, plan=plan)  # names the runtime (flushless or not, and why)
+    program = Program if not delay else functools.partial(async_program(plan, sync), sync=sync, staleness=staleness)
     prog = program(
         model,
         plan,

@@ -20,22 +20,29 @@ with its full activations, which is the lower peak of the two orders.
 
 Every stage carries its predicted per-micro-batch times, so a plan read back from JSON can still be
 explained and simulated (`timeline`) without the model.
+
+This module holds the plan as data (`Stage`, `Pipeline`, `Plan`, `layerwise_stages`), how a plan's step is
+simulated from those times (`stage_times`, `simulate_pipeline`) and the hand-written configurations
+`autopar.estimate` prices (`Strategy`, `plan_from_strategy`, `Estimate`). Two parts live beside it and are
+re-exported here: plan_simulate.py, the simulation of one step from per-stage times (`simulate_stages`,
+`simulated_step_time`, `cached_schedule`, `wgrad_times`: the planner's hot path, which knows no `Plan`),
+and plan_views.py, how a plan is shown (`explain`, `timeline_trace`, `recompute_label`, `compute_description`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .checks import check_number
 from .errors import PlanError
-from .report import dump_dir, fmt_bytes, fmt_count, fmt_time, render_table
-from .schedule import SCHEDULES, Schedule, make_schedule
-from .simulate import WGRAD_FRACTION, SimResult, simulate
+from .plan_simulate import cached_schedule, simulate_stages, simulate_times, simulated_step_time, wgrad_times
+from .plan_views import compute_description, explain, recompute_label, timeline_trace
+from .report import dump_dir
+from .schedule import SCHEDULES
+from .simulate import SimResult
 
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
 
@@ -50,13 +57,6 @@ def recompute_count(recompute: bool | int, blocks: int, where: str = "Stage.reco
                         f"stage's first blocks to recompute, an integer in [0, {blocks}] (the stage holds "
                         f"{blocks} repeated block(s)).")
     return recompute
-
-
-def recompute_label(recompute: bool | int) -> str:
-    """The `explain()` cell of a stage's recompute: yes, no, or 'first k'."""
-    if isinstance(recompute, bool) or not recompute:
-        return "yes" if recompute else "no"
-    return f"first {recompute}"
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -222,68 +222,6 @@ def layerwise_stages(pipelines: list[tuple[int, list[tuple[tuple[int, int], int]
             for i in range(len(pipelines))}
 
 
-@functools.lru_cache(maxsize=64)
-def cached_schedule(name: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
-    """`make_schedule`, memoised: the planner simulates many replicas of few shapes. Do not mutate."""
-    return make_schedule(name, ranks, microbatches, chunks)
-
-
-def simulate_stages(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
-                    times: list[tuple[float, float, float, float, float, float]]) -> SimResult:
-    """Simulate one step of a pipeline whose stage j takes times[j] = (fwd, fwd_small, bwd, bwd_small,
-    send, sync[, bwd_w]): fwd/bwd of a full micro-batch, of a one-sample-smaller one, the activation transfer
-    to stage j + 1, the end-of-step gradient sync and, optionally, the weight-gradient part of the full bwd
-    (what a zero-bubble schedule's W takes; `wgrad_times`)."""
-    sched = cached_schedule(schedule, len(times) // chunks, num_microbatches, chunks)
-    return _simulate_times(sched, batch_share, num_microbatches, times)
-
-
-def _simulate_times(sched: Schedule, batch_share: int, num_microbatches: int, times: Sequence[Sequence[float]],
-                    gather: Sequence[float] | None = None, reduce: Sequence[float] | None = None,
-                    memory: dict[Any, float] | None = None) -> SimResult:
-    """`simulate` of `sched` with `simulate_stages`' per-stage times; with memory actions in `sched`, F and B
-    lose the stage's `gather` (and B its `reduce`) seconds, which its memory actions take (`memory`:
-    seconds by (kind, stage), `lowering.priced_schedule`)."""
-    r = batch_share % num_microbatches  # micro-batches 0..r-1 are the full ones (all when r == 0)
-    full = [r == 0 or i < r for i in range(num_microbatches)]
-    g = gather or [0.0] * len(times)
-    rd = reduce or [0.0] * len(times)
-    bwd = lambda s, m: (times[s][2] if full[m] else times[s][3]) - g[s] - rd[s]  # noqa: E731
-    return simulate(
-        sched,
-        lambda s, m: (times[s][0] if full[m] else times[s][1]) - g[s],
-        bwd,
-        # the gradient going back from stage s to s-1 has the size of the activation s-1 sent forward
-        lambda src, dst: times[min(src, dst)][4],
-        [t[5] for t in times],
-        memory_time=(lambda a: memory.get((a.kind, a.stage), 0.0)) if memory else 0.0,
-        wgrad_time=wgrad_times(times, bwd),
-    )
-
-
-def wgrad_times(times: Sequence[Sequence[float]], bwd: Callable[[int, int], float]
-                ) -> Callable[[int, int], float] | None:
-    """W's seconds f(stage, micro-batch) from the stages' optional 7th time (bwd_w of a full micro-batch, as
-    a share of its bwd for the smaller ones); None (simulate's default share) when no stage has one."""
-    if all(len(t) < 7 for t in times):
-        return None
-    share = [t[6] / t[2] if len(t) > 6 and t[2] > 0 else WGRAD_FRACTION for t in times]
-    return lambda s, m: share[s] * bwd(s, m)
-
-
-def simulated_step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
-                        times: list[tuple[float, float, float, float, float, float]]) -> float:
-    """`simulate_stages(...).step_time`, memoised: the planner meets the same stage times in many
-    configurations, and keeps only the step time (not the events)."""
-    return _step_time(schedule, chunks, batch_share, num_microbatches, tuple(tuple(t) for t in times))
-
-
-@functools.lru_cache(maxsize=8192)
-def _step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
-               times: tuple[tuple[float, ...], ...]) -> float:
-    return simulate_stages(schedule, chunks, batch_share, num_microbatches, list(times)).step_time  # type: ignore[arg-type]
-
-
 def stage_times(stage: Stage) -> tuple[float, ...]:
     """The `simulate_stages` times of a stage, from its predictions (bwd_w_s, when predicted, 7th)."""
     p = stage.predicted
@@ -300,182 +238,10 @@ def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
     from .lowering import priced_schedule
 
     sched, memory = priced_schedule(plan, pipeline)
-    return _simulate_times(sched, pipeline.batch_share, pipeline.num_microbatches,
-                           [stage_times(s) for s in pipeline.stages],
-                           [s.predicted.get("gather_s", 0.0) for s in pipeline.stages],
-                           [s.predicted.get("reduce_s", 0.0) for s in pipeline.stages], memory)
-
-
-def timeline_trace(plan: Plan) -> dict:
-    events: list[dict] = []
-    names = plan.device_names()
-    for i, (pipe, sim) in enumerate(zip(plan.pipelines, plan.simulate(), strict=True)):
-        groups = pipe.device_groups()
-        pid_of = {r: groups[r][0] for r in range(len(groups))}
-        for ev in sim.to_chrome_trace()["traceEvents"]:
-            ev = dict(ev, pid=pid_of[ev["pid"]])
-            if ev.get("name") == "process_name":
-                r = next(k for k, v in pid_of.items() if v == ev["pid"])
-                ev["args"] = {"name": f"pipeline {i} rank {r}: devices {_ranges(groups[r])} "
-                                      f"({names.get(groups[r][0], '?')})"}
-            events.append(ev)
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-# ---- explain ---------------------------------------------------------------------------------------
-
-
-def _ranges(xs: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    out: list[str] = []
-    xs = sorted(xs)
-    i = 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def _pipeline_key(p: Pipeline) -> tuple:
-    """What makes two replicas look the same in the table: everything but their devices."""
-    return (p.batch_share, p.microbatch_size, p.num_microbatches,
-            tuple((tuple(s.layers), len(s.devices), s.zero, repr(s.recompute), tuple(s.offload), s.compress,
-                   tuple(sorted(s.predicted.items()))) for s in p.stages))
-
-
-def _layer_label(plan: Plan, start: int, end: int) -> str:
-    names = plan.model.get("layer_names") or []
-    if len(names) < end:
-        return f"{start}-{end - 1}" if end - start > 1 else str(start)
-    return names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]} ({end - start})"
-
-
-MAX_PROBLEM_LINES = 8  # the rest are in predicted["memory_problems"]
-
-
-def _does_not_fit(problems: list[str]) -> list[str]:
-    shown = problems[:MAX_PROBLEM_LINES]
-    more = [f"  ... and {len(problems) - len(shown)} more (predicted['memory_problems'])"] \
-        if len(problems) > len(shown) else []
-    return ([f"DOES NOT FIT in memory ({len(problems)} problem(s)); the predictions below are for a run that "
-             f"would fail:"] + [f"  {p}" for p in shown] + more)
-
-
-def _idle_tail(pr: dict[str, Any]) -> str:
-    """The idle time that is not pipeline bubble: the end-of-step gradient sync and optimizer step after the
-    last backward (nothing left to overlap them with) and waiting for slower data-parallel replicas."""
-    text = f", gradient sync not overlapped {100 * pr.get('exposed_sync_fraction', 0.0):.1f}%"
-    wait = pr.get("replica_wait_fraction", 0.0)
-    return text + (f", waiting for slower replicas {100 * wait:.1f}%" if wait >= 5e-4 else "")
-
-
-def _async_line(a: dict[str, Any] | None) -> list[str]:
-    """`predicted["async"]` (autopar.plan(..., sync="2bw" | "wsp"), runtime/asynchronous.py) in one line."""
-    if not a:
-        return []
-    sync_ms = f"{a['sync_step_time_s'] * 1e3:.4g} ms/step synchronous"
-    if a["sync"] == "sync":
-        return [f"asynchrony (sync={a['asked']!r} allowed): not chosen, predicted no faster than {sync_ms}"]
-    return [f"asynchrony (predicted): sync={a['sync']!r}, staleness {a['staleness']} (each gradient computed on "
-            f"weights {a['staleness']} update(s) old): {a['step_time_s'] * 1e3:.4g} ms/step against {sync_ms}, "
-            f"x{a['speedup']:.3g}"]
-
-
-def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
-    """The predicted price of the plan (cluster files with `price_per_hour`) and the devices it leaves out."""
-    out = []
-    if pr.get("cost_per_hour") is not None:
-        out.append(f"cost (predicted): {pr['cost_per_hour']:.4g} per hour for the devices used, "
-                   f"{pr['cost_per_sample']:.4g} per sample")
-    for d, why in sorted((pr.get("idle_devices") or {}).items(), key=lambda kv: int(kv[0])):
-        out.append(f"device {d} ({names.get(int(d), '?')}) left out: {why}")
-    return out
-
-
-def compute_description(precision: str, device: str = "") -> str:
-    """What a device computes in under a plan's precision (what runtime/precision.py runs)."""
-    if precision in ("bf16", "fp16"):
-        scaled = ", dynamic loss scaling" if precision == "fp16" else ""
-        return f"{precision} autocast, fp32 master weights / optimizer state / gradient reduction{scaled}"
-    if precision == "tf32":
-        return "fp32 (no TF32 on CPUs)" if device == "cpu" else "fp32 storage, TF32 matmuls and convolutions"
-    return f"{precision} throughout"
-
-
-def explain(plan: Plan) -> str:
-    pr = plan.predicted
-    names = plan.device_names()
-    peak = pr.get("peak_memory_bytes", {})
-    cap = pr.get("memory_capacity_bytes", {})
-    n_dp = len(plan.pipelines)
-    sched = plan.schedule + (f" x{plan.chunks} chunks" if plan.chunks > 1 else "")
-    wire = plan.precision if plan.precision in ("bf16", "fp16") else "-"  # mixed precision sends 2-byte values
-    # a plan that does not fit says so before any figure: its speed is that of a run that would fail
-    lines = _does_not_fit(pr.get("memory_problems") or []) if pr.get("fits") is False else []
-    lines += [
-        f"model {plan.model.get('name', '?')}: {fmt_count(plan.model.get('params', 0))} params, "
-        f"{plan.model.get('num_layers', '?')} layers in the coarse chain",
-        f"cluster {plan.cluster.get('name', '?')}: {plan.world_size} devices"
-        + (f" of its {len(names)} used" if len(names) > plan.world_size else "") + "; "
-        f"global batch {plan.global_batch}, {plan.precision}, optimizer {plan.optimizer}, schedule {sched}, "
-        f"{n_dp} data-parallel "
-        f"pipeline(s)",
-        "compute: " + "; ".join(f"{t}: {compute_description(plan.precision, t)}"
-                                for t in dict.fromkeys(names.values())),
-    ]
-    if "step_time_s" in pr:
-        lines.append(f"predicted: {fmt_time(pr['step_time_s'])}/step, {pr['samples_per_s']:.4g} samples/s, "
-                     f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
-                     f"pipeline bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%"
-                     + _idle_tail(pr))
-    lines += _cost_and_idle(pr, names) + _async_line(pr.get("async"))
-    if plan.experts:
-        ex = plan.experts
-        lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"
-                     f"{ex['top_k']}) per device in groups {ex['groups'] or 'none'}; replicated MoE layers: "
-                     f"{', '.join(ex['replicated']) or 'none'}")
-    head = ["pipeline", "stage", "layers", "devices", "type", "tp", "dp", "batch", "micro-batches", "ZeRO",
-            "recompute", "offload", "send as", "compute", "comm", "bubble", "peak mem / capacity"]
-    rows = [head]
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(plan.pipelines):
-        groups.setdefault(_pipeline_key(p) if n_dp > 8 else (i,), []).append(i)
-    for members in groups.values():
-        p = plan.pipelines[members[0]]
-        label = _ranges(members)
-        for j, s in enumerate(p.stages):
-            devs = [d for i in members for d in plan.pipelines[i].stages[j].devices]
-            mem = max((peak.get(d, 0) for d in devs), default=0)
-            capacity = min((cap.get(d, 0) for d in devs), default=0)
-            sp = s.predicted
-            rows.append([
-                label, str(j), _layer_label(plan, *s.layers), _ranges(devs), names.get(s.devices[0], "?"),
-                str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
-                f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), recompute_label(s.recompute),
-                "+".join(s.offload) or "-", s.compress or (wire if j + 1 < len(p.stages) else "-"),
-                fmt_time(sp.get("compute_s", 0.0)),
-                fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
-                f"{fmt_bytes(mem)} / {fmt_bytes(capacity)}"
-                + (f" ({100 * mem / capacity:.0f}%)" if capacity else ""),
-            ])
-    lines += ["", render_table(rows, right={5, 6, 7, 13, 14, 15})]
-    lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
-                 f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
-                 f"gradient sync")
-    lines += sorted({f"tp {s.tp}: {s.predicted['tp_reason']}" for p in plan.pipelines for s in p.stages
-                     if s.predicted.get("tp_reason")})  # which tensor-parallel price, and why (intra_op_pricing)
-    if any(s.compress or (wire != "-" and len(p.stages) > 1) for p in plan.pipelines for s in p.stages):
-        lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
-                     "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "
-                     "element and transfer; fp16 2^-11 but overflows above 65504)")
-    if plan.graph:
-        from .graphs.planner import explain_graph  # graph workloads: mode, node shares, halos, both modes
-
-        lines += ["", explain_graph(plan.graph)]
-    return "\n".join(lines)
+    return simulate_times(sched, pipeline.batch_share, pipeline.num_microbatches,
+                          [stage_times(s) for s in pipeline.stages],
+                          [s.predicted.get("gather_s", 0.0) for s in pipeline.stages],
+                          [s.predicted.get("reduce_s", 0.0) for s in pipeline.stages], memory)
 
 
 @dataclass
@@ -610,6 +376,7 @@ class Estimate:
         return self.plan.explain()
 
 
-__all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule", "explain",
-           "plan_from_strategy", "recompute_count", "recompute_label", "simulate_pipeline", "simulate_stages",
-           "stage_times", "timeline_trace", "wgrad_times"]
+__all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule",
+           "compute_description", "even_split", "explain", "layerwise_stages", "plan_from_strategy",
+           "recompute_count", "recompute_label", "simulate_pipeline", "simulate_stages", "simulate_times",
+           "simulated_step_time", "stage_times", "timeline_trace", "wgrad_times"]

@@ -12,7 +12,9 @@ profiler does not look; memtrace applies such a free when the address is handed 
 column), so until then the block counts as live and a peak may be overstated by up to that much.
 
 Families (gloo ranks, one process per device): data parallel, ZeRO-1/2/3, recompute, 1F1B, interleaved 1F1B,
-tensor parallel, a dp x pp hybrid with ZeRO-1 (4 ranks), and the planner's own plan (`autopar.plan`) for a
+tensor parallel, a dp x pp hybrid with ZeRO-1 (4 ranks), the asynchronous modes (ASYNC: data parallel with
+wsp's 2 pending waves, 2bw with tensor parallelism, the hybrid with wsp; predicted with their pending wave
+gradients, solver/async_memory.py), and the planner's own plan (`autopar.plan`) for a
 cluster of two CPU-like devices with different memory sizes and speeds. Plans are made in this process
 (`autopar.estimate` for the hand-written strategies), then every rank runs each family in turn.
 """
@@ -30,6 +32,7 @@ from common import print_table, write_results
 
 import autopar
 from autopar import Strategy, models
+from autopar.api import price_async
 from autopar.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import phase, tensor_bytes, track_memory
@@ -69,6 +72,23 @@ FAMILIES: dict[str, tuple[str, Any, Strategy | None]] = {
     # issue 11's case: 104 MiB of training state on 4 devices of 56 MiB (measured 1.4-1.8x the plan before)
     "auto, llama on 4x56MiB": ("hf_llama_gqa", small_cluster(), None),
 }
+# asynchronous modes (runtime/asynchronous.py): name -> (sync, staleness); predicted with the D pending wave
+# gradients (autopar.api.price_async, solver/async_memory.py), measured under compile(plan=..., sync=...)
+ASYNC: dict[str, tuple[str, int | None]] = {
+    "async dp2 wsp D=2": ("wsp", 2),
+    "async tp2 2bw": ("2bw", None),
+    "async hybrid dp2xpp2 zero1 wsp D=1": ("wsp", 1),
+}
+FAMILIES.update({
+    "async dp2 wsp D=2": ("gpt", "1x2xcpu", Strategy(dp=2)),
+    "async tp2 2bw": ("gpt", "1x2xcpu", Strategy(tp=2)),
+    "async hybrid dp2xpp2 zero1 wsp D=1": ("gpt", "1x4xcpu", Strategy(dp=2, pp=2, microbatch_size=2, zero=1)),
+})
+# 2bw on a 1f1b pipeline at ZeRO 0, tp 1 runs the flushless schedule (runtime/flushless.py): priced with its
+# second weight version and p - s in-flight micro-batches (solver/flushless_memory.py); its first update (and
+# the second version) comes in wave 3's call, which the STEPS = 3 waves reach
+ASYNC["async pp2 2bw flushless"] = ("2bw", None)
+FAMILIES["async pp2 2bw flushless"] = ("gpt", "1x2xcpu", Strategy(pp=2, microbatch_size=2))
 # model kwargs beyond CFG, per model name
 MODEL_KWARGS = {"hf_llama_gqa": dict(layers=8, heads=8, kv_heads=2, vocab=4096)}
 
@@ -87,6 +107,9 @@ def make_plans() -> dict[str, tuple[Any, str]]:
             plan = autopar.plan(case.model, cluster, *args, optimizer="adamw", time_limit_s=30)
         else:
             plan = autopar.estimate(case.model, cluster, strategy, *args, optimizer="adamw").plan
+        if name in ASYNC:
+            sync, staleness = ASYNC[name]
+            plan = price_async(plan, case.model, *args, "adamw", sync=sync, staleness=staleness)
         out[name] = (cluster, plan.to_json())
     return out
 
@@ -122,12 +145,16 @@ def measure(rank: int, world: int, items: list[tuple[str, Any, str]]) -> dict[st
         case = build(FAMILIES[name][0])
         gc.collect()
         t0 = time.perf_counter()
+        sync, staleness = ASYNC.get(name, ("sync", None))
         with track_memory() as trace:
             with phase("compile"):
                 prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target,
-                                       case.loss_fn, "adamw", plan=plan_json, timeout_s=120)
+                                       case.loss_fn, "adamw", plan=plan_json, timeout_s=120, sync=sync,
+                                       staleness=staleness)
             losses = []
-            for k in range(STEPS):
+            # delayed updates: the first optimizer step (and its state) comes at the start of wave D + 1, so
+            # D + 2 waves reach the steady state the plan prices (optimizer state and D pending waves)
+            for k in range(max(STEPS, prog.delay + 2) if sync != "sync" else STEPS):
                 with phase(f"step {k + 1}"):
                     losses.append(prog.step(*case.example_inputs, target=case.example_target))
         opt = prog.optimizer

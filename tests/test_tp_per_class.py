@@ -31,6 +31,8 @@ CASES = [
                           {"batch": 1, "m": 1, "stages": [(4, (3,))]}]}),
     (*GPT, {"pipelines": [{"batch": 5, "m": 1, "stages": [(4, (0, 1))]},
                           {"batch": 3, "m": 3, "stages": [(2, (2,)), (2, (3,))]}]}),
+    # one pipeline whose stages differ in tp (the search's "mixed" groupings with a tp per device type)
+    (*GPT, {"pipelines": [{"batch": 8, "m": 4, "stages": [(2, (0, 1)), (1, (2,)), (1, (3,))]}]}),
 ]
 
 

@@ -197,6 +197,9 @@ def _base_name(target: str) -> str:
     return s
 
 
+base_name = _base_name  # the public name (solver/intra_op_strategies.py, overhead.py)
+
+
 def classify(target: str) -> str:
     """The kind (one of OP_KINDS) of an aten op name like 'aten.mm.default' or a call target."""
     name = _base_name(target)
@@ -510,5 +513,5 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
     return _calibrate(device=device, quick=quick, save=save)
 
 
-__all__ = ["OP_KINDS", "ComputeModel", "Profile", "calibrate", "classify", "default_curves", "load_profile",
-           "pointwise_flops", "profile_dir", "profile_path"]
+__all__ = ["OP_KINDS", "ComputeModel", "Profile", "base_name", "calibrate", "classify", "default_curves",
+           "load_profile", "pointwise_flops", "profile_dir", "profile_path"]

@@ -160,7 +160,7 @@ class HostCounts:
 
 
 def _base_name(target: str) -> str:
-    from .compute import _base_name as base
+    from .compute import base_name as base
 
     return base(target)
 
@@ -248,12 +248,9 @@ class StageHost:
 
 def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
     """`StageHost` of layers [a, e) on device type `dtype` of a `solver.pricing.CostModel` (memoised in it)."""
-    key = ("host", cm.range_key(a, e), dtype)
-    hit = cm._memo.get(key)
-    if hit is None:
-        counts = cm._memo.get(("host_counts",))
-        if counts is None:
-            counts = cm._memo[("host_counts",)] = layer_counts(cm.graph)
+
+    def seconds() -> StageHost:
+        counts = cm.memoised(("host_counts",), lambda: layer_counts(cm.graph))
         host = cm.models[dtype].host
         f = b = rc = 0.0
         for i in range(a, e):
@@ -261,9 +258,9 @@ def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
             f, b = f + lf, b + lb
             rc += lf if cm.is_block[i] else 0.0
         tensors = sum(counts[i].param_tensors for i in range(a, e))
-        hit = cm._memo[key] = StageHost(f + host.microbatch_s, b + host.microbatch_s, rc,
-                                        step_host_seconds(tensors, host))
-    return hit
+        return StageHost(f + host.microbatch_s, b + host.microbatch_s, rc, step_host_seconds(tensors, host))
+
+    return cm.memoised(("host", cm.range_key(a, e), dtype), seconds)
 
 
 __all__ = ["CPU_EAGER", "CUDA_EAGER", "HostCounts", "HostOverhead", "StageHost", "default_host",

@@ -23,26 +23,45 @@ every replica and stage copy (exactly what synchronous training sums):
 
 What differs from synchronous training: the gradient is D updates stale (the loss of wave c, which
 `losses[c]` records, is measured on W[max(0, c - D)]); the first D + 1 waves all run on W[0]; the step's
-reduction, optimizer and loss collective run in the background (the next wave does not wait for them).
+gradient reduction and optimizer step run in the background (the next wave does not wait for them).
 What differs from the papers: every pipeline's wave c sees exactly W[c - D], the oldest version the bound
 allows, never a fresher mixture (HetPipe's workers also apply their own pushes locally and may see other
 pipelines' newer updates, which makes a run depend on timing); so a run is deterministic and a
 single-process replay of the rule above reproduces it (tests/test_async.py). 2BW's flushless cross-step
-1F1B schedule (micro-batches of wave c + 1 entering stage 0 before wave c drains) is not run: each wave
-still runs the plan's flushed schedule; the delay removes the wait for the gradient sync and optimizer step
-and lets fast replicas run ahead of slow ones within the bound.
+1F1B schedule (micro-batches of wave c + 1 entering stage 0 before wave c drains) is runtime/flushless.py's
+(`compile` picks it where it runs, `runtime_of`; its warning names the runtime); here each wave runs the
+plan's flushed schedule; the delay removes the wait for the gradient sync and optimizer step. Every rank
+waits for the wave's global loss at its end (`step()` below), so a fast replica starts wave c + 1 only once
+the slowest has finished wave c's compute: the bound D is the rule's, not extra run-ahead.
 
-Memory: D pending wave gradients per rank (flat buffers of its replicated parameters, the gradients of
-its single-copy ones), which the planner's memory model does not price.
+Memory (priced: solver/async_memory.py, checked by the planner and by `compile(plan=..., sync=...)`):
+beyond a synchronous step, a rank keeps D pending wave gradients while a wave computes (waves c - D ..
+c - 1): flat copies of the full gradients of its parameters with several holders (replicas, tied weights;
+a tensor-parallel shard's is gathered to the full tensor for the reduction) and its own gradients of
+single-copy parameters. A wave's reduction packs its buckets in place of the accumulated gradients, one
+bucket at a time, and the update unpacks them one at a time, so after the schedule one bucket more is live
+(tp > 1: the applied wave's whole flat copy, which the sharded gradients may view). No weight version is
+kept besides the parameters themselves; where the flushless schedule runs (sync="2bw", `runs_flushless`)
+the pricer is told so and adds its second weight version and p - s in-flight micro-batches per stage.
+`autopar.plan(sync=...)` chooses a mode only where its peak fits every device, and the chosen plan's
+`predicted["peak_memory_bytes"]` includes it (`predicted["async"]` has the pending and second-version bytes
+per device, the runtime and the synchronous figure); a forced mode that does not fit is a PlanError naming
+each device and its bytes.
 
-`step()` returns the mean loss over this rank's pipeline's share of the wave (the global loss is known
-only when the wave's collective completes: `losses`, filled as waves complete). `flush()` applies every
-pending update (parameters become W[c] for c waves done) and starts the delay again from there, as a
-resumed run would; `state_dict()` and `save()` flush first.
+`step()` returns the wave's global mean loss on every rank, as `Program.step` does (also kept in
+`losses[c]`): the one scalar all-reduce, on a group of its own, is waited for at the end of every wave (so
+ranks meet once per wave; the gradient reduction and optimizer step stay in the background). `flush()`
+applies every pending update (parameters become W[c] for c waves done) and starts the delay again from
+there, as a resumed run would; `state_dict()` and `save()` flush first.
 
-Supported (refused otherwise with a PlanError): ZeRO 0 without offload, tensor-parallel degree 1, no
-expert parallelism, fp32/tf32/bf16 (not fp16's loss scaling); any number of pipeline stages and
-data-parallel replicas, uneven batch shares and splits included.
+Supported: any tensor-parallel degree (DTensor stages; their gradients are gathered, reduced over the
+replicas and re-sharded at the update), ZeRO 0 and ZeRO-1 (each parameter's optimizer state on its owner
+replica, which steps it at the update and broadcasts the new value; the rule is unchanged), any number of
+pipeline stages and data-parallel replicas, uneven batch shares and splits, fp32/tf32/bf16
+(tests/test_async.py, tests/test_async_parallel.py). Refused with a PlanError naming the option and what to
+use instead: ZeRO-2/3 (use zero=1), CPU offload, expert parallelism, and fp16 loss scaling (a wave's
+gradient would be unscaled and inf-checked D updates after the scale it was computed with, and a skipped
+step would have to skip a delayed update; use bf16, which needs no loss scale).
 """
 
 from __future__ import annotations
@@ -50,6 +69,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,27 +113,35 @@ def delay_of(sync: str, staleness: int | None) -> int:
     return d
 
 
-def warn_async(sync: str, delay: int, stacklevel: int = 3) -> None:
-    """The project rule: asynchrony changes the math, so it is never silent."""
+def warn_async(sync: str, delay: int, stacklevel: int = 3, plan: Any = None) -> None:
+    """The project rule: asynchrony changes the math, so it is never silent; with `plan`, the warning also
+    says which runtime trains it (and, for sync="2bw", why not the flushless schedule when it does not)."""
     if delay == 0:
         return
+    runs = ""
+    if plan is not None:
+        from .flushless import flushless_problems  # flushless.py imports this module
+
+        why = flushless_problems(plan, sync) if sync == "2bw" else []
+        runs = (" It runs on FlushlessProgram (2BW's flushless cross-wave 1F1B, runtime/flushless.py)."
+                if sync == "2bw" and not why else
+                f" It runs on AsyncProgram (each wave the plan's flushed {plan.schedule} schedule)"
+                + (f"; the flushless 2BW schedule does not run {', '.join(why)} in this version." if why else "."))
     warnings.warn(f"sync={sync!r} trains asynchronously with staleness D={delay}: the update rule is {RULE} "
                   f"(every gradient is computed on weights {delay} update(s) old), not synchronous "
                   f"training's W[c+1] = W[c] - opt(grad L_c(W[c])); losses and weights differ from "
-                  f"synchronous training. See autopar/runtime/asynchronous.py.", AsyncUpdateWarning,
+                  f"synchronous training. See autopar/runtime/asynchronous.py.{runs}", AsyncUpdateWarning,
                   stacklevel=stacklevel)
 
 
 @dataclass
 class _Wave:
-    """One wave's gradient in flight: its reduce buckets (zero.launch_reduces), the gradients of parameters
-    with a single copy, and its loss all-reduce."""
+    """One wave's gradient in flight: its reduce buckets (zero.iter_reduces), the gradients of parameters
+    with a single copy."""
 
     index: int
     reduces: list[tuple]
     single: dict[str, torch.Tensor | None]
-    loss: torch.Tensor
-    loss_work: Any = None
 
 
 class AsyncProgram(Program):
@@ -128,8 +156,11 @@ class AsyncProgram(Program):
         super().__init__(*args, **kwargs)
         self._check_supported()
         self._pending: deque[_Wave] = deque()
-        self.losses: dict[int, float] = {}  # wave -> global mean loss, as waves complete
+        self.losses: dict[int, float] = {}  # wave -> global mean loss (what step() returned)
         self.applied = 0  # updates applied since the last flush
+        # the loss all-reduce has a group of its own, so that waiting for it never waits for the wave's
+        # gradient buckets (in flight on the parameters' groups)
+        self._loss_group = dist.new_group(list(range(self.world_size))) if self.world_size > 1 else None
 
     # ---- what is supported ----------------------------------------------------------------------
     def _bucketed_sync(self) -> None:
@@ -139,7 +170,7 @@ class AsyncProgram(Program):
         """`plan_problems`, with the ZeRO levels in effect (a stage's ZeRO level with one copy of its
         parameters is no partitioning: level 0)."""
         problems = [p for p in plan_problems(self.plan) if not p.startswith("ZeRO")]
-        zero = sorted({st.level for st in self.zero.state.values()} - {0})
+        zero = sorted({st.level for st in self.zero.state.values()} - {0, 1})
         if zero:
             problems.append(f"ZeRO level {zero[-1]}")
         if problems:
@@ -148,45 +179,61 @@ class AsyncProgram(Program):
     # ---- one wave -------------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
         """Wave c = step_count: apply the updates of waves <= c - D - 1, run the wave on the resulting
-        version W[c - D], launch its gradient reduction and loss all-reduce; returns this pipeline's mean
-        loss over its batch share (the global loss lands in `losses[c]`)."""
+        version W[c - D], launch its gradient reduction; returns the wave's global mean loss, as
+        `Program.step` does, on every rank (also kept in `losses[c]`)."""
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
         c = self.step_count
         with naming_lost_ranks(self.rank, f"asynchronous wave {c + 1}"):
             while self._pending and self._pending[0].index <= c - self.delay - 1:
                 self._apply(self._pending.popleft())
-            local = 0.0
-            reduces: list[tuple] = []
-            single: dict[str, torch.Tensor | None] = {}
-            if self.position is not None:
-                local = self._run(self.lowered.actions, inputs, target)
-                multi = [n for n in sorted(self.params) if len(self.zero.state[n].reps) > 1]
-                reduces = self.zero.launch_reduces(multi)  # flat copies: the wave's gradients travel
-                for n, p in self.params.items():
-                    if len(self.zero.state[n].reps) == 1:
-                        single[n] = p.grad
-                    p.grad = None  # the next wave accumulates afresh
-            loss = torch.tensor([local], dtype=torch.float64, device=self.device)
-            work = dist.all_reduce(loss, async_op=True) if self.world_size > 1 else None
-            self._pending.append(_Wave(c, reduces, single, loss, work))
+            local = self._run(self.lowered.actions, inputs, target) if self.position is not None else 0.0
+            self._pending.append(self._launch(c))
+            self.losses[c] = self._global_loss(c, local)
         self.timer.end_step()
         self.step_count += 1
-        share = self.pipeline.batch_size / self.layout.global_batch if self.position is not None else 0.0
-        is_last = self.position is not None and len(self.pipeline.stages) - 1 in self.position.stages
-        return local / share if share and is_last else float("nan")
+        return self.losses[c]
+
+    def _launch(self, c: int) -> _Wave:
+        """Start summing wave c's gradients over their holders: one flat copy per bucket, in flight in the
+        background; each bucket's gradients are dropped as soon as it is packed (the next wave accumulates
+        afresh), so the wave's pending gradient replaces its accumulated one (priced:
+        solver/async_memory.py). Gradients of single-copy parameters are kept as they are."""
+        reduces: list[tuple] = []
+        single: dict[str, torch.Tensor | None] = {}
+        if self.position is None:
+            return _Wave(c, reduces, single)
+        multi = [n for n in sorted(self.params) if len(self.zero.state[n].reps) > 1]
+        for pending in self.zero.iter_reduces(multi):
+            reduces.append(pending)
+            for n in pending[3]:  # the bucket's names
+                self.params[n].grad = None
+        for n, p in self.params.items():
+            if len(self.zero.state[n].reps) == 1:
+                single[n] = p.grad
+            p.grad = None
+        return _Wave(c, reduces, single)
+
+    def _global_loss(self, c: int, local: float) -> float:
+        """The wave's global mean loss: every rank's weighted share summed (as `Program.step` sums it, over
+        every rank, tensor-parallel ranks but the first contributing 0)."""
+        loss = torch.tensor([local], dtype=torch.float64, device=self.device)
+        if self._loss_group is not None:
+            wait(dist.all_reduce(loss, group=self._loss_group, async_op=True), f"loss all-reduce of wave {c + 1}",
+                 "in its group", self.timeout_s)
+        return float(loss)
 
     def _apply(self, wave: _Wave) -> None:
-        """Sum the wave's gradients (wait for its reduces), step the optimizer: W[k+1] = W[k] - opt(G_k)."""
-        for pending in wave.reduces:
-            self.zero.finish_reduce(pending)
+        """Sum the wave's gradients (wait for its reduces, one bucket at a time, each flat copy freed as it
+        is unpacked), step the optimizer: W[k+1] = W[k] - opt(G_k). Under ZeRO-1 only the owners step and
+        broadcast the updated values (zero.ZeroRuntime.step)."""
+        while wave.reduces:
+            self.zero.finish_reduce(wave.reduces.pop(0))
         for n, g in wave.single.items():
             self.params[n].grad = g
+        wave.single.clear()
         if self.position is not None:
             self.zero.step(self.optimizer)
-        if wave.loss_work is not None:
-            wait(wave.loss_work, f"loss all-reduce of wave {wave.index + 1}", "in its group", self.timeout_s)
-        self.losses[wave.index] = float(wave.loss)
         self.applied += 1
 
     def flush(self) -> None:
@@ -222,31 +269,37 @@ def plan_problems(plan: Any) -> list[str]:
     """What in `plan` delayed updates do not run in this version (empty: AsyncProgram runs it)."""
     stages = [st for p in plan.pipelines for st in p.stages]
     problems = []
-    if any(st.tp > 1 for st in stages):
-        problems.append("tensor parallelism (tp > 1)")
     if plan.experts:
         problems.append("expert parallelism")
-    if any(st.zero > 0 for st in stages):
+    if any(st.zero > 1 for st in stages):
         problems.append(f"ZeRO level {max(st.zero for st in stages)}")
     if any(st.offload for st in stages):
         problems.append("CPU offload")
     if plan.precision == "fp16":
-        problems.append("fp16 loss scaling")
+        problems.append("fp16 loss scaling (a wave's gradient would be unscaled and inf-checked D updates after "
+                        "the scale it was computed with, which this version does not track; bf16 needs no loss "
+                        "scale: precision='bf16')")
     return problems
 
 
 def _refusal(sync: str, problems: list[str]) -> str:
     return (f"sync={sync!r} does not support {', '.join(problems)} in this version: delayed updates run with "
-            f"ZeRO 0, no offload, tensor-parallel degree 1, no expert parallelism and fp32/tf32/bf16 (any "
+            f"ZeRO 0 or 1, no offload, no expert parallelism and fp32/tf32/bf16 (any tensor-parallel degree, "
             f"pipeline depth and data-parallel replicas). Use such a plan (e.g. autopar.Strategy(dp=2, pp=2, "
-            f"zero=0)) or sync='sync'.")
+            f"zero=1)) or sync='sync'.")
 
 
-def predicted_wave(plan: Any, delay: int) -> float:
+def predicted_wave(plan: Any, delay: int, sync: str | None = None) -> float:
     """The predicted seconds per wave of `plan` with updates `delay` waves late (a prediction from the plan's
     simulated schedule): each pipeline's wave ends at its last forward or backward; the gradient sync and
     optimizer step after it (the simulated tail) overlap the next `delay` waves, so the pipeline's wave takes
-    max(compute, tail / delay); the staleness bound keeps every pipeline at the slowest one's pace."""
+    max(compute, tail / delay); the staleness bound keeps every pipeline at the slowest one's pace. Where
+    `sync` runs the flushless 2BW schedule (runtime/flushless.py), that schedule's steady wave instead."""
+    from .flushless import flushless_wave  # the hook: what runs for sync="2bw" when it runs the plan
+
+    flushless = flushless_wave(plan) if sync == "2bw" else None
+    if flushless is not None:
+        return flushless
     waves = []
     for r in plan.simulate():
         compute_end = max((end for _, _, name, _, end in r.events if name[:2] in ("F ", "B ")), default=0.0)
@@ -254,38 +307,102 @@ def predicted_wave(plan: Any, delay: int) -> float:
     return max(waves)
 
 
-def choose_async(plan: Any, sync: str, staleness: int | None, reprice: Any) -> Any:
+# (plan, delay, mode, flushless) -> solver.async_memory.AsyncMemory; flushless: the plan runs the flushless
+# 2BW schedule (runtime/flushless.py), whose second weight version and in-flight activations are priced
+MemoryPricer = Callable[[Any, int, str, bool], Any]
+
+
+def runs_flushless(plan: Any, sync: str) -> bool:
+    """Whether `compile` trains `plan` with `sync` on the flushless 2BW schedule (FlushlessProgram)."""
+    from .flushless import flushless_problems  # flushless.py imports this module
+
+    return not flushless_problems(plan, sync)
+
+
+def runtime_of(plan: Any, sync: str) -> str:
+    """The program class that trains `plan` with `sync`, by name (what `predicted["async"]["runtime"]` and
+    `explain()` say runs)."""
+    return "Program" if sync == "sync" else "FlushlessProgram" if runs_flushless(plan, sync) else "AsyncProgram"
+
+
+def _record(out: Any, asked: str, delay: int, step: float, sync_step: float, global_batch: int, reason: str,
+            mem: Any) -> Any:
+    """Write `out.predicted["async"]` (choose_async's docstring); where the asynchronous mode is the one that
+    runs (`delay` > 0), `predicted["peak_memory_bytes"]` becomes its peak with the pending wave gradients
+    (the synchronous figure kept as the block's "sync_peak_memory_bytes")."""
+    block = {"sync": asked if delay else "sync", "asked": asked, "staleness": delay, "step_time_s": step,
+             "sync_step_time_s": sync_step, "speedup": sync_step / step, "samples_per_s": global_batch / step,
+             "runtime": runtime_of(out, asked) if delay else "Program", "reason": reason,
+             "note": "a prediction from the simulated schedule, not a measurement"}
+    if mem is not None:  # per device; keys are device indices as strings, as JSON keeps them
+        block.update(delay_priced=mem.delay, fits=mem.fits, memory_problems=list(mem.problems),
+                     flushless_priced=mem.flushless,
+                     pending_gradient_bytes={str(d): b for d, b in mem.pending.items()},
+                     second_version_bytes={str(d): b for d, b in mem.versions.items()},
+                     peak_memory_bytes={str(d): b for d, b in mem.peak.items()})
+        if delay:
+            block["sync_peak_memory_bytes"] = {str(d): b for d, b in out.predicted.get("peak_memory_bytes", {}).items()}
+            out.predicted["peak_memory_bytes"] = dict(mem.peak)
+    out.predicted["async"] = block
+    return out
+
+
+def choose_async(plan: Any, sync: str, staleness: int | None, reprice: Any, memory: MemoryPricer | None = None
+                 ) -> Any:
     """The plan for a user who allows `sync`: `plan` (the synchronous search's best) or, where delayed updates
-    do not run it (ZeRO, offload), the same layout at ZeRO 0 without offload, `reprice(plan)` returning it
-    priced (or None when it does not fit); the asynchronous variant is chosen only when predicted faster than
-    `plan` synchronously. The chosen plan carries `predicted["async"]` = {"sync": the mode chosen ("sync" when
-    not), "asked", "staleness", "step_time_s", "sync_step_time_s" (the synchronous plan's), "speedup",
-    "samples_per_s", "reason"}."""
+    do not run it (ZeRO 2/3, offload), the same layout at ZeRO <= 1 without offload, `reprice(plan)` returning
+    it priced (or None when it does not fit); the asynchronous variant is chosen only when its D pending wave
+    gradients fit on every device (`memory`, solver/async_memory.py, when given) and it is predicted faster
+    than `plan` synchronously. The chosen plan carries `predicted["async"]` = {"sync": the mode chosen
+    ("sync" when not), "asked", "staleness", "step_time_s", "sync_step_time_s" (the synchronous plan's),
+    "speedup", "samples_per_s", "runtime" (the program class that trains it: "Program", "AsyncProgram" or
+    "FlushlessProgram"), "reason"; with `memory`: "fits", "memory_problems", "flushless_priced",
+    "pending_gradient_bytes", "second_version_bytes" (the flushless schedule's; empty where it does not run)
+    and "peak_memory_bytes" per device of the asynchronous candidate, and, when it is chosen,
+    "sync_peak_memory_bytes" (the top-level figure is then the asynchronous one)}."""
     delay = delay_of(sync, staleness)
     sync_step = plan.predicted["step_time_s"]
     candidate, reason = plan, ""
     problems = plan_problems(plan)
-    if problems and not [p for p in problems if not p.startswith(("ZeRO", "CPU offload"))]:
+    if problems and all(p.startswith(("ZeRO", "CPU offload")) for p in problems):
         variant = copy.deepcopy(plan)
         for st in (st for p in variant.pipelines for st in p.stages):
-            st.zero, st.offload = 0, []
+            st.zero, st.offload = min(st.zero, 1), []
         candidate = reprice(variant)
-        reason = "" if candidate is not None else "the plan at ZeRO 0 without offload does not fit in memory"
+        reason = "" if candidate is not None else "the plan at ZeRO <= 1 without offload does not fit in memory"
     elif problems:
         candidate, reason = None, _refusal(sync, problems)
-    step = predicted_wave(candidate, delay) if candidate is not None else sync_step
-    if candidate is not None and step >= sync_step:
+    mem = (memory(candidate, delay, f"sync={sync!r}", runs_flushless(candidate, sync))
+           if candidate is not None and memory is not None else None)
+    step = predicted_wave(candidate, delay, sync) if candidate is not None else sync_step
+    if mem is not None and not mem.fits:
+        what = "pending wave gradients and second weight version" if mem.flushless else "pending wave gradients"
+        reason = f"its {what} do not fit: {mem.problems[0]}"
+    elif candidate is not None and step >= sync_step:
         reason = "predicted no faster than synchronous training"
-    chosen = candidate is not None and step < sync_step
+    chosen = candidate is not None and step < sync_step and (mem is None or mem.fits)
     out = candidate if chosen else plan
-    step = step if chosen else sync_step
-    out.predicted["async"] = {
-        "sync": sync if chosen else "sync", "asked": sync, "staleness": delay if chosen else 0,
-        "step_time_s": step, "sync_step_time_s": sync_step, "speedup": sync_step / step,
-        "samples_per_s": plan.global_batch / step, "reason": reason,
-        "note": "a prediction from the simulated schedule, not a measurement"}
-    return out
+    return _record(out, sync, delay if chosen else 0, step if chosen else sync_step, sync_step, plan.global_batch,
+                   reason, mem)
 
 
-__all__ = ["AsyncProgram", "AsyncUpdateWarning", "RULE", "SYNC_MODES", "choose_async", "delay_of",
+def force_async(plan: Any, sync: str, staleness: int | None, memory: MemoryPricer) -> Any:
+    """`plan` to be trained with `sync` whatever the planner would choose (`compile(plan=..., sync=...)`): its
+    `predicted["async"]` for that mode and its peak with the pending wave gradients (`_record`); PlanError
+    naming each device that does not fit and its bytes."""
+    delay = delay_of(sync, staleness)
+    problems = plan_problems(plan)
+    if problems:
+        raise PlanError(_refusal(sync, problems))
+    mem = memory(plan, delay, f"sync={sync!r}", runs_flushless(plan, sync))
+    if not mem.fits:
+        raise PlanError(f"{' '.join(mem.problems)} Lower the staleness, shard the optimizer state (zero=1), use more "
+                        f"pipeline stages, or train synchronously (sync='sync').")
+    sync_step = plan.predicted.get("step_time_s")
+    step = predicted_wave(plan, delay, sync) if sync_step is not None else float("nan")
+    return _record(plan, sync, delay, step, sync_step if sync_step is not None else float("nan"), plan.global_batch,
+                   "forced (compile(sync=...) with a given plan)", mem)
+
+
+__all__ = ["AsyncProgram", "AsyncUpdateWarning", "RULE", "SYNC_MODES", "choose_async", "delay_of", "force_async",
            "plan_problems", "predicted_wave", "warn_async"]

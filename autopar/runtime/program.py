@@ -287,11 +287,21 @@ class Program:
         return eval_step(self, inputs)
 
     def _peer(self, stage: int) -> int | None:
-        """The rank running `stage` of this rank's pipeline at the same tensor-parallel index."""
+        """The rank of `stage` (of this rank's pipeline) this rank receives from: the one at the same
+        tensor-parallel index, modulo that stage's degree when the two stages differ in degree (a tp per
+        device type in one pipeline). Every rank of a tensor-parallel group holds the whole activation and
+        input gradient at a stage boundary, so any one of them can send it."""
         pipe = self.pipeline
         if not 0 <= stage < len(pipe.stages):
             return None
-        return pipe.stages[stage].ranks[self.position.tp_index]
+        ranks = pipe.stages[stage].ranks
+        return ranks[self.position.tp_index % len(ranks)]
+
+    def _peers(self, stage: int) -> list[int]:
+        """The ranks of `stage` this rank sends to: those whose `_peer` is this rank (the same index when the
+        degrees are equal; none for a tp rank beyond a smaller next group; several into a larger one)."""
+        t = len(self.pipeline.stages[self.position.stages[0]].ranks)
+        return [r for i, r in enumerate(self.pipeline.stages[stage].ranks) if i % t == self.position.tp_index]
 
     def _run(self, actions: tuple[Action, ...] | list[Action], inputs: tuple, target: Any, train: bool = True
              ) -> Any:
@@ -359,8 +369,9 @@ class Program:
                 else:
                     outputs[key] = out
             elif kind == "SEND_F":
-                sends.append(self._send([o.detach() for o in outputs[key]] if train else list(outputs.pop(key)),
-                                        self._peer(s + 1), tag(s + 1, m, 0), pipe.stages[s].compress))
+                values = [o.detach() for o in outputs[key]] if train else list(outputs.pop(key))
+                sends += [self._send(values, peer, tag(s + 1, m, 0), pipe.stages[s].compress)
+                          for peer in self._peers(s + 1)]
             elif kind == "RECV_B":
                 names = [n for n in st.send if n in st.grad_values]
                 grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients",
@@ -397,7 +408,8 @@ class Program:
             elif kind == "SEND_B":
                 ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
-                sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, m, 1), pipe.stages[s - 1].compress))
+                sends += [self._send(grads, peer, tag(s - 1, m, 1), pipe.stages[s - 1].compress)
+                          for peer in self._peers(s - 1)]
         for work, peer, _keep in sends:
             wait(work, "send" + what, peer, self.timeout_s)
         return loss_sum if train else evaluated

@@ -13,11 +13,27 @@ sum of the same products as in one backward: the result equals 1F1B's (tests/tes
 
 When the split does not apply the whole backward runs in one of the two, which gives the same gradients:
 in W when no stage input needs a gradient (the first stage: nothing to send upstream), in B when some
-parameter's gradient does not flow through the input-gradient graph (its branch never joins it).
+parameter's gradient does not flow only through the input-gradient graph: its branch never joins it, or
+also reaches a stage output that does not depend on the stage's inputs (W starts from the join nodes, so
+that part of the gradient would be lost; torch's own split has this gap).
+
+Recomputed blocks (`torch.utils.checkpoint`, non-reentrant: layered.py, and whole-stage checkpoints)
+recompute their forward once per backward call that unpacks their saved tensors. B is one call and
+recomputes each block once, as a plain backward does. W runs one call per parameter group; when the groups
+cover disjoint parts of the graph (each joins the input-gradient graph at one node, so no node runs in two
+of the calls) they share one `torch.utils.checkpoint.GraphExecGroup` and W recomputes each block once more,
+not once per group (a GPT block has ~6 groups). W must recompute: its join nodes ran in B already, and a
+checkpointed tensor unpacks once per backward call. A recomputed block therefore runs its forward three
+times under a zero-bubble schedule (F, B, W) against twice under 1F1B, and keeps, between its B and its W,
+about what recompute keeps (the block's input and what only W's nodes saved), not its activations. During
+W the recomputed tensors that only B's nodes read stay until the W ends (checkpoint frees a recomputed
+tensor when it is unpacked, and the graph lives until then): for one micro-batch, up to that part of the
+activations of every recomputed block of the stage.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +42,10 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
-    get_param_groups,
+    reverse_closure,
     stage_backward_input,
 )
+from torch.utils.checkpoint import GraphExecGroup
 
 
 @dataclass
@@ -39,14 +56,38 @@ class PendingWeights:
     groups: list[dict[str, Any]] | None = None
     deferred: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = field(default=None, repr=False)
 
+    @property
+    def mode(self) -> str:
+        """How B split this micro-batch's backward: "split" (B input gradients, W weight gradients),
+        "deferred" (all of it in W) or "whole" (all of it in B)."""
+        return "split" if self.groups is not None else "deferred" if self.deferred is not None else "whole"
+
 
 def _splits(outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
-    """Whether every parameter the outputs depend on joins the input-gradient graph (module docstring)."""
-    reverse = construct_reverse_graph([fn for o in outputs if (fn := _get_grad_fn_or_grad_acc(o)) is not None])
-    weights = [fn for p in params if (fn := _get_grad_fn_or_grad_acc(p)) is not None and fn in reverse]
+    """Whether every parameter the outputs depend on gets its whole gradient through the input-gradient
+    graph: its branch joins it, and reaches no output the inputs do not feed (module docstring)."""
+    roots = {fn for o in outputs if (fn := _get_grad_fn_or_grad_acc(o)) is not None}
+    reverse = construct_reverse_graph(list(roots))
     ins = [fn for x in inputs if (fn := _get_grad_fn_or_grad_acc(x)) is not None]
-    covered = set().union(*(g["params"] for g in get_param_groups(ins, weights, reverse)))
-    return covered >= set(weights)
+    fed, _ = reverse_closure(ins, set(), reverse)  # the nodes whose gradient reaches an input
+    for p in params:
+        fn = _get_grad_fn_or_grad_acc(p)
+        if fn is None or (fn not in reverse and fn not in roots):
+            continue  # the outputs do not depend on it: no gradient
+        branch, joins = reverse_closure([fn], fed, reverse)
+        if not joins or branch & roots:
+            return False
+    return True
+
+
+def _shared_recompute(groups: list[dict[str, Any]]) -> contextlib.AbstractContextManager:
+    """One checkpoint recompute for all of W's calls, when no graph node runs in two of them (module
+    docstring): every group joins the input-gradient graph at one node (distinct groups' branches are then
+    disjoint, or torch would have merged them). Not inside another GraphExecGroup (they do not nest)."""
+    if len(groups) > 1 and all(len(g["intermediates"]) == 1 for g in groups) \
+            and GraphExecGroup._get_current_group() is None:
+        return GraphExecGroup()
+    return contextlib.nullcontext()
 
 
 def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
@@ -72,24 +113,31 @@ def backward_weight(pending: PendingWeights) -> None:
         torch.autograd.backward(outputs, grads)
         return
     by_node = {_get_grad_fn_or_grad_acc(p): p for p in pending.params}
-    for group in pending.groups or ():
-        edges, grads = [], []
-        for saved, node in zip(group["grads"], group["intermediates"], strict=True):
-            for i, g in enumerate(saved):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        # an intermediate below another one gets its saved gradient, not the sum through the other again
-        handles = [node.register_prehook(lambda _outs, saved=saved: saved)
-                   for saved, node in zip(group["grads"], group["intermediates"], strict=True)] \
-            if len(group["intermediates"]) > 1 else []
-        try:
-            if edges:
-                torch.autograd.backward(edges, grads, inputs=[by_node[n] for n in group["params"]])
-        finally:
-            for h in handles:
-                h.remove()
-        group.clear()  # drops the graph nodes and the saved gradients
+    groups = pending.groups or []
+    with _shared_recompute(groups):
+        for group in groups:
+            _weights_of(group, by_node)
+
+
+def _weights_of(group: dict[str, Any], by_node: dict[Any, torch.Tensor]) -> None:
+    """One parameter group's W: from its join nodes' saved gradients down to its parameters' .grad."""
+    edges, grads = [], []
+    for saved, node in zip(group["grads"], group["intermediates"], strict=True):
+        for i, g in enumerate(saved):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(g)
+    # an intermediate below another one gets its saved gradient, not the sum through the other again
+    handles = [node.register_prehook(lambda _outs, saved=saved: saved)
+               for saved, node in zip(group["grads"], group["intermediates"], strict=True)] \
+        if len(group["intermediates"]) > 1 else []
+    try:
+        if edges:
+            torch.autograd.backward(edges, grads, inputs=[by_node[n] for n in group["params"]])
+    finally:
+        for h in handles:
+            h.remove()
+    group.clear()  # drops the graph nodes and the saved gradients
 
 
 __all__ = ["PendingWeights", "backward_input", "backward_weight"]

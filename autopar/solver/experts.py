@@ -40,6 +40,12 @@ replicas (`holders`), so ZeRO partitions them over H, the rest of the stage over
         comm(N - X over the dp group, z) + comm(Xp over the H holders, z) + comm(Xs over the holders, 0)
 `a2a_times` returns that minus the comm(N over the dp group, z) `stage_times` already counts.
 
+The cost model. The degree and the MoE layers are one declared field of `CostModel`, `expert_parallel` (an
+`ExpertParallel`), set when it is built (degree 1) and changed only by `with_degree`, which returns
+`CostModel.with_expert_degree`'s copy; the hooks here (`adjust_base` in `CostModel.base`, `a2a_times` in
+`CostModel.stage_times`, `zero_bytes` / `zero_extra` in `stage_memory`) read it and cache their prices in the
+model's memo through `CostModel.memoised`.
+
 Choice. The searcher runs once per candidate degree: ep = 1 and every ep > 1 dividing E and the world
 size; a config (any tp) is admissible for ep > 1 when its replicas group into chunks of ep identical
 pipelines (`config_ok`), which is what the runtime needs. The fastest predicted plan wins; its stages
@@ -48,13 +54,13 @@ may use any ZeRO level and offload (priced as above).
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from ..cost_models.compute import kernel_flops
@@ -151,15 +157,13 @@ def degree(cm: Any) -> int:
 
 
 def with_degree(cm: Any, ep: int) -> Any:
-    """A copy of the cost model pricing expert degree `ep` (fresh memo: costs depend on it)."""
+    """The cost model pricing expert degree `ep`: itself at its own degree, else its copy at `ep`
+    (`CostModel.with_expert_degree`: a fresh memo, since costs depend on the degree)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise PlanError(f"the expert-parallel degree must be a positive integer, got {ep!r}.")
     if ep == degree(cm):
         return cm
-    out = copy.copy(cm)
-    out._memo = {}
-    out.expert_parallel = replace(cm.expert_parallel, degree=ep)
-    return out
+    return cm.with_expert_degree(ep)
 
 
 def _expert_time(cm: Any, m: MoELayer, kernels: tuple, dtype: str, n: int, tp: int, routed: bool) -> float:
@@ -170,8 +174,15 @@ def _expert_time(cm: Any, m: MoELayer, kernels: tuple, dtype: str, n: int, tp: i
     return sum(c * op_time(kind, f * scale, b * scale) for (kind, f, b), c in kernels)
 
 
+def _expert_times(cm: Any, m: MoELayer, dtype: str, n: int, tp: int, t_ex: int) -> tuple[float, float, float, float]:
+    """(dense forward, routed forward, dense backward, routed backward) seconds of layer `m`'s experts: dense as
+    the graph has them split tp ways, routed split `t_ex` ways."""
+    return tuple(_expert_time(cm, m, ks, dtype, n, tp if not routed else t_ex, routed)  # type: ignore[return-value]
+                 for ks in (m.kernels_fwd, m.kernels_bwd) for routed in (False, True))
+
+
 def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any) -> Any:
-    """`CostModel._base` hook: routed expert compute, activations and dispatch buffers, and expert
+    """`CostModel.base` hook: routed expert compute, activations and dispatch buffers, and expert
     parameters divided by the degree, for the MoE layers in [a, e)."""
     layers = [m for i, m in moe_layers(cm).items() if a <= i < e]
     if not layers:
@@ -189,12 +200,8 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
         # with ep > 1 the experts are not split by tensor parallelism: each rank of a tp group runs its whole
         # experts on all of the group's (replicated) tokens
         t_ex = 1 if ep_m > 1 else tp
-        key = ("moe", m.layer, dtype, n, tp)
-        hit = cm._memo.get(key)
-        if hit is None:
-            hit = cm._memo[key] = tuple(_expert_time(cm, m, ks, dtype, n, tp if not routed else t_ex, routed)
-                                        for ks in (m.kernels_fwd, m.kernels_bwd) for routed in (False, True))
-        dense_f, routed_f, dense_b, routed_b = hit
+        dense_f, routed_f, dense_b, routed_b = cm.memoised(("moe", m.layer, dtype, n, tp),
+                                                           partial(_expert_times, cm, m, dtype, n, tp, t_ex))
         fwd += routed_f - dense_f
         bwd += routed_b - dense_b + (routed_f if ep_m > 1 else 0.0)
         if cm.is_block[m.layer]:
@@ -273,15 +280,15 @@ def a2a_times(cm: Any, base: Any, tp_group: tuple[int, ...], dp_group: tuple[int
     the ZeRO-3 gathers / ZeRO >= 2 reduce-scatters correction, and the correction to the step's sync:
     expert state is synced (and ZeRO-partitioned) among the dp / ep ranks holding the same experts, the
     rest over the whole data-parallel group (module docstring, "ZeRO")."""
-    if not getattr(base, "moe_layers", 0) or degree(cm) == 1:
+    if not base.moe_layers or degree(cm) == 1:
         return 0.0, 0.0, 0.0
     group, hold = ep_group(cm, tp_group, dp_group), holders(cm, tp_group, dp_group)
     n = base.params / len(tp_group) + base.tp_extra  # per rank, as stage_times counts it; experts whole
     ne, ns = base.expert_params, base.expert_stacked
     key = ("ep", base.moe_layers, base.moe_bytes, n, ne, ns, zero, cm.group_sig(group), cm.group_sig(dp_group),
            cm.group_sig(hold))
-    hit = cm._memo.get(key)
-    if hit is None:
+
+    def times() -> tuple[float, float, float]:
         one = cm.collective("all_to_all", base.moe_bytes, group)
         two = cm.collective("all_to_all", 2 * base.moe_bytes, group)
         parts = (_zero_comm(cm, n - ne, dp_group, zero),) + (
@@ -289,8 +296,9 @@ def a2a_times(cm: Any, base: Any, tp_group: tuple[int, ...], dp_group: tuple[int
                                                              _zero_comm(cm, ns, hold, 0)))
         counted = _zero_comm(cm, n, dp_group, zero)
         f, b, s = (sum(p[k] for p in parts) - counted[k] for k in range(3))
-        hit = cm._memo[key] = (base.moe_layers * 2 * one + f, base.moe_layers * (two + one) + b, s)
-    return hit
+        return base.moe_layers * 2 * one + f, base.moe_layers * (two + one) + b, s
+
+    return cm.memoised(key, times)
 
 
 # ---- choosing the degree ----------------------------------------------------------------------------

@@ -1,20 +1,45 @@
-"""The intra-op ILP itself (`intra_op` builds the problems): one-hot strategy choices, linearized products
+"""The intra-op ILP itself (`intra_op_build` builds the problems): one-hot strategy choices, linearized products
 for resharding edges, an optional memory budget; solved with CP-SAT. The formulation is in `intra_op`'s
-docstring."""
+docstring. Also the cache of answers across calls (`cached`: `intra_op.solve_intra_op`'s solutions and
+`intra_op_pricing.LayerPricer`'s choices, by layer signature) and its counters (`cache_info`, `clear_cache`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ortools.sat.python import cp_model
 
 from ..errors import InfeasibleError, PlanError
+from .intra_op_problem import Problem, Shared
 
-if TYPE_CHECKING:
-    from .intra_op import Problem, Shared
+T = TypeVar("T")
 
-_STATS = {"ilp_solves": 0, "hits": 0, "misses": 0}
+CACHE: dict[tuple, Any] = {}  # answers by problem key (`cached`)
+STATS = {"ilp_solves": 0, "hits": 0, "misses": 0}
+
+
+def cached(key: tuple, compute: Callable[[], T]) -> T:
+    """CACHE[key], computed by `compute` and stored on a miss (a `compute` that raises stores nothing);
+    hits and misses are counted in STATS."""
+    if key in CACHE:
+        STATS["hits"] += 1
+        return CACHE[key]
+    STATS["misses"] += 1
+    CACHE[key] = value = compute()
+    return value
+
+
+def cache_info() -> dict[str, int]:
+    """Counters of the solution cache: ILP solves run, cache hits and misses (per layer signature)."""
+    return {**STATS, "entries": len(CACHE)}
+
+
+def clear_cache() -> None:
+    CACHE.clear()
+    for k in STATS:
+        STATS[k] = 0
 
 
 def _one_hot(model: cp_model.CpModel, n: int) -> list:
@@ -84,7 +109,7 @@ def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float
     solver.parameters.random_seed = 0
     solver.parameters.max_time_in_seconds = time_limit_s
     status = solver.solve(model)
-    _STATS["ilp_solves"] += 1
+    STATS["ilp_solves"] += 1
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError("no sharding strategy fits the memory budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -92,4 +117,4 @@ def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float
     return [tuple(next(i for i, xi in enumerate(x) if solver.boolean_value(xi)) for x in xs) for xs in xs_all]
 
 
-__all__ = ["solve_problems"]
+__all__ = ["CACHE", "STATS", "cache_info", "cached", "clear_cache", "solve_problems"]

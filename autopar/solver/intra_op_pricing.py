@@ -4,7 +4,7 @@ Plans are run by the DTensor runtime (runtime/tensor_parallel.py), which takes p
 (`Stage.sharding`, from `IntraOpResult.sharding`) and lets DTensor's sharding propagation lay the
 activations out. So the planner prices what that runs (`LayerPricer(runtime=True)`, the default):
 
-* the ILP runs in runtime mode (`_Context.runtime`): only strategies and input reshardings DTensor makes
+* the ILP runs in runtime mode (`Context.runtime`): only strategies and input reshardings DTensor makes
   (views keep a shard on a split's first factor; attention, SDPA or matmul + softmax (`tp_patterns`), is
   replicated or head-parallel; no partial sum or shard turns into another shard before an op, a replicated
   input is sliced only for an op whose sharded parameters ask for it or an attention core run by heads),
@@ -12,10 +12,11 @@ activations out. So the planner prices what that runs (`LayerPricer(runtime=True
 * the ILP's parameter layouts are then run through `runtime_choice`, a model of the propagation (each op
   takes the strategy its inputs' layouts reach cheapest: same layout free, a free slice of a replicated
   input where a sharded parameter or an input already so sharded asks for it, else a partial sum or
-  shard replicated), and that strategy set is priced with the ILP's cost model (`_build(..., choice)`).
-  Fully replicated parameters and Megatron's placements are priced the same way, and the fastest is the
-  layer's price and sharding (`IntraOpResult.source`; `tp_reason` says which, next to Megatron's closed
-  form, in the plan). Where propagation agrees with the ILP (the usual case) the price is the ILP's optimum.
+  shard replicated), and that strategy set is priced with the ILP's cost model
+  (`intra_op_build.build_problem(..., choice)`). Fully replicated parameters and Megatron's placements are
+  priced the same way, and the fastest is the layer's price and sharding (`IntraOpResult.source`;
+  `tp_reason` says which, next to Megatron's closed form, in the plan). Where propagation agrees with the ILP
+  (the usual case) the price is the ILP's optimum.
 """
 
 from __future__ import annotations
@@ -29,27 +30,16 @@ from ..errors import PlanError
 from ..graph import Layer, TrainingGraph
 from ..passes.tp_patterns import attention_cores, attention_projection, fused_qkv, megatron_placements
 from ..report import fmt_time
-from .intra_op import (
-    _CACHE,
-    _STATS,
-    FORBIDDEN,
-    PS,
-    IntraOpResult,
-    Problem,
-    _build,
-    _check,
-    _Context,
-    _Group,
-    _merge_followers,
-    _NodeStrategy,
-    _result,
-    _solution,
-    solve_problems,
-)
+from .intra_op_build import build_problem, check_args, merge_followers
+from .intra_op_context import FORBIDDEN, Context
+from .intra_op_ilp import cached, solve_problems
+from .intra_op_problem import PS, Group, IntraOpResult, NodeStrategy, Problem, result_of, solution_of
 from .intra_op_strategies import P, R
 
 if TYPE_CHECKING:
-    from .pricing import CostModel
+    from .pricing_model import CostModel
+
+_merge_followers = merge_followers  # the name tests/test_tp_sharding.py uses
 
 
 class LayerPricer:
@@ -65,20 +55,20 @@ class LayerPricer:
 
     def __init__(self, graph: TrainingGraph, tp: int, device_type: str, cluster: Cluster, group: Sequence[int],
                  time_limit_s: float = 2.0, runtime: bool = True) -> None:
-        _check(graph, [0], tp, device_type, cluster, group)
-        self.ctx = _Context(graph, tp, device_type, cluster, group, runtime=runtime)
+        check_args(graph, [0], tp, device_type, cluster, group)
+        self.ctx = Context(graph, tp, device_type, cluster, group, runtime=runtime)
         self.time_limit_s = time_limit_s
         self._megatron: dict[int, dict[str, int]] = {}  # layer index -> megatron_layouts
 
-    def _at(self, batch: int) -> _Context:
+    def _at(self, batch: int) -> Context:
         ctx = copy.copy(self.ctx)  # shares the strategy and collective memo tables: neither depends on frac
         ctx.frac = batch / ctx.graph.batch_size
         return ctx
 
     @staticmethod
-    def problem(ctx: _Context, layer: Layer, boundary: int = R) -> Problem:
+    def problem(ctx: Context, layer: Layer, boundary: int = R) -> Problem:
         """The ILP the pricer solves for `layer` (in runtime mode with `couple_attention`)."""
-        prob = _build(ctx, layer, boundary)
+        prob = build_problem(ctx, layer, boundary)
         if ctx.runtime:
             couple_attention(ctx, layer, prob)
         return prob
@@ -86,26 +76,24 @@ class LayerPricer:
     def _choice(self, layer: Layer, batch: int) -> tuple[int, tuple[int, ...]] | None:
         """(boundary layout, strategy index per group) of the ILP optimum for `layer` at `batch` samples."""
         ctx = self._at(batch)
-        key = ("choice", ctx.layer_key(layer))
-        if key in _CACHE:
-            _STATS["hits"] += 1
-            return _CACHE[key]  # type: ignore[return-value]
-        _STATS["misses"] += 1
-        plain = ctx.boundary_key(layer, R)
-        best: tuple[int, int, tuple[int, ...]] | None = None
-        for boundary in (R,) if ctx.runtime else (R, 0, 1):
-            if boundary != R and ctx.boundary_key(layer, boundary) == plain:
-                continue
-            prob = self.problem(ctx, layer, boundary)
-            try:
-                (choice,) = solve_problems([(prob, 1)], None, self.time_limit_s)
-            except PlanError:
-                continue
-            value = prob.objective(choice)
-            if best is None or value < best[0]:
-                best = (value, boundary, choice)
-        _CACHE[key] = None if best is None else best[1:]  # type: ignore[assignment]
-        return _CACHE[key]  # type: ignore[return-value]
+
+        def solve() -> tuple[int, tuple[int, ...]] | None:
+            plain = ctx.boundary_key(layer, R)
+            best: tuple[int, int, tuple[int, ...]] | None = None
+            for boundary in (R,) if ctx.runtime else (R, 0, 1):
+                if boundary != R and ctx.boundary_key(layer, boundary) == plain:
+                    continue
+                prob = self.problem(ctx, layer, boundary)
+                try:
+                    (choice,) = solve_problems([(prob, 1)], None, self.time_limit_s)
+                except PlanError:
+                    continue
+                value = prob.objective(choice)
+                if best is None or value < best[0]:
+                    best = (value, boundary, choice)
+            return None if best is None else best[1:]  # type: ignore[return-value]
+
+        return cached(("choice", ctx.layer_key(layer)), solve)
 
     def cost(self, layer_index: int, batch: int) -> IntraOpResult | None:
         """The layer's times and memory per device for one micro-batch of `batch` samples; in runtime mode
@@ -115,7 +103,7 @@ class LayerPricer:
         key = ctx.layer_key(layer)
         # (boundary, strategy per group, parameter layouts, what they are: SOURCES keys)
         options: list[tuple[int, tuple[int, ...], dict[str, int] | None, set[str]]] = []
-        groups = _merge_followers(ctx, [n for n in layer.nodes if ctx.graph.nodes[n].outputs])
+        groups = merge_followers(ctx, [n for n in layer.nodes if ctx.graph.nodes[n].outputs])
 
         def add(layouts: dict[str, int], label: str) -> None:
             same = next((o for o in options if o[2] == layouts), None)
@@ -142,8 +130,8 @@ class LayerPricer:
         best: tuple[float, IntraOpResult] | None = None
         ctx.forbid = False  # a known answer: every resharding at its price
         for boundary, choice, layouts, labels in options:
-            sol = _solution(_build(ctx, layer, boundary, choice), layer, (0,) * len(choice))
-            res = _result(ctx.tp, [layer], [key], {key: sol})
+            sol = solution_of(build_problem(ctx, layer, boundary, choice), layer, (0,) * len(choice))
+            res = result_of(ctx.tp, [layer], [key], {key: sol})
             res.source = "+".join(k for k in SOURCES if k in labels)
             if layouts is not None:
                 res.sharding = sharding_of(ctx, layer, layouts)
@@ -156,7 +144,7 @@ class LayerPricer:
 SOURCES = {"ilp": "the ILP's optimum", "megatron": "Megatron's placements", "replicated": "replicated parameters"}
 
 
-def param_layouts(ctx: _Context, groups: list[_Group], choice: Sequence[int]) -> dict[str, int] | None:
+def param_layouts(ctx: Context, groups: list[Group], choice: Sequence[int]) -> dict[str, int] | None:
     """Parameter placeholder -> the layout the chosen strategies read it in (None where two reads differ)."""
     out: dict[str, int] = {}
     for g, i in zip(groups, choice, strict=True):
@@ -167,12 +155,12 @@ def param_layouts(ctx: _Context, groups: list[_Group], choice: Sequence[int]) ->
     return out
 
 
-def _heads(ctx: _Context, m: str, s: _NodeStrategy) -> bool:
+def _heads(ctx: Context, m: str, s: NodeStrategy) -> bool:
     """Whether op `m`'s strategy `s` runs its attention core head-parallel."""
     return s.base.name != "R" and ctx.cores[m].heads(s.ins)
 
 
-def couple_attention(ctx: _Context, layer: Layer, prob: Problem) -> None:
+def couple_attention(ctx: Context, layer: Layer, prob: Problem) -> None:
     """Make head-parallel attention (every op of each attention core) and a row-parallel output projection
     go together in `prob`, as the runtime runs them (`tensor_parallel.sharding_spec`): the other pairings
     cost FORBIDDEN."""
@@ -194,7 +182,7 @@ def couple_attention(ctx: _Context, layer: Layer, prob: Problem) -> None:
                         mat[i][j] += pen
 
 
-def megatron_layouts(ctx: _Context, layer: Layer) -> dict[str, int]:
+def megatron_layouts(ctx: Context, layer: Layer) -> dict[str, int]:
     """The layouts the runtime's `megatron_spec` gives the layer's parameters (placeholder -> layout)."""
     spec = megatron_placements(ctx.graph, (layer.index, layer.index + 1))
     return {p: spec.params.get(name, R) for p, name in layer_params(ctx.graph, layer)}
@@ -205,13 +193,13 @@ def layer_params(graph: TrainingGraph, layer: Layer) -> list[tuple[str, str]]:
     return [(p, graph.canonical(p)) for p in layer.params if not graph.params[p].is_buffer]
 
 
-def sharding_of(ctx: _Context, layer: Layer, layouts: dict[str, int]) -> dict[str, str]:
+def sharding_of(ctx: Context, layer: Layer, layouts: dict[str, int]) -> dict[str, str]:
     """`Stage.sharding` entries of one layer: the model's name of each of its parameters -> placement."""
     return {name: "replicate" if layouts.get(p, R) < 0 else f"shard({layouts[p]})"
             for p, name in layer_params(ctx.graph, layer)}
 
 
-def runtime_choice(ctx: _Context, layer: Layer, groups: list[_Group], layouts: dict[str, int]) -> tuple[int, ...]:
+def runtime_choice(ctx: Context, layer: Layer, groups: list[Group], layouts: dict[str, int]) -> tuple[int, ...]:
     """Strategy index per group that DTensor's propagation reaches from parameter `layouts` with the
     layer's inputs replicated (module docstring); a group whose members do not follow their root takes
     the replicated strategy of every member."""
@@ -288,20 +276,26 @@ def tp_layer_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple
     """
     tp = len(tp_group)
     if tp > 1 and cm.is_block[layer]:
-        key = ("ilp", cm.cls[layer], dtype, n, cm.group_sig(tp_group))
-        hit = cm._memo.get(key)
-        if hit is None:
-            pricer = cm.layer_pricer(dtype, tp_group)
-            res = pricer.cost(layer, n) if pricer is not None else None
-            hit = cm._memo[key] = (None if res is None else LayerCost(
-                res.time_fwd - res.comm_fwd, res.time_bwd - res.comm_bwd, res.comm_fwd, res.comm_bwd,
-                res.param_bytes_per_device / cm.graph.layers[layer].param_bytes
-                if cm.graph.layers[layer].param_bytes else 1 / tp, res.activation_bytes_per_device, True,
-                tuple(res.sharding[name] for _, name in layer_params(cm.graph, cm.graph.layers[layer]))
-                if res.sharding else (), res.source))
+        hit = cm.memoised(("ilp", cm.cls[layer], dtype, n, cm.group_sig(tp_group)),
+                          lambda: _ilp_cost(cm, layer, dtype, n, tp_group))
         if hit is not None:
-            return hit  # type: ignore[return-value]
+            return hit
     return closed_form(cm, layer, dtype, n, tp_group)
+
+
+def _ilp_cost(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost | None:
+    """`tp_layer_cost` of a repeated block from the intra-op ILP (`LayerPricer.cost`); None without an answer
+    (the ILP is switched off, or found none in time)."""
+    pricer = cm.layer_pricer(dtype, tp_group)
+    res = pricer.cost(layer, n) if pricer is not None else None
+    if res is None:
+        return None
+    params = cm.graph.layers[layer].param_bytes
+    return LayerCost(res.time_fwd - res.comm_fwd, res.time_bwd - res.comm_bwd, res.comm_fwd, res.comm_bwd,
+                     res.param_bytes_per_device / params if params else 1 / len(tp_group),
+                     res.activation_bytes_per_device, True,
+                     tuple(res.sharding[name] for _, name in layer_params(cm.graph, cm.graph.layers[layer]))
+                     if res.sharding else (), res.source)
 
 
 def closed_form(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> LayerCost:

@@ -1,51 +1,24 @@
-"""Reshardings several groups of an intra-op problem share (`intra_op`): paid once, however many readers
-need them. The ILP couples them to the readers' choices (`intra_op_ilp._needed`)."""
+"""Finding the reshardings several groups of an intra-op problem share (`intra_op`): paid once, however many
+readers need them (`shared_reshards`). What one is, `Shared` (and the objective unit PS), is problem data in
+intra_op_problem.py, re-exported here; the ILP couples them to the readers' choices (`intra_op_ilp._needed`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .intra_op_problem import PS, Group, NodeStrategy, Shared
 from .intra_op_strategies import P, R
 
 if TYPE_CHECKING:
-    from .intra_op import _Context, _Group, _NodeStrategy
-
-PS = 1e12  # objective unit: picoseconds
+    from .intra_op_context import Context
 
 
-@dataclass(frozen=True)
-class Shared:
-    """A resharding several groups share, paid once when any of them needs it, however many do.
-
-    Backward: more than one reader may return a partial-sum gradient; autograd adds the readers' gradients
-    first (a sum of partial sums is one), so one reduction (all-reduce, or reduce-scatter to a sharded
-    producer) turns them into what the producer's backward needs. Forward (not in runtime mode, where
-    DTensor reshards for every op): several readers take the tensor in the same other layout, and one
-    all-gather / all-to-all serves them all (as Megatron's sequence parallelism gathers once per norm)."""
-
-    producer: int | None  # the group producing the tensor; None: read from outside the layer (layout fixed)
-    readers: tuple[tuple[int, frozenset[int]], ...]  # (group, its strategies that need the resharding)
-    seconds: tuple[float, ...]  # the resharding per producer strategy (one value when producer is None)
-    backward: bool = True
-
-    def paid(self, choice: Sequence[int]) -> float:
-        if any(choice[v] in part for v, part in self.readers):
-            return self.seconds[0 if self.producer is None else choice[self.producer]]
-        return 0.0
-
-    @property
-    def cost(self) -> list[int]:
-        return [round(x * PS) for x in self.seconds]
-
-
-def shared_reshards(ctx: _Context, groups: list[_Group], index: dict[str, int], boundary: int
+def shared_reshards(ctx: Context, groups: list[Group], index: dict[str, int], boundary: int
                     ) -> list[tuple[tuple[str, int, bool], Shared]]:
     """The reshardings several groups share ((tensor, layout, backward) -> Shared): partial gradients of a
     tensor more than one group may return one for (a norm's output read by separate column-parallel Q, K
     and V projections), and, outside runtime mode, the same layout taken by several readers."""
-    readers: dict[str, list[tuple[int, list[_NodeStrategy]]]] = {}
+    readers: dict[str, list[tuple[int, list[NodeStrategy]]]] = {}
     for iv, g in enumerate(groups):
         root = g.members[0]
         for a in g.choices[0][root].ins:

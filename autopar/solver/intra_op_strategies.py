@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cost_models.compute import _base_name, classify
+from ..cost_models.compute import base_name, classify
 from ..graph import OpNode, TensorMeta
 
 R = -1
@@ -433,7 +433,7 @@ def enumerate_strategies(spec: OpSpec, tp: int, runtime: bool = False) -> list[S
 def op_spec(node: OpNode, fx_node: torch.fx.Node | None, meta: Callable[[str], TensorMeta],
             params: Container[str]) -> tuple[OpSpec, list[str]]:
     """The OpSpec of `node` and the names of its positional tensor inputs (from fx when the graph has it)."""
-    op = _base_name(node.target)
+    op = base_name(node.target)
     if fx_node is None:
         names = list(node.args)
         return OpSpec(op, node.target, tuple(node.outputs), tuple(meta(a) for a in names),

@@ -1,4 +1,4 @@
-"""The communication half of the planner's cost model (`pricing.CostModel` inherits it): collectives over
+"""The communication half of the planner's cost model (`pricing_model.CostModel` inherits it): collectives over
 device groups, memoised by what their time depends on, and point-to-point stage sends, compressed or not
 (pricing.py's docstring, "Compressed sends")."""
 
@@ -12,7 +12,7 @@ from .pricing_plan import ACT_BYTES, COMPRESS_DTYPE, SLOW_LINK_BYTES_PER_S, WIRE
 
 
 class CommPricing:
-    """Mixin of `pricing.CostModel`: needs its `cluster`, `precision`, `_memo`, `_sigs`, `_sig_of_group`."""
+    """Mixin of `pricing_model.CostModel`: needs its `cluster`, `precision`, `_memo`, `_sigs`, `_sig_of_group`."""
 
     cluster: Cluster
     precision: str
@@ -67,7 +67,7 @@ class CommPricing:
         return t  # type: ignore[return-value]
 
     def compress_choice(self, nbytes: float, src: int, dst: int) -> str | None:
-        """The wire dtype for a stage boundary under the planner's rule (module docstring, "Compressed
+        """The wire dtype for a stage boundary under the planner's rule (pricing.py's docstring, "Compressed
         sends"): COMPRESS_DTYPE when the plan trains in fp32/tf32, the link is slow and the send gets
         faster; else None."""
         if (src == dst or self.precision not in ("fp32", "tf32")
@@ -80,5 +80,20 @@ class CommPricing:
         """Send seconds of a stage boundary as the search plans it (compressed where `compress_choice` says)."""
         return self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst))
 
+    def stage_send(self, nbytes: float, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
+        """`boundary_send` between the tensor-parallel groups of two consecutive stages, times
+        `boundary_copies`: what one rank of the smaller group sends into a larger one."""
+        return self.boundary_send(nbytes, src[0], dst[0]) * boundary_copies(src, dst)
 
-__all__ = ["CommPricing"]
+
+def boundary_copies(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
+    """Copies of a stage-boundary tensor one rank sends when consecutive stages differ in tensor-parallel
+    degree (runtime/program.py `_peers`: each rank of the larger group receives from one rank of the smaller,
+    so a sender of the smaller group serves ceil(larger / smaller) of them, one after another). Priced in both
+    directions (a stage has one send time for its activations and their gradients), so the direction that
+    sends one copy is priced high by that factor."""
+    a, b = sorted((len(src), len(dst)))
+    return -(-b // a)
+
+
+__all__ = ["CommPricing", "boundary_copies"]

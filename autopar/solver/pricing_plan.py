@@ -15,7 +15,8 @@ from ..schedule import SCHEDULES
 from ..simulate import SimResult
 
 if TYPE_CHECKING:
-    from .pricing import CostModel, StageMemory
+    from .pricing_model import CostModel
+    from .stage_memory import StageMemory
 
 ACT_BYTES = PRECISIONS  # bytes of an activation element per precision
 WIRE_BYTES = {"bf16": 2, "fp16": 2}  # the wire dtypes a stage boundary may be compressed to

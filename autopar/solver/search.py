@@ -106,13 +106,23 @@ from ..plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ..report import fmt_time
 from ..schedule import SPLIT_SCHEDULES
 from . import experts
+from .bounds import ConfigBounds
+from .configs import (
+    config_microbatch_sizes,
+    divisors,
+    groupings,
+    microbatch_count,
+    microbatch_sizes,
+    mixed_tp_layouts,
+    schedules,
+    tp_units,
+)
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
+from .selective import selective
 from .split import Slot, Split, Splitter, Unit, rank_fits, surrogate
 
 Progress = Callable[[int, int, float | None], None]
-CHUNKS = (2, 4)
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
-MICROBATCH_ENUMERATION = 32  # batch shares up to which every micro-batch size is tried
 # configs whose splits and options are re-solved exactly (`_refine`): those simulating within REFINE_WINDOW of
 # the best, at most REFINE of them, fastest first
 REFINE = 8
@@ -136,80 +146,6 @@ class Solved(NamedTuple):
     build: Callable[[], Plan]  # the plan without predictions (built only for a new incumbent)
     bound: float  # no simulated step of this plan is shorter
     pipelines: list[tuple[int, int, list[tuple]]]  # (share, micro-batches, stage times) of distinct replicas
-
-
-# ---- enumeration --------------------------------------------------------------------------------
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_units(cm: CostModel, t: int) -> list[Unit]:
-    """The tensor-parallel groups of degree t: consecutive devices of one node."""
-    return [tuple(node.devices[i:i + t]) for node in cm.cluster.nodes for i in range(0, len(node.devices), t)]
-
-
-def groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[Unit, ...], ...]]]:
-    by_type: dict[str, list[Unit]] = {}
-    for u in units:
-        by_type.setdefault(cm.cluster.devices[u[0]].spec.name, []).append(u)
-    U, out = len(units), []
-    for D in divisors(U):
-        p = U // D
-        if p > cm.L or D > cm.B:
-            continue
-        if len(by_type) == 1:
-            out.append(("stage-major", tuple(tuple(units[s * D + d] for s in range(p)) for d in range(D))))
-            if D > 1 and p > 1:
-                out.append(("replica-major", tuple(tuple(units[d * p:(d + 1) * p]) for d in range(D))))
-            continue
-        if all(len(us) % D == 0 for us in by_type.values()):
-            # the types in cluster order, and reversed (which device type runs the first stages matters
-            # when memory differs: the first stages hold the most in-flight activations)
-            types = list(by_type.values())
-            for name, order in (("mixed", types), ("mixed-reversed", types[::-1])):
-                out.append((name, tuple(tuple(u for us in order for u in us[d * len(us) // D:(d + 1) * len(us) // D])
-                                        for d in range(D))))
-        if all(len(us) % p == 0 for us in by_type.values()):
-            out.append(("by-type", tuple(tuple(us[k * p:(k + 1) * p]) for us in by_type.values()
-                                         for k in range(len(us) // p))))
-    return out
-
-
-def microbatch_sizes(share: int) -> list[int]:
-    """Candidate micro-batch sizes b; a replica then runs the fewest micro-batches of at most b samples.
-    Up to MICROBATCH_ENUMERATION samples every size giving a distinct micro-batch count, else powers of two."""
-    if share <= MICROBATCH_ENUMERATION:
-        return sorted({-(-share // m) for m in range(1, share + 1)})
-    sizes = [1 << k for k in range(share.bit_length()) if (1 << k) < share]
-    return sizes + [share]
-
-
-def config_microbatch_sizes(cm: CostModel, pipes: tuple[tuple[Unit, ...], ...]) -> list[int]:
-    """The micro-batch sizes b the search tries on one grouping (one b shared by its pipelines). Replicas
-    of one kind get even shares, so b up to that share; replicas that differ may get uneven shares, so
-    when that is at most MICROBATCH_ENUMERATION, every size up to the largest share one can take (a smaller
-    share then runs as one micro-batch of itself, so each replica can have its own micro-batch count);
-    beyond that (large batches: planning time) the sizes of the even share."""
-    kinds = {tuple(cm.cluster.devices[u[0]].spec.name for u in pipe) for pipe in pipes}
-    top = cm.B - (len(pipes) - 1)
-    if len(kinds) == 1 or top > MICROBATCH_ENUMERATION:
-        return microbatch_sizes(-(-cm.B // len(pipes)))
-    return list(range(1, top + 1))
-
-
-def schedules(p: int, L: int) -> list[tuple[str, int]]:
-    if p == 1:
-        return [("1f1b", 1)]
-    return [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1)] + [("interleaved_1f1b", v) for v in CHUNKS if p * v <= L]
-
-
-def microbatch_count(share: int, b: int, ranks: int, schedule: str) -> int | None:
-    m = -(-share // b)
-    if schedule == "interleaved_1f1b" and m % ranks:
-        m += ranks - m % ranks
-    return m if m <= share else None
 
 
 def _greedy_split_value(tables: list[list[int | None]], counts: list[int], total: int) -> int | None:
@@ -245,9 +181,13 @@ class Search:
         self.time_limit_s = time_limit_s
         self.progress = progress
         self.splitter = Splitter(cm)
-        self._work: dict[tuple, float] = {}
-        self._dp_cache: tuple[object, list[Unit]] = (None, [])  # data-parallel groups of the last config
+        self.bounds = ConfigBounds(cm, self.splitter)
+        self._types: dict[int, tuple[tuple, list[tuple]]] = {}
+        self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
+        # the last config's pipelines, its data-parallel groups and whether each mixes tensor-parallel degrees
+        self._dp_cache: tuple[object, list[Unit], list[bool]] = (None, [], [])
         self.best_step = math.inf  # the incumbent's simulated step
+        self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
         self.refining = False  # splits by the CP-SAT stage model (`_refine`)
 
     # -- configs --
@@ -257,49 +197,54 @@ class Search:
         for node in cm.cluster.nodes:
             gcd = math.gcd(gcd, len(node.devices))
         out: list[Config] = []
-        for t in divisors(gcd):
-            for name, pipes in groupings(cm, tp_units(cm, t)):
-                if not experts.config_ok(cm, t, pipes):
-                    continue
-                p = len(pipes[0])
-                for schedule, v in schedules(p, cm.L):
-                    for b in config_microbatch_sizes(cm, pipes):
-                        cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
-                        bound = self._config_bound(cfg)
-                        if bound is not None:
-                            out.append(cfg._replace(bound=bound))
+        layouts = [(t, name, pipes) for t in divisors(gcd) for name, pipes in groupings(cm, tp_units(cm, t))]
+        for t, name, pipes in layouts + mixed_tp_layouts(cm):
+            if not experts.config_ok(cm, t, pipes):
+                continue
+            p = len(pipes[0])
+            for schedule, v in schedules(p, cm.L):
+                for b in config_microbatch_sizes(cm, pipes):
+                    cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
+                    bound = self._work_bound(cfg)
+                    if bound is not None:
+                        out.append(cfg._replace(bound=bound))
         return sorted(out)
 
-    def _per_sample(self, pipe: tuple[Unit, ...], b: int) -> float:
-        """Seconds per sample of the whole model at micro-batch size b (the most efficient size a
-        micro-batch of this config has), each layer on the fastest device type of the pipeline."""
-        cm = self.cm
-        units = {cm.cluster.devices[u[0]].spec.name: u for u in reversed(pipe)}
-        key = tuple((d, cm.group_sig(u)) for d, u in sorted(units.items())) + (b,)
-        if key not in self._work:
-            # a stage's per-micro-batch host setup (forward and backward) is paid once per stage, not per layer
-            setup = {d: 2 * cm.models[d].host.microbatch_s for d in units}
-            total = min(setup.values())
-            for i in range(cm.L):
-                costs = [(cm.base(i, i + 1, d, b, u), setup[d]) for d, u in units.items()]
-                total += min(c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - once for c, once in costs)
-            self._work[key] = total / b
-        return self._work[key]
+    def _work_bound(self, cfg: Config) -> float | None:
+        """bounds.py's work bound; None where the config cannot run."""
+        p = len(cfg.pipelines[0])
+        return self.bounds.work(cfg, lambda share: microbatch_count(share, min(cfg.b, share), p, cfg.schedule))
 
-    def _config_bound(self, cfg: Config) -> float | None:
+    def _memory_bound(self, cfg: Config) -> float:
+        """bounds.py's memory bound where it applies (replicas alike on a uniform chain), else 0."""
         cm, pipes = self.cm, cfg.pipelines
-        D, p = len(pipes), len(pipes[0])
-        per = [self._per_sample(pipe, cfg.b) for pipe in pipes]
-        if len(set(per)) > 1:
-            return cm.B / sum(p / w for w in per)
-        share = -(-cm.B // D)
-        m = microbatch_count(share, cfg.b, p, cfg.schedule)
-        if m is None or (cfg.b > share):
-            return None
-        X = share * per[0]
-        if cfg.schedule == "interleaved_1f1b":
-            return max(X / p, X / m)
-        return X / m / (1 - (1 - 1 / m) ** p)
+        if not cm.uniform or cm.B % len(pipes) or len(set(self._replica_types(cfg))) > 1:
+            return 0.0
+        share = cm.B // len(pipes)
+        m = microbatch_count(share, min(cfg.b, share), len(pipes[0]), cfg.schedule)
+        return 0.0 if m is None else self.bounds.memory(cfg, m, self._slots(cfg, pipes[0], m, True))
+
+    def _links(self, cfg: Config, d: int) -> tuple[int, ...]:
+        """The link signatures between consecutive stages of pipeline d (memoised per grouping and chunks)."""
+        key = (id(cfg.pipelines), cfg.chunks)
+        hit = self._link_sigs.get(key)
+        if hit is None or hit[0] is not cfg.pipelines:
+            cm, p = self.cm, len(cfg.pipelines[0])
+            hit = (cfg.pipelines, [tuple(cm.group_sig((pipe[j % p][0], pipe[(j + 1) % p][0]))
+                                         for j in range(p * cfg.chunks - 1)) for pipe in cfg.pipelines])
+            self._link_sigs[key] = hit
+        return hit[1][d]
+
+    def _replica_types(self, cfg: Config) -> list[tuple]:
+        """Per pipeline, its positions' device types and host budgets: replicas alike in these share a split
+        (memoised per grouping: configs of one grouping share its pipelines tuple)."""
+        hit = self._types.get(id(cfg.pipelines))
+        if hit is None or hit[0] is not cfg.pipelines:
+            cm = self.cm
+            hit = (cfg.pipelines, [tuple((cm.cluster.devices[u[0]].spec.name, min(cm.host_budget(d) for d in u))
+                                         for u in pipe) for pipe in cfg.pipelines])
+            self._types[id(cfg.pipelines)] = hit
+        return hit[1]
 
     def _split(self, cfg: Config, slots: list[Slot], share: int, m: int) -> Split | None:
         return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound, cutoff=self.best_step,
@@ -312,13 +257,14 @@ class Search:
         inflight = inflight_closed_form(cfg.schedule, p, m, v)
         if self._dp_cache[0] is not cfg.pipelines:
             groups = [tuple(other[r][0] for other in cfg.pipelines) for r in range(p)]
-            self._dp_cache = (cfg.pipelines, groups)
-        dp = self._dp_cache[1]
+            mixed = [len({len(other[r]) for other in cfg.pipelines}) > 1 for r in range(p)]
+            self._dp_cache = (cfg.pipelines, groups, mixed)
+        dp, mixed = self._dp_cache[1], self._dp_cache[2]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
                      min(cm.usable(d) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
                      min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
-                     alike and len(pipe[j % p]) == 1)
+                     alike and len(pipe[j % p]) == 1, mixed[j % p])
                 for j in range(p * v)]
 
     # -- batch split --
@@ -393,7 +339,7 @@ class Search:
                 table.append(None)
                 continue
             sends = [0.0 if j + 1 == len(slots) else
-                     cm.boundary_send(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
+                     cm.stage_send(c.out_bytes, pipe[j % p], pipe[(j + 1) % p])
                      for j, (_, _, c) in enumerate(split.stages)]
             table.append(round(surrogate([c.times for _, _, c in split.stages], sends, p, s / n_a) * 1e9))
         return table
@@ -414,9 +360,7 @@ class Search:
     def _solve(self, cfg: Config) -> Solved | None:
         cm, pipes = self.cm, cfg.pipelines
         p = len(pipes[0])
-        # replicas share a split only where their devices' types and host budgets are alike
-        types = [tuple((cm.cluster.devices[u[0]].spec.name, min(cm.host_budget(d) for d in u)) for u in pipe)
-                 for pipe in pipes]
+        types = self._replica_types(cfg)  # replicas share a split only where these are alike
         classes: dict[tuple, list[int]] = {}
         for d, key in enumerate(types):
             classes.setdefault(key, []).append(d)
@@ -438,11 +382,12 @@ class Search:
                 split = self._split(cfg, slots, share, m)
                 if split is None:
                     return None
+                if self.refining:  # k of a stage's blocks recomputed where all were (selective.py)
+                    split = selective(self.splitter, slots, split, m, -(-share // m), cfg.chunks)
                 splits[key] = (slots, split)
             keys.append(key)
             # replicas whose stages talk over equivalent links behave the same: simulate one of each
-            links = tuple(cm.group_sig((pipe[j % p][0], pipe[(j + 1) % p][0]))
-                          for j in range(p * cfg.chunks - 1))
+            links = self._links(cfg, d)
             if key + (links,) not in distinct:
                 slots, split = splits[key]
                 small = share // m if share % m else 0
@@ -467,30 +412,35 @@ class Search:
         return Solved(build, bound, list(distinct.values()))
 
     # -- driver --
-    def _consider(self, cfg: Config, best: Plan | None) -> tuple[Plan | None, float | None]:
-        """Solve one config; (the new incumbent or `best`, the config's simulated step or None)."""
+    def _consider(self, cfg: Config) -> float | None:
+        """Solve one config; its simulated step, or None (no candidate, or none that can beat the incumbent).
+        A faster one becomes the incumbent, priced in full only when the search ends (`_best_priced`)."""
         solved = self._solve(cfg)
         if solved is None or solved.bound >= self.best_step:
-            return best, None
+            return None
         step = max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
                    for share, m, vals in solved.pipelines)
         if step < self.best_step:
-            priced = price(self.cm, solved.build())
-            # the search's per-stage memory checks are sufficient for the per-device ones; should they
-            # ever disagree, the plan is dropped (and said), never returned
-            if not priced.fits:
-                warnings.warn(f"autopar planner: a candidate its memory checks admitted does not fit "
-                              f"when priced in full ({priced.problems[0]}); skipped. Please report this.",
-                              stacklevel=3)
-            else:
-                best, self.best_step = priced.plan, priced.plan.predicted["step_time_s"]
-        return best, step
+            self.best_step = step
+            self._incumbents.append((step, len(self._incumbents), solved.build))
+        return step
 
-    def _refine(self, finalists: list[tuple[float, int, Config]], best: Plan | None) -> Plan | None:
+    def _best_priced(self) -> Plan | None:
+        """The fastest incumbent priced in full (`pricing.price`: memory per device). The search's per-stage
+        memory checks are sufficient for the per-device ones; should they ever disagree, the candidate is
+        dropped (and said), never returned, and the next fastest is priced."""
+        for _, _, build in sorted(self._incumbents, key=lambda x: x[:2]):
+            priced = price(self.cm, build())
+            if priced.fits:
+                return priced.plan
+            warnings.warn(f"autopar planner: a candidate its memory checks admitted does not fit "
+                          f"when priced in full ({priced.problems[0]}); skipped. Please report this.", stacklevel=4)
+        return None
+
+    def _refine(self, finalists: list[tuple[float, int, Config]]) -> None:
         """Re-solve the fastest configs (REFINE, REFINE_WINDOW) with their splits and options decided
         together (`split.Splitter.split(model=True)`: every split with every non-dominated option combination
-        where few, else the CP-SAT stage model); a plan replaces the incumbent only if it simulates (and
-        prices) faster."""
+        where few, else the CP-SAT stage model); a plan replaces the incumbent only if it simulates faster."""
         self.refining = True
         try:
             top = sorted(finalists)[:REFINE]
@@ -499,31 +449,44 @@ class Search:
                     break
                 if time.perf_counter() > self.deadline:
                     break
-                best, _ = self._consider(cfg, best)
+                self._consider(cfg)
         finally:
             self.refining = False
-        return best
 
     def run(self) -> Plan:
         configs = self._configs()
-        best: Plan | None = None
         stopped_early = False
         finalists: list[tuple[float, int, Config]] = []
-        for k, cfg in enumerate(configs):
-            if cfg.bound >= self.best_step:
+        # best first on the work bound; a config's memory bound is computed when it comes up, and a config it
+        # raises goes back in its place (the order stays increasing in the larger bound)
+        heap = [(cfg, False) for cfg in configs]
+        k = 0
+        while heap:
+            cfg, tight = heapq.heappop(heap)
+            if cfg.bound >= self.best_step and self._incumbents:
                 break  # configs come in bound order: none of the rest can win
-            if time.perf_counter() > self.deadline and best is not None:
+            # (without an incumbent, configs no device fits are still tried: they fail at once and leave the
+            # nearest miss for the infeasibility message, `Splitter.closest`)
+            if not tight:
+                bound = max(cfg.bound, self._memory_bound(cfg))
+                if bound > cfg.bound:
+                    heapq.heappush(heap, (cfg._replace(bound=bound), True))
+                    continue
+            if time.perf_counter() > self.deadline and self._incumbents:
                 stopped_early = True
                 break
-            best, step = self._consider(cfg, best)
+            step = self._consider(cfg)
             if step is not None:
                 finalists.append((step, k, cfg))
+            k += 1
             if self.progress is not None:
-                self.progress(k + 1, len(configs), self.best_step if best is not None else None)
-        best = self._refine(finalists, best)
-        best_step = self.best_step
+                self.progress(len(configs) - len(heap), len(configs),
+                              self.best_step if self._incumbents else None)
+        self._refine(finalists)
+        best = self._best_priced()
         if best is None:
             raise InfeasibleError(self._infeasible_message())
+        best_step = best.predicted["step_time_s"]
         if any(st.compress for pipe in best.pipelines for st in pipe.stages):
             # compression changes numerics: keep it only where it shortens the predicted step
             plain = price(self.cm, replace(best, pipelines=[

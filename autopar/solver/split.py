@@ -53,6 +53,9 @@ class Slot(NamedTuple):
     # its ZeRO-2/3 would run per layer (`plan.layerwise_stages`: every replica alike, tp 1); elsewhere the runtime
     # gathers and reduces for the whole step, whose peak is ZeRO-1's at more traffic, so only ZeRO 0-1 are tried
     layerwise: bool = True
+    # its data-parallel peers run at other tensor-parallel degrees (a tp per pipeline class): the sync moves
+    # whole tensors among the groups' first ranks (`CostModel.stage_times(mixed_tp=True)`)
+    mixed_tp: bool = False
 
     def fits(self, need: float, host: float) -> bool:
         """Whether a device of this slot needing `need` bytes, and `host` bytes of host memory, fits."""
@@ -165,6 +168,8 @@ class Splitter:
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
         self._pareto: dict[tuple, list[Choice]] = {}
+        self._by_start: dict[tuple, dict[int, Choice | None]] = {}
+        self._floors: dict[int, tuple[list, tuple[float, ...]]] = {}
         # what stopped the options of a stage that found none, for the infeasibility message (`Closest`)
         self.closest: Closest | None = None
         self.closest_host: Closest | None = None
@@ -174,26 +179,54 @@ class Splitter:
         device's earlier chunks (interleaved schedules) already use and how many chunks follow, which are
         assumed to need this one's static memory each (`RankState.need`)."""
         key = (self.cm.range_key(a, e), m, n, slot.inflight, slot.budget, slot.host_budget, slot.unified, rank,
-              slot.dtype, slot.sigs, slot.layerwise)
+              slot.dtype, slot.sigs, slot.layerwise, slot.mixed_tp)
         if key in self._choices:
             return self._choices[key]
         ranked = self.ranked(slot, a, e, m, n)
-        base = self.cm.base(a, e, slot.dtype, n, slot.tp_group)
+        floor = self._floor(ranked, slot.inflight)
         choice = None
-        for _, opt, tm, mem in ranked:
-            if rank.fits(mem, slot):
-                choice = Choice(opt, tm, mem, base.out_bytes)
-                break
+        if rank.fits(floor, slot):
+            for _, opt, tm, mem in ranked:
+                if rank.fits(mem, slot):
+                    choice = Choice(opt, tm, mem, self.cm.base(a, e, slot.dtype, n, slot.tp_group).out_bytes)
+                    break
         if choice is None:
-            self._note_closest(slot, ranked, rank, (a, e))
+            self._note_closest(slot, ranked, rank, (a, e), floor)
         self._choices[key] = choice
         return choice
+
+    def _floor(self, ranked: list[tuple[float, Option, StageTimes, StageMemory]], inflight: int) -> StageMemory:
+        """Every memory term's smallest value over the options of `ranked` (with `inflight` micro-batches in
+        flight): `RankState.need` and `host_need` grow with each term, so where this does not fit, no
+        option does."""
+        hit = self._floors.get(id(ranked))
+        if hit is None:
+            mems = [entry[3] for entry in ranked]
+            kept = [mem.act for mem in mems if not mem.offload_act]
+            dropped = [mem.act for mem in mems if mem.offload_act]
+            hit = self._floors[id(ranked)] = (ranked, (  # the list itself kept, so its id stays its own
+                min(mem.static for mem in mems), min(kept, default=math.inf), min(dropped, default=math.inf),
+                min(mem.work for mem in mems), min(mem.host for mem in mems), min(mem.host_act for mem in mems),
+                min(mem.sync for mem in mems)))
+        static, kept_act, dropped_act, work, host, host_act, sync = hit[1]
+        act = min(inflight * kept_act, min(inflight, 1) * dropped_act) if inflight else 0.0
+        return StageMemory(static, act / inflight if inflight else 0.0, work, False, host, host_act, sync)
+
+    def _ends(self, slot: Slot, a: int, m: int, n: int, rank: RankState) -> dict:
+        """`stage`'s choices for ranges starting at `a` by their end, filled as `greedy` asks (one key built
+        per stage of a greedy pass instead of one per range it tries)."""
+        key = (a, m, n, slot.inflight, slot.budget, slot.host_budget, slot.unified, rank, slot.dtype, slot.sigs,
+               slot.layerwise, slot.mixed_tp)
+        hit = self._by_start.get(key)
+        if hit is None:
+            hit = self._by_start[key] = {}
+        return hit
 
     def ranked(self, slot: Slot, a: int, e: int, m: int, n: int) -> list[tuple[float, Option, StageTimes, StageMemory]]:
         """Every option of layers [a, e) on `slot` as (m (fwd + bwd) + sync, option, times, memory), fastest
         first (ties in the canonical, simplest-first order); memoised per range class."""
         cm = self.cm
-        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n, slot.layerwise)
+        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n, slot.layerwise, slot.mixed_tp)
         ranked = self._sorted.get(key)
         if ranked is None:
             base = cm.base(a, e, slot.dtype, n, slot.tp_group)
@@ -206,7 +239,7 @@ class Splitter:
                             continue
                         opt = Option(z, rc, off)
                         tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1],
-                                            slot.layerwise)
+                                            slot.layerwise, slot.mixed_tp)
                         mem = cm.stage_memory(base, opt, t, D, slot.layerwise)
                         ranked.append((m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem))
             # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
@@ -215,9 +248,17 @@ class Splitter:
         return ranked
 
     def _note_closest(self, slot: Slot, ranked: list[tuple[float, Option, StageTimes, StageMemory]],
-                      rank: RankState, layers: tuple[int, int]) -> None:
+                      rank: RankState, layers: tuple[int, int], floor: StageMemory) -> None:
         """Keep the stage nearest to fitting: by device memory (its smallest need over the options), and,
-        among options whose device memory fits, by host memory (then host memory is what stops it)."""
+        among options whose device memory fits, by host memory (then host memory is what stops it).
+        `floor` (`_floor`) bounds both from below: a stage it shows cannot beat the kept ones is skipped."""
+        low_host = rank.host_need(floor, slot.inflight)
+        low_dev = rank.need(floor, slot.inflight) + (low_host if slot.unified else 0.0)
+        dev_can = self.closest is None or low_dev - slot.budget < self.closest.need - self.closest.budget
+        host_can = low_dev <= slot.budget and (self.closest_host is None or low_host - slot.host_budget
+                                               < self.closest_host.host - self.closest_host.host_budget)
+        if not dev_can and not host_can:
+            return
         best_dev = best_host = None
         for _, opt, _, mem in ranked:
             host = rank.host_need(mem, slot.inflight)
@@ -251,14 +292,17 @@ class Splitter:
             return fwd_pre[r] + max(work[r] + w, chunks * w) + tail
 
         def fits(e: int) -> bool:
-            c = self.stage(slot, a, e, m, n, held[r])
-            return c is not None and term(c) <= T
+            c = ends.get(e, ends)
+            if c is ends:
+                c = ends[e] = self.stage(slot, a, e, m, n, held[r])
+            return c is not None and term(c) <= T  # type: ignore[union-attr]
 
         for j, slot in enumerate(slots):
             r = j % p
             if j < p:
                 fwd_pre[r], bwd_pre[r] = pf, pb
             lo, hi = (cm.L, cm.L) if j == S - 1 else (a + 1, cm.L - (S - 1 - j))
+            ends = self._ends(slot, a, m, n, held[r])
             if lo > hi or not fits(lo):
                 return None
             while lo < hi:  # the largest e that fits: stage costs grow with the range
@@ -267,13 +311,13 @@ class Splitter:
                     lo = mid
                 else:
                     hi = mid - 1
-            c = self.stage(slot, a, lo, m, n, held[r])
+            c = ends[lo]
             assert c is not None
             held[r] = held[r].add(c.memory, slot.inflight)
             worst = max(worst, term(c))
             work[r] += m * (c.times.fwd + c.times.bwd)
-            nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
-            prev_send = cm.boundary_send(c.out_bytes, slot.tp_group[0], nxt)  # 0 to itself
+            nxt = slots[j + 1].tp_group if j + 1 < S else slot.tp_group
+            prev_send = cm.stage_send(c.out_bytes, slot.tp_group, nxt)  # 0 to itself
             if j < p:
                 pf, pb = pf + c.times.fwd + prev_send, pb + c.times.bwd + prev_send
             out.append((a, lo, c))
@@ -469,8 +513,8 @@ class Splitter:
                     c = self.stage(slot, a, e, m, n)
                     if c is None:
                         break  # longer ranges need more memory still
-                    nxt = slots[j + 1].tp_group[0] if j + 1 < S else slot.tp_group[0]
-                    send = cm.boundary_send(c.out_bytes, slot.tp_group[0], nxt)
+                    nxt = slots[j + 1].tp_group if j + 1 < S else slot.tp_group
+                    send = cm.stage_send(c.out_bytes, slot.tp_group, nxt)
                     w = m * (c.times.fwd + c.times.bwd)
                     f, b = c.times.fwd + send, c.times.bwd + send
                     for st in states:
@@ -501,10 +545,10 @@ class Splitter:
         for j, (a, e, c) in enumerate(split.stages):
             slot = slots[j]
             ts = (cm.stage_times(cm.base(a, e, slot.dtype, small, slot.tp_group), c.option, slot.dtype,
-                                 slot.tp_group, slot.dp_group, layerwise=slot.layerwise) if small
-                  else StageTimes(0.0, 0.0, 0.0, 0.0))
+                                 slot.tp_group, slot.dp_group, layerwise=slot.layerwise, mixed_tp=slot.mixed_tp)
+                  if small else StageTimes(0.0, 0.0, 0.0, 0.0))
             last = j + 1 == len(slots)
-            send = 0.0 if last else cm.boundary_send(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0])
+            send = 0.0 if last else cm.stage_send(c.out_bytes, pipe[j % p], pipe[(j + 1) % p])
             vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync + tied[j],
                          wgrad_share(cm, a, e, slot.dtype) * c.times.bwd))  # zero-bubble W (wgrad.py)
         return vals

@@ -52,7 +52,7 @@ from . import experts
 from .pricing_plan import offload_host_bytes
 
 if TYPE_CHECKING:
-    from .pricing import CostModel, Option, StageBase
+    from .pricing_model import CostModel, Option, StageBase
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ class StageModel:
         ub = self.ub = _ns(self.incumbent.surrogate) + 8 * self.S  # + rounding of the integer coefficients
         total = 0
         for j, slot in enumerate(slots):
-            nxt = slots[j + 1].tp_group[0] if j + 1 < self.S else slot.tp_group[0]
+            nxt = slots[j + 1].tp_group if j + 1 < self.S else slot.tp_group
             row: list[Entry] = []
             last_a, dead = None, False
             for a, e, size in self._ranges(j):
@@ -172,7 +172,7 @@ class StageModel:
                 if not choices:
                     dead = True
                     continue
-                send = _ns(cm.boundary_send(choices[0].out_bytes, slot.tp_group[0], nxt)) if j + 1 < self.S else 0
+                send = _ns(cm.stage_send(choices[0].out_bytes, slot.tp_group, nxt)) if j + 1 < self.S else 0
                 grew = True
                 for c in choices:
                     f, b, s = _ns(c.times.fwd), _ns(c.times.bwd), _ns(c.times.sync)
@@ -309,8 +309,7 @@ class StageModel:
     def value(self, stages: list[tuple[int, int, Choice]]) -> float:
         """`split.surrogate` of a split on this model's slots (float seconds)."""
         cm, slots = self.cm, self.slots
-        sends = [0.0 if j + 1 == self.S else cm.boundary_send(c.out_bytes, slots[j].tp_group[0],
-                                                             slots[j + 1].tp_group[0])
+        sends = [0.0 if j + 1 == self.S else cm.stage_send(c.out_bytes, slots[j].tp_group, slots[j + 1].tp_group)
                  for j, (_, _, c) in enumerate(stages)]
         times: list[StageTimes] = [c.times for _, _, c in stages]
         return surrogate(times, sends, self.p, self.m)

@@ -18,6 +18,7 @@ backward: a tensor-parallel stage's backward all-reduces, which belong to B, are
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..cost_models.compute import kernel_flops
@@ -47,20 +48,18 @@ def _wgrad_kernels(cm: CostModel, layer: int) -> tuple[tuple[tuple[str, float, f
 def wgrad_share(cm: CostModel, a: int, e: int, dtype: str) -> float:
     """The weight-gradient share (0..1) of the backward compute of layers [a, e) on device type `dtype`."""
     n = cm.B
-    key = ("wgrad", cm.range_key(a, e), dtype)
-    hit = cm._memo.get(key)
-    if hit is None:
+
+    def share() -> float:
         op_time = cm.models[dtype].op_time
         scale = n / cm.B
         w = b = 0.0
         for i in range(a, e):
-            kernels = cm._memo.get(("wk", cm.cls[i]))
-            if kernels is None:
-                kernels = cm._memo[("wk", cm.cls[i])] = _wgrad_kernels(cm, i)
-            w += sum(c * op_time(kind, f * scale, nb * scale) for (kind, f, nb), c in kernels)  # type: ignore[union-attr]
+            kernels = cm.memoised(("wk", cm.cls[i]), partial(_wgrad_kernels, cm, i))
+            w += sum(c * op_time(kind, f * scale, nb * scale) for (kind, f, nb), c in kernels)
             b += cm.layer_compute(i, dtype, n, 1)[1]
-        hit = cm._memo[key] = min(w / b, 1.0) if b > 0 else 0.0
-    return hit  # type: ignore[return-value]
+        return min(w / b, 1.0) if b > 0 else 0.0
+
+    return cm.memoised(("wgrad", cm.range_key(a, e), dtype), share)
 
 
 __all__ = ["wgrad_share"]

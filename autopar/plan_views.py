@@ -1,0 +1,200 @@
+"""How a plan is shown: `Plan.explain()`'s table of stages x device groups and `Plan.timeline()`'s trace.
+
+Both read only what a `Plan` carries (its stages' predictions, the embedded cluster and model summary), so a
+plan read back from JSON shows the same. The plan itself, and how its step is simulated, are plan.py and
+plan_simulate.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .report import fmt_bytes, fmt_count, fmt_time, render_table
+
+if TYPE_CHECKING:
+    from .plan import Pipeline, Plan
+
+
+def recompute_label(recompute: bool | int) -> str:
+    """The `explain()` cell of a stage's recompute: yes, no, or 'first k'."""
+    if isinstance(recompute, bool) or not recompute:
+        return "yes" if recompute else "no"
+    return f"first {recompute}"
+
+
+def ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out: list[str] = []
+    xs = sorted(xs)
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _pipeline_key(p: Pipeline) -> tuple:
+    """What makes two replicas look the same in the table: everything but their devices."""
+    return (p.batch_share, p.microbatch_size, p.num_microbatches,
+            tuple((tuple(s.layers), len(s.devices), s.zero, repr(s.recompute), tuple(s.offload), s.compress,
+                   tuple(sorted(s.predicted.items()))) for s in p.stages))
+
+
+def _layer_label(plan: Plan, start: int, end: int) -> str:
+    names = plan.model.get("layer_names") or []
+    if len(names) < end:
+        return f"{start}-{end - 1}" if end - start > 1 else str(start)
+    return names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]} ({end - start})"
+
+
+MAX_PROBLEM_LINES = 8  # the rest are in predicted["memory_problems"]
+
+
+def _does_not_fit(problems: list[str]) -> list[str]:
+    shown = problems[:MAX_PROBLEM_LINES]
+    more = [f"  ... and {len(problems) - len(shown)} more (predicted['memory_problems'])"] \
+        if len(problems) > len(shown) else []
+    return ([f"DOES NOT FIT in memory ({len(problems)} problem(s)); the predictions below are for a run that "
+             f"would fail:"] + [f"  {p}" for p in shown] + more)
+
+
+def _idle_tail(pr: dict[str, Any]) -> str:
+    """The idle time that is not pipeline bubble: the end-of-step gradient sync and optimizer step after the
+    last backward (nothing left to overlap them with) and waiting for slower data-parallel replicas."""
+    text = f", gradient sync not overlapped {100 * pr.get('exposed_sync_fraction', 0.0):.1f}%"
+    wait = pr.get("replica_wait_fraction", 0.0)
+    return text + (f", waiting for slower replicas {100 * wait:.1f}%" if wait >= 5e-4 else "")
+
+
+def _async_line(a: dict[str, Any] | None) -> list[str]:
+    """`predicted["async"]` (autopar.plan(..., sync="2bw" | "wsp"), runtime/asynchronous.py) in one line."""
+    if not a:
+        return []
+    sync_ms = f"{a['sync_step_time_s'] * 1e3:.4g} ms/step synchronous"
+    if a["sync"] == "sync":
+        why = a.get("reason") or "predicted no faster"
+        return [f"asynchrony (sync={a['asked']!r} allowed): not chosen ({why}); {sync_ms}"]
+    pending = a.get("pending_gradient_bytes") or {}
+    memory = (f"; memory: its {a['staleness']} pending wave gradient(s) add up to {fmt_bytes(max(pending.values()))} "
+              f"per device, in the peak memory below" if pending else "")
+    return [f"asynchrony (predicted): sync={a['sync']!r}, staleness {a['staleness']} (each gradient computed on "
+            f"weights {a['staleness']} update(s) old): {a['step_time_s'] * 1e3:.4g} ms/step against {sync_ms}, "
+            f"x{a['speedup']:.3g}" + memory]
+
+
+def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
+    """The predicted price of the plan (cluster files with `price_per_hour`) and the devices it leaves out."""
+    out = []
+    if pr.get("cost_per_hour") is not None:
+        out.append(f"cost (predicted): {pr['cost_per_hour']:.4g} per hour for the devices used, "
+                   f"{pr['cost_per_sample']:.4g} per sample")
+    for d, why in sorted((pr.get("idle_devices") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(f"device {d} ({names.get(int(d), '?')}) left out: {why}")
+    return out
+
+
+def compute_description(precision: str, device: str = "") -> str:
+    """What a device computes in under a plan's precision (what runtime/precision.py runs)."""
+    if precision in ("bf16", "fp16"):
+        scaled = ", dynamic loss scaling" if precision == "fp16" else ""
+        return f"{precision} autocast, fp32 master weights / optimizer state / gradient reduction{scaled}"
+    if precision == "tf32":
+        return "fp32 (no TF32 on CPUs)" if device == "cpu" else "fp32 storage, TF32 matmuls and convolutions"
+    return f"{precision} throughout"
+
+
+def explain(plan: Plan) -> str:
+    pr = plan.predicted
+    names = plan.device_names()
+    peak = pr.get("peak_memory_bytes", {})
+    cap = pr.get("memory_capacity_bytes", {})
+    n_dp = len(plan.pipelines)
+    sched = plan.schedule + (f" x{plan.chunks} chunks" if plan.chunks > 1 else "")
+    wire = plan.precision if plan.precision in ("bf16", "fp16") else "-"  # mixed precision sends 2-byte values
+    # a plan that does not fit says so before any figure: its speed is that of a run that would fail
+    lines = _does_not_fit(pr.get("memory_problems") or []) if pr.get("fits") is False else []
+    lines += [
+        f"model {plan.model.get('name', '?')}: {fmt_count(plan.model.get('params', 0))} params, "
+        f"{plan.model.get('num_layers', '?')} layers in the coarse chain",
+        f"cluster {plan.cluster.get('name', '?')}: {plan.world_size} devices"
+        + (f" of its {len(names)} used" if len(names) > plan.world_size else "") + "; "
+        f"global batch {plan.global_batch}, {plan.precision}, optimizer {plan.optimizer}, schedule {sched}, "
+        f"{n_dp} data-parallel "
+        f"pipeline(s)",
+        "compute: " + "; ".join(f"{t}: {compute_description(plan.precision, t)}"
+                                for t in dict.fromkeys(names.values())),
+    ]
+    if "step_time_s" in pr:
+        lines.append(f"predicted: {fmt_time(pr['step_time_s'])}/step, {pr['samples_per_s']:.4g} samples/s, "
+                     f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
+                     f"pipeline bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%"
+                     + _idle_tail(pr))
+    lines += _cost_and_idle(pr, names) + _async_line(pr.get("async"))
+    if plan.experts:
+        ex = plan.experts
+        lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"
+                     f"{ex['top_k']}) per device in groups {ex['groups'] or 'none'}; replicated MoE layers: "
+                     f"{', '.join(ex['replicated']) or 'none'}")
+    head = ["pipeline", "stage", "layers", "devices", "type", "tp", "dp", "batch", "micro-batches", "ZeRO",
+            "recompute", "offload", "send as", "compute", "comm", "bubble", "peak mem / capacity"]
+    rows = [head]
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plan.pipelines):
+        groups.setdefault(_pipeline_key(p) if n_dp > 8 else (i,), []).append(i)
+    for members in groups.values():
+        p = plan.pipelines[members[0]]
+        label = ranges(members)
+        for j, s in enumerate(p.stages):
+            devs = [d for i in members for d in plan.pipelines[i].stages[j].devices]
+            mem = max((peak.get(d, 0) for d in devs), default=0)
+            capacity = min((cap.get(d, 0) for d in devs), default=0)
+            sp = s.predicted
+            rows.append([
+                label, str(j), _layer_label(plan, *s.layers), ranges(devs), names.get(s.devices[0], "?"),
+                str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
+                f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), recompute_label(s.recompute),
+                "+".join(s.offload) or "-", s.compress or (wire if j + 1 < len(p.stages) else "-"),
+                fmt_time(sp.get("compute_s", 0.0)),
+                fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
+                f"{fmt_bytes(mem)} / {fmt_bytes(capacity)}"
+                + (f" ({100 * mem / capacity:.0f}%)" if capacity else ""),
+            ])
+    lines += ["", render_table(rows, right={5, 6, 7, 13, 14, 15})]
+    lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
+                 f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
+                 f"gradient sync")
+    lines += sorted({f"tp {s.tp}: {s.predicted['tp_reason']}" for p in plan.pipelines for s in p.stages
+                     if s.predicted.get("tp_reason")})  # which tensor-parallel price, and why (intra_op_pricing)
+    if any(s.compress or (wire != "-" and len(p.stages) > 1) for p in plan.pipelines for s in p.stages):
+        lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
+                     "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "
+                     "element and transfer; fp16 2^-11 but overflows above 65504)")
+    if plan.graph:
+        from .graphs.planner import explain_graph  # graph workloads: mode, node shares, halos, both modes
+
+        lines += ["", explain_graph(plan.graph)]
+    return "\n".join(lines)
+
+
+def timeline_trace(plan: Plan) -> dict:
+    """`Plan.timeline`'s Chrome/Perfetto trace: one simulated step of every pipeline, a process per device group
+    (its first device's index), named after the pipeline, rank, devices and device type."""
+    events: list[dict] = []
+    names = plan.device_names()
+    for i, (pipe, sim) in enumerate(zip(plan.pipelines, plan.simulate(), strict=True)):
+        groups = pipe.device_groups()
+        pid_of = {r: groups[r][0] for r in range(len(groups))}
+        for ev in sim.to_chrome_trace()["traceEvents"]:
+            ev = dict(ev, pid=pid_of[ev["pid"]])
+            if ev.get("name") == "process_name":
+                r = next(k for k, v in pid_of.items() if v == ev["pid"])
+                ev["args"] = {"name": f"pipeline {i} rank {r}: devices {ranges(groups[r])} "
+                                      f"({names.get(groups[r][0], '?')})"}
+            events.append(ev)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+__all__ = ["MAX_PROBLEM_LINES", "compute_description", "explain", "ranges", "recompute_label", "timeline_trace"]

@@ -1,0 +1,286 @@
+"""PipeDream-2BW's flushless cross-wave 1F1B for `sync="2bw"` (Narayanan et al. 2021, "Memory-Efficient
+Pipeline-Parallel DNN Training"): the same update rule as `AsyncProgram` (asynchronous.py, D = 1:
+W[c+1] = W[c] - opt(G_c), G_c = grad L_c(W[max(0, c-1)])), so the same losses and parameters, but the
+pipeline does not drain between waves.
+
+Each rank runs its stage's part of `schedule_waves.waves_1f1b(p, m, k, delay=1, flush=False)`: one
+continuous 1F1B over the waves, micro-batches of wave c + 1 entering stage 0 while wave c's backwards are
+still in flight. `step()` (one wave's inputs per call, as `AsyncProgram.step`) runs the rank's actions of
+that call (`schedule_waves.step_cuts`): the backwards of wave c that stage s < p - 1 has not reached yet
+run in the next call, between wave c + 1's forwards. The last stage finishes every wave within its call,
+so `step()` returns the wave's global loss, as AsyncProgram's does. A wave's gradient sum is launched after
+the rank's last backward of the wave (ALLREDUCE) and applied (UPDATE: wait, optimizer step) just before the
+rank's first forward of wave c + 2; `flush()` (and `state_dict`, `save`, `load_state_dict`) first runs
+the deferred backwards (the drain), then applies every pending update; `eval_step` drains (updates stay
+pending, as AsyncProgram keeps them).
+
+Weight versions. Every micro-batch's forward and backward of wave c use the same version: the stage
+programs take parameters as inputs, and wave c's forwards get leaf tensors made at the wave's first forward
+from the newest version then (W[c-1]; `_version_leaf`: the same storage, a version counter of its own);
+its backwards accumulate the wave's gradient into those leaves. The optimizer keeps stepping `params`
+(always the newest version) in place: an update copies the newest version into the stage's spare buffer,
+points the parameter (a DTensor's local shard) at it and steps it there, so the version the in-flight wave
+reads is never written. Under ZeRO-1 the owner steps that buffer and broadcasts into the other replicas'
+(zero.ZeroRuntime.step writes through `.data`, i.e. into the newest version). Memory (priced where this
+runs: `solver.async_memory.async_memory(..., flushless=True)`, which the planner's and `compile`'s checks
+use): two weight versions per stage while waves overlap (2BW's double buffering;
+`schedule_waves.peak_versions`): one more copy of the stage's parameters (its local shards under tensor
+parallelism) than the flushed AsyncProgram holds (`solver.flushless_memory.flushless_version_bytes`).
+Activations: p - s micro-batches in flight on stage s, flushed 1F1B's min(m, p - s) when m >= p - s
+(`solver.flushless_memory.flushless_inflight`).
+
+Runs (`flushless_problems`; otherwise `async_program` picks AsyncProgram, and compile's AsyncUpdateWarning
+names the runtime and why): sync="2bw", the "1f1b" schedule, every pipeline >= 2 stages, ZeRO 0 or 1, any
+tensor-parallel degree, no offload, no experts, no fp16; any data-parallel degree and uneven batch shares
+and splits (tests/test_flushless.py: equal to AsyncProgram and to the single-process replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from ..errors import PlanError
+from ..schedule_waves import WaveAction, steady_wave_time, step_cuts, step_wave, waves_1f1b
+from .asynchronous import AsyncProgram, _Wave, plan_problems
+from .dist import wait
+from .elastic import naming_lost_ranks
+from .zero import _local
+
+DELAY = 1  # 2BW's delay
+
+
+def flushless_problems(plan: Any, sync: str) -> list[str]:
+    """What in (plan, sync) the flushless runtime does not run (empty: FlushlessProgram runs it)."""
+    problems = [] if sync == "2bw" else [f"sync={sync!r} (the flushless schedule runs sync='2bw')"]
+    if plan.schedule != "1f1b":
+        problems.append(f"the {plan.schedule!r} schedule (flushless runs 1f1b)")
+    if any(len(p.stages) < 2 for p in plan.pipelines):
+        problems.append("a pipeline of one stage (nothing to overlap)")
+    return problems + plan_problems(plan)  # ZeRO 0/1 and any tensor-parallel degree run, as in AsyncProgram
+
+
+def async_program(plan: Any, sync: str) -> type[AsyncProgram]:
+    """The program class that trains `plan` with `sync`: FlushlessProgram where it runs, else AsyncProgram."""
+    return FlushlessProgram if not flushless_problems(plan, sync) else AsyncProgram
+
+
+def flushless_wave(plan: Any) -> float | None:
+    """Predicted seconds per wave of `plan` under the flushless schedule (a prediction: the steady state of
+    `schedule_waves.steady_wave_time` from the stages' predicted fwd/bwd (a micro-batch's mean over the
+    full and one-sample-smaller ones), send and gradient-sync seconds, the sync on the comm stream);
+    the slowest pipeline sets the pace. None where the flushless runtime does not run the plan."""
+    if flushless_problems(plan, "2bw"):
+        return None
+    waves = []
+    for pipe in plan.pipelines:
+        m, r = pipe.num_microbatches, pipe.batch_share % pipe.num_microbatches
+        full = m if r == 0 else r
+
+        def mean(st: Any, key: str, full: int = full, m: int = m) -> float:
+            p = st.predicted
+            return (full * p[key] + (m - full) * p.get(key.replace("_s", "_small_s"), p[key])) / m
+
+        st = pipe.stages
+        waves.append(steady_wave_time(len(st), m, [mean(s, "fwd_s") for s in st], [mean(s, "bwd_s") for s in st],
+                                      [s.predicted.get("send_s", 0.0) for s in st],
+                                      [s.predicted.get("sync_s", 0.0) for s in st]))
+    return max(waves)
+
+
+def _shift(actions: list[WaveAction], by: int) -> list[WaveAction]:
+    return [replace(a, wave=a.wave + by) for a in actions]
+
+
+def _version_leaf(p: torch.Tensor) -> torch.Tensor:
+    """A leaf on `p`'s current storage with a version counter of its own (through `.data`), so the update's
+    in-place writes into the newest version (another storage) never look like a change to this one; a
+    DTensor's is a DTensor of the same layout on its local shard's storage."""
+    if isinstance(p, DTensor):
+        t = DTensor.from_local(_local(p).data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                               stride=p.stride())
+    else:
+        t = p.data
+    return t.detach().requires_grad_(True)
+
+
+@dataclass
+class _Flight:
+    """What the rank's schedule keeps between calls: received inputs, outputs awaiting their backward,
+    received output gradients, each wave's weight leaves and loss, the sends not yet waited for."""
+
+    recv_in: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    leaves: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    loss: dict[int, float] = field(default_factory=dict)
+    sends: list[tuple[Any, int, list[torch.Tensor]]] = field(default_factory=list)
+
+
+class FlushlessProgram(AsyncProgram):
+    """An AsyncProgram (sync="2bw") running the flushless cross-wave 1F1B (module docstring)."""
+
+    def __init__(self, *args: Any, sync: str = "2bw", staleness: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, sync=sync, staleness=staleness, **kwargs)
+        problems = flushless_problems(self.plan, sync)
+        if problems or self.layers is not None:
+            raise PlanError(f"the flushless 2BW schedule does not run {', '.join(problems) or 'per-layer memory'} "
+                            f"in this version; train this plan with AsyncProgram (sync='2bw' flushes each wave) "
+                            f"or use a 1f1b plan of >= 2 stages at ZeRO 0 or 1.")
+        self._base = self.step_count  # the first wave of the current run (since the last drain)
+        self._flight = _Flight()
+        self._spare: dict[str, torch.Tensor] = {}  # per parameter, the (local) storage of the older version
+        if self.position is not None:
+            self._templates()
+
+    def _templates(self) -> None:
+        """The rank's calls of waves 0, 1 and 2 (wave r >= 2's is wave 2's shifted by r - 2: wave 2's is the
+        first with an UPDATE) and the drains after them (likewise), cut from 5-wave and short schedules;
+        checked periodic (wave 3's call and the drain after it are the shifts)."""
+        pipe, s = self.pipeline, self.position.stages[0]
+        p, m = len(pipe.stages), len(pipe.microbatch_sizes)
+        long = waves_1f1b(p, m, 5, DELAY).actions[s]
+        cuts = [0] + step_cuts(waves_1f1b(p, m, 5, DELAY), s)
+        calls = [long[cuts[i]:cuts[i + 1]] for i in range(4)]
+        drains = []
+        for r in range(4):
+            done = set(long[:cuts[r + 1]])
+            drains.append([a for a in waves_1f1b(p, m, r + 1, DELAY).actions[s]
+                           if a not in done and step_wave(a, DELAY) <= r])
+        if calls[3] != _shift(calls[2], 1) or drains[3] != _shift(drains[2], 1):
+            raise PlanError(f"internal: the flushless schedule of {p} stages and {m} micro-batches is not periodic "
+                            f"from wave 2 on (schedule_waves.waves_1f1b)")
+        self._calls, self._drains = calls[:3], drains[:3]
+
+    def _of_wave(self, templates: list[list[WaveAction]], r: int) -> list[WaveAction]:
+        return templates[r] if r < 2 else _shift(templates[2], r - 2)
+
+    # ---- one wave -------------------------------------------------------------------------------
+    def step(self, *inputs: Any, target: Any = None) -> float:
+        """Wave c = step_count: this rank's actions of wave c's call (module docstring); returns the wave's
+        global mean loss (also kept in `losses[c]`)."""
+        if self._has_target and target is None:
+            raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
+        c, r = self.step_count, self.step_count - self._base
+        with naming_lost_ranks(self.rank, f"flushless 2BW wave {c + 1}"):
+            while self._pending and self._pending[0].index < self._base and self._pending[0].index <= c - 2:
+                self._apply(self._pending.popleft())  # updates left pending by a drain (eval_step)
+            if self.position is None:
+                self._pending.append(self._launch(c))
+            else:
+                self._execute(self._of_wave(self._calls, r), inputs, target)
+            self.losses[c] = self._global_loss(c, self._flight.loss.pop(r, 0.0))
+        self.timer.end_step()
+        self.step_count += 1
+        return self.losses[c]
+
+    def _execute(self, actions: list[WaveAction], inputs: tuple, target: Any) -> None:
+        """Run wave actions (relative wave numbers: wave r is wave self._base + r); only the current call's
+        wave runs forwards, so `inputs` are its inputs."""
+        pipe, fl = self.pipeline, self._flight
+        sizes = pipe.microbatch_sizes
+        n_s, n_mb = len(pipe.stages), len(sizes)
+        args = tuple(inputs) + ((target,) if self._has_target else ())
+        tag = lambda stage, r, j, back: (((r % 4) * n_s + stage) * n_mb + j) * 2 + back  # receiver's stage
+        for a in actions:
+            s, j, r, key = a.stage, a.microbatch, a.wave, (a.wave, a.microbatch)
+            st = self._stages[(s, sizes[j])] if j >= 0 else None
+            if a.kind == "RECV_F":
+                fl.recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, r, j, 0), "activations",
+                                             grad=True, compress=pipe.stages[s - 1].compress)
+            elif a.kind == "F":
+                leaves = fl.leaves.get(r)
+                if leaves is None:  # the wave's version: the newest one at its first forward
+                    leaves = fl.leaves[r] = {n: _version_leaf(p) for n, p in self.params.items()}
+                start = pipe.batch_offset + sum(sizes[:j])
+                vals = [leaves[n] for n in st.params] + [self.buffers[b] for b in st.buffers] + \
+                    [self._slice(args[i], start, sizes[j]) for i in st.inputs] + fl.recv_in.get(key, [])
+                n_p = len(st.params)
+                run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
+                    if self.tp else st.gm  # tensor parallelism: as Program._run runs a stage
+                with self.timer.compute(), self.amp.forward():
+                    if pipe.stages[s].recompute and s not in self._layered:
+                        fl.outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
+                    else:
+                        fl.outputs[key] = run(*vals)
+            elif a.kind == "SEND_F":
+                fl.sends.append(self._send([o.detach() for o in fl.outputs[key]], self._peer(s + 1),
+                                           tag(s + 1, r, j, 0), pipe.stages[s].compress))
+            elif a.kind == "RECV_B":
+                names = [n for n in st.send if n in st.grad_values]
+                fl.grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, r, j, 1), "gradients",
+                                               grad=False, compress=pipe.stages[s].compress)
+            elif a.kind == "B":
+                self._backward(st, key, sizes[j] / self.layout.global_batch)
+            elif a.kind == "SEND_B":
+                ins = [x for x, n in zip(fl.recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
+                grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
+                fl.sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, r, j, 1), pipe.stages[s - 1].compress))
+            elif a.kind == "ALLREDUCE":
+                for n, leaf in fl.leaves.pop(r).items():  # the wave's gradient, launched as AsyncProgram does
+                    self.params[n].grad = leaf.grad
+                self._pending.append(self._launch(self._base + r))
+            elif a.kind == "UPDATE":
+                if not self._pending or self._pending[0].index != self._base + r:
+                    raise PlanError(f"internal: {a} but the oldest pending update is of wave "
+                                    f"{self._pending[0].index if self._pending else None}")
+                self._apply(self._pending.popleft())
+        fl.sends = [x for x in fl.sends if not x[0].is_completed()]
+
+    def _backward(self, st: Any, key: tuple[int, int], weight: float) -> None:
+        fl = self._flight
+        with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
+            if st.is_last:  # the loss is counted once per tensor-parallel group (as Program._run does)
+                loss = fl.outputs.pop(key)
+                share = float(loss.detach()) * weight if self.position.tp_index == 0 else 0.0
+                fl.loss[key[0]] = fl.loss.get(key[0], 0.0) + share
+                outs, out_grads = [self.amp.scale(loss * weight)], None
+            else:
+                outs = [o for o, n in zip(fl.outputs.pop(key), st.send, strict=True) if n in st.grad_values]
+                out_grads = fl.grads_out.pop(key)
+            torch.autograd.backward(outs, out_grads)
+
+    def _apply(self, wave: _Wave) -> None:
+        """A new version for the update (module docstring: the newest copied into the spare buffer, which no
+        wave in flight reads, the parameter pointed at it), then AsyncProgram's update steps it there."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                local = _local(p)  # the storage: a DTensor's local shard is swapped under it
+                free = self._spare.get(n)
+                free = torch.empty_like(local.data) if free is None else free
+                free.copy_(local.data)
+                self._spare[n] = local.data
+                local.data = free
+        super()._apply(wave)
+
+    # ---- drains -----------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Run the backwards the last call deferred (every launched sum stays pending); the next wave starts
+        a new run (its call is wave 0's)."""
+        r = self.step_count - 1 - self._base
+        if self.position is not None and r >= 0:
+            self._execute(self._of_wave(self._drains, r), (), None)
+            for work, peer, _keep in self._flight.sends:
+                wait(work, "send (drain)", peer, self.timeout_s)
+            self._flight = _Flight()
+        self._spare.clear()  # no wave in flight: the next update allocates the second version again
+        self._base = self.step_count
+
+    def flush(self) -> None:
+        with naming_lost_ranks(self.rank, "draining the flushless pipeline"):
+            self._drain()
+        super().flush()
+        self._spare.clear()
+
+    def eval_step(self, *inputs: Any) -> Any:
+        with naming_lost_ranks(self.rank, "draining the flushless pipeline"):
+            self._drain()
+        return super().eval_step(*inputs)
+
+
+__all__ = ["FlushlessProgram", "async_program", "flushless_problems", "flushless_wave"]

@@ -1,0 +1,167 @@
+"""Lower bounds on a search config's simulated step time: what branch and bound (search.py) prunes with.
+
+A config (t, grouping, sigma, v, b) gets the larger of two bounds, both valid for every layer split and
+every choice of per-stage options the inner search may make (search.py's docstring):
+
+  work bound (`ConfigBounds.work`)
+      one pipeline class: X = share x (per-sample forward + backward of every layer, each on the fastest
+      device type of the pipeline, at the cheapest option), then X/m / (1 - (1 - 1/m)^p) for
+      gpipe / 1f1b / zb_h1 (the minimum over real stage splits of max_s [forward prefix + stage work]) and
+      max(X/p, X/m) for interleaved; several classes: the throughput bound B / sum_d (p_d / w_d).
+
+  memory bound (`ConfigBounds.memory`), one device type, replicas alike (B divisible by D), uniform chain
+      The p devices tile the L_b repeated blocks, so one of them holds k >= ceil(L_b / p) blocks in its v
+      chunks, the largest of which has g >= ceil(k / v) blocks. Costs and memory grow with the blocks
+      held, so that device's work is at least
+          min over options o of the big chunk that fit alone,
+              m (fwd + bwd)(g blocks, o) + LP(k - g blocks, budget - need(g blocks, o))
+      where need is the chunk's static memory plus its in-flight activation term (`RankState.need`) and LP
+      the fractional relaxation of giving the remaining blocks options: min sum_o x_o t_o subject to
+      sum_o x_o = k - g, sum_o x_o s_o <= the budget left, with t_o (s_o) a per-block time (static bytes)
+      that no range of up to k blocks beats on average (the smaller of the one-block figure and the
+      k-block figure over k: exact for costs affine in the block count). At most two options mix in the
+      optimum of that one-constraint LP. For one chunk (v = 1) the big chunk is the stage and its sync
+      joins its work (`pricing_plan.lower_bound`: a stage's sync follows its last backward). Micro-batches
+      are all taken at the smallest size, host memory is not checked, and each device position's own
+      in-flight count and budget are used, the minimum over positions taken: relaxations, so the result
+      stays a lower bound.
+
+The search visits configs in increasing bound order and stops when the bound reaches the incumbent, so a
+tighter bound means fewer configs solved, never a different optimum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+from .pricing import CostModel, Option, StageMemory, StageTimes
+from .split import Slot, Splitter, Unit
+
+Ranked = list[tuple[float, Option, StageTimes, StageMemory]]
+
+
+class BoundConfig(NamedTuple):
+    """What a bound needs of a search config (`search.Config` has these fields)."""
+
+    pipelines: tuple[tuple[Unit, ...], ...]
+    schedule: str
+    chunks: int
+    b: int
+
+
+def _chunk_need(mem: StageMemory, inflight: int) -> float:
+    act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
+    return mem.static + act + mem.work
+
+
+def _lp(per_block: list[tuple[float, float]], blocks: int, budget: float) -> float:
+    """min sum x_o t_o s.t. sum x_o = blocks, sum x_o s_o <= budget, x >= 0; `per_block`: (s_o, t_o) sorted
+    by s with t strictly decreasing (the others are dominated)."""
+    if blocks == 0:
+        return 0.0 if budget >= 0 else math.inf
+    cap = budget / blocks
+    best = math.inf
+    for i, (si, ti) in enumerate(per_block):
+        if si <= cap:
+            best = min(best, ti)
+            continue
+        for sj, tj in per_block[:i]:  # mix a cheaper-in-memory option j with i to meet the budget exactly
+            if sj <= cap:
+                lam = (si - cap) / (si - sj)
+                best = min(best, lam * tj + (1 - lam) * ti)
+    return blocks * best
+
+
+class ConfigBounds:
+    """The bounds of the module docstring, memoised on one cost model and splitter."""
+
+    def __init__(self, cm: CostModel, splitter: Splitter) -> None:
+        self.cm = cm
+        self.splitter = splitter
+        self._work: dict[tuple, float] = {}
+        self._device: dict[tuple, float] = {}
+        self._per_pipes: dict[tuple[int, int], tuple[tuple, list[float]]] = {}
+
+    def per_sample(self, pipe: tuple[Unit, ...], b: int) -> float:
+        """Seconds per sample of the whole model at micro-batch size b (the most efficient size a
+        micro-batch of this config has), each layer on the fastest device type of the pipeline."""
+        cm = self.cm
+        units = {cm.cluster.devices[u[0]].spec.name: u for u in reversed(pipe)}
+        key = tuple((d, cm.group_sig(u)) for d, u in sorted(units.items())) + (b,)
+        if key not in self._work:
+            # a stage's per-micro-batch host setup (forward and backward) is paid once per stage, not per layer
+            setup = {d: 2 * cm.models[d].host.microbatch_s for d in units}
+            total = min(setup.values())
+            for i in range(cm.L):
+                costs = [(cm.base(i, i + 1, d, b, u), setup[d]) for d, u in units.items()]
+                total += min(c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - once for c, once in costs)
+            self._work[key] = total / b
+        return self._work[key]
+
+    def work(self, cfg: BoundConfig, microbatches: Callable[[int], int | None]) -> float | None:
+        """The work bound; None where the config cannot run (a micro-batch size above the share, or no
+        valid micro-batch count). `microbatches(share)`: the count a replica with that share runs."""
+        cm, pipes = self.cm, cfg.pipelines
+        D, p = len(pipes), len(pipes[0])
+        hit = self._per_pipes.get((id(pipes), cfg.b))
+        if hit is None or hit[0] is not pipes:  # configs of one grouping share its pipelines tuple
+            hit = self._per_pipes[(id(pipes), cfg.b)] = (pipes, [self.per_sample(pipe, cfg.b) for pipe in pipes])
+        per = hit[1]
+        if len(set(per)) > 1:
+            return cm.B / sum(p / w for w in per)
+        share = -(-cm.B // D)
+        m = microbatches(share)
+        if m is None or (cfg.b > share):
+            return None
+        X = share * per[0]
+        if cfg.schedule == "interleaved_1f1b":
+            return max(X / p, X / m)
+        return X / m / (1 - (1 - 1 / m) ** p)
+
+    def memory(self, cfg: BoundConfig, m: int, slots: list[Slot]) -> float:
+        """The memory bound of a config whose replicas are alike (the caller checks: one device type and
+        host budget per position, B divisible by D, a uniform chain); `slots`: one replica's stage
+        positions with m micro-batches of the (equal) share."""
+        cm, p, v = self.cm, len(slots) // cfg.chunks, cfg.chunks
+        n = max(1, cm.B // len(cfg.pipelines) // m)
+        k = -(-cm.num_blocks // p)
+        g = -(-k // v)
+        return min(self._device_bound(slots[q], k, g, m, n, v == 1) for q in range(p))
+
+    def _device_bound(self, slot: Slot, k: int, g: int, m: int, n: int, with_sync: bool) -> float:
+        key = (slot.dtype, slot.sigs, slot.layerwise, slot.inflight, slot.budget, k, g, m, n, with_sync)
+        hit = self._device.get(key)
+        if hit is not None:
+            return hit
+        sp, a = self.splitter, self.cm.first_block
+        per_block = self._per_block(sp.ranked(slot, a, a + 1, m, n), sp.ranked(slot, a, a + k, m, n), m, k)
+        best = math.inf
+        for _, _, tm, mem in sp.ranked(slot, a, a + g, m, n):
+            need = _chunk_need(mem, slot.inflight)
+            if need > slot.budget:
+                continue
+            own = m * (tm.fwd + tm.bwd) + (tm.sync if with_sync else 0.0)
+            best = min(best, own + _lp(per_block, k - g, slot.budget - need))
+        self._device[key] = best
+        return best
+
+    @staticmethod
+    def _per_block(one: Ranked, many: Ranked, m: int, k: int) -> list[tuple[float, float]]:
+        """Per option, (static bytes, m (fwd + bwd) seconds) per block that no range of 1..k blocks beats on
+        average, dominated options dropped (sorted by bytes, seconds strictly decreasing)."""
+        of_k = {opt: (tm, mem) for _, opt, tm, mem in many}
+        points = []
+        for _, opt, tm, mem in one:
+            tk, mk = of_k[opt]
+            points.append((min(mem.static, mk.static / k), min(m * (tm.fwd + tm.bwd), m * (tk.fwd + tk.bwd) / k)))
+        points.sort()
+        kept: list[tuple[float, float]] = []
+        for s, t in points:
+            if not kept or t < kept[-1][1]:
+                kept.append((s, t))
+        return kept
+
+
+__all__ = ["BoundConfig", "ConfigBounds"]

@@ -1,0 +1,389 @@
+"""The planner's cost model: `CostModel`, the per-stage prices of one annotated graph on one cluster.
+
+It holds what the formulas in pricing.py's docstring read (the layer chain's classes, parameters, saved
+and boundary bytes, every device type's compute model) and computes them, memoised: a layer range's
+option-independent sums (`CostModel.base` -> `StageBase`: compute and tensor-parallel cost per micro-batch,
+host time, activations, parameters, MoE terms), an option's per-micro-batch times and per-step sync
+(`CostModel.stage_times` -> `StageTimes`), and a stage's peak memory (`CostModel.stage_memory`, the formulas
+in stage_memory.py). Its parts live beside it: the communication half it inherits (pricing_comm.py), the
+tensor-parallel price of a layer (intra_op_pricing.py), expert parallelism (experts.py, which reads the
+`expert_parallel` field and changes it only through `with_expert_degree`), the weight-gradient share
+(wgrad.py). Pricing a whole plan with it is pricing.py (`price`), which re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple, TypeVar
+
+from ..checks import check_memory_reserve
+from ..cluster import Cluster
+from ..cost_models.compute import ComputeModel, kernel_flops
+from ..cost_models.memory import activation_corrections, optimizer_name, runtime_reserve_bytes, state_bytes_per_param
+from ..cost_models.overhead import stage_host_seconds
+from ..errors import PlanError
+from ..graph import TrainingGraph
+from ..host_memory import UNIFIED_KINDS
+from ..plan_simulate import cached_schedule
+from ..schedule import peak_inflight
+from . import experts
+from .intra_op_pricing import LayerPricer, tp_layer_cost
+from .pricing_comm import CommPricing
+from .stage_memory import StageMemory, recomputed, stage_memory
+
+T = TypeVar("T")
+
+# Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
+# bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
+HOST_UPDATE_BANDWIDTH = 25e9
+
+
+class Option(NamedTuple):
+    """Per-stage memory/time trade-offs."""
+
+    zero: int = 0
+    recompute: bool | int = False  # True / False: all / none of the stage's blocks; k: its first k
+    offload: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageBase:
+    """Option-independent sums over a layer range, for one micro-batch size and tp group."""
+
+    fwd: float
+    bwd: float
+    fwd_comm: float
+    bwd_comm: float
+    recompute: float  # forward compute + comm of the blocks, paid again in backward with recompute
+    params: int  # parameters of the range, shared ones included
+    max_layer_params: int
+    act: float  # saved activation bytes per micro-batch per device
+    act_recompute: float  # the same with recompute
+    act_work: float  # one block's activations, live while it is recomputed
+    out_bytes: float  # activation bytes sent to the next stage
+    has_blocks: bool
+    tp_source: str = "none"  # tp > 1: "ilp" when every block was priced by the ILP, else "closed_form"
+    # parameters per tensor-parallel rank beyond params / t (the ILP's strategies may replicate weights),
+    # and the largest layer's parameters per rank under those strategies
+    tp_extra: float = 0.0
+    tp_max_layer: float = 0.0
+    moe_layers: int = 0  # expert-parallel MoE layers in the range (solver/experts.py)
+    moe_bytes: float = 0.0  # per such layer and micro-batch: bytes each rank dispatches (tokens x top_k x hidden)
+    expert_params: float = 0.0  # of `params`, the expert parameters this device holds
+    expert_stacked: float = 0.0  # of those, the ones in stacked (E, ...) tensors, which ZeRO leaves whole
+    multi_layer: float = 0.0  # of `params`, those read by several layers (tied embeddings): kept whole-step
+    block_params: float = 0.0  # of `params`, those of the range's repeated blocks
+    bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
+    host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
+    # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
+    # saved activation bytes per micro-batch, its input's bytes, its parameters), for selective recompute
+    block_parts: tuple[tuple[float, float, float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    fwd: float  # per micro-batch, communication included
+    bwd: float
+    comm: float  # the communication part of fwd + bwd
+    sync: float  # per step
+    # the part of fwd (and of bwd) that the stage's per-layer GATHER_F (GATHER_B) memory actions take, and
+    # the part of bwd its REDUCEs take (lowering.py; `Plan.simulate` runs them as actions)
+    gather: float = 0.0
+    reduce: float = 0.0
+
+
+def inflight_closed_form(schedule: str, ranks: int, microbatches: int, chunks: int = 1) -> list[int]:
+    """`peak_inflight` of the generated schedule, per rank, without generating it (the search's hot path)."""
+    p, m = ranks, microbatches
+    if schedule == "gpipe":
+        return [m] * p
+    if schedule == "1f1b":
+        return [min(p - r, m) for r in range(p)]
+    if schedule == "zb_h1":  # activations live until W: min(p, m) on every rank (schedule.zb_h1)
+        return [min(p, m)] * p
+    return [min(min(2 * (p - r - 1) + (chunks - 1) * p, m * chunks) + 1, m * chunks) for r in range(p)]
+
+
+class CostModel(CommPricing):
+    """Costs of layer ranges of one annotated graph on one cluster; everything is memoised.
+
+    Identical blocks share one cost class, and on a uniform chain (prologue, identical blocks, epilogue)
+    a range is keyed by how many blocks it holds, so a 96-block model costs as few ranges as a 2-block one.
+    """
+
+    def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
+                 optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
+                 intra_op_time_limit_s: float = 2.0) -> None:
+        check_memory_reserve(memory_reserve)
+        if not graph.layers:
+            raise PlanError("the graph has no layers; annotate it first.")
+        self.graph, self.cluster, self.precision = graph, cluster, precision
+        self.optimizer = optimizer_name(optimizer)
+        self.state = state_bytes_per_param(self.optimizer, precision)
+        self.reserve = memory_reserve
+        self.B = graph.batch_size
+        self.L = len(graph.layers)
+        self.specs = {t: cluster.spec(t) for t in cluster.device_types()}
+        self.models = {t: ComputeModel(spec, dtype=precision) for t, spec in self.specs.items()}
+        self._init_layers()
+        self._memo: dict[tuple, object] = {}  # every memoised price, by a key naming what it depends on (`memoised`)
+        self._sigs: dict[tuple, int] = {}
+        self._sig_of_group: dict[tuple[int, ...], int] = {}
+        self.intra_op, self.intra_op_time_limit_s = intra_op, intra_op_time_limit_s
+        self._pricers: dict[tuple, LayerPricer | None] = {}
+        self.expert_parallel: experts.ExpertParallel = experts.ExpertParallel.of(graph)
+        """The expert-parallel degree priced and the graph's MoE layers (solver/experts.py): degree 1 when built;
+        `with_expert_degree` gives a copy at another degree (prices depend on it, so it is never set in place)."""
+
+    def memoised(self, key: tuple, compute: Callable[[], T]) -> T:
+        """The cost model's memo entry `key`, computed by `compute` and stored when absent (or None): how the
+        parts beside it (experts.py, intra_op_pricing.py, ...) cache their prices in it. A key names
+        everything the value depends on, its first element the kind of price."""
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = compute()
+        return hit  # type: ignore[return-value]
+
+    def with_expert_degree(self, ep: int) -> CostModel:
+        """A copy of this cost model pricing expert-parallel degree `ep`, with a fresh memo (its prices depend on
+        the degree); the rest (layer data, group signatures, intra-op pricers) is shared. `experts.with_degree`
+        checks `ep` and returns this model itself at its own degree."""
+        out = copy.copy(self)
+        out._memo = {}
+        out.expert_parallel = replace(self.expert_parallel, degree=ep)
+        return out
+
+    # ---- layer data ---------------------------------------------------------------------------
+    def _init_layers(self) -> None:
+        g, L = self.graph, self.L
+        self.is_block = [layer.kind == "block" for layer in g.layers]
+        users: dict[str, set[int]] = {}
+        for node in g.nodes.values():
+            for a in node.args:
+                if a in g.params:
+                    users.setdefault(a, set()).add(node.layer)
+        self.own_params = [0] * L
+        self.shared: list[tuple[int, int, frozenset[int]]] = []  # (numel, owner layer, user layers)
+        for name, info in g.params.items():
+            if info.tied_to:  # a second placeholder of a tied parameter: its users use the original
+                users.setdefault(info.tied_to, set()).update(users.get(name, set()))
+        for name, info in g.params.items():
+            if not info.counts:
+                continue
+            used = users.get(name, set())
+            owner = min(used | {max(info.layer, 0)})
+            self.own_params[owner] += info.meta.numel
+            if used - {owner}:
+                self.shared.append((info.meta.numel, owner, frozenset(used)))
+        inputs = sum(g.input_meta[n].nbytes for n in g.inputs[:1])
+        # fp32-kept saved tensors under autocast and backward transients (cost_models/memory.py)
+        fp32_saved, self.bwd_transient = activation_corrections(g, self.precision)
+        self.saved = [float(layer.saved_bytes) + x for layer, x in zip(g.layers, fp32_saved, strict=True)]
+        self.boundary = [float(layer.boundary_bytes) for layer in g.layers]
+        self.in_bytes = [float(inputs)] + self.boundary[:-1]
+        classes: dict[tuple, int] = {}
+        self.cls: list[int] = []
+        self.kernels: list[tuple[tuple, tuple]] = []
+        for i, layer in enumerate(g.layers):
+            key = (layer.kind, layer.signature if layer.kind == "block" else i, layer.flops_fwd,
+                   layer.flops_bwd, self.saved[i], self.boundary[i], self.in_bytes[i], self.own_params[i],
+                   tuple(sorted(layer.time_fwd.items())), tuple(sorted(layer.time_bwd.items())))
+            if key not in classes:
+                classes[key] = len(classes)
+                nodes = [g.nodes[n] for n in layer.nodes]
+                fwd = Counter((k.kind, kernel_flops(k), k.nbytes) for node in nodes for k in node.kernels_fwd)
+                bwd = Counter((k.kind, kernel_flops(k), k.nbytes) for node in nodes for k in node.kernels_bwd)
+                self.kernels.append((tuple(sorted(fwd.items())), tuple(sorted(bwd.items()))))
+            self.cls.append(classes[key])
+        blocks = [i for i in range(L) if self.is_block[i]]
+        self.first_block = blocks[0] if blocks else L
+        self.num_blocks = len(blocks)
+        end = self.first_block + self.num_blocks
+        self.uniform = (bool(blocks) and blocks == list(range(self.first_block, end))
+                        and len({self.cls[i] for i in blocks}) == 1
+                        and not any(self.is_block[u] for _, _, us in self.shared for u in us))
+
+    def range_key(self, a: int, e: int) -> tuple:
+        """Ranges with equal keys have equal costs (blocks of a uniform chain are interchangeable): the
+        part before the blocks, the block count, the part after."""
+        if not self.uniform:
+            return (a, e)
+        p0, p1 = self.first_block, self.first_block + self.num_blocks
+        blocks = max(0, (e if e < p1 else p1) - (a if a > p0 else p0))
+        return (a if a < p0 else p0, e if e < p0 else p0, blocks, a if a > p1 else p1, e if e > p1 else p1)
+
+    def range_params(self, a: int, e: int) -> tuple[int, int]:
+        """(parameters a stage holding layers [a, e) stores, its largest layer's parameters)."""
+        own = self.own_params[a:e]
+        extra = sum(n for n, owner, us in self.shared if not a <= owner < e and any(a <= u < e for u in us))
+        return sum(own) + extra, max(own)
+
+    def peak_inflight(self, schedule: str, ranks: int, microbatches: int, chunks: int) -> dict[int, int]:
+        """`schedule.peak_inflight` of the generated schedule (memoised: replicas share it)."""
+        key = ("inflight", schedule, ranks, microbatches, chunks)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = peak_inflight(cached_schedule(schedule, ranks, microbatches, chunks))
+        return hit  # type: ignore[return-value]
+
+    def usable(self, device: int) -> float:
+        """Bytes the plan's tensors may fill: (1 - memory_reserve) of the capacity, less what the runtime
+        holds outside tensors on a GPU (CUDA context, cuBLAS workspace, NCCL buffers: `runtime_reserve`)."""
+        return self.cluster.devices[device].spec.memory * (1 - self.reserve) - self.runtime_reserve(device)
+
+    def runtime_reserve(self, device: int) -> int:
+        """`cost_models.memory.runtime_reserve_bytes` of one device of this cluster."""
+        spec = self.cluster.devices[device].spec
+        return runtime_reserve_bytes(spec.kind, self.cluster.world_size > 1, spec.name)
+
+    def host_usable(self, node: int) -> float:
+        """Bytes of a node's host memory its devices may fill with what they offload."""
+        return self.cluster.nodes[node].host_memory * (1 - self.reserve)
+
+    def host_budget(self, device: int) -> float:
+        """The search's host budget of a device: an even share of its node's usable host memory."""
+        node = self.cluster.nodes[self.cluster.devices[device].node]
+        return self.host_usable(node.index) / len(node.devices)
+
+    def unified(self, device: int) -> bool:
+        """Whether the device's memory is its host's (what it offloads stays in its own memory)."""
+        return self.cluster.devices[device].spec.kind in UNIFIED_KINDS
+
+    # ---- compute ------------------------------------------------------------------------------
+    def layer_compute(self, layer: int, dtype: str, n: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer for n samples split tp ways."""
+        key = ("c", self.cls[layer], dtype, n, tp)
+        hit = self._memo.get(key)
+        if hit is None:
+            scale = n / (self.B * tp)
+            op_time = self.models[dtype].op_time
+            fwd, bwd = self.kernels[self.cls[layer]]
+            hit = self._memo[key] = (sum(c * op_time(k, f * scale, b * scale) for (k, f, b), c in fwd),
+                                     sum(c * op_time(k, f * scale, b * scale) for (k, f, b), c in bwd))
+        return hit  # type: ignore[return-value]
+
+    def base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
+        key = ("b", self.range_key(a, e), dtype, n, self.group_sig(tp_group))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._base(a, e, dtype, n, tp_group)
+        return hit  # type: ignore[return-value]
+
+    def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
+        t, frac = len(tp_group), n / self.B
+        f = b = fc = bc = rc = act = act_rc = work = transient = 0.0
+        extra = tp_max = 0.0
+        ilp = t > 1 and any(self.is_block[a:e])
+        parts = []
+        for i in range(a, e):
+            c = tp_layer_cost(self, i, dtype, n, tp_group)
+            f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
+            saved = c.act if c.act >= 0 else self.saved[i] * frac / t
+            act += saved
+            extra += self.own_params[i] * (c.param_frac - 1 / t)
+            tp_max = max(tp_max, self.own_params[i] * c.param_frac)
+            ilp = ilp and (c.ilp or not self.is_block[i])
+            if self.is_block[i]:
+                rc += c.fwd + c.fwd_comm
+                act_rc += self.in_bytes[i] * frac
+                work = max(work, saved)
+                parts.append((c.fwd + c.fwd_comm + stage_host_seconds(self, i, i + 1, dtype).recompute, saved,
+                              self.in_bytes[i] * frac, float(self.own_params[i])))
+            else:
+                act_rc += saved
+            transient = max(transient, self.bwd_transient[i] * frac / t)
+        host = stage_host_seconds(self, a, e, dtype)  # host/framework time (cost_models/overhead.py)
+        f, b, rc = f + host.fwd, b + host.bwd, rc + host.recompute
+        params, biggest = self.range_params(a, e)
+        multi = float(sum(n for n, _, us in self.shared if any(a <= u < e for u in us)))
+        blocks = float(sum(self.own_params[i] for i in range(a, e) if self.is_block[i]))
+        base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
+                         any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
+                         extra, tp_max, multi_layer=multi, block_params=blocks, bwd_transient=transient,
+                         host_step=host.step, block_parts=tuple(parts))
+        return experts.adjust_base(self, a, e, dtype, n, t, base)
+
+    def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
+        """The intra-op ILP's per-layer pricer for a tensor-parallel group (None when it is switched off)."""
+        key = (dtype, self.group_sig(tp_group))
+        if key not in self._pricers:
+            self._pricers[key] = LayerPricer(self.graph, len(tp_group), dtype, self.cluster, tp_group,
+                                             self.intra_op_time_limit_s) if self.intra_op else None
+        return self._pricers[key]
+
+    # ---- options ------------------------------------------------------------------------------
+    def stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
+                    dp_group: tuple[int, ...], dp_sig: int | None = None, layerwise: bool = True,
+                    mixed_tp: bool = False) -> StageTimes:
+        """Per-micro-batch times and the per-step sync of a stage with option `opt` (pricing.py's docstring).
+        `dp_sig` is `group_sig(dp_group)` when the caller has it. Without `layerwise` (`plan.layerwise_stages`)
+        the runtime's ZeRO-2/3 is whole-step: one gather at the start of the step and one reduction after the
+        schedule, i.e. ZeRO-1's communication (and memory), priced so. `mixed_tp`: the stage's data-parallel
+        peers run at different tensor-parallel degrees (a tp per pipeline class), so the sync moves what
+        runtime/zero.py moves then: whole (unsharded) tensors among the groups' first ranks, after each group
+        gathers them and before it broadcasts the result (`_mixed_tp_sync`)."""
+        w, g, o = self.state.weights, self.state.grads, self.state.optimizer
+        t, D = len(tp_group), len(dp_group)
+        N = base.params / t + base.tp_extra
+        z = opt.zero if D > 1 else 0
+        if not layerwise:
+            z = min(z, 1)
+        key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
+        hit = self._memo.get(key) if not mixed_tp else self._mixed_tp_sync(base, tp_group, dp_group)
+        if hit is None:
+            # the stage's t data-parallel groups (one per tp rank) sync at once: they share the nodes' NICs
+            hit = self._memo[key] = (self.collective("all_gather", N * w, dp_group, t),
+                                     self.collective("reduce_scatter", N * g, dp_group, t),
+                                     self.collective("all_reduce", N * g, dp_group, t))
+        ag, rs, ar = hit  # type: ignore[misc]
+        host = self.specs[dtype].host_link
+        h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # host link: latency + bytes / bandwidth
+        rc_time, act, _, _ = recomputed(base, opt.recompute)
+        # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
+        a2a_f, a2a_b, moe_sync = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
+            else (0.0, 0.0, 0.0)
+        fc, bc = base.fwd_comm + a2a_f, base.bwd_comm + a2a_b
+        if z == 3:
+            fc, bc = fc + ag, bc + ag
+        if z >= 2:
+            bc += rs
+        if "params" in opt.offload:
+            fc, bc = fc + h2d(N * w), bc + h2d(N * w) + h2d(N * g)
+        if "activations" in opt.offload:
+            fc, bc = fc + h2d(act), bc + h2d(act)
+        sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync + base.host_step
+        local = N / D + (experts.zero_extra(self, base, D) if base.moe_layers else 0.0) if z >= 1 else N
+        if "optimizer" in opt.offload:
+            sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
+            sync += 2 * (w + g + o) * local / HOST_UPDATE_BANDWIDTH
+        else:
+            sync += 2 * (w + g + o) * local / self.models[dtype].bandwidth
+        fwd = base.fwd + fc
+        bwd = base.bwd + bc + rc_time
+        streamed = "params" in opt.offload
+        gather = (ag if z == 3 else 0.0) + (h2d(N * w) if streamed else 0.0)
+        reduce = (rs if z >= 2 else 0.0) + (h2d(N * g) if streamed else 0.0)
+        return StageTimes(fwd, bwd, fc + bc, sync, gather, reduce)
+
+    def _mixed_tp_sync(self, base: StageBase, tp_group: tuple[int, ...], dp_group: tuple[int, ...]
+                       ) -> tuple[float, float, float]:
+        """(all-gather, reduce-scatter, all-reduce) seconds of a stage whose data-parallel peers differ in
+        tensor-parallel degree: runtime/zero.py reduces whole tensors (all of the stage's parameters, E)
+        among the groups' first ranks, once (not t groups at once), and a tp group first gathers its shards
+        (all-gather of E g over it) and then broadcasts the result to its ranks (as much again)."""
+        w, g = self.state.weights, self.state.grads
+        E = float(base.params)
+        inner = 2 * self.collective("all_gather", E * g, tp_group)
+        return (self.collective("all_gather", E * w, dp_group) + inner,
+                self.collective("reduce_scatter", E * g, dp_group) + inner,
+                self.collective("all_reduce", E * g, dp_group) + inner)
+
+    def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
+        """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py)."""
+        return stage_memory(self, base, opt, tp, dp, layerwise)
+
+
+__all__ = ["HOST_UPDATE_BANDWIDTH", "CostModel", "Option", "StageBase", "StageTimes", "inflight_closed_form"]
