@@ -128,7 +128,14 @@ class ConfigBounds:
         n = max(1, cm.B // len(cfg.pipelines) // m)
         k = -(-cm.num_blocks // p)
         g = -(-k // v)
-        return min(self._device_bound(slots[q], k, g, m, n, v == 1) for q in range(p))
+        # a position with fewer micro-batches in flight and no less memory cannot have a higher bound: per
+        # kind of position, only the one with the fewest in flight is evaluated
+        fewest: dict[tuple, Slot] = {}
+        for slot in slots[:p]:
+            kind = (slot.dtype, slot.sigs, slot.layerwise, slot.mixed_tp, slot.budget)
+            if kind not in fewest or slot.inflight < fewest[kind].inflight:
+                fewest[kind] = slot
+        return min(self._device_bound(slot, k, g, m, n, v == 1) for slot in fewest.values())
 
     def _device_bound(self, slot: Slot, k: int, g: int, m: int, n: int, with_sync: bool) -> float:
         key = (slot.dtype, slot.sigs, slot.layerwise, slot.inflight, slot.budget, k, g, m, n, with_sync)

@@ -12,8 +12,11 @@ program (runtime/asynchronous.py, priced by solver/async_memory.py).
   the count is p - s, not m (`flushless_inflight`).
 
 The caller decides whether the flushless schedule is what runs (runtime/flushless.py
-`flushless_problems`; the solver does not import the runtime) and adds `flushless_version_bytes` to the
-asynchronous peak of each device, using `flushless_inflight` for the in-flight count.
+`flushless_problems`, through runtime/asynchronous.py `runs_flushless`; the solver does not import the
+runtime) and passes `async_memory(..., flushless=True)`, which adds `flushless_version_bytes` to each
+device's peak and uses `flushless_inflight` for the in-flight count (measured within 15%:
+tests/test_async_memory.py, bench/memory.py). ZeRO-1 keeps both versions on every replica (each holds the
+stage's full weights); under tensor parallelism each rank's versions are its local shards.
 """
 
 from __future__ import annotations

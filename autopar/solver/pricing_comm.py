@@ -78,11 +78,16 @@ class CommPricing:
 
     def boundary_send(self, nbytes: float, src: int, dst: int) -> float:
         """Send seconds of a stage boundary as the search plans it (compressed where `compress_choice` says)."""
-        return self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst))
+        if src == dst:
+            return 0.0
+        return self.memoised(("boundary", nbytes, src, dst),
+                             lambda: self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst)))
 
     def stage_send(self, nbytes: float, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         """`boundary_send` between the tensor-parallel groups of two consecutive stages, times
         `boundary_copies`: what one rank of the smaller group sends into a larger one."""
+        if len(src) == len(dst):
+            return self.boundary_send(nbytes, src[0], dst[0])
         return self.boundary_send(nbytes, src[0], dst[0]) * boundary_copies(src, dst)
 
 

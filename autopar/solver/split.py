@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,6 +159,36 @@ def _pareto(states: list[tuple]) -> list[tuple]:
         if not any(k[1] <= st[1] and k[2] <= st[2] and k[3] <= st[3] for k in kept):  # k[0] <= st[0]: sorted
             kept.append(st)
     return kept
+
+
+def _largest(ok: Callable[[int], bool], lo: int, hi: int, guess: int) -> int | None:
+    """The largest e in [lo, hi] with ok(e), for ok true up to some point and false after it; None when
+    ok(lo) is false. Gallops from `guess` (clamped) and bisects the bracket it finds."""
+    if lo > hi:
+        return None
+    g = min(max(guess, lo), hi)
+    if ok(g):
+        good, step = g, 1
+        while good < hi and ok(min(good + step, hi)):
+            good, step = min(good + step, hi), step * 2
+        bad = min(good + step, hi + 1)  # ok(bad) false, or past hi
+    else:
+        bad, step = g, 1
+        while bad > lo:
+            cand = max(bad - step, lo)
+            if ok(cand):
+                break
+            bad, step = cand, step * 2
+        else:
+            return None
+        good = cand
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 class Splitter:
@@ -303,14 +334,13 @@ class Splitter:
                 fwd_pre[r], bwd_pre[r] = pf, pb
             lo, hi = (cm.L, cm.L) if j == S - 1 else (a + 1, cm.L - (S - 1 - j))
             ends = self._ends(slot, a, m, n, held[r])
-            if lo > hi or not fits(lo):
+            # the largest e that fits (stage costs grow with the range), searched from the previous stage's
+            # size outwards: stages of a balanced split are alike, so a few probes find it
+            size = out[-1][1] - out[-1][0] if out else -(-cm.L // S)
+            got = _largest(fits, lo, hi, a + size)
+            if got is None:
                 return None
-            while lo < hi:  # the largest e that fits: stage costs grow with the range
-                mid = (lo + hi + 1) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = got
             c = ends[lo]
             assert c is not None
             held[r] = held[r].add(c.memory, slot.inflight)
@@ -355,6 +385,9 @@ class Splitter:
             return self._simulated_best([self._exact(slots, m, n, best), self.even(slots, m, n, chunks)],
                                         slots, share, m, schedule, chunks, cutoff)
         hi = best.surrogate
+        even = None if fast else self.even(slots, m, n, chunks)
+        if even is not None:  # Megatron's split, where it fits, is a tighter start than the memory-only one
+            hi = min(hi, even.surrogate)
         while hi - lo > 1e-3 * hi:  # the surrogate only guides the split; 0.1% is plenty
             mid = (lo + hi) / 2
             got = self.greedy(slots, mid, m, n, chunks)
@@ -366,8 +399,7 @@ class Splitter:
                     best = got
         if fast:
             return best
-        return self._simulated_best([best, self.even(slots, m, n, chunks)], slots, share, m, schedule, chunks,
-                                    cutoff)
+        return self._simulated_best([best, even], slots, share, m, schedule, chunks, cutoff)
 
     def even(self, slots: list[Slot], m: int, n: int, chunks: int) -> Split | None:
         """Megatron's split: the repeated blocks evenly over the stages (the first ones one more when they
