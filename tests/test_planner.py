@@ -7,7 +7,6 @@ import functools
 import itertools
 import json
 import math
-import time
 import warnings
 
 import pytest
@@ -354,22 +353,22 @@ def test_time_limit_returns_best_so_far_with_warning() -> None:
 
 
 def test_gpt_1_3b_on_8_a100() -> None:
+    # planning time is measured in bench/planner.py, not asserted here: the search must complete (no
+    # time-limit warning) and give a plan that fits with a plausible utilisation
     c = gpt(device="meta", batch=64, **gpt_config("gpt-1.3b"))
-    start = time.perf_counter()
-    plan = autopar.plan(c.model, "1x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
-    assert time.perf_counter() - start < 30
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = autopar.plan(c.model, "1x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
     assert 0.3 < plan.predicted["mfu"] < 0.8
     assert max(plan.predicted["peak_memory_bytes"].values()) < 80 * 2**30 * 0.9
 
 
 @pytest.mark.slow
-def test_gpt3_175b_on_1024_a100_under_a_minute() -> None:
+def test_gpt3_175b_on_1024_a100_completes() -> None:
     c = gpt(device="meta", batch=1536, **gpt_config("gpt3-175b"))
-    start = time.perf_counter()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no time-limit warning: the search completes
+        warnings.simplefilter("error")  # no time-limit warning: the search completes (its time: bench/planner.py)
         plan = autopar.plan(c.model, "128x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
-    assert time.perf_counter() - start < 60
     assert plan.predicted["mfu"] > 0.3 and plan.world_size == 1024
 
 

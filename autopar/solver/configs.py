@@ -13,6 +13,9 @@ from .split import Unit
 
 CHUNKS = (2, 4)
 MICROBATCH_ENUMERATION = 32  # batch shares up to which every micro-batch size is tried
+# device types up to which pipelines spanning types ("mixed" groupings) also get a tp per type: with more,
+# the degree assignments multiply the configs (a 3-type cluster: 4x), so only by-type pipelines get them
+MIXED_TP_SPAN_TYPES = 2
 
 
 def divisors(n: int) -> list[int]:
@@ -52,11 +55,12 @@ def groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[U
 
 
 def mixed_tp_layouts(cm: CostModel) -> list[tuple[int, str, tuple[tuple[Unit, ...], ...]]]:
-    """By-type groupings with a tensor-parallel degree per device type (a tp per pipeline class), for
-    clusters of several types: every assignment of a degree to each type (dividing each of its nodes'
-    device counts) that does not give a slower type a higher degree than a faster one (peak FLOP/s at the
-    plan's precision) and is not one degree for all (`tp_units` covers those). (max degree, name, pipelines)
-    each; none for expert-parallel models (their expert groups assume one degree)."""
+    """Groupings with a tensor-parallel degree per device type, for clusters of several types (one type per
+    node): every assignment of a degree to each type (dividing each of its nodes' device counts) with the
+    largest at most twice the smallest and not one degree for all (`tp_units` covers those), on by-type
+    pipelines (a tp per pipeline class) and, with at most MIXED_TP_SPAN_TYPES types, on pipelines spanning
+    types too. (max degree, name, pipelines) each; none for expert-parallel models (their expert groups
+    assume one degree)."""
     if experts.degree(cm) > 1:
         return []
     counts: dict[str, int] = {}
@@ -73,14 +77,15 @@ def mixed_tp_layouts(cm: CostModel) -> list[tuple[int, str, tuple[tuple[Unit, ..
     names = sorted(counts, key=lambda k: -speed[k])
     out = []
     for degrees in itertools.product(*(divisors(counts[k]) for k in names)):
-        if len(set(degrees)) == 1:
+        if len(set(degrees)) == 1 or max(degrees) > 2 * min(degrees):
             continue
         tp = dict(zip(names, degrees, strict=True))
         units = [tuple(node.devices[i:i + tp[cm.cluster.devices[node.devices[0]].spec.name]])
                  for node in cm.cluster.nodes
                  for i in range(0, len(node.devices), tp[cm.cluster.devices[node.devices[0]].spec.name])]
         label = ",".join(f"{k}:{tp[k]}" for k in names)
-        out += [(max(degrees), f"{name} tp={label}", pipes) for name, pipes in groupings(cm, units)]
+        out += [(max(degrees), f"{name} tp={label}", pipes) for name, pipes in groupings(cm, units)
+                if name == "by-type" or len(names) <= MIXED_TP_SPAN_TYPES]
     return out
 
 
@@ -119,5 +124,5 @@ def microbatch_count(share: int, b: int, ranks: int, schedule: str) -> int | Non
     return m if m <= share else None
 
 
-__all__ = ["CHUNKS", "MICROBATCH_ENUMERATION", "config_microbatch_sizes", "divisors", "groupings",
-           "microbatch_count", "microbatch_sizes", "mixed_tp_layouts", "schedules", "tp_units"]
+__all__ = ["CHUNKS", "MICROBATCH_ENUMERATION", "MIXED_TP_SPAN_TYPES", "config_microbatch_sizes", "divisors",
+           "groupings", "microbatch_count", "microbatch_sizes", "mixed_tp_layouts", "schedules", "tp_units"]

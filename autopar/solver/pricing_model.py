@@ -376,10 +376,14 @@ class CostModel(CommPricing):
         (all-gather of E g over it) and then broadcasts the result to its ranks (as much again)."""
         w, g = self.state.weights, self.state.grads
         E = float(base.params)
-        inner = 2 * self.collective("all_gather", E * g, tp_group)
-        return (self.collective("all_gather", E * w, dp_group) + inner,
-                self.collective("reduce_scatter", E * g, dp_group) + inner,
-                self.collective("all_reduce", E * g, dp_group) + inner)
+
+        def compute() -> tuple[float, float, float]:
+            inner = 2 * self.collective("all_gather", E * g, tp_group)
+            return (self.collective("all_gather", E * w, dp_group) + inner,
+                    self.collective("reduce_scatter", E * g, dp_group) + inner,
+                    self.collective("all_reduce", E * g, dp_group) + inner)
+
+        return self.memoised(("dp-mixed-tp", E, self.group_sig(tp_group), self.group_sig(dp_group)), compute)
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
         """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py)."""

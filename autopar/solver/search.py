@@ -5,12 +5,14 @@ Formulation
 Given the coarse layer chain 0..L-1 (prologue, blocks, epilogue), a cluster of devices and the global
 batch B, choose
 
-    t                tensor-parallel degree (divides every node's device count: tp stays inside a node)
+    t                tensor-parallel degree (divides every node's device count: tp stays inside a node), one
+                     for the plan or, on several device types, one per type (`configs.mixed_tp_layouts`)
     pipelines        a partition of the tp groups into D pipelines of p ranks each
     sigma, v         schedule (gpipe, 1f1b, interleaved_1f1b with v chunks per rank) and chunks
     b                micro-batch size (pipeline d runs m_d = ceil(s_d / min(b, s_d)) micro-batches)
     [a_j, e_j)       per pipeline, the layer range of each of its p*v stages
-    o_j              per stage, ZeRO level 0-3, recompute, CPU offload of optimizer/activations/params
+    o_j              per stage, ZeRO level 0-3, recompute (none, all, or the first k blocks), CPU offload of
+                     optimizer/activations/params
     c_j              per stage boundary, the dtype its sends travel in (compressed or not)
     s_d              per pipeline, its integer batch share
 
@@ -41,12 +43,17 @@ replica-major order (a replica on consecutive groups). On several types: "mixed"
 an equal slice of every type, its stages in cluster order, or with the types in reverse order for
 "mixed-reversed", so one pipeline spans device types and the split gives the faster ones more layers)
 and "by-type" pipelines (each on one device type; the batch split gives faster replicas more samples).
-Every config gets a valid lower
-bound on its step time (`_config_bound`): for a single pipeline class with X the work of its largest
-share at the fastest device type's per-sample cost, X/m / (1 - (1 - 1/m)^p) for gpipe/1f1b (the min
-over real stage splits of max_s [prefix forward + stage work]), max(X/p, X/m) for interleaved, and the
-throughput bound B / sum_d (p_d / w_d) for several classes. Configs are visited in increasing bound
-order and the search stops when the bound reaches the best simulated step (branch and bound).
+A tp per device type (`configs.mixed_tp_layouts`): every assignment of degrees to the types, within a
+factor 2 of each other, not all equal, on by-type pipelines (a tp per pipeline class) and, on two types,
+also on mixed ones (stages of one pipeline at different degrees; the runtime sends between them as
+runtime/program.py `_peers` says and `CostModel.stage_send` prices).
+Every config gets a valid lower bound on its step time, the larger of bounds.py's two (its docstring):
+the work bound (per-sample work at the cheapest option, with the pipeline bubble) when the config is
+built, and the memory bound (the device holding the most blocks must fit them: the cheapest options that
+do, relaxed to an LP over per-block costs) when it first comes up, the config going back into the queue
+if that raises its bound. Configs are visited in increasing bound order and the search stops when the
+bound reaches the best simulated step (branch and bound): the plan returned is optimal over the configs
+under their inner solves (the gap to every unsolved config's bound is >= 0).
 
 Inner, per config and pipeline class:
   * stage options (`split.Splitter.stage`): for a layer range, the option o_j minimising m c_j + sync_j
@@ -72,8 +79,9 @@ Inner, per config and pipeline class:
     in memory, or that lose to a greedy split's value, are left out of the domains). Splits are then
     re-solved at the chosen shares.
 Leaves: a config's candidate is simulated (each distinct replica once) only when its lower bound
-beats the incumbent (inside `Splitter.split` too: `cutoff`), and a new incumbent is priced in full by
-`pricing.price` (memory per device).
+beats the incumbent (inside `Splitter.split` too: `cutoff`); the incumbents are priced in full by
+`pricing.price` (memory per device) once the search ends, fastest first, the first that fits returned
+(`_best_priced`).
 
 Refinement (`_refine`): the configs simulating within REFINE_WINDOW of the best (at most REFINE) are
 solved again with the layer split and the per-stage options decided together instead of the option
@@ -81,8 +89,10 @@ ladder's fastest-fitting choice per range: with at most 64 splits, every split w
 each stage's non-dominated options (`Splitter.pareto`), simulated in bound order; otherwise, on chains
 of at most `split.STAGE_MODEL_LAYERS` layers, the CP-SAT stage model (stage_model.py, its formulation in
 its docstring), proven optimal for E within `split.STAGE_MODEL_TIME_S`; where neither applies (long chains:
-GPT-3's 98 layers), the dynamic program or the bisection above. The simulator judges: a refined plan
-replaces the incumbent only if it simulates (and prices) faster.
+GPT-3's 98 layers), the dynamic program or the bisection above. Then each stage recomputing all its
+blocks tries recomputing only its first k (selective.py: per ZeRO level and offload set, the fewest that
+fit, by bisection). The simulator judges: a refined plan replaces the incumbent only if it simulates
+faster.
 
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
 fixed, the batch split's CP-SAT runs single-threaded with a fixed seed and the stage model's 8 workers
@@ -184,6 +194,8 @@ class Search:
         self.bounds = ConfigBounds(cm, self.splitter)
         self._types: dict[int, tuple[tuple, list[tuple]]] = {}
         self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
+        self._entries: dict[tuple, tuple[tuple, int | None]] = {}  # `_share_table` entries
+        self._anchors: dict[tuple, tuple[tuple, tuple]] = {}  # `_share_table`'s solved shares
         # the last config's pipelines, its data-parallel groups and whether each mixes tensor-parallel degrees
         self._dp_cache: tuple[object, list[Unit], list[bool]] = (None, [], [])
         self.best_step = math.inf  # the incumbent's simulated step
@@ -321,27 +333,41 @@ class Search:
             sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
         solved: dict[int, tuple[list[Slot], Split | None, int]] = {}
         table: list[int | None] = [None]
+        exact = top <= SHARE_TABLE_EXACT
         for s in range(1, top + 1):
             m = microbatch_count(s, min(cfg.b, s), p, cfg.schedule)
             if m is None:
                 table.append(None)
                 continue
+            # with a split per share, an entry depends on the share and its micro-batch count, not on the
+            # micro-batch size that gave them: configs of one grouping and schedule share it
+            key = (id(cfg.pipelines), pipe, cfg.schedule, cfg.chunks, s, m)
+            hit = self._entries.get(key) if exact else None
+            if hit is not None and hit[0] is cfg.pipelines:
+                table.append(hit[1])
+                continue
             a = next(x for x in anchors if x >= s)
             if a not in solved:
                 ma = microbatch_count(a, min(cfg.b, a), p, cfg.schedule) or m
-                slots = self._slots(cfg, pipe, ma, False)  # several replica classes: never alike
-                # many shares: the table only guides CP-SAT, so the cheap bisection split does
-                split = self.splitter.split(slots, a, ma, cfg.schedule, cfg.chunks, cfg.bound,
-                                            fast=top > SHARE_TABLE_EXACT)
-                solved[a] = (slots, split, -(-a // ma))
+                anchor = (id(cfg.pipelines), pipe, cfg.schedule, cfg.chunks, a, ma)
+                hit_a = self._anchors.get(anchor)
+                if hit_a is None or hit_a[0] is not cfg.pipelines:
+                    slots = self._slots(cfg, pipe, ma, False)  # several replica classes: never alike
+                    # many shares: the table only guides CP-SAT, so the cheap bisection split does (from 0, not
+                    # the config's bound, so configs of one grouping and schedule share it)
+                    split = self.splitter.split(slots, a, ma, cfg.schedule, cfg.chunks, 0.0, fast=not exact)
+                    hit_a = self._anchors[anchor] = (cfg.pipelines, (slots, split, -(-a // ma)))
+                solved[a] = hit_a[1]
             slots, split, n_a = solved[a]
-            if split is None or (a != s and not self._fits(cfg, slots, split, m, -(-s // m))):
-                table.append(None)
-                continue
-            sends = [0.0 if j + 1 == len(slots) else
-                     cm.stage_send(c.out_bytes, pipe[j % p], pipe[(j + 1) % p])
-                     for j, (_, _, c) in enumerate(split.stages)]
-            table.append(round(surrogate([c.times for _, _, c in split.stages], sends, p, s / n_a) * 1e9))
+            value = None
+            if split is not None and (a == s or self._fits(cfg, slots, split, m, -(-s // m))):
+                sends = [0.0 if j + 1 == len(slots) else
+                         cm.stage_send(c.out_bytes, pipe[j % p], pipe[(j + 1) % p])
+                         for j, (_, _, c) in enumerate(split.stages)]
+                value = round(surrogate([c.times for _, _, c in split.stages], sends, p, s / n_a) * 1e9)
+            if exact:
+                self._entries[key] = (cfg.pipelines, value)
+            table.append(value)
         return table
 
     def _fits(self, cfg: Config, slots: list[Slot], split: Split, m: int, n: int) -> bool:

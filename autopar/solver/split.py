@@ -382,8 +382,11 @@ class Splitter:
                 return self._simulated_best([got, self.even(slots, m, n, chunks)], slots, share, m, schedule,
                                             chunks, cutoff)
         if not fast and chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
-            return self._simulated_best([self._exact(slots, m, n, best), self.even(slots, m, n, chunks)],
-                                        slots, share, m, schedule, chunks, cutoff)
+            even = self.even(slots, m, n, chunks)
+            # the dynamic program drops states whose term reaches the incumbent's: start from the better one
+            start = even if even is not None and even.surrogate < best.surrogate else best
+            return self._simulated_best([self._exact(slots, m, n, start), even], slots, share, m, schedule, chunks,
+                                        cutoff)
         hi = best.surrogate
         even = None if fast else self.even(slots, m, n, chunks)
         if even is not None:  # Megatron's split, where it fits, is a tighter start than the memory-only one
