@@ -6,6 +6,7 @@ runtime, which never imports them."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import time
@@ -56,6 +57,7 @@ def compile(
     weights: WeightsArg = None,
     sync: str = "sync",
     staleness: int | None = None,
+    reroute: bool | None = None,
 ) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -90,6 +92,13 @@ def compile(
     gradient one update stale) or "wsp" (HetPipe wave-synchronous, a pipeline at most `staleness` waves
     ahead of the slowest). They change the update rule to W[c+1] = W[c] - opt(grad L_c(W[c-D])), warned
     about (AsyncUpdateWarning); the program is an AsyncProgram (runtime/asynchronous.py).
+
+    `reroute` (None: on when the process was launched by `autopar run` without --max-restarts, which sets
+    AUTOPAR_REROUTE=1; True/False: on/off) makes a synchronous multi-rank program survive a lost rank without
+    a restart (runtime/reroute.py): it keeps one copy of each rank's state before every step, priced by the
+    cost model into `prog.plan.predicted["reroute"]` (solver/reroute_memory.py, shown by explain()); when
+    that copy does not fit, re-routing is off for the job, said on rank 0's stderr, and a lost rank stops it
+    (restart from the last checkpoint).
     """
     from .api import estimate, price_async
     from .api import plan as make_plan
@@ -215,7 +224,7 @@ def compile(
     # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)
     rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights, graph,
                              (capture_inputs, capture_target))
-    prog = rebuilder.wrap(prog)
+    prog = rebuilder.wrap(prog, reroute)
     if adapt:
         rebuild = lambda c: compile(
             model,
@@ -230,10 +239,11 @@ def compile(
             kernels=kernels,
             precision=precision,
             weights=weights,
+            reroute=reroute,
         )
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
         return AdaptiveProgram(prog, rebuild, cluster, policy,
-                               reshare=lambda p: rebuilder.wrap(rebuilder.build(p, rank, world)))
+                               reshare=lambda p: rebuilder.wrap(rebuilder.build(p, rank, world), reroute))
     return prog
 
 
@@ -252,26 +262,40 @@ class _Rebuilder:
     weights: WeightsArg
     graph: Any
     capture_args: tuple
+    cost_models: dict = field(default_factory=dict)
 
     def build(self, plan: Any, rank: int, world: int) -> Program:
         return Program(self.model, plan, self.inputs, self.target, self.loss_fn, self.optimizer, rank, world,
                        timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=self.graph)
 
-    def price(self, plan: Any) -> Any:
+    def cost_model(self, plan: Any) -> Any:
+        """The planner's cost model for `plan`'s cluster (one per cluster: a loss prices and copies on one)."""
         from .api import cost_model
+
+        key = (json.dumps(plan.cluster, sort_keys=True), plan.precision, plan.memory_reserve)
+        if key not in self.cost_models:
+            opt = self.optimizer if isinstance(self.optimizer, str) else "adamw"
+            self.cost_models[key] = cost_model(self.model, plan.cluster, *self.capture_args, self.loss_fn, opt,
+                                               plan.precision, plan.memory_reserve, self.kernels, captured=self.graph)
+        return self.cost_models[key]
+
+    def price(self, plan: Any) -> Any:
         from .solver.pricing import price
 
-        opt = self.optimizer if isinstance(self.optimizer, str) else "adamw"
-        cm = cost_model(self.model, plan.cluster, *self.capture_args, self.loss_fn, opt, plan.precision,
-                        plan.memory_reserve, self.kernels, captured=self.graph)
-        out = price(cm, plan).plan
+        out = price(self.cost_model(plan), plan).plan
         out.model = dict(plan.model)
         return out
 
-    def wrap(self, prog: Any) -> Any:
+    def price_copy(self, plan: Any) -> dict:
+        """Re-routing's pre-step state copy per device, and whether it fits (solver/reroute_memory.py)."""
+        from .solver.reroute_memory import reroute_memory
+
+        return reroute_memory(self.cost_model(plan), plan).block()
+
+    def wrap(self, prog: Any, on: bool | None = None) -> Any:
         from .runtime.reroute import wrap
 
-        return wrap(prog, self.build, self.price)
+        return wrap(prog, self.build, self.price, self.price_copy, on)
 
 
 # ---- elastic training --------------------------------------------------------------------------------------

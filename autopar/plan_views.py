@@ -106,6 +106,23 @@ def compute_description(precision: str, device: str = "") -> str:
     return f"{precision} throughout"
 
 
+def _reroute_line(block: dict | None) -> list[str]:
+    """Re-routing around a lost rank (runtime/reroute.py): off and why, or its pre-step copy per device."""
+    if not block:
+        return []
+    if not block.get("on"):
+        return [f"re-routing a lost rank: off ({block.get('why', '?')})"]
+    if block.get("fits") is None:
+        return [f"re-routing a lost rank: on, pre-step copy not priced ({block.get('error', '?')})"]
+    copies = {int(d): b for d, b in block.get("copy_bytes", {}).items()}
+    most = max(copies, key=copies.get, default=None)
+    head = (f"re-routing a lost rank: on; pre-step copy of each rank's state up to {fmt_bytes(copies[most])} "
+            f"(device {most}), " if most is not None else "re-routing a lost rank: on; ")
+    if block["fits"]:
+        return [head + "fits on top of every device's peak (predicted)"]
+    return [head + "DOES NOT FIT, so re-routing is off: " + " ".join(block.get("memory_problems") or [])]
+
+
 def explain(plan: Plan) -> str:
     pr = plan.predicted
     names = plan.device_names()
@@ -132,7 +149,7 @@ def explain(plan: Plan) -> str:
                      f"{pr['tflops_per_device']:.4g} TFLOP/s per device, MFU {100 * pr['mfu']:.1f}%, "
                      f"pipeline bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%"
                      + _idle_tail(pr))
-    lines += _cost_and_idle(pr, names) + _async_line(pr.get("async"))
+    lines += _cost_and_idle(pr, names) + _async_line(pr.get("async")) + _reroute_line(pr.get("reroute"))
     if plan.experts:
         ex = plan.experts
         lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"

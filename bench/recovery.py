@@ -14,14 +14,16 @@ checkpoint; step = the first step after resuming; total = kill -> first step don
 completed before the kill that had to be trained again (those after the last checkpoint).
 
 Re-routing (no restart; `autopar run` without --max-restarts, runtime/reroute.py): 4 local gloo processes
-train the same GPT under dp=2 x pp=2 with `autopar.compile`; rank `dying` SIGKILLs itself after step
-`die_after`; the survivors re-route its pipeline's micro-batches to the other pipeline and go on. Columns:
+train the same GPT under dp=2 x pp=2 or dp=2 x tp=2 with `autopar.compile`; rank `dying` SIGKILLs itself
+after step `die_after`; the survivors re-route its pipeline's micro-batches to the other pipeline and go
+on. Columns:
 steps_lost (completed steps trained again: 0 when the failed step is redone from the state before it),
 detect_s (kill -> the failure diagnosed on the survivors, LOST_AFTER_S of heartbeat watching included),
 rebuild_s (agreement, new process group, re-pricing, new program), resume_s = kill -> the redone step
 done; samples/s measured before and after the loss against each plan's prediction (a prediction, from the
 cost model of the stand-in devices: `after_vs_predicted / before_vs_predicted` removes the model's
-constant offset on this machine). Written to bench/results/recovery_reroute.json.
+constant offset on this machine); copy_MiB = the priced pre-step state copy re-routing holds (largest
+device, solver/reroute_memory.py). Written to bench/results/recovery_reroute.json.
 
 Run: cd bench && python recovery.py [--part restart|reroute|all]
 """
@@ -72,12 +74,17 @@ def _worker(root: str, every: int, die_after: int) -> int:
 
 
 REROUTE_STEPS = 8
-# (the rank that SIGKILLs itself, after this step): rank 2 holds stage 1 of pipeline 0; rank 0 stage 0 of
-# pipeline 0 (its process does not host the store under `autopar run`)
-REROUTE_SCENARIOS = [(2, 3), (0, 3)]
+# (the rank that SIGKILLs itself, after this step, strategy): under dp=2 x pp=2 rank 2 holds stage 1 of
+# pipeline 0, rank 0 stage 0 of pipeline 0 (its process does not host the store under `autopar run`); under
+# dp=2 x tp=2 rank 1 is the second tensor-parallel rank of pipeline 0 (rank 0, its tp peer, goes idle)
+REROUTE_SCENARIOS = [(2, 3, "dp=2,pp=2"), (0, 3, "dp=2,pp=2"), (1, 3, "dp=2,tp=2")]
 
 
-def _reroute_worker(root: str, dying: int, die_after: int) -> int:
+def _strategy(spec: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+
+
+def _reroute_worker(root: str, dying: int, die_after: int, spec: str) -> int:
     import signal
 
     import torch
@@ -87,8 +94,8 @@ def _reroute_worker(root: str, dying: int, die_after: int) -> int:
 
     case = models.gpt(**GPT, seed=0)
     prog = autopar.compile(case.model, os.environ["AUTOPAR_CLUSTER"], case.example_inputs, case.example_target,
-                           case.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-3), plan=autopar.Strategy(dp=2, pp=2),
-                           timeout_s=10)
+                           case.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                           plan=autopar.Strategy(**_strategy(spec)), timeout_s=10)
     rank = int(os.environ["RANK"])
     before = prog.plan.predicted.get("samples_per_s")
     ends = []
@@ -102,16 +109,18 @@ def _reroute_worker(root: str, dying: int, die_after: int) -> int:
         events = [{k: v for k, v in vars(e).items() if k != "plan"} for e in getattr(prog, "events", [])]
         Path(root, "reroute.json").write_text(json.dumps(
             {"ends": ends, "events": events, "predicted_before": before, "steps": prog.step_count,
-             "world": prog.world_size, "global_batch": prog.plan.global_batch}))
+             "world": prog.world_size, "global_batch": prog.plan.global_batch,
+             "copy_bytes": max((prog.plan.predicted.get("reroute") or {}).get("copy_bytes", {"-": 0}).values(),
+                               default=0)}))
     return 0
 
 
-def reroute_scenario(dying: int, die_after: int) -> dict[str, Any]:
+def reroute_scenario(dying: int, die_after: int, spec: str) -> dict[str, Any]:
     from autopar.runtime.run import run
 
     with tempfile.TemporaryDirectory(prefix="autopar-reroute-") as root:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        rc = run([__file__, "--reroute-worker", root, str(dying), str(die_after)], CLUSTER)
+        rc = run([__file__, "--reroute-worker", root, str(dying), str(die_after), spec], CLUSTER)
         if rc != 0:
             raise SystemExit(f"re-route scenario rank {dying} after step {die_after}: the job failed (exit {rc})")
         kill = json.loads(Path(root, "kill.json").read_text())
@@ -124,7 +133,7 @@ def reroute_scenario(dying: int, die_after: int) -> dict[str, Any]:
     after = rate(redo, len(ends) - 1)
     pred_after = ev["predicted_samples_per_s"]
     return {
-        "dying_rank": dying, "killed_after_step": kill["step"], "steps_done": r["steps"],
+        "strategy": spec, "dying_rank": dying, "killed_after_step": kill["step"], "steps_done": r["steps"],
         "steps_lost": kill["step"] - (ev["step"] - 1), "world_after": r["world"],
         "detect_s": ev["t_failed"] - kill["t_kill"], "rebuild_s": ev["t_rebuilt"] - ev["t_failed"],
         "resume_s": ev["t_resumed"] - kill["t_kill"],
@@ -132,6 +141,7 @@ def reroute_scenario(dying: int, die_after: int) -> dict[str, Any]:
         "predicted_before": r["predicted_before"], "predicted_after": pred_after,
         "before_vs_predicted": before / r["predicted_before"], "after_vs_predicted": after / pred_after,
         "after_vs_predicted_calibrated": (after / pred_after) / (before / r["predicted_before"]),
+        "copy_MiB": r["copy_bytes"] / 2**20,  # the priced pre-step copy after the loss, largest device
     }
 
 
@@ -162,14 +172,15 @@ def main_reroute() -> None:
     from common import print_table, write_results
 
     rows = []
-    for dying, die_after in REROUTE_SCENARIOS:
-        print(f"re-route scenario: rank {dying} SIGKILLs itself after step {die_after}", file=sys.stderr)
-        rows.append(reroute_scenario(dying, die_after))
-    cols = ["dying_rank", "killed_after_step", "steps_done", "steps_lost", "world_after", "detect_s", "rebuild_s",
-            "resume_s", "before_samples_per_s", "after_samples_per_s", "predicted_after", "after_vs_predicted",
-            "after_vs_predicted_calibrated"]
+    for dying, die_after, spec in REROUTE_SCENARIOS:
+        print(f"re-route scenario ({spec}): rank {dying} SIGKILLs itself after step {die_after}", file=sys.stderr)
+        rows.append(reroute_scenario(dying, die_after, spec))
+    cols = ["strategy", "dying_rank", "killed_after_step", "steps_done", "steps_lost", "world_after", "detect_s",
+            "rebuild_s", "resume_s", "before_samples_per_s", "after_samples_per_s", "predicted_after",
+            "after_vs_predicted", "after_vs_predicted_calibrated", "copy_MiB"]
     print_table(rows, cols)
-    summary = {"cluster": CLUSTER, "model": GPT, "strategy": "dp=2 x pp=2", "steps": REROUTE_STEPS,
+    summary = {"cluster": CLUSTER, "model": GPT, "strategies": sorted({r["strategy"] for r in rows}),
+               "steps": REROUTE_STEPS,
                "steps_lost": [r["steps_lost"] for r in rows],
                "median_resume_s": statistics.median(r["resume_s"] for r in rows),
                "median_after_vs_predicted": statistics.median(r["after_vs_predicted"] for r in rows),
@@ -205,14 +216,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=3, metavar=("DIR", "EVERY", "DIE_AFTER"),
                         help="(internal) run as one torchrun worker")
-    parser.add_argument("--reroute-worker", nargs=3, metavar=("DIR", "DYING", "DIE_AFTER"),
+    parser.add_argument("--reroute-worker", nargs=4, metavar=("DIR", "DYING", "DIE_AFTER", "STRATEGY"),
                         help="(internal) run as one worker of the re-route scenario")
     parser.add_argument("--part", choices=["restart", "reroute", "all"], default="all")
     args = parser.parse_args()
     if args.worker:
         sys.exit(_worker(args.worker[0], int(args.worker[1]), int(args.worker[2])))
     if args.reroute_worker:
-        sys.exit(_reroute_worker(args.reroute_worker[0], int(args.reroute_worker[1]), int(args.reroute_worker[2])))
+        w = args.reroute_worker
+        sys.exit(_reroute_worker(w[0], int(w[1]), int(w[2]), w[3]))
     if args.part in ("restart", "all"):
         main()
     if args.part in ("reroute", "all"):

@@ -5,6 +5,7 @@ split evenly) when no layout exists at all, with the numbers and fixes that work
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -42,7 +43,14 @@ def _unlimited(cluster: dict) -> dict:
     return {"nodes": groups}
 
 
-def test_the_issue_case_names_the_layout_constraint_and_fixes_that_work() -> None:
+def test_a_tp_per_device_type_places_the_issue_case() -> None:
+    # 2 H100 and 2 L4 groups at tp 4, 2 RTX-3090 groups at tp 2: three one-type pipelines of two stages
+    assert _plan(ISSUE_CLUSTER, batch=3) is None
+
+
+def test_the_issue_case_names_the_layout_constraint_and_fixes_that_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one tensor-parallel degree for the whole plan (as before degrees per device type were searched): no layout
+    monkeypatch.setattr(sys.modules["autopar.solver.search"], "mixed_tp_layouts", lambda cm: [])
     msg = _plan(ISSUE_CLUSTER, batch=3)
     assert msg is not None and not msg.startswith(MEMORY)
     assert "memory is not the constraint" in msg and "all 20 devices" in msg
@@ -92,7 +100,7 @@ def test_memory_is_blamed_exactly_when_memory_binds(cluster: dict, batch: int, l
         assert "replicas x stages" in msg and "To plan:" in msg, msg
 
 
-@pytest.mark.parametrize("cluster,batch", [("1x3xA100-80GB+1x2xT4", 1), ("1x1xA100-80GB+4x1xT4", 1)])
+@pytest.mark.parametrize("cluster,batch", [("1x5xA100-80GB+1x2xT4", 1), ("1x1xA100-80GB+4x1xT4", 1)])
 def test_a_subset_named_by_the_message_can_be_planned_on(cluster: str, batch: int) -> None:
     msg = _plan(cluster, batch)
     assert msg is not None and "memory is not the constraint" in msg

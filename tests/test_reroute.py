@@ -2,7 +2,7 @@
 (autopar/runtime/reroute.py), against single-process training.
 
 Also the worker script of the launcher tests: `autopar run --cluster 1x4xcpu tests/test_reroute.py worker
-OUT DP PP DEATHS STEPS` (DEATHS: rank:after_step pairs, e.g. 2:2 or 1:2,2:4).
+OUT DP PP DEATHS STEPS [TP]` (DEATHS: rank:after_step pairs, e.g. 2:2 or 1:2,2:4).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def test_uneven_shares_are_spread_in_proportion() -> None:
     ({"pp": 2}, {1}, "no data-parallel peer"),
     ({"dp": 2, "pp": 2, "m": 2}, {1, 2}, "no data-parallel peer"),
     ({"dp": 2, "zero": 1}, {1}, "ZeRO-1 partitions the optimizer state"),
-    ({"dp": 1, "tp": 2}, {1}, "tensor-parallel"),
+    ({"dp": 2, "tp": 2, "zero": 1}, {1}, "plan with zero=0"),
+    ({"dp": 1, "tp": 2}, {1}, "no data-parallel peer"),
+    ({"dp": 2, "tp": 2}, {1, 2}, "no data-parallel peer"),
 ])
 def test_no_peer_holding_the_state_falls_back_to_restart(spec: dict, lost: set, says: str) -> None:
     from autopar.runtime.reroute import without
@@ -87,7 +89,7 @@ def test_no_peer_holding_the_state_falls_back_to_restart(spec: dict, lost: set, 
 # ---- a real SIGKILL under `autopar run` -------------------------------------------------------------------
 
 
-def _worker(out: str, dp: int, pp: int, deaths: str, steps: int) -> int:
+def _worker(out: str, dp: int, pp: int, deaths: str, steps: int, tp: int = 1) -> int:
     """One worker of the launcher test (an ordinary training script: nothing in it knows about re-routing)."""
     import autopar
     from autopar import models
@@ -96,7 +98,7 @@ def _worker(out: str, dp: int, pp: int, deaths: str, steps: int) -> int:
     split = None if GPT["batch"] % dp == 0 else \
         [GPT["batch"] // dp + (1 if i < GPT["batch"] % dp else 0) for i in range(dp)]
     prog = autopar.compile(case.model, os.environ["AUTOPAR_CLUSTER"], case.example_inputs, case.example_target,
-                           case.loss_fn, _optimizer, plan=autopar.Strategy(dp=dp, pp=pp, batch_split=split),
+                           case.loss_fn, _optimizer, plan=autopar.Strategy(dp=dp, pp=pp, tp=tp, batch_split=split),
                            timeout_s=5)
     rank = int(os.environ["RANK"])
     die_after = dict(tuple(map(int, d.split(":"))) for d in deaths.split(",")).get(rank)
@@ -107,8 +109,13 @@ def _worker(out: str, dp: int, pp: int, deaths: str, steps: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
     sd = prog.state_dict()
     events = [dict(vars(e)) for e in getattr(prog, "events", [])]
+    # what this rank holds: its local tensors (tensor-parallel shards) and how each is laid out
+    held = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in prog.params.items()}
+    placements = {n: [x.dim if x.is_shard() else None for x in p.placements] if hasattr(p, "placements") else []
+                  for n, p in prog.params.items()}  # per mesh dimension: the tensor dimension it is cut on
     torch.save({"losses": losses, "model": sd["model"], "events": events, "plan": prog.plan.to_json(),
-                "world": prog.world_size, "rank": prog.rank}, Path(out) / f"rank{rank}.pt")
+                "world": prog.world_size, "rank": prog.rank, "held": held, "placements": placements},
+               Path(out) / f"rank{rank}.pt")
     return 0
 
 
@@ -215,4 +222,5 @@ def test_straggler_sheds_microbatches_and_still_matches_single_process() -> None
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    sys.exit(_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])))
+    sys.exit(_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]),
+                     *map(int, sys.argv[7:8])))

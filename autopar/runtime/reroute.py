@@ -16,32 +16,54 @@ store (each publishes its diagnosis and the step it was in; the union is taken).
 without a restart: every pipeline that lost a rank is dropped and its batch share is given to the
 surviving pipelines, which hold every layer (each pipeline tiles the whole model), in proportion to their
 shares (`without`). The surviving ranks of a dropped pipeline stay in the job as idle ranks (they take
-part in the loss all-reduce and `state_dict`). gloo groups cannot shrink, so the survivors destroy the
-process group and form a fresh one of world = survivors through the same store under a new prefix
-(`dist.regroup`), ranks renumbered in order; the new plan is re-priced (rank 0 prices it with the
-planner's cost model when compile gave a pricer, else its pipelines are re-simulated from the old stage
-times) and shown on rank 0's stderr, the Program is rebuilt for it and takes over the pre-step state
-(below), and the failed step is run again, on the same global batch. Later steps run on the new plan.
+part in the loss all-reduce and `state_dict`). Tensor-parallel plans are re-routed the same way when
+dp >= 2: every replica of a stage holds the same layers with its own tensor-parallel group's shards, so a
+surviving pipeline keeps its groups whole (a lost rank's tp peers are idle ranks of its dropped pipeline).
+gloo groups cannot shrink, so the survivors destroy the process group and form a fresh one of world =
+survivors through the same store under a new prefix (`dist.regroup`), ranks renumbered in order (each rank
+keeps its position in its tp group); the rebuilt Program makes its tp groups, data-parallel groups and
+device meshes from that world. The new plan is re-priced (rank 0 prices it with the planner's cost model
+when compile gave a pricer, else its pipelines are re-simulated from the old stage times) and shown on rank
+0's stderr, the Program is rebuilt for it and takes over the pre-step state (below), and the failed step
+is run again, on the same global batch. Later steps run on the new plan.
 `autopar run` (without --max-restarts) starts each worker as its own process sharing one store hosted by
 the launcher (launch.launch_workers), so that the survivors keep running when one dies (torchrun's agent
 would stop the whole group), and records a death the survivors absorbed, so the job still exits 0.
+Re-routing is on when `compile(reroute=True)`, or with reroute=None (the default) when the process was
+launched with AUTOPAR_REROUTE=1 (`enabled`: the runtime reading its own launch environment; `autopar run`
+without --max-restarts sets it). What is priced for it reaches the program from the cost model (below),
+never through the environment.
 
-**Falls back to restart.** When no pipeline survives whole (a pipeline-only job, or every replica lost a
-rank), when the dead rank's state exists nowhere else (ZeRO-1/2/3 partitions optimizer state or
-parameters across the replicas; tensor parallelism, expert parallelism and graph programs are not
-re-routed either), when the store is gone (it lives in rank 0's process unless a launcher hosts it), or
-when the survivors were not all in the same step, the PeerLostError is raised as before, saying why it was
-not re-routed: restart from the last checkpoint (`autopar.compiler.train` under `autopar run
---max-restarts K`, elastic.py).
+**Priced.** The pre-step copy (below) is one copy of what the rank keeps between steps, as it keeps it:
+its parameters (tensor-parallel shards stay shards), the optimizer state of the parameters it updates, its
+buffers, and the loss scaler, held from before the step to its end. `compile` hands `wrap` a pricer
+(`price_copy`, solver/reroute_memory.py on the plan's cost model: N(w + o) + buffers per device) and the
+program records its result as `plan.predicted["reroute"]`: "copy_bytes", "host_copy_bytes" and
+"peak_memory_bytes" (the step's predicted peak + the copy) per device, "fits", "memory_problems" (or
+{"on": False, "why"} when a loss would not be re-routed); `explain()` shows it. When the copy does not fit
+on some device, re-routing is off for the job, rank 0 says so on stderr naming the device and bytes, no
+copy is taken (no silent out-of-memory), and a lost rank stops the job with that reason: restart from the
+last checkpoint. The plan after a loss is priced again (its shares changed), for the next loss.
+
+**Falls back to restart.** When no pipeline survives whole (a pipeline-only job, a single-replica
+tensor-parallel job, or every replica lost a rank), when the dead rank's state exists nowhere else
+(ZeRO-1/2/3 partitions optimizer state, and gradients or parameters, across the replicas: the message says
+to plan with zero=0 for a job that survives a lost rank, or restart from the checkpoint; expert parallelism
+and graph programs are not re-routed either), when the pre-step copy is priced not to fit, when the store
+is gone (it lives in rank 0's process unless a launcher hosts it), or when the survivors were not all in
+the same step, the PeerLostError is raised as before, saying why it was not re-routed: restart from the
+last checkpoint (`autopar.compiler.train` under `autopar run --max-restarts K`, elastic.py).
 
 **Guaranteed equal.** No step is lost and none is applied twice: before every step each rank keeps a copy
-of its parameters, optimizer state, buffers and loss scaler (one extra copy of the rank's state in memory;
-not priced by the planner), and a failed step is redone on the new plan from that copy, so an optimizer
-that stepped before the failure showed (a stage whose own all-reduce finished) is rolled back. The
-redone step sees the same global batch and weights each micro-batch by size over it, so its update is the
-uninterrupted step's: equal up to floating-point summation order (different micro-batch grouping), as
-every plan of autopar equals single-device training. Only timing differs: detection (about LOST_AFTER_S
-plus the time until the failing collective), rebuilding the program, and the smaller cluster's speed.
+of its state (`Snapshot`, taken locally: no collective, shards as shards; priced above), and a failed step
+is redone on the new plan from that copy (`Snapshot.restore`: a rank of a surviving pipeline loads its own
+copy shard for shard), so an optimizer that stepped before the failure showed (a stage whose own
+all-reduce finished) is rolled back. The redone step sees the same global batch and weights each
+micro-batch by size over it, so its update is the uninterrupted step's: equal up to floating-point
+summation order (different micro-batch grouping), as every plan of autopar equals single-device training
+(tests/test_reroute.py at tp 1, tests/test_reroute_tp.py a dp=2 x tp=2 job against the same job
+uninterrupted, shard for shard). Only timing differs: detection (about LOST_AFTER_S plus the time until
+the failing collective), rebuilding the program, and the smaller cluster's speed.
 
 **Shedding.** A rank that is measured slower than the plan (straggler.py) gets the same rewrite without a
 loss: `reshare` gives every pipeline a batch share proportional to its measured speed (same global batch,
@@ -64,6 +86,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..cluster import Cluster
 from ..errors import PlanError
@@ -75,6 +98,9 @@ ENV = "AUTOPAR_REROUTE"  # "1": compile wraps synchronous programs in a Reroutin
 ABSORBED = "autopar/absorbed"  # key prefix in the launcher's store: launched ranks whose loss was re-routed
 Rebuild = Callable[[Plan, int, int], Any]  # (plan, rank, world) -> Program
 Price = Callable[[Plan], Plan]
+# (priced plan) -> its predicted["reroute"] block: the pre-step copy per device and whether it fits
+# (solver/reroute_memory.py, through compile's callback: the runtime does not import the planner)
+PriceCopy = Callable[[Plan], dict]
 
 
 # ---- plan rewrites ------------------------------------------------------------------------------------------
@@ -129,7 +155,10 @@ def lost_pipelines(plan: Plan, lost: set[int]) -> list[int]:
 
 
 def unsupported(plan: Plan) -> str | None:
-    """Why a rank lost under `plan` cannot be re-routed (its state would be lost), or None."""
+    """Why a rank lost under `plan` cannot be re-routed (its state would be lost), or None. Tensor parallelism
+    is re-routed: every data-parallel replica of a stage holds the same layers with its own tensor-parallel
+    group's shards, so a surviving pipeline keeps its shards (a pipeline-only or single-replica tp job has no
+    such peer and is refused by `without`)."""
     if plan.experts:
         return "expert parallelism spreads the experts' state over the replicas"
     if plan.graph:
@@ -138,10 +167,10 @@ def unsupported(plan: Plan) -> str | None:
         for st in p.stages:
             if st.zero > 0:
                 return (f"ZeRO-{st.zero} partitions the optimizer state{' and gradients' if st.zero > 1 else ''}"
-                        f"{' and parameters' if st.zero > 2 else ''} across the replicas, so a lost rank's "
-                        f"shard exists nowhere else")
-            if len(st.devices) > 1:
-                return "tensor-parallel stages are not re-routed (a lost rank's shards live on its group only)"
+                        f"{' and parameters' if st.zero > 2 else ''} across the data-parallel replicas, so the "
+                        f"lost rank's partition exists nowhere else; plan with zero=0 (e.g. "
+                        f"Strategy(..., zero=0)) for a job that survives a lost rank, or restart from the last "
+                        f"checkpoint (`autopar run --max-restarts K` with autopar.compiler.train)")
     return None
 
 
@@ -181,39 +210,94 @@ def simulated(plan: Plan, old: Plan) -> Plan:
 # ---- the state a failed step is redone from -----------------------------------------------------------------
 
 
+def _local_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of this rank's storage of `t` (a DTensor's local shard)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a shard copied by `_local_copy`) laid out as `target` is (a DTensor on the new mesh)."""
+    if isinstance(target, DTensor):
+        return DTensor.from_local(local.clone().to(target.to_local().device), target.device_mesh, target.placements,
+                                  run_check=False, shape=target.shape, stride=target.stride())
+    return local.clone().to(target.device)
+
+
 @dataclass
 class Snapshot:
-    """One rank's state before a step, in `Program.state_dict` form (canonical parameter names)."""
+    """One rank's state before a step, as the rank holds it: its parameters (tensor-parallel shards stay
+    shards, no collective), the optimizer state of those it updates, buffers and the loss scaler, under
+    canonical parameter names. `sharded` names the parameters whose copy is a tensor-parallel shard."""
 
     step: int
     params: dict[str, torch.Tensor]
     optimizer: dict[str, dict]
     buffers: dict[str, torch.Tensor]
     scaler: Any
+    sharded: set[str] = field(default_factory=set)
 
     @staticmethod
     def of(prog: Any) -> Snapshot:
-        z = prog.zero
-        return Snapshot(prog.step_count, {n: z.full_param(n) for n in prog.params},
-                        {n: z.full_opt_state(n, prog.optimizer) for n in prog.params},
-                        {n: b.detach().clone() for n, b in prog.buffers.items()}, copy.deepcopy(prog.amp.scaler))
+        z, opt = prog.zero, prog.optimizer
+        params, state = {}, {}
+        for n, p in prog.params.items():
+            st = z.state[n]
+            params[n] = _local_copy(st.host if st.released else p)
+            held = opt.state.get(z.opt_param(n), {}) if opt is not None and st.owned else {}
+            state[n] = {k: _local_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in held.items()}
+        return Snapshot(prog.step_count, params, state, {n: b.detach().clone() for n, b in prog.buffers.items()},
+                        copy.deepcopy(prog.amp.scaler), {n for n, p in prog.params.items() if isinstance(p, DTensor)})
 
-    def state_for(self, new: Any) -> dict:
-        """The full state `new` loads: this rank's own copy when it holds everything `new` keeps (a rank of a
-        surviving pipeline keeps its stages), else every survivor's copies merged (a collective)."""
-        params, opt, buffers = self.params, self.optimizer, self.buffers
-        mine = set(new.params) <= set(params) and set(new.buffers) <= set(buffers)
-        flag = torch.tensor([0.0 if mine else 1.0])
+    def restore(self, new: Any) -> None:
+        """Load this copy into `new`, the program rebuilt for the plan after a loss (a collective: every
+        survivor calls it). A rank of a surviving pipeline keeps its stages at the same tensor-parallel
+        position, so it loads its own copy shard for shard; otherwise (no rewrite of `without` does this)
+        the survivors' copies are merged into full state, which tensor-parallel shards cannot be."""
+        mine = set(new.params) <= set(self.params) and set(new.buffers) <= set(self.buffers) and all(
+            tuple(new.zero.state[n].host.shape if new.zero.state[n].released else
+                  (p.to_local() if isinstance(p, DTensor) else p).shape) == tuple(self.params[n].shape)
+            for n, p in new.params.items())
+        flags = torch.tensor([0.0 if mine else 1.0, 1.0 if self.sharded else 0.0])  # any rank: merge, shards
         if new.world_size > 1:
-            dist.all_reduce(flag)
-        if float(flag) > 0:
-            parts: list[Any] = [None] * new.world_size
-            dist.all_gather_object(parts, (params, opt, buffers))
-            params, opt, buffers = {}, {}, {}
-            for p, o, b in parts:
-                params.update(p)
-                opt.update(o)
-                buffers.update(b)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        merge, shards = (bool(f) for f in flags.tolist())
+        if merge and shards:
+            raise PeerLostError("the plan after the loss moves tensor-parallel shards between ranks, so the "
+                                "survivors' pre-step copies cannot be carried over: restart from the last "
+                                "checkpoint (`autopar run --max-restarts K` with autopar.compiler.train).")
+        if not merge:
+            self._load_own(new)
+        else:
+            new.load_state_dict(self._merged(new))
+        new.amp.scaler = self.scaler
+
+    def _load_own(self, new: Any) -> None:
+        z = new.zero
+        with torch.no_grad():
+            for n, p in new.params.items():
+                st = z.state[n]
+                if not st.released:
+                    (p.to_local() if isinstance(p, DTensor) else p).copy_(self.params[n])
+                if st.host is not None:
+                    st.host.copy_(self.params[n])
+                held = self.optimizer.get(n) or {}
+                if new.optimizer is not None and st.owned and held:
+                    target = z.opt_param(n)
+                    new.optimizer.state[target] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0
+                                                   else _like(target, v) if isinstance(v, torch.Tensor) else v
+                                                   for k, v in held.items()}
+            for n, b in new.buffers.items():
+                b.copy_(self.buffers[n])
+        new.step_count = self.step
+
+    def _merged(self, new: Any) -> dict:
+        parts: list[Any] = [None] * new.world_size
+        dist.all_gather_object(parts, (self.params, self.optimizer, self.buffers))
+        params, opt, buffers = {}, {}, {}
+        for p, o, b in parts:
+            params.update(p)
+            opt.update(o)
+            buffers.update(b)
         return {"model": {**buffers, **params}, "optimizer": opt, "step": self.step}
 
 
@@ -237,20 +321,54 @@ class RerouteEvent:
 class ReroutingProgram:
     """A Program that keeps training through a lost rank (see the module docstring); otherwise it behaves
     like the Program it wraps (`program`), whose attributes it forwards. `rebuild(plan, rank, world)` builds a
-    Program for a plan; `price(plan)` re-prices one (optional)."""
+    Program for a plan; `price(plan)` re-prices one (optional); `price_copy(plan)` prices the pre-step copy
+    (optional; `wrap`), recorded as `plan.predicted["reroute"]`: {"on": False, "why"} when a loss would not be
+    re-routed, else solver/reroute_memory.py's block ("copy_bytes", "peak_memory_bytes" per device, "fits",
+    "memory_problems"); a copy that does not fit turns re-routing off (`why_not`)."""
 
     program: Any
     rebuild: Rebuild
     price: Price | None = None
     devices: list[int] = field(default_factory=list)  # current rank -> launched rank
     events: list[RerouteEvent] = field(default_factory=list)
+    price_copy: PriceCopy | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
             self.devices = list(range(self.program.world_size))
-        self.why_not = "one process" if self.program.world_size == 1 else unsupported(self.program.plan)
+        predicted = self.program.plan.predicted
+        predicted.pop("reroute", None)  # priced here, for this job (a plan read back may carry an old block)
+        self.why_not = self._why_not(self.program.plan, self.program.world_size)
+        if self.why_not is not None:
+            predicted["reroute"] = {"on": False, "why": self.why_not}
+        elif self.price_copy is not None and "peak_memory_bytes" in predicted:  # a priced plan
+            box: list[Any] = [None]
+            if self.program.rank == 0:
+                box[0] = _copy_block(self.price_copy, self.program.plan)
+            dist.broadcast_object_list(box, src=0)
+            self.program.plan.predicted["reroute"] = box[0]
+            self.why_not = self._why_not(self.program.plan, self.program.world_size)
+            if self.why_not is not None and self.program.rank == 0:
+                print(f"autopar: re-routing around a lost rank is off for this job: {self.why_not}. A lost rank "
+                      f"stops it: restart from the last checkpoint (`autopar run --max-restarts K` with "
+                      f"autopar.compiler.train).", file=sys.stderr, flush=True)
         if self.why_not is None:
             watch_aborts(root_store(), f"autopar/reroute/{len(self.events)}/abort")
+
+    @staticmethod
+    def _why_not(plan: Plan, world: int) -> str | None:
+        """Why a loss under `plan` is not re-routed (None: it is): `unsupported`, or a pre-step copy priced
+        not to fit (`predicted["reroute"]`)."""
+        if world == 1:
+            return "one process"
+        why = unsupported(plan)
+        block = plan.predicted.get("reroute") or {}
+        if why is None and block.get("fits") is False:
+            problems = block.get("memory_problems") or ["(no details)"]
+            why = (f"the copy of each rank's state it keeps before every step does not fit in memory: "
+                   f"{' '.join(problems)} Free memory (recompute=True, more pipeline stages, offload=) for a job "
+                   f"that survives a lost rank")
+        return why
 
     def step(self, *inputs: Any, target: Any = None) -> float:
         snap = Snapshot.of(self.program) if self.why_not is None else None
@@ -288,8 +406,7 @@ class ReroutingProgram:
         regroup(store, f"autopar/reroute/{gen}/pg", rank, world, join_s)  # transfers keep their timeout_s
         plan = self._priced(plan, old.plan, rank)
         new = self.rebuild(plan, rank, world)
-        new.load_state_dict(snap.state_for(new))
-        new.amp.scaler = snap.scaler
+        snap.restore(new)
         gone = [self.devices[r] for r in lost]
         self.devices = [self.devices[r] for r in survivors]
         with contextlib.suppress(Exception):
@@ -303,7 +420,7 @@ class ReroutingProgram:
                   f"that hold the same layers, no restart (step {event.step} is redone on the new plan from "
                   f"the state before it). Plan after the loss:\n{event.plan}", file=sys.stderr, flush=True)
         self.program = new
-        self.why_not = "one process" if world == 1 else unsupported(plan)
+        self.why_not = self._why_not(plan, world)
         watch_aborts(root_store() if self.why_not is None else None, f"autopar/reroute/{gen + 1}/abort")
 
     def _priced(self, plan: Plan, old: Plan, rank: int) -> Plan:
@@ -311,11 +428,14 @@ class ReroutingProgram:
         box: list[Any] = [None]
         if rank == 0:
             try:
-                box[0] = (self.price(plan) if self.price is not None else simulated(plan, old)).to_json()
+                priced = self.price(plan) if self.price is not None else simulated(plan, old)
             except Exception as e:  # a plan that runs but cannot be priced still runs
                 print(f"autopar: could not price the plan after the loss ({e!r}); re-simulating it.",
                       file=sys.stderr)
-                box[0] = simulated(plan, old).to_json()
+                priced = simulated(plan, old)
+            if self.price_copy is not None and "peak_memory_bytes" in priced.predicted and unsupported(priced) is None:
+                priced.predicted["reroute"] = _copy_block(self.price_copy, priced)  # the next loss's copy
+            box[0] = priced.to_json()
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return Plan.from_json(box[0])
@@ -365,19 +485,33 @@ def absorbed(store: Any, ranks: list[int]) -> dict[int, dict]:
     return out
 
 
+def _copy_block(price_copy: PriceCopy, plan: Plan) -> dict:
+    """`price_copy(plan)`, or a block saying it could not be priced (re-routing then stays on, unpriced)."""
+    try:
+        return price_copy(plan)
+    except Exception as e:  # noqa: BLE001 - a copy that cannot be priced does not stop training
+        return {"on": True, "fits": None, "error": f"could not price the pre-step copy: {e!r}"}
+
+
 def enabled() -> bool:
+    """Whether this process was launched to survive a lost rank: AUTOPAR_REROUTE=1, which `autopar run`
+    (without --max-restarts) sets for its workers (launch.launch_workers). The runtime reads its own launch
+    environment here; what the planner prices comes to it as `compile(reroute=...)`, never through it."""
     return os.environ.get(ENV, "0") not in ("", "0")
 
 
-def wrap(program: Any, rebuild: Rebuild, price: Price | None = None) -> Any:
-    """`program` as a ReroutingProgram when re-routing is on (AUTOPAR_REROUTE=1, which `autopar run` sets)
-    and it is a plain synchronous multi-rank Program; otherwise `program` itself."""
+def wrap(program: Any, rebuild: Rebuild, price: Price | None = None, price_copy: PriceCopy | None = None,
+         on: bool | None = None) -> Any:
+    """`program` as a ReroutingProgram when re-routing is on (`on`; None: `enabled()`) and it is a plain
+    synchronous multi-rank Program; otherwise `program` itself. With `price_copy` the pre-step copy is priced
+    (collective: rank 0 prices it) into `program.plan.predicted["reroute"]`; a copy that does not fit turns
+    re-routing off for the job, saying so on rank 0's stderr (a lost rank then stops it with that reason)."""
     from .program import Program
 
-    if not enabled() or type(program) is not Program or program.world_size == 1:
+    if not (enabled() if on is None else on) or type(program) is not Program or program.world_size == 1:
         return program
-    return ReroutingProgram(program, rebuild, price)
+    return ReroutingProgram(program, rebuild, price, price_copy=price_copy)
 
 
-__all__ = ["ABSORBED", "ENV", "ReroutingProgram", "RerouteEvent", "Snapshot", "absorbed", "agree", "enabled",
-           "lost_pipelines", "proportional", "simulated", "unsupported", "with_shares", "without", "wrap"]
+__all__ = ["ABSORBED", "ENV", "PriceCopy", "ReroutingProgram", "RerouteEvent", "Snapshot", "absorbed", "agree",
+           "enabled", "lost_pipelines", "proportional", "simulated", "unsupported", "with_shares", "without", "wrap"]

@@ -3,7 +3,9 @@
 On a machine without GPUs every device of the cluster file becomes a local gloo process standing in for
 its device type, so a heterogeneous plan can be executed and checked here. Without --max-restarts the
 workers are plain processes sharing a store the launcher hosts (launch.launch_workers): when one dies the
-others re-route its micro-batches and keep training (reroute.py). With --max-restarts K they run under
+others re-route its micro-batches and keep training (reroute.py; each rank then keeps a copy of its state
+before every step, priced into `prog.plan.predicted["reroute"]`: where it does not fit, re-routing is off
+and a lost rank stops the job, so run such a job with --max-restarts). With --max-restarts K they run under
 torchrun's elastic agent, which restarts the whole group from the last checkpoint (elastic.py). For a
 cluster of several GPU nodes it prints the torchrun command to start on each node (or runs this node's
 share with --node-rank).

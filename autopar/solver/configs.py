@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 from . import experts
 from .pricing import CostModel
@@ -54,13 +55,14 @@ def groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[U
     return out
 
 
-def mixed_tp_layouts(cm: CostModel) -> list[tuple[int, str, tuple[tuple[Unit, ...], ...]]]:
+def mixed_tp_layouts(cm: Any) -> list[tuple[int, str, tuple[tuple[Unit, ...], ...]]]:
     """Groupings with a tensor-parallel degree per device type, for clusters of several types (one type per
     node): every assignment of a degree to each type (dividing each of its nodes' device counts) with the
     largest at most twice the smallest and not one degree for all (`tp_units` covers those), on by-type
     pipelines (a tp per pipeline class) and, with at most MIXED_TP_SPAN_TYPES types, on pipelines spanning
     types too. (max degree, name, pipelines) each; none for expert-parallel models (their expert groups
-    assume one degree)."""
+    assume one degree). `cm`: a cost model, or what infeasible.py's layout enumeration passes (cluster, B,
+    L, expert_parallel)."""
     if experts.degree(cm) > 1:
         return []
     counts: dict[str, int] = {}
@@ -72,9 +74,7 @@ def mixed_tp_layouts(cm: CostModel) -> list[tuple[int, str, tuple[tuple[Unit, ..
             counts[name] = math.gcd(counts.get(name, 0), len(node.devices))
     if len(counts) < 2:
         return []
-    speed = {cm.cluster.devices[d].spec.name: cm.cluster.devices[d].spec.flops(cm.precision)
-             for d in range(cm.cluster.world_size)}
-    names = sorted(counts, key=lambda k: -speed[k])
+    names = list(counts)  # cluster order
     out = []
     for degrees in itertools.product(*(divisors(counts[k]) for k in names)):
         if len(set(degrees)) == 1 or max(degrees) > 2 * min(degrees):

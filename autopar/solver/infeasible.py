@@ -37,13 +37,14 @@ def layouts(cm: Any, cluster: Cluster | None = None, B: int | None = None, L: in
             ) -> list[tuple[int, str, tuple]]:
     """(tp, grouping, pipelines) the search would enumerate on `cluster` with global batch B and L layers
     (default: the cost model's own), whatever memory says."""
-    from .search import divisors, groupings, tp_units
+    from .search import divisors, groupings, mixed_tp_layouts, tp_units
 
     shape = _Shape(cluster or cm.cluster, B or cm.B, L or cm.L, cm.expert_parallel)
     gcd = 0
     for node in shape.cluster.nodes:
         gcd = math.gcd(gcd, len(node.devices))
-    return [(t, name, pipes) for t in divisors(gcd) for name, pipes in groupings(shape, tp_units(shape, t))
+    uniform = [(t, name, pipes) for t in divisors(gcd) for name, pipes in groupings(shape, tp_units(shape, t))]
+    return [(t, name, pipes) for t, name, pipes in uniform + mixed_tp_layouts(shape)
             if experts.config_ok(shape, t, pipes)]
 
 
@@ -127,8 +128,10 @@ def layout_message(cm: Any) -> str:
            f"(the training state is {fmt_bytes(state)}). Every device must run one stage of one data-parallel "
            f"replica: {W} devices = replicas x stages x tp, with at most {cm.B} replica(s) (one sample of the "
            f"global batch of {cm.B} each), at most {cm.L} stages per replica (one layer of the model's {cm.L} "
-           f"at least each), tp dividing every node's device count ({', '.join(map(str, divisors(gcd)))}) and, "
-           f"on several device types, replicas holding equal slices of every type or pipelines of one type. "
+           f"at least each), tp dividing every node's device count ({', '.join(map(str, divisors(gcd)))}) or, "
+           f"on several device types, one per type (dividing its nodes' device counts, within a factor 2 of "
+           f"the others), and, on several device types, replicas holding equal slices of every type or "
+           f"pipelines of one type. "
            + "; ".join(_why_not(cm, t) for t in divisors(gcd)) + ".")
     fixes = []
     batch = next((b for b in range(cm.B + 1, W + 1) if layouts(cm, B=b)), None)
