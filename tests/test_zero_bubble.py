@@ -259,3 +259,28 @@ def test_zb_h1_trains_like_one_process_and_like_1f1b_on_4_ranks(results_4: list,
 @pytest.mark.parametrize("index", range(0, len(CASES_2), 2), ids=[f"{c[0]}-{c[2]}" for c in CASES_2[::2]])
 def test_zb_h1_trains_like_one_process_and_like_1f1b_on_2_ranks(results_2: list, index: int) -> None:
     _check(results_2, CASES_2, index)
+
+
+def test_zero_bubble_prices_the_second_recompute_its_w_runs() -> None:
+    """runtime/split_backward.py recomputes a stage's recomputed blocks in B and again in W: under zb_h1 a
+    recomputing stage's backward is priced one recompute (the 1F1B difference between recompute on and
+    off) longer than under 1F1B, that recompute in W; the first stage (whole backward in W) and stages
+    without recompute are priced as under 1F1B."""
+    from autopar.solver.pricing import price_strategy
+
+    from .test_planner import cm_for
+
+    cm = cm_for("1x2xA100-80GB", layers=4, batch=8, hidden=256, seq=128)
+
+    def stages(schedule: str, rc: bool) -> list[dict]:
+        plan = price_strategy(cm, Strategy(pp=2, microbatch_size=2, schedule=schedule, recompute=rc)).plan
+        return [st.predicted for st in plan.pipelines[0].stages]
+
+    plain, rc = stages("1f1b", False), stages("1f1b", True)
+    zb_plain, zb_rc = stages("zb_h1", False), stages("zb_h1", True)
+    recompute = rc[1]["bwd_s"] - plain[1]["bwd_s"]
+    assert recompute > 0
+    assert zb_plain[1]["bwd_s"] == pytest.approx(plain[1]["bwd_s"], rel=1e-12)
+    assert zb_rc[1]["bwd_s"] == pytest.approx(rc[1]["bwd_s"] + recompute, rel=1e-9)
+    assert zb_rc[1]["bwd_w_s"] - zb_plain[1]["bwd_w_s"] == pytest.approx(recompute, rel=1e-9)
+    assert zb_rc[0]["bwd_s"] == pytest.approx(rc[0]["bwd_s"], rel=1e-12)

@@ -128,8 +128,8 @@ from .pricing_plan import (
     rank_peak,
     tied_sync,
 )
-from .stage_memory import StageMemory, bucketed_gradients, runtime_note
-from .wgrad import wgrad_share
+from .stage_memory import StageMemory, bucketed_gradients, recomputed, runtime_note
+from .wgrad import wgrad_share, zero_bubble_backward
 
 
 @dataclass
@@ -158,7 +158,8 @@ def stage_option(stage: Stage, cm: CostModel | None = None) -> Option:
 
 
 def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]], layerwise: set[int],
-                  mixed_tp: set[int] = frozenset()) -> tuple[list[dict], list[tuple], list[StageMemory]]:
+                  mixed_tp: set[int] = frozenset(), split: bool = False
+                  ) -> tuple[list[dict], list[tuple], list[StageMemory]]:
     """Per stage of one pipeline: its predictions, the (fwd, fwd_small, bwd, bwd_small, send, sync) times
     for `lower_bound`, and its memory (`layerwise`: the stage indices whose ZeRO runs per layer; `mixed_tp`:
     those whose data-parallel peers differ in tensor-parallel degree, `CostModel.stage_times`)."""
@@ -180,17 +181,24 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
         send = (cm.send_time(base.out_bytes, st.devices[0], pipe.stages[j + 1].devices[0], st.compress)
                 * boundary_copies(tp_group, tuple(pipe.stages[j + 1].devices)) if j + 1 < len(pipe.stages) else 0.0)
         sync = tf.sync + tied[j]
-        vals.append((tf.fwd, ts.fwd, tf.bwd, ts.bwd, send, sync))  # (lower_bound reads the first six)
+        # under a zero-bubble schedule (`split`) B and W each recompute (wgrad.zero_bubble_backward)
+        bwd, bwd_w = (zero_bubble_backward(cm, st.layers[0], st.layers[1], dtype, tf.bwd,
+                                           recomputed(base, opt.recompute)[0], j == 0) if split
+                      else (tf.bwd, wgrad_share(cm, st.layers[0], st.layers[1], dtype) * tf.bwd))
+        bwd_small = ts.bwd if not (split and n_small) else zero_bubble_backward(
+            cm, st.layers[0], st.layers[1], dtype, ts.bwd,
+            recomputed(cm.base(st.layers[0], st.layers[1], dtype, full - 1, tp_group), opt.recompute)[0], j == 0)[0]
+        vals.append((tf.fwd, ts.fwd, bwd, bwd_small, send, sync))  # (lower_bound reads the first six)
         mems.append(cm.stage_memory(base, opt, len(tp_group), len(dp_group), j in layerwise))
         m_full = len(sizes) - n_small
-        preds.append({"fwd_s": tf.fwd, "bwd_s": tf.bwd, "fwd_small_s": ts.fwd, "bwd_small_s": ts.bwd,
+        preds.append({"fwd_s": tf.fwd, "bwd_s": bwd, "fwd_small_s": ts.fwd, "bwd_small_s": bwd_small,
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
                       "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group),
                       "gather_s": tf.gather, "reduce_s": tf.reduce,
                       # the weight-gradient part of bwd_s: a zero-bubble schedule's W (solver/wgrad.py)
-                      "bwd_w_s": wgrad_share(cm, st.layers[0], st.layers[1], dtype) * tf.bwd,
-                      "compute_s": m_full * (tf.fwd + tf.bwd - tf.comm)
-                      + n_small * (ts.fwd + ts.bwd - ts.comm),
+                      "bwd_w_s": bwd_w,
+                      "compute_s": m_full * (tf.fwd + bwd - tf.comm)
+                      + n_small * (ts.fwd + bwd_small - ts.comm),
                       "comm_s": m_full * tf.comm + n_small * ts.comm + sync
                       + len(sizes) * (send + (vals[j - 1][4] if j else 0.0))})
     return preds, vals, mems
@@ -234,7 +242,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
              cm.group_sig((st.devices[0], pipe.stages[j + 1].devices[0])) if j + 1 < len(pipe.stages) else -1)
             for j, st in enumerate(pipe.stages)))
         if key not in seen:
-            seen[key] = _stage_values(cm, pipe, dp_groups, layerwise, mixed_tp)
+            seen[key] = _stage_values(cm, pipe, dp_groups, layerwise, mixed_tp, plan.schedule in SPLIT_SCHEDULES)
         preds, vals, mems = seen[key]
         stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr),
                           sharding=stage_sharding(cm, st.layers[0], st.layers[1], devices[st.devices[0]].spec.name,

@@ -417,7 +417,8 @@ class Search:
             if key + (links,) not in distinct:
                 slots, split = splits[key]
                 small = share // m if share % m else 0
-                distinct[key + (links,)] = (share, m, self.splitter.values(slots, split, small, pipe))
+                zb = -(-share // m) if cfg.schedule in SPLIT_SCHEDULES else 0
+                distinct[key + (links,)] = (share, m, self.splitter.values(slots, split, small, pipe, zb))
         bound = 0.0
         for share, m, vals in distinct.values():
             bound = max(bound, lower_bound(vals, even_split(share, m), p, cfg.schedule in SPLIT_SCHEDULES))

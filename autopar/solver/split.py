@@ -23,7 +23,8 @@ from typing import NamedTuple
 from ..plan import even_split, simulated_step_time
 from ..schedule import SPLIT_SCHEDULES
 from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, rank_host, rank_peak, tied_sync
-from .wgrad import wgrad_share
+from .stage_memory import recomputed
+from .wgrad import wgrad_share, zero_bubble_backward
 
 # the offload sets tried; ("optimizer", "params") without activations wins where activations fit but
 # weights do not (tests/test_exhaustive_memory.py); ("params",) and ("activations", "params") are not tried
@@ -442,8 +443,9 @@ class Splitter:
         q, r = divmod(share, m)
         sizes = even_split(share, m)
         scored = []
+        zb = (q + (1 if r else 0)) if schedule in SPLIT_SCHEDULES else 0
         for k, split in enumerate(found):
-            vals = self.values(slots, split, q if r else 0)
+            vals = self.values(slots, split, q if r else 0, zero_bubble=zb)
             scored.append((lower_bound(vals, sizes, len(slots) // chunks, schedule in SPLIT_SCHEDULES), k, split, vals))
         scored.sort(key=lambda x: x[:2])
         best, best_step = scored[0][2], cutoff
@@ -516,7 +518,7 @@ class Splitter:
         for cuts in itertools.combinations(range(1, cm.L), S - 1):
             for stages in self._combos(slots, (0, *cuts, cm.L), m, n, chunks, pareto):
                 split = Split(stages, 0.0)
-                vals = self.values(slots, split, q if r else 0)
+                vals = self.values(slots, split, q if r else 0, zero_bubble=n if schedule in SPLIT_SCHEDULES else 0)
                 scored.append((lower_bound(vals, sizes, S // chunks, schedule in SPLIT_SCHEDULES), len(scored), split,
                                vals))
         if not scored:
@@ -568,10 +570,11 @@ class Splitter:
             stages.append((a, e, c))
         return Split(stages[::-1], value)
 
-    def values(self, slots: list[Slot], split: Split, small: int, pipe: tuple[Unit, ...] | None = None
-                ) -> list[tuple]:
+    def values(self, slots: list[Slot], split: Split, small: int, pipe: tuple[Unit, ...] | None = None,
+               zero_bubble: int = 0) -> list[tuple]:
         """`simulate_stages` times of `split` solved on `slots`, run on `pipe` (default: the slots' own
-        groups; another pipeline must have equivalent groups)."""
+        groups; another pipeline must have equivalent groups). `zero_bubble`: under a zero-bubble schedule,
+        the full micro-batch size (B and W each recompute, `wgrad.zero_bubble_backward`, as `price` prices)."""
         cm, vals = self.cm, []
         if pipe is None:
             pipe = tuple(slot.tp_group for slot in slots[:len({s.tp_group for s in slots})])
@@ -584,8 +587,14 @@ class Splitter:
                   if small else StageTimes(0.0, 0.0, 0.0, 0.0))
             last = j + 1 == len(slots)
             send = 0.0 if last else cm.stage_send(c.out_bytes, pipe[j % p], pipe[(j + 1) % p])
-            vals.append((c.times.fwd, ts.fwd, c.times.bwd, ts.bwd, send, c.times.sync + tied[j],
-                         wgrad_share(cm, a, e, slot.dtype) * c.times.bwd))  # zero-bubble W (wgrad.py)
+            bwd, bwd_w, bwd_small = c.times.bwd, wgrad_share(cm, a, e, slot.dtype) * c.times.bwd, ts.bwd
+            if zero_bubble and c.option.recompute:
+                rc = recomputed(cm.base(a, e, slot.dtype, zero_bubble, slot.tp_group), c.option.recompute)[0]
+                bwd, bwd_w = zero_bubble_backward(cm, a, e, slot.dtype, c.times.bwd, rc, j == 0)
+                if small:
+                    rc_small = recomputed(cm.base(a, e, slot.dtype, small, slot.tp_group), c.option.recompute)[0]
+                    bwd_small = zero_bubble_backward(cm, a, e, slot.dtype, ts.bwd, rc_small, j == 0)[0]
+            vals.append((c.times.fwd, ts.fwd, bwd, bwd_small, send, c.times.sync + tied[j], bwd_w))  # W: wgrad.py
         return vals
 
 

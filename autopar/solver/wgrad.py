@@ -62,4 +62,18 @@ def wgrad_share(cm: CostModel, a: int, e: int, dtype: str) -> float:
     return cm.memoised(("wgrad", cm.range_key(a, e), dtype), share)
 
 
-__all__ = ["wgrad_share"]
+def zero_bubble_backward(cm: CostModel, a: int, e: int, dtype: str, bwd: float, recompute_s: float,
+                         first: bool) -> tuple[float, float]:
+    """(backward seconds, their W part) of a stage of layers [a, e) under a zero-bubble schedule, from its
+    priced backward `bwd` (which includes `recompute_s`, its recomputed blocks' forward, once). B and W each
+    need the recomputed activations: runtime/split_backward.py recomputes in B and again in W, so the
+    backward is priced one recompute longer than under 1F1B, W being the weight-gradient share of the rest
+    plus that recompute. The pipeline's first stage sends no input gradient: its whole backward runs as one
+    (in W), with one recompute."""
+    share = wgrad_share(cm, a, e, dtype)
+    if first or recompute_s <= 0.0:
+        return bwd, share * bwd
+    return bwd + recompute_s, share * (bwd - recompute_s) + recompute_s
+
+
+__all__ = ["wgrad_share", "zero_bubble_backward"]
