@@ -80,16 +80,17 @@ def _case(tp: int) -> Any:
     return build("mlp", **MLP) if tp == 1 else models.gpt(layers=4, batch=8, seed=0)
 
 
-def _peaks(rank: int, world: int, tp: int) -> dict[bool, dict[str, Any]]:
+def _peaks(rank: int, world: int, tp: int, memory_gib: float | None = None) -> dict[bool, dict[str, Any]]:
     """Worker: per re-routing on/off, the peak over steps 2..STEPS (after the optimizer state exists), the
     priced copy of this rank and the bytes of what the rank holds between steps (its parameters' local
-    shards, their AdamW moments and its buffers)."""
+    shards, their AdamW moments and its buffers). `memory_gib`: on the small-device cluster of that capacity."""
     import autopar
 
     out = {}
     for on in (False, True):
         case = _case(tp)
-        prog = autopar.compile(case.model, f"1x{world}xcpu", case.example_inputs, case.example_target, case.loss_fn,
+        cluster = f"1x{world}xcpu" if memory_gib is None else _cluster(memory_gib)
+        prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
                                optimizer, plan=autopar.Strategy(dp=world // tp, tp=tp), reroute=on, timeout_s=60)
         prog.step(*case.example_inputs, target=case.example_target)  # AdamW state allocated
         gc.collect()
@@ -100,7 +101,7 @@ def _peaks(rank: int, world: int, tp: int) -> dict[bool, dict[str, Any]]:
         held = sum(12 * t.numel() for t in local) + sum(b.numel() * b.element_size() for b in prog.buffers.values())
         out[on] = {"peak": trace.peak_bytes, "trace": trace.summary(top=6), "held": held,
                    "block": prog.plan.predicted.get("reroute") or {}, "wrapped": type(prog).__name__,
-                   "explain": prog.plan.explain()}
+                   "explain": prog.plan.explain(), "why_not": getattr(prog, "why_not", None)}
         del prog
         gc.collect()
     return out
@@ -128,3 +129,15 @@ def test_measured_peak_grows_by_the_priced_copy(measured: tuple[int, list[dict]]
             f"rank {rank}: re-routing raised the measured peak by {grew} B, priced {priced} B; live at the peaks: "
             f"off {off['trace']} / on {on['trace']}")
         assert "re-routing a lost rank: on; pre-step copy" in on["explain"]
+
+
+def test_copy_that_does_not_fit_is_not_taken() -> None:
+    # the small devices of test_copy_that_does_not_fit_...: the job trains, re-routing off, and no copy is
+    # taken (the measured peak is the one without re-routing)
+    plan, _ = _estimate(_cluster())
+    gib = (plan.predicted["peak_memory_bytes"][0] + 6 * _n_params()) / 0.9 / 2**30
+    for rank, res in enumerate(spawn_local(_peaks, WORLD, 1, gib, timeout_s=240)):
+        on = res[True]
+        assert on["wrapped"] == "ReroutingProgram" and on["block"]["fits"] is False
+        assert "does not fit" in on["why_not"] and "device 0 (smallcpu)" in on["why_not"]
+        assert abs(on["peak"] - res[False]["peak"]) <= 0.05 * on["block"]["copy_bytes"][str(rank)], rank
