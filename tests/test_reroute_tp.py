@@ -11,6 +11,9 @@ import torch
 
 from .test_reroute import GPT, _launch, _optimizer
 
+# multi-process and minutes long: CI's second step (.ci/run, `-m slow`) runs it
+pytestmark = pytest.mark.slow
+
 
 def _shard_of(full: torch.Tensor, placements: list[int | None], index: int, tp: int) -> torch.Tensor:
     """The piece of `full` that tensor-parallel rank `index` of `tp` holds under `placements` (the dimension

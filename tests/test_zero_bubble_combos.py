@@ -39,6 +39,9 @@ from .runtime_cases import (
     work_of,
 )
 
+# multi-process and minutes long: CI's second step (.ci/run, `-m slow`) runs it
+pytestmark = pytest.mark.slow
+
 UNIT_ROUNDOFF_BF16 = 2.0**-8  # bf16: 8 significand bits
 # a loss scale at which the first fp16 step overflows and the next ones do not: one process training this
 # GPT on the same micro-batches under torch.amp.GradScaler skips exactly its first step from 2^20 (none from
