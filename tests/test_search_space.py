@@ -13,8 +13,11 @@ import itertools
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from autopar.plan import Strategy
+from autopar.solver.monotone import largest_true
 from autopar.solver.pricing import price, price_strategy
 from autopar.solver.search import Search, search
 
@@ -91,3 +94,17 @@ def test_config_bounds_never_exceed_a_priced_plan() -> None:
                 assert bounds[key] <= e.plan.predicted["step_time_s"] * (1 + 1e-9), (key, split, zero, rc)
                 checked += 1
     assert checked >= 20  # the memory budget leaves many layouts that fit, and many that do not
+
+
+@given(st.integers(0, 20), st.integers(-1, 25), st.integers(-3, 50), st.integers(-5, 60))
+def test_largest_true_finds_the_last_true_of_a_monotone_predicate(lo: int, span: int, last: int, guess: int) -> None:
+    hi = lo + span
+    asked: list[int] = []
+
+    def ok(e: int) -> bool:
+        asked.append(e)
+        return e <= last
+
+    expected = max((e for e in range(lo, hi + 1) if e <= last), default=None)  # a linear scan
+    assert largest_true(ok, lo, hi, guess) == expected
+    assert all(lo <= e <= hi for e in asked)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..plan import even_split, simulated_step_time
 from ..schedule import SPLIT_SCHEDULES
+from .monotone import largest_true
 from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, rank_host, rank_peak, tied_sync
 from .stage_memory import recomputed
 from .wgrad import wgrad_share, zero_bubble_backward
@@ -160,36 +160,6 @@ def _pareto(states: list[tuple]) -> list[tuple]:
         if not any(k[1] <= st[1] and k[2] <= st[2] and k[3] <= st[3] for k in kept):  # k[0] <= st[0]: sorted
             kept.append(st)
     return kept
-
-
-def _largest(ok: Callable[[int], bool], lo: int, hi: int, guess: int) -> int | None:
-    """The largest e in [lo, hi] with ok(e), for ok true up to some point and false after it; None when
-    ok(lo) is false. Gallops from `guess` (clamped) and bisects the bracket it finds."""
-    if lo > hi:
-        return None
-    g = min(max(guess, lo), hi)
-    if ok(g):
-        good, step = g, 1
-        while good < hi and ok(min(good + step, hi)):
-            good, step = min(good + step, hi), step * 2
-        bad = min(good + step, hi + 1)  # ok(bad) false, or past hi
-    else:
-        bad, step = g, 1
-        while bad > lo:
-            cand = max(bad - step, lo)
-            if ok(cand):
-                break
-            bad, step = cand, step * 2
-        else:
-            return None
-        good = cand
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if ok(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
 
 
 class Splitter:
@@ -338,7 +308,7 @@ class Splitter:
             # the largest e that fits (stage costs grow with the range), searched from the previous stage's
             # size outwards: stages of a balanced split are alike, so a few probes find it
             size = out[-1][1] - out[-1][0] if out else -(-cm.L // S)
-            got = _largest(fits, lo, hi, a + size)
+            got = largest_true(fits, lo, hi, a + size)
             if got is None:
                 return None
             lo = got
