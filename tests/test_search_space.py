@@ -108,3 +108,17 @@ def test_largest_true_finds_the_last_true_of_a_monotone_predicate(lo: int, span:
     expected = max((e for e in range(lo, hi + 1) if e <= last), default=None)  # a linear scan
     assert largest_true(ok, lo, hi, guess) == expected
     assert all(lo <= e <= hi for e in asked)
+
+
+def test_a_stopped_search_states_how_much_faster_a_plan_could_be() -> None:
+    """At the time limit the warning bounds what the unsolved configurations could still win; the complete
+    search's optimum respects that bound."""
+    cm = cm_for("1x2xA100-80GB+1x2xT4", layers=4, batch=8)
+    stopped = Search(cm, 0.0)  # stops after the first configuration that gives a plan
+    with pytest.warns(UserWarning, match=r"lower bounds allow one at most [0-9.]+% faster"):
+        early = stopped.run()
+    full = Search(cm, 600)
+    best = full.run()
+    assert full.gap == 0.0 and stopped.gap > 0.0
+    assert best.predicted["step_time_s"] >= early.predicted["step_time_s"] / (1 + stopped.gap) * (1 - 1e-9)
+    assert best.predicted["step_time_s"] <= early.predicted["step_time_s"]

@@ -201,6 +201,8 @@ class Search:
         self.best_step = math.inf  # the incumbent's simulated step
         self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
         self.refining = False  # splits by the CP-SAT stage model (`_refine`)
+        # best step / least lower bound of the configurations left unsolved, - 1: 0 when the search completes
+        self.gap = 0.0
 
     # -- configs --
     def _configs(self) -> list[Config]:
@@ -501,6 +503,7 @@ class Search:
                     continue
             if time.perf_counter() > self.deadline and self._incumbents:
                 stopped_early = True
+                unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
             step = self._consider(cfg)
             if step is not None:
@@ -521,10 +524,13 @@ class Search:
             if plain.plan.predicted["step_time_s"] <= best_step:
                 best = plain.plan
         if stopped_early:
+            # what the unsolved configurations could still win at most, by their lower bounds
+            self.gap = max(0.0, best_step / unsolved - 1) if unsolved > 0 else math.inf
             warnings.warn(f"planning stopped at the time limit ({self.time_limit_s:g} s) after {k} of "
                           f"{len(configs)} configurations; returning the best plan so far "
-                          f"({fmt_time(best_step)}/step). Raise time_limit_s for a possibly better one.",
-                          stacklevel=3)
+                          f"({fmt_time(best_step)}/step; the unsolved configurations' lower bounds allow one "
+                          f"at most {100 * (1 - 1 / (1 + self.gap)):.1f}% faster). Raise time_limit_s for a "
+                          f"possibly better one.", stacklevel=3)
         return best
 
     def _infeasible_message(self) -> str:
