@@ -23,7 +23,7 @@ from autopar.solver.search import Search, search
 
 from .test_planner import _custom, cm_for
 
-SEARCH = sys.modules["autopar.solver.search"]  # the module (autopar.solver exports the function as `search`)
+CONFIGS = sys.modules["autopar.solver.configs"]  # where the search's layouts come from
 SELECTIVE = dict(layers=8, batch=16, seq=128, hidden=256)
 
 
@@ -57,7 +57,7 @@ def test_planner_gives_device_types_their_own_tensor_parallel_degree(monkeypatch
     degrees = {len(st.devices) for pipe in mixed.pipelines for st in pipe.stages}
     assert degrees == {1, 2}
     assert price(cm, mixed).fits
-    monkeypatch.setattr(SEARCH, "mixed_tp_layouts", lambda cm: [])
+    monkeypatch.setattr(CONFIGS, "mixed_tp_layouts", lambda cm: [])
     uniform = search(cm)
     assert len({len(st.devices) for pipe in uniform.pipelines for st in pipe.stages}) == 1
     assert mixed.predicted["step_time_s"] < uniform.predicted["step_time_s"]

@@ -23,6 +23,23 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tp_degrees(cluster: Any) -> list[int]:
+    """The plan-wide tensor-parallel degrees: those dividing every node's device count (tp stays in a node)."""
+    gcd = 0
+    for node in cluster.nodes:
+        gcd = math.gcd(gcd, len(node.devices))
+    return divisors(gcd)
+
+
+def layouts(cm: Any) -> list[tuple[int, str, tuple[tuple[Unit, ...], ...]]]:
+    """Every (tp, grouping name, pipelines) the search enumerates, whatever memory says: one degree for the
+    plan (`tp_degrees`) or one per device type (`mixed_tp_layouts`), each grouping the experts admit
+    (`experts.config_ok`). `cm`: a cost model, or any object with its cluster, B, L and expert_parallel
+    (infeasible.py asks about other batches, depths and clusters)."""
+    uniform = [(t, name, pipes) for t in tp_degrees(cm.cluster) for name, pipes in groupings(cm, tp_units(cm, t))]
+    return [(t, name, pipes) for t, name, pipes in uniform + mixed_tp_layouts(cm) if experts.config_ok(cm, t, pipes)]
+
+
 def tp_units(cm: CostModel, t: int) -> list[Unit]:
     """The tensor-parallel groups of degree t: consecutive devices of one node."""
     return [tuple(node.devices[i:i + t]) for node in cm.cluster.nodes for i in range(0, len(node.devices), t)]
@@ -125,4 +142,5 @@ def microbatch_count(share: int, b: int, ranks: int, schedule: str) -> int | Non
 
 
 __all__ = ["CHUNKS", "MICROBATCH_ENUMERATION", "MIXED_TP_SPAN_TYPES", "config_microbatch_sizes", "divisors",
-           "groupings", "microbatch_count", "microbatch_sizes", "mixed_tp_layouts", "schedules", "tp_units"]
+           "groupings", "layouts", "microbatch_count", "microbatch_sizes", "mixed_tp_layouts", "schedules",
+           "tp_degrees", "tp_units"]

@@ -5,8 +5,8 @@ Two different reasons (`message`):
           replica, so world = replicas x stages x tp, with at most one replica per sample of the global
           batch, at most one stage per layer of the chain, tp dividing every node's device count (tp stays
           in a node) and, on several device types, replicas holding equal slices of every type ("mixed")
-          or pipelines of one type ("by-type"); `search.groupings` and `experts.config_ok` are the rules,
-          and they are checked here on the same code. Memory plays no part, so the message never blames it;
+          or pipelines of one type ("by-type"); `configs.layouts` (with `experts.config_ok`) is the rule,
+          checked here on the same code. Memory plays no part, so the message never blames it;
           it names the smallest global batch (and layer count) that would allow a layout and a subset of
           the cluster that can be planned on as it is.
   memory  layouts exist but no stage option fits a device's memory (or its node's host memory): what the
@@ -15,12 +15,11 @@ Two different reasons (`message`):
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 from ..cluster import Cluster
 from ..report import fmt_bytes
-from . import experts
+from . import configs, experts
 from .pricing_plan import offload_host_bytes
 
 
@@ -37,15 +36,7 @@ def layouts(cm: Any, cluster: Cluster | None = None, B: int | None = None, L: in
             ) -> list[tuple[int, str, tuple]]:
     """(tp, grouping, pipelines) the search would enumerate on `cluster` with global batch B and L layers
     (default: the cost model's own), whatever memory says."""
-    from .search import divisors, groupings, mixed_tp_layouts, tp_units
-
-    shape = _Shape(cluster or cm.cluster, B or cm.B, L or cm.L, cm.expert_parallel)
-    gcd = 0
-    for node in shape.cluster.nodes:
-        gcd = math.gcd(gcd, len(node.devices))
-    uniform = [(t, name, pipes) for t in divisors(gcd) for name, pipes in groupings(shape, tp_units(shape, t))]
-    return [(t, name, pipes) for t, name, pipes in uniform + mixed_tp_layouts(shape)
-            if experts.config_ok(shape, t, pipes)]
+    return configs.layouts(_Shape(cluster or cm.cluster, B or cm.B, L or cm.L, cm.expert_parallel))
 
 
 def _ranges(idx: list[int]) -> str:
@@ -93,19 +84,17 @@ def _best_subset(cm: Any) -> tuple[list[int], list[int]] | None:
 
 def _why_not(cm: Any, t: int) -> str:
     """Why tp=t has no layout: each replicas x stages factorisation of the tp groups and what breaks it."""
-    from .search import divisors, groupings, tp_units
-
     shape = _Shape(cm.cluster, cm.B, cm.L, cm.expert_parallel)
     U = cm.cluster.world_size // t
     types = len(cm.cluster.device_types())
     parts = []
-    for D in divisors(U):
+    for D in configs.divisors(U):
         p = U // D
         if D > cm.B:
             why = f"{D} replicas > batch {cm.B}"
         elif p > cm.L:
             why = f"{p} stages > {cm.L} layers"
-        elif not any(len(pipes) == D for _, pipes in groupings(shape, tp_units(shape, t))):
+        elif not any(len(pipes) == D for _, pipes in configs.groupings(shape, configs.tp_units(shape, t))):
             why = (f"the {types} device types do not split into {D} replicas with equal slices of each or "
                    f"into {p}-stage pipelines of one type")
         else:
@@ -117,22 +106,18 @@ def _why_not(cm: Any, t: int) -> str:
 
 def layout_message(cm: Any) -> str:
     """No layout covers the cluster (see the module docstring): the constraint, the numbers, the fixes."""
-    from .search import divisors
-
     cluster, W = cm.cluster, cm.cluster.world_size
-    gcd = 0
-    for node in cluster.nodes:
-        gcd = math.gcd(gcd, len(node.devices))
+    degrees = configs.tp_degrees(cluster)
     state = cm.graph.num_params() * cm.state.total
     msg = (f"no parallel layout uses all {W} devices of {cluster.describe()}; memory is not the constraint "
            f"(the training state is {fmt_bytes(state)}). Every device must run one stage of one data-parallel "
            f"replica: {W} devices = replicas x stages x tp, with at most {cm.B} replica(s) (one sample of the "
            f"global batch of {cm.B} each), at most {cm.L} stages per replica (one layer of the model's {cm.L} "
-           f"at least each), tp dividing every node's device count ({', '.join(map(str, divisors(gcd)))}) or, "
+           f"at least each), tp dividing every node's device count ({', '.join(map(str, degrees))}) or, "
            f"on several device types, one per type (dividing its nodes' device counts, within a factor 2 of "
            f"the others), and, on several device types, replicas holding equal slices of every type or "
            f"pipelines of one type. "
-           + "; ".join(_why_not(cm, t) for t in divisors(gcd)) + ".")
+           + "; ".join(_why_not(cm, t) for t in degrees) + ".")
     fixes = []
     batch = next((b for b in range(cm.B + 1, W + 1) if layouts(cm, B=b)), None)
     if batch is not None:

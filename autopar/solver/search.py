@@ -121,9 +121,9 @@ from .configs import (
     config_microbatch_sizes,
     divisors,
     groupings,
+    layouts,
     microbatch_count,
     microbatch_sizes,
-    mixed_tp_layouts,
     schedules,
     tp_units,
 )
@@ -207,14 +207,8 @@ class Search:
     # -- configs --
     def _configs(self) -> list[Config]:
         cm = self.cm
-        gcd = 0
-        for node in cm.cluster.nodes:
-            gcd = math.gcd(gcd, len(node.devices))
         out: list[Config] = []
-        layouts = [(t, name, pipes) for t in divisors(gcd) for name, pipes in groupings(cm, tp_units(cm, t))]
-        for t, name, pipes in layouts + mixed_tp_layouts(cm):
-            if not experts.config_ok(cm, t, pipes):
-                continue
+        for t, name, pipes in layouts(cm):
             p = len(pipes[0])
             for schedule, v in schedules(p, cm.L):
                 for b in config_microbatch_sizes(cm, pipes):
