@@ -154,7 +154,7 @@ class Cluster:
         import torch
 
         if torch.cuda.is_available():
-            names = [_catalog_name_for_gpu(torch.cuda.get_device_name(i), i)
+            names = [catalog_name_for_gpu(torch.cuda.get_device_name(i), i)
                      for i in range(torch.cuda.device_count())]
             groups: list[dict] = []
             for n in names:
@@ -512,7 +512,7 @@ def _host_memory(g: dict, where: str, spec: DeviceSpec, per: int) -> int:
                        allow_zero=True) * GiB)
 
 
-def _catalog_name_for_gpu(name: str, index: int) -> str | dict:
+def catalog_name_for_gpu(name: str, index: int) -> str | dict:
     """Map a CUDA device name ('NVIDIA A100-SXM4-80GB') to a catalog entry, else a custom spec.
 
     Every word of a catalog name (or alias) but its memory size and 'SXM' must be a word of the CUDA

@@ -21,11 +21,11 @@ ATTN_IMPLEMENTATION = "sdpa"
 
 def _case(model_cls: Any, config: Any, batch: int, seq: int, vocab: int, device: str | torch.device,
           seed: int, name: str) -> ModelCase:
-    from .models import ModelCase, _token_batch, building, lm_loss
+    from .models import ModelCase, building, lm_loss, token_batch
 
     with building(device, seed):
         model = model_cls(config)
-        ids, target = _token_batch(batch, seq, vocab)
+        ids, target = token_batch(batch, seq, vocab)
     model.train()
     return ModelCase(model, (ids,), lm_loss, target, name)
 

@@ -76,7 +76,9 @@ def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 
-def _token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random next-token batch for the language-model cases (here and hf_models.py): `(ids, target)`, each
+    `(batch, seq)`, target the ids shifted by one."""
     ids = torch.randint(0, vocab, (batch, seq + 1))
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
@@ -331,7 +333,7 @@ def gpt_config(name: str) -> dict[str, Any]:
 def _gpt_case(cfg: GPTConfig, batch: int, device: str | torch.device, seed: int, name: str) -> ModelCase:
     with building(device, seed):
         model = GPT(cfg)
-        idx, target = _token_batch(batch, cfg.seq, cfg.vocab)
+        idx, target = token_batch(batch, cfg.seq, cfg.vocab)
     return ModelCase(model, (idx,), lm_loss, target, name)
 
 
@@ -442,7 +444,7 @@ def llama(batch: int = 4, seq: int = 32, vocab: int = 128, hidden: int = 64, lay
                     ffn=ffn or _llama_ffn(hidden), tie_embeddings=tie_embeddings)
     with building(device, seed):
         model = Llama(cfg)
-        idx, target = _token_batch(batch, seq, vocab)
+        idx, target = token_batch(batch, seq, vocab)
     return ModelCase(model, (idx,), lm_loss, target, "llama")
 
 

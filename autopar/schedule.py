@@ -196,9 +196,10 @@ class Schedule:
 
 # ----------------------------------------------------------------------------------------------- generators
 
-def _with_comms(name: str, num_stages: int, num_microbatches: int, stage_to_rank: Sequence[int],
+def with_comms(name: str, num_stages: int, num_microbatches: int, stage_to_rank: Sequence[int],
                 compute: dict[int, list[tuple[str, int, int]]]) -> Schedule:
-    """Build a schedule from per-rank compute orders, inserting transfers and one ALLREDUCE per stage."""
+    """Build a schedule from per-rank compute orders, inserting transfers and one ALLREDUCE per stage (the
+    generators here and schedule_waves.py build on it)."""
     s2r = tuple(stage_to_rank)
     last = num_stages - 1
     actions: dict[int, list[Action]] = {}
@@ -239,11 +240,12 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     mbs = range(num_microbatches)
     compute = {s: [("F", s, m) for m in mbs] + [("B", s, m) for m in mbs] for s in range(num_stages)}
-    return _with_comms("gpipe", num_stages, num_microbatches, range(num_stages), compute)
+    return with_comms("gpipe", num_stages, num_microbatches, range(num_stages), compute)
 
 
-def _one_f_one_b_orders(p: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
-    """Per stage, 1F1B's compute order: min(p-s-1, m) warm-up forwards, then alternate F/B, then drain the Bs."""
+def one_f_one_b_orders(p: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Per stage, 1F1B's compute order: min(p-s-1, m) warm-up forwards, then alternate F/B, then drain the Bs
+    (`one_f_one_b`, `zb_h1` and schedule_waves.py's waves start from it)."""
     compute: dict[int, list[tuple[str, int, int]]] = {}
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -258,8 +260,8 @@ def _one_f_one_b_orders(p: int, m: int) -> dict[int, list[tuple[str, int, int]]]
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """PipeDream-flush 1F1B: min(p-s-1, m) warm-up forwards, then alternate F/B, then drain the Bs."""
     _check_sizes(num_stages, num_microbatches)
-    return _with_comms("1f1b", num_stages, num_microbatches, range(num_stages),
-                       _one_f_one_b_orders(num_stages, num_microbatches))
+    return with_comms("1f1b", num_stages, num_microbatches, range(num_stages),
+                       one_f_one_b_orders(num_stages, num_microbatches))
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -275,7 +277,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     compute: dict[int, list[tuple[str, int, int]]] = {}
-    for s, order in _one_f_one_b_orders(p, m).items():
+    for s, order in one_f_one_b_orders(p, m).items():
         cool = m - min(p - s - 1, m)  # B(i) with i >= cool is a cool-down B (no F after it)
         pending: deque[int] = deque()
         compute[s] = []
@@ -286,7 +288,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
                 if len(pending) > s or i >= cool:  # steady state: W lags B by s; cool-down: one per B
                     compute[s].append(("W", s, pending.popleft()))
         compute[s] += [("W", s, i) for i in pending]
-    return _with_comms("zb_h1", p, m, range(p), compute)
+    return with_comms("zb_h1", p, m, range(p), compute)
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int) -> Schedule:
@@ -323,7 +325,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int) -> Sche
             order += [fwd(warmup + i, r), bwd(i, r)]
         order += [bwd(k, r) for k in range(total - warmup, total)]
         compute[r] = order
-    return _with_comms("interleaved_1f1b", p * v, m, [s % p for s in range(p * v)], compute)
+    return with_comms("interleaved_1f1b", p * v, m, [s % p for s in range(p * v)], compute)
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
@@ -495,13 +497,15 @@ def execute(compiled: Compiled, duration: Callable[[Action], float],
         parts = []
         for _, (a, _key, deps) in stuck[:8]:
             waits = [d for d in deps if d not in done]
-            names = [f"r{compiled.stage_to_rank[d[1]]}:{_fmt_key(d)}" for d in waits[:3]]
+            names = [f"r{compiled.stage_to_rank[d[1]]}:{format_key(d)}" for d in waits[:3]]
             parts.append(f"{a} waits for {', '.join(names)}")
         raise PlanError("schedule deadlocks: every rank is blocked; " + "; ".join(parts))
     return done
 
 
-def _fmt_key(k: Key) -> str:
+def format_key(k: Key) -> str:
+    """An action key as error messages name it (here and in schedule_check.py): `s1F0` (stage 1's forward of
+    micro-batch 0), `s1ALLREDUCE`, `s1F0L2` for a key with a layer index."""
     kind, s, m = k[:3]
     if len(k) > 3:
         return f"s{s}{kind}{m}L{k[3]}"

@@ -7,9 +7,9 @@ from .schedule import (
     MEMORY_OF,
     Key,
     Schedule,
-    _fmt_key,
     compile_schedule,
     execute,
+    format_key,
     memory_owner,
     no_gc,
     splits_backward,
@@ -53,15 +53,15 @@ def check_schedule(schedule: Schedule) -> None:
     def before(first: Key, then: Key, what: str) -> None:
         if pos[first][1] > pos[then][1]:
             r = pos[then][0]
-            raise PlanError(f"action r{r}:{_fmt_key(then)} is scheduled before {what} r{r}:{_fmt_key(first)}")
+            raise PlanError(f"action r{r}:{format_key(then)} is scheduled before {what} r{r}:{format_key(first)}")
 
     for key, (r, _) in pos.items():
         kind, s, m = key[:3]
-        a = f"r{r}:{_fmt_key(key)}"
+        a = f"r{r}:{format_key(key)}"
         if kind in MEMORY_OF:
             own = (memory_owner(kind, split), s, m)
             if own not in pos or pos[own][0] != r:
-                raise PlanError(f"memory action {a} has no compute action r{r}:{_fmt_key(own)} on its rank")
+                raise PlanError(f"memory action {a} has no compute action r{r}:{format_key(own)} on its rank")
             if kind.startswith("GATHER"):
                 before(key, own, "its memory action")
             else:

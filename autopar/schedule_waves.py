@@ -44,12 +44,12 @@ from .schedule import (
     Action,
     Compiled,
     Schedule,
-    _one_f_one_b_orders,
-    _with_comms,
     dependencies,
     execute,
     no_gc,
+    one_f_one_b_orders,
     validate,
+    with_comms,
 )
 from .simulate import SimResult
 
@@ -185,11 +185,11 @@ def waves_1f1b(num_stages: int, num_microbatches: int, num_waves: int, delay: in
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
         raise PlanError(f"delay={delay!r}: give the update delay as a whole number of waves >= 0")
     if flush:
-        one = _one_f_one_b_orders(p, m)
+        one = one_f_one_b_orders(p, m)
         orders = {s: [(kind, s, c * m + j) for c in range(k) for kind, _, j in one[s]] for s in range(p)}
     else:
         orders = {s: _continuous_order(p, s, m, k, delay) for s in range(p)}
-    base = _with_comms("", p, k * m, range(p), orders)
+    base = with_comms("", p, k * m, range(p), orders)
     actions: dict[int, list[WaveAction]] = {}
     for r, acts in base.actions.items():
         out: list[WaveAction] = []

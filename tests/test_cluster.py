@@ -16,7 +16,7 @@ import torch
 
 from autopar import Cluster, ClusterError, DeviceSpec, Link
 from autopar.catalog import CATALOG
-from autopar.cluster import GiB, _catalog_name_for_gpu, catalog_table, device_spec, parse_shorthand
+from autopar.cluster import GiB, catalog_name_for_gpu, catalog_table, device_spec, parse_shorthand
 
 GB = 1e9
 TF = 1e12
@@ -358,12 +358,12 @@ def _fake_gpus(monkeypatch, gpus: list[tuple[str, float]]) -> None:
 ])
 def test_cuda_names_map_to_catalog(monkeypatch, cuda_name, mem_gib, expected):
     _fake_gpus(monkeypatch, [(cuda_name, mem_gib)])
-    assert _catalog_name_for_gpu(cuda_name, 0) == expected
+    assert catalog_name_for_gpu(cuda_name, 0) == expected
 
 
 def test_unknown_cuda_gpu_becomes_custom_device(monkeypatch):
     _fake_gpus(monkeypatch, [("NVIDIA RTX A6000", 47.5)] * 2)
-    entry = _catalog_name_for_gpu("NVIDIA RTX A6000", 0)
+    entry = catalog_name_for_gpu("NVIDIA RTX A6000", 0)
     assert entry == {"name": "NVIDIA RTX A6000", "based_on": "A100-80GB", "memory_GiB": 47.5}
     c = Cluster.local()
     assert c.world_size == 2 and c.devices[1].spec.name == "NVIDIA RTX A6000"

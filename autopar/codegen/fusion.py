@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .fusion_rules import _IGNORED_USERS, RULES, Resolver, Rule, bind, meta  # noqa: F401  (re-exported)
+from .fusion_rules import RULES, Resolver, Rule, bind, meta  # noqa: F401  (re-exported)
 from .triton_gen import Builder, Program, Unfusible
 
 
@@ -50,6 +50,9 @@ class Region:
 def _label(n: fx.Node) -> str:
     r = RULES.get(str(n.target))
     return r.label if r else ""
+
+
+_IGNORED_USERS = {"aten._assert_tensor_metadata.default"}  # asserts on values a region keeps internal
 
 
 def _used_outside(n: fx.Node, members: set[fx.Node]) -> bool:

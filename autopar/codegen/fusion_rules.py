@@ -15,7 +15,6 @@ from torch import fx
 from .triton_gen import Builder
 
 Resolver = Callable[..., Any]
-_IGNORED_USERS = {"aten._assert_tensor_metadata.default"}  # asserts on values a region keeps internal
 
 
 @dataclass

@@ -409,10 +409,10 @@ def _resolve_device(device: str) -> tuple[Any, str, Any]:
         return dev, "cpu", None
     if dev.type != "cuda":
         raise ValueError(f"calibrate() supports 'local', 'cpu' or 'cuda[:N]', not {device!r}")
-    from ..cluster import _catalog_name_for_gpu, device_spec
+    from ..cluster import catalog_name_for_gpu, device_spec
 
     index = dev.index or 0
-    spec = device_spec(_catalog_name_for_gpu(torch.cuda.get_device_name(index), index))
+    spec = device_spec(catalog_name_for_gpu(torch.cuda.get_device_name(index), index))
     return torch.device("cuda", index), spec.name, spec
 
 

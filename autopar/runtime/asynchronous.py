@@ -135,9 +135,9 @@ def warn_async(sync: str, delay: int, stacklevel: int = 3, plan: Any = None) -> 
 
 
 @dataclass
-class _Wave:
+class Wave:
     """One wave's gradient in flight: its reduce buckets (zero.iter_reduces), the gradients of parameters
-    with a single copy."""
+    with a single copy. AsyncProgram and flushless.FlushlessProgram queue and apply them."""
 
     index: int
     reduces: list[tuple]
@@ -155,7 +155,7 @@ class AsyncProgram(Program):
         self.sync = sync
         super().__init__(*args, **kwargs)
         self._check_supported()
-        self._pending: deque[_Wave] = deque()
+        self._pending: deque[Wave] = deque()
         self.losses: dict[int, float] = {}  # wave -> global mean loss (what step() returned)
         self.applied = 0  # updates applied since the last flush
         # the loss all-reduce has a group of its own, so that waiting for it never waits for the wave's
@@ -194,7 +194,7 @@ class AsyncProgram(Program):
         self.step_count += 1
         return self.losses[c]
 
-    def _launch(self, c: int) -> _Wave:
+    def _launch(self, c: int) -> Wave:
         """Start summing wave c's gradients over their holders: one flat copy per bucket, in flight in the
         background; each bucket's gradients are dropped as soon as it is packed (the next wave accumulates
         afresh), so the wave's pending gradient replaces its accumulated one (priced:
@@ -202,7 +202,7 @@ class AsyncProgram(Program):
         reduces: list[tuple] = []
         single: dict[str, torch.Tensor | None] = {}
         if self.position is None:
-            return _Wave(c, reduces, single)
+            return Wave(c, reduces, single)
         multi = [n for n in sorted(self.params) if len(self.zero.state[n].reps) > 1]
         for pending in self.zero.iter_reduces(multi):
             reduces.append(pending)
@@ -212,7 +212,7 @@ class AsyncProgram(Program):
             if len(self.zero.state[n].reps) == 1:
                 single[n] = p.grad
             p.grad = None
-        return _Wave(c, reduces, single)
+        return Wave(c, reduces, single)
 
     def _global_loss(self, c: int, local: float) -> float:
         """The wave's global mean loss: every rank's weighted share summed (as `Program.step` sums it, over
@@ -223,7 +223,7 @@ class AsyncProgram(Program):
                  "in its group", self.timeout_s)
         return float(loss)
 
-    def _apply(self, wave: _Wave) -> None:
+    def _apply(self, wave: Wave) -> None:
         """Sum the wave's gradients (wait for its reduces, one bucket at a time, each flat copy freed as it
         is unpacked), step the optimizer: W[k+1] = W[k] - opt(G_k). Under ZeRO-1 only the owners step and
         broadcast the updated values (zero.ZeroRuntime.step)."""
@@ -404,5 +404,5 @@ def force_async(plan: Any, sync: str, staleness: int | None, memory: MemoryPrice
                    "forced (compile(sync=...) with a given plan)", mem)
 
 
-__all__ = ["AsyncProgram", "AsyncUpdateWarning", "RULE", "SYNC_MODES", "choose_async", "delay_of", "force_async",
-           "plan_problems", "predicted_wave", "warn_async"]
+__all__ = ["AsyncProgram", "AsyncUpdateWarning", "RULE", "SYNC_MODES", "Wave", "choose_async", "delay_of",
+           "force_async", "plan_problems", "predicted_wave", "warn_async"]

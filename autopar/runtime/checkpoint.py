@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import AutoparError
-from .zero import _local
+from .zero import local_tensor
 
 if TYPE_CHECKING:
     from .program import Program
@@ -56,7 +56,7 @@ class CheckpointError(AutoparError, ValueError):
 def save(prog: Program, path: str | os.PathLike) -> None:
     """Write `prog`'s sharded state to directory `path` (collective: every rank calls it)."""
     sd = _local_state(prog)
-    with _quiet():
+    with quiet_dcp():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not _distributed(prog))
 
 
@@ -65,8 +65,9 @@ def _distributed(prog: Program) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Single-process saves and loads are intended here; DCP warns that it assumes so."""
+def quiet_dcp() -> Iterator[None]:
+    """Silence DCP's warning that it assumes a single process, around the saves and loads (here and
+    weights.DCPSource) where a single process is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                                                   "uninitialized")
@@ -82,7 +83,7 @@ def _local_state(prog: Program) -> dict[str, Any]:
             continue
         st = zero.state[name]
         p = prog.params[name]
-        local = st.host if st.released else _local(p)
+        local = st.host if st.released else local_tensor(p)
         assert local is not None  # the source keeps the value (ZeRO-3 non-owners are never sources)
         if local.dtype != p.dtype:
             local = local.to(p.dtype)
@@ -92,9 +93,9 @@ def _local_state(prog: Program) -> dict[str, Any]:
                 if v is None:
                     continue
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    _put(prog, sd, f"{OPTIM}{name}.{key}", name, _local(v).detach())
+                    _put(prog, sd, f"{OPTIM}{name}.{key}", name, local_tensor(v).detach())
                 elif _first_of_group(prog):
-                    sd[f"{OPTIM}{name}.{key}"] = _local(v).detach().clone() if isinstance(v, torch.Tensor) \
+                    sd[f"{OPTIM}{name}.{key}"] = local_tensor(v).detach().clone() if isinstance(v, torch.Tensor) \
                         else v
     persistent = _persistent_state(prog)
     held = _buffer_writers(prog)
@@ -182,13 +183,13 @@ def load(prog: Program, path: str | os.PathLike) -> None:
     for name in sorted(prog.params):
         st = zero.state[name]
         if st.keeps_value:
-            where = st.host if st.released and st.host is not None else _local(prog.params[name])
+            where = st.host if st.released and st.host is not None else local_tensor(prog.params[name])
             request[MODEL + name] = _empty(entries, MODEL + name, tuple(prog.params[name].shape), path,
                                            where.device)
         if prog.optimizer is not None and st.owned:
             prefix = f"{OPTIM}{name}."
             opt_keys[name] = [k for k in entries if k.startswith(prefix) and "." not in k[len(prefix):]]
-            device = _local(zero.opt_param(name)).device
+            device = local_tensor(zero.opt_param(name)).device
             for k in opt_keys[name]:
                 request[k] = _empty(entries, k, None, path, device)
     for fqn, b in prog.buffers.items():
@@ -196,7 +197,7 @@ def load(prog: Program, path: str | os.PathLike) -> None:
         if key in persistent:
             request[MODEL + key] = _empty(entries, MODEL + key, tuple(b.shape), path, b.device)
     request[STEP] = torch.zeros((), dtype=torch.int64)
-    with _quiet():
+    with quiet_dcp():
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed(prog))
     for name in sorted(prog.params):
         if MODEL + name in request:
@@ -298,7 +299,7 @@ def load_into_model(model: nn.Module, path: str | os.PathLike,
             for k in opt_keys[fqn]:
                 request[k] = _empty(entries, k, None, path)
     request[STEP] = torch.zeros((), dtype=torch.int64)
-    with _quiet():
+    with quiet_dcp():
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     with torch.no_grad():
         for fqn, src in key_of.items():

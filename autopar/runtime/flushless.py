@@ -47,10 +47,10 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
 from ..schedule_waves import WaveAction, steady_wave_time, step_cuts, step_wave, waves_1f1b
-from .asynchronous import AsyncProgram, _Wave, plan_problems
+from .asynchronous import AsyncProgram, Wave, plan_problems
 from .dist import wait
 from .elastic import naming_lost_ranks
-from .zero import _local
+from .zero import local_tensor
 
 DELAY = 1  # 2BW's delay
 
@@ -102,7 +102,7 @@ def _version_leaf(p: torch.Tensor) -> torch.Tensor:
     in-place writes into the newest version (another storage) never look like a change to this one; a
     DTensor's is a DTensor of the same layout on its local shard's storage."""
     if isinstance(p, DTensor):
-        t = DTensor.from_local(_local(p).data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+        t = DTensor.from_local(local_tensor(p).data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                stride=p.stride())
     else:
         t = p.data
@@ -245,12 +245,12 @@ class FlushlessProgram(AsyncProgram):
                 out_grads = fl.grads_out.pop(key)
             torch.autograd.backward(outs, out_grads)
 
-    def _apply(self, wave: _Wave) -> None:
+    def _apply(self, wave: Wave) -> None:
         """A new version for the update (module docstring: the newest copied into the spare buffer, which no
         wave in flight reads, the parameter pointed at it), then AsyncProgram's update steps it there."""
         with torch.no_grad():
             for n, p in self.params.items():
-                local = _local(p)  # the storage: a DTensor's local shard is swapped under it
+                local = local_tensor(p)  # the storage: a DTensor's local shard is swapped under it
                 free = self._spare.get(n)
                 free = torch.empty_like(local.data) if free is None else free
                 free.copy_(local.data)

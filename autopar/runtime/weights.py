@@ -145,9 +145,9 @@ class DCPSource(WeightSource):
         return {k: tuple(v.size) for k, v in self._props.items()}
 
     def _load(self, key: str, dest: torch.Tensor) -> None:
-        from .checkpoint import _quiet
+        from .checkpoint import quiet_dcp
 
-        with _quiet():
+        with quiet_dcp():
             self._dcp.load({self.PREFIX + key: dest}, storage_reader=self._dcp.FileSystemReader(self.where),
                            no_dist=True)
 

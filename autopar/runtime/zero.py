@@ -87,8 +87,9 @@ def offload_activations(enabled: bool) -> contextlib.AbstractContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns this rank's storage of a parameter (a DTensor's local shard)."""
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns this rank's storage of a parameter (a DTensor's local shard); checkpoint.py and
+    flushless.py read and write parameters through it too."""
     return p._local_tensor if isinstance(p, DTensor) else p  # type: ignore[attr-defined]
 
 
@@ -165,7 +166,7 @@ class ZeroRuntime:
             for name, st in self.state.items():
                 if not st.keeps_value or st.offload_params:
                     self._compact(name)
-                local = _local(self.params[name])
+                local = local_tensor(self.params[name])
                 if st.owned and st.offload_optimizer:
                     st.host, st.master = nn.Parameter(self._host_copy(local, torch.float32)), True
                 elif st.offload_params and st.keeps_value:
@@ -176,7 +177,7 @@ class ZeroRuntime:
     def _compact(self, name: str) -> None:
         """Give the parameter's local tensor a storage of its own, so that freeing it frees exactly it."""
         p = self.params[name]
-        t = _local(p)
+        t = local_tensor(p)
         if t.is_contiguous() and t.storage_offset() == 0 and _storage_bytes(t) == _nbytes(t):
             return
         if isinstance(p, DTensor):
@@ -228,7 +229,7 @@ class ZeroRuntime:
         st = self.state[name]
         if not st.released:
             return
-        t = _local(self.params[name])
+        t = local_tensor(self.params[name])
         t.untyped_storage().resize_(_nbytes(t))
         st.released = False
         if from_host and st.host is not None:
@@ -260,7 +261,7 @@ class ZeroRuntime:
         for name in names:
             st = self.state[name]
             if (st.streamed or not st.keeps_value) and not st.released:
-                _local(self.params[name]).untyped_storage().resize_(0)
+                local_tensor(self.params[name]).untyped_storage().resize_(0)
                 st.released = True
 
     def sync_gradients(self) -> None:
@@ -359,7 +360,7 @@ class ZeroRuntime:
                 optimizer.zero_grad(set_to_none=True)
             for p, st in masters:
                 if not st.streamed:  # streamed ones are brought in from the host layer by layer
-                    _local(p).copy_(st.host)
+                    local_tensor(p).copy_(st.host)
         self._broadcast_from_owners([n for n, st in self.state.items() if st.level in (1, 2)])
         self.release()
 
@@ -369,7 +370,7 @@ class ZeroRuntime:
             for name, st in self.state.items():
                 if st.released or (st.keeps_value and not st.offload_params):
                     continue
-                t = _local(self.params[name])
+                t = local_tensor(self.params[name])
                 if st.host is not None and not st.master:
                     st.host.copy_(t)
                 t.untyped_storage().resize_(0)
@@ -406,7 +407,7 @@ class ZeroRuntime:
                 if owner == self.my_group:
                     flat = torch.cat([self._value(n).detach().reshape(-1) for n in chunk])
                 else:
-                    flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=_local(ps[0]).device)
+                    flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=local_tensor(ps[0]).device)
                 work = (dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True)
                         if self.rank in reps else None)
                 yield work, owner, chunk, flat
@@ -434,13 +435,13 @@ class ZeroRuntime:
             full = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
             st = self.state[n]
-            (st.host if st.streamed else _local(p).data).copy_(self._shard(n, full))  # type: ignore[union-attr]
+            (st.host if st.streamed else local_tensor(p).data).copy_(self._shard(n, full))  # type: ignore[union-attr]
 
     def _value(self, name: str) -> torch.Tensor:
         """The parameter's current full value on its device (a streamed one's from the host)."""
         p, st = self.params[name], self.state[name]
         if st.streamed:
-            return st.host.to(_local(p).device, p.dtype)  # type: ignore[union-attr]
+            return st.host.to(local_tensor(p).device, p.dtype)  # type: ignore[union-attr]
         return p.full_tensor() if isinstance(p, DTensor) else p
 
     def _chunks(self, names: list[str]) -> list[list[str]]:
@@ -458,7 +459,7 @@ class ZeroRuntime:
         return out if out[-1] else []
 
     def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return _local(self.tp.shard(name, full)) if isinstance(self.params[name], DTensor) else full
+        return local_tensor(self.tp.shard(name, full)) if isinstance(self.params[name], DTensor) else full
 
     def _full_grad(self, name: str) -> torch.Tensor:
         """The full gradient on the parameter's device (a streamed one's comes from the host, a bucket at
@@ -466,7 +467,8 @@ class ZeroRuntime:
         p, st = self.params[name], self.state[name]
         if st.streamed:
             g = st.get_host_grad()
-            return (g if g is not None else torch.zeros(p.shape, dtype=torch.float32)).to(_local(p).device, p.dtype)
+            g = g if g is not None else torch.zeros(p.shape, dtype=torch.float32)
+            return g.to(local_tensor(p).device, p.dtype)
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         return g.full_tensor() if isinstance(g, DTensor) else g
 
@@ -478,7 +480,7 @@ class ZeroRuntime:
     def full_param(self, name: str) -> torch.Tensor:
         """The full value; a collective inside the tensor-parallel group for DTensor parameters."""
         p, st = self.params[name], self.state[name]
-        local = st.host if st.released else _local(p)
+        local = st.host if st.released else local_tensor(p)
         if local is None:
             raise RuntimeError(f"rank {self.rank} holds no value of {name} (ZeRO-3 non-owner).")
         return self._full(name, local.detach())
@@ -495,7 +497,7 @@ class ZeroRuntime:
             return t.full_tensor()
         p = self.params[name]
         if isinstance(p, DTensor):  # a plain local shard (CPU copy): lay it out like the parameter
-            d = DTensor.from_local(t.to(_local(p).device), p.device_mesh, p.placements, run_check=False,
+            d = DTensor.from_local(t.to(local_tensor(p).device), p.device_mesh, p.placements, run_check=False,
                                    shape=p.shape, stride=p.stride())
             return d.full_tensor()
         return t.clone()
@@ -507,7 +509,7 @@ class ZeroRuntime:
         shard = self._shard(name, full)
         with torch.no_grad():
             if not st.released:
-                _local(self.params[name]).copy_(shard)
+                local_tensor(self.params[name]).copy_(shard)
             if st.host is not None:
                 st.host.copy_(shard)
 

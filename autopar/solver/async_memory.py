@@ -2,7 +2,7 @@
 
 With updates D waves late, a rank keeps every wave's summed gradient from the end of the wave until its
 update is applied, D waves later: while wave c computes, the gradients of waves c - D .. c - 1 are pending
-(the runtime's `_Wave`s), on top of what `stage_memory` prices for a synchronous step (weights, the gradient
+(the runtime's `Wave`s), on top of what `stage_memory` prices for a synchronous step (weights, the gradient
 being accumulated, optimizer state, activations). One wave's pending gradient of a stage, per device, as the
 runtime keeps it (g bytes per element, the gradients' dtype: the fp32 masters' under mixed precision):
 
@@ -39,30 +39,25 @@ from typing import TYPE_CHECKING, Any
 from ..cost_models.memory import SYNC_BUCKET_BYTES
 from ..plan import Plan
 from ..report import fmt_bytes
+from .extra_memory import ExtraMemory, stage_base
 from .flushless_memory import flushless_inflight, flushless_version_bytes
 from .pricing_plan import rank_peak
-from .stage_memory import StageMemory, runtime_note
+from .stage_memory import StageMemory
 
 if TYPE_CHECKING:
     from .pricing import CostModel
 
 
 @dataclass
-class AsyncMemory:
+class AsyncMemory(ExtraMemory):
     """Per device (plan device index): `pending` = bytes of the D pending wave gradients, `versions` = bytes
-    of the flushless schedule's second weight version (empty when `flushless` is False), `peak` = the
-    predicted peak with them, `problems` = devices whose peak exceeds what they may fill."""
+    of the flushless schedule's second weight version (empty when `flushless` is False), and (ExtraMemory)
+    `peak` = the predicted peak with them, `problems` = devices whose peak exceeds what they may fill."""
 
     delay: int
     flushless: bool = False
     pending: dict[int, int] = field(default_factory=dict)
     versions: dict[int, int] = field(default_factory=dict)
-    peak: dict[int, int] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
 
     def figures(self) -> dict[str, Any]:
         """The entries `predicted["async"]` carries (JSON-safe)."""
@@ -108,9 +103,8 @@ def async_memory(cm: CostModel, plan: Plan, delay: int, mode: str = "asynchronou
         for j, st in enumerate(pipe.stages):
             a, e = st.layers
             tp = len(st.devices)
-            base = cm.base(a, e, devices[st.devices[0]].spec.name, pipe.microbatch_size, tuple(st.devices))
+            base, local = stage_base(cm, pipe, st)  # local: this rank's gradient elements
             mem = cm.stage_memory(base, stage_option(st, cm), tp, len(dp_groups[j]), False)
-            local = base.params / tp + base.tp_extra  # this rank's gradient elements
             multi = float(base.params) if len(plan.pipelines) > 1 else float(sum(
                 n for k, (n, owner, users) in enumerate(cm.shared)
                 if k in tied[i] and (a <= owner < e or any(a <= u < e for u in users))))
@@ -123,18 +117,15 @@ def async_memory(cm: CostModel, plan: Plan, delay: int, mode: str = "asynchronou
             pending = delay * sum(waves[r::ranks])
             for d in pipe.stages[r].devices:
                 need = rank_peak(mems[r::ranks], inflight[r]) + versions.get(d, 0)
-                out.pending[d], out.peak[d] = round(pending), round(need)
+                out.pending[d] = round(pending)
                 if flushless:
                     out.versions[d] = versions[d]
-                if need > cm.usable(d):
-                    second = (f" and the flushless schedule's second weight version ({fmt_bytes(versions[d])}, "
-                              f"{inflight[r]} micro-batch(es) in flight)" if flushless else "")
-                    out.problems.append(
-                        f"device {d} ({devices[d].spec.name}, pipeline {i} stage {r}) needs {fmt_bytes(need)} with "
-                        f"{mode}'s {delay} pending wave gradient(s) ({fmt_bytes(pending)}: each wave's summed "
-                        f"gradients are kept until its update is applied {delay} wave(s) later){second}, over the "
-                        f"{fmt_bytes(cm.usable(d))} it may fill ({100 * (1 - cm.reserve):.0f}% of "
-                        f"{fmt_bytes(devices[d].spec.memory)})." + runtime_note(cm, d))
+                second = (f" and the flushless schedule's second weight version ({fmt_bytes(versions[d])}, "
+                          f"{inflight[r]} micro-batch(es) in flight)" if flushless else "")
+                out.check(cm, d, need,
+                          f"device {d} ({devices[d].spec.name}, pipeline {i} stage {r}) needs {fmt_bytes(need)} with "
+                          f"{mode}'s {delay} pending wave gradient(s) ({fmt_bytes(pending)}: each wave's summed "
+                          f"gradients are kept until its update is applied {delay} wave(s) later){second}", share=True)
     out.pending, out.peak = dict(sorted(out.pending.items())), dict(sorted(out.peak.items()))
     out.versions = dict(sorted(out.versions.items()))
     return out

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from ..plan import Plan
 from ..schedule_waves import waves_1f1b
+from .extra_memory import stage_base
 
 if TYPE_CHECKING:
     from .pricing import CostModel
@@ -54,14 +55,12 @@ def flushless_inflight(num_stages: int, num_microbatches: int) -> list[int]:
 def flushless_version_bytes(cm: CostModel, plan: Plan) -> dict[int, int]:
     """`second_version_bytes` of every device of `plan` (its stage's parameters, as async_memory reads them:
     `cm.base(...).params`, and tensor-parallel shards / t with the stage's extra replicated elements)."""
-    devices = cm.cluster.devices
     elements: dict[int, float] = {}
     for pipe in plan.pipelines:
         for st in pipe.stages:
-            a, e = st.layers
-            base = cm.base(a, e, devices[st.devices[0]].spec.name, pipe.microbatch_size, tuple(st.devices))
+            _, n = stage_base(cm, pipe, st)
             for d in st.devices:
-                elements[d] = elements.get(d, 0.0) + base.params / len(st.devices) + base.tp_extra
+                elements[d] = elements.get(d, 0.0) + n
     return second_version_bytes(dict(sorted(elements.items())), cm.state.weights)
 
 

@@ -30,25 +30,20 @@ from typing import TYPE_CHECKING, Any
 
 from ..plan import Plan
 from ..report import fmt_bytes
-from .stage_memory import runtime_note
+from .extra_memory import ExtraMemory, stage_base
 
 if TYPE_CHECKING:
     from .pricing import CostModel
 
 
 @dataclass
-class RerouteMemory:
+class RerouteMemory(ExtraMemory):
     """Per device (plan device index): `copy` = device bytes of the pre-step copy, `host` = its host bytes,
-    `peak` = the plan's predicted peak with the copy, `problems` = devices where that does not fit."""
+    and (ExtraMemory) `peak` = the plan's predicted peak with the copy, `problems` = devices where that does
+    not fit."""
 
     copy: dict[int, int] = field(default_factory=dict)
     host: dict[int, int] = field(default_factory=dict)
-    peak: dict[int, int] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
 
     def block(self) -> dict[str, Any]:
         """`plan.predicted["reroute"]` (JSON-safe: device indices as strings)."""
@@ -76,8 +71,7 @@ def reroute_memory(cm: CostModel, plan: Plan) -> RerouteMemory:
     for pipe in plan.pipelines:
         for j, st in enumerate(pipe.stages):
             a, e = st.layers
-            base = cm.base(a, e, devices[st.devices[0]].spec.name, pipe.microbatch_size, tuple(st.devices))
-            n = base.params / len(st.devices) + base.tp_extra
+            _, n = stage_base(cm, pipe, st)
             owned = n / dp[j] if st.zero >= 1 and dp[j] > 1 else n
             parts = ((n * w, "params" in st.offload), (owned * o, "optimizer" in st.offload),
                      (float(_buffer_bytes(cm, a, e)), False))
@@ -88,13 +82,11 @@ def reroute_memory(cm: CostModel, plan: Plan) -> RerouteMemory:
     peaks = plan.predicted.get("peak_memory_bytes") or {}
     for d in sorted(set(copy) | set(host)):
         out.copy[d], out.host[d] = math.ceil(copy.get(d, 0.0)), math.ceil(host.get(d, 0.0))
-        out.peak[d] = int(peaks.get(d, 0)) + out.copy[d]
-        if out.peak[d] > cm.usable(d):
-            out.problems.append(
-                f"device {d} ({devices[d].spec.name}): re-routing's pre-step copy of its state "
-                f"({fmt_bytes(out.copy[d])}: parameters, optimizer state and buffers) on top of the step's "
-                f"predicted peak {fmt_bytes(int(peaks.get(d, 0)))} needs {fmt_bytes(out.peak[d])}, over the "
-                f"{fmt_bytes(cm.usable(d))} it may fill." + runtime_note(cm, d))
+        need = int(peaks.get(d, 0)) + out.copy[d]
+        out.check(cm, d, need,
+                  f"device {d} ({devices[d].spec.name}): re-routing's pre-step copy of its state "
+                  f"({fmt_bytes(out.copy[d])}: parameters, optimizer state and buffers) on top of the step's "
+                  f"predicted peak {fmt_bytes(int(peaks.get(d, 0)))} needs {fmt_bytes(need)}")
     return out
 
 
