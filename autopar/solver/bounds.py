@@ -7,7 +7,15 @@ every choice of per-stage options the inner search may make (search.py's docstri
       one pipeline class: X = share x (per-sample forward + backward of every layer, each on the fastest
       device type of the pipeline, at the cheapest option), then X/m / (1 - (1 - 1/m)^p) for
       gpipe / 1f1b / zb_h1 (the minimum over real stage splits of max_s [forward prefix + stage work]) and
-      max(X/p, X/m) for interleaved; several classes: the throughput bound B / sum_d (p_d / w_d).
+      max(X/p, X/m) for interleaved. Several classes (pipelines whose per-sample work w_d differs, so the
+      batch split may give them different shares): f_d(s) = that bound for share s (X = s w_d, m the count
+      a replica of share s runs, `microbatch_count`) bounds pipeline d's step, so the step is at least
+          min over integer s_d >= 1 with sum_d s_d = B of max_d f_d(s_d) =: T*.
+      Relaxed: T is taken as feasible when every class c (k_c pipelines) has a share with f_c <= T and
+      sum_c k_c min{s: f_c(s) <= T} <= B <= sum_c k_c max{s: f_c(s) <= T}; every T >= T* is (the optimal
+      shares are witnesses), feasibility grows with T, so the least feasible value of the tables is <= T*.
+      It is never below the throughput bound B / sum_d (p / w_d) (which it takes the larger of): with
+      f_d(s) >= s w_d / p, shares summing to B reach max_d s_d w_d / p >= B / sum_d (p / w_d).
 
   memory bound (`ConfigBounds.memory`), one device type, replicas alike (B divisible by D), uniform chain
       The p devices tile the L_b repeated blocks, so one of them holds k >= ceil(L_b / p) blocks in its v
@@ -74,6 +82,13 @@ def _lp(per_block: list[tuple[float, float]], blocks: int, budget: float) -> flo
     return blocks * best
 
 
+def _pipeline_work(X: float, m: int, p: int, schedule: str) -> float:
+    """The work bound of one pipeline of p ranks running work X (seconds) in m micro-batches (module docstring)."""
+    if schedule == "interleaved_1f1b":
+        return max(X / p, X / m)
+    return X / m / (1 - (1 - 1 / m) ** p)
+
+
 class ConfigBounds:
     """The bounds of the module docstring, memoised on one cost model and splitter."""
 
@@ -100,25 +115,77 @@ class ConfigBounds:
             self._work[key] = total / b
         return self._work[key]
 
+    def throughput(self, cfg: BoundConfig) -> float | None:
+        """Where the config's pipelines differ in per-sample work, B / sum_d (p / w_d) (module docstring), else
+        None. The inner split's bisection starts from it, not from the config's bound: a pipeline lighter than
+        the slowest may split below that (search.py `_split`)."""
+        per = self._per_pipe(cfg)
+        return self.cm.B / sum(len(cfg.pipelines[0]) / w for w in per) if len(set(per)) > 1 else None
+
+    def _per_pipe(self, cfg: BoundConfig) -> list[float]:
+        """`per_sample` of each pipeline of the config (memoised per grouping: configs share its tuple)."""
+        pipes = cfg.pipelines
+        hit = self._per_pipes.get((id(pipes), cfg.b))
+        if hit is None or hit[0] is not pipes:
+            hit = self._per_pipes[(id(pipes), cfg.b)] = (pipes, [self.per_sample(pipe, cfg.b) for pipe in pipes])
+        return hit[1]
+
     def work(self, cfg: BoundConfig, microbatches: Callable[[int], int | None]) -> float | None:
         """The work bound; None where the config cannot run (a micro-batch size above the share, or no
         valid micro-batch count). `microbatches(share)`: the count a replica with that share runs."""
         cm, pipes = self.cm, cfg.pipelines
         D, p = len(pipes), len(pipes[0])
-        hit = self._per_pipes.get((id(pipes), cfg.b))
-        if hit is None or hit[0] is not pipes:  # configs of one grouping share its pipelines tuple
-            hit = self._per_pipes[(id(pipes), cfg.b)] = (pipes, [self.per_sample(pipe, cfg.b) for pipe in pipes])
-        per = hit[1]
+        per = self._per_pipe(cfg)
         if len(set(per)) > 1:
-            return cm.B / sum(p / w for w in per)
+            return self._classes(cfg, per, microbatches)
         share = -(-cm.B // D)
         m = microbatches(share)
         if m is None or (cfg.b > share):
             return None
-        X = share * per[0]
-        if cfg.schedule == "interleaved_1f1b":
-            return max(X / p, X / m)
-        return X / m / (1 - (1 - 1 / m) ** p)
+        return _pipeline_work(share * per[0], m, p, cfg.schedule)
+
+    def shares(self, cfg: BoundConfig, w: float, microbatches: Callable[[int], int | None], top: int) -> list[float]:
+        """Per batch share s = 0..top, the work bound f(s) of one pipeline of `cfg` doing w seconds per sample
+        with share s (inf where it cannot run, and at s = 0): no pipeline of that share steps faster."""
+        p = len(cfg.pipelines[0])
+        out = [math.inf]
+        for s in range(1, top + 1):
+            m = microbatches(s)
+            out.append(math.inf if m is None else _pipeline_work(s * w, m, p, cfg.schedule))
+        return out
+
+    def _classes(self, cfg: BoundConfig, per: list[float], microbatches: Callable[[int], int | None]
+                 ) -> float | None:
+        """The work bound of pipelines whose per-sample work differs (module docstring, "several classes"):
+        min over integer shares s_d >= 1 summing to B of max_d f_d(s_d), relaxed to each class's interval
+        of shares at most T; None where no shares can run."""
+        cm, D = self.cm, len(cfg.pipelines)
+        top = cm.B - (D - 1)
+        counts: dict[float, int] = {}
+        for w in per:
+            counts[w] = counts.get(w, 0) + 1
+        tables = [(k, self.shares(cfg, w, microbatches, top)[1:]) for w, k in counts.items()]
+
+        def feasible(T: float) -> bool:
+            lo = hi = 0
+            for k, f in tables:
+                ok = [s for s, x in enumerate(f, 1) if x <= T]
+                if not ok:
+                    return False
+                lo, hi = lo + k * ok[0], hi + k * ok[-1]
+            return lo <= cm.B <= hi
+
+        values = sorted({x for _, f in tables for x in f if x < math.inf})
+        i, j = 0, len(values)  # the least value that is feasible (feasibility grows with T)
+        while i < j:
+            mid = (i + j) // 2
+            if feasible(values[mid]):
+                j = mid
+            else:
+                i = mid + 1
+        if i == len(values):
+            return None
+        return max(values[i], self.throughput(cfg) or 0.0)
 
     def memory(self, cfg: BoundConfig, m: int, slots: list[Slot]) -> float:
         """The memory bound of a config whose replicas are alike (the caller checks: one device type and

@@ -324,7 +324,18 @@ class CostModel(CommPricing):
         schedule, i.e. ZeRO-1's communication (and memory), priced so. `mixed_tp`: the stage's data-parallel
         peers run at different tensor-parallel degrees (a tp per pipeline class), so the sync moves what
         runtime/zero.py moves then: whole (unsharded) tensors among the groups' first ranks, after each group
-        gathers them and before it broadcasts the result (`_mixed_tp_sync`)."""
+        gathers them and before it broadcasts the result (`_mixed_tp_sync`). Memoised per base (by identity,
+        the entry holding the base so its id stays its own), option, groups and modes: the search prices one
+        range's options at many micro-batch counts, which these times do not depend on."""
+        key = ("st", id(base), opt, dtype, tp_group, dp_group, layerwise, mixed_tp)
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not base:  # type: ignore[index]
+            hit = self._memo[key] = (base, self._stage_times(base, opt, dtype, tp_group, dp_group, dp_sig, layerwise,
+                                                             mixed_tp))
+        return hit[1]  # type: ignore[index]
+
+    def _stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
+                     dp_group: tuple[int, ...], dp_sig: int | None, layerwise: bool, mixed_tp: bool) -> StageTimes:
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         t, D = len(tp_group), len(dp_group)
         N = base.params / t + base.tp_extra
@@ -383,11 +394,16 @@ class CostModel(CommPricing):
                     self.collective("reduce_scatter", E * g, dp_group) + inner,
                     self.collective("all_reduce", E * g, dp_group) + inner)
 
-        return self.memoised(("dp-mixed-tp", E, self.group_sig(tp_group), self.group_sig(dp_group)), compute)
+        return self.memoised(("dp-mixed-tp", E, tp_group, dp_group), compute)
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
-        """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py)."""
-        return stage_memory(self, base, opt, tp, dp, layerwise)
+        """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py); memoised
+        as `stage_times` is."""
+        key = ("sm", id(base), opt, tp, dp, layerwise)
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not base:  # type: ignore[index]
+            hit = self._memo[key] = (base, stage_memory(self, base, opt, tp, dp, layerwise))
+        return hit[1]  # type: ignore[index]
 
 
 __all__ = ["HOST_UPDATE_BANDWIDTH", "CostModel", "Option", "StageBase", "StageTimes", "inflight_closed_form"]

@@ -48,7 +48,8 @@ factor 2 of each other, not all equal, on by-type pipelines (a tp per pipeline c
 also on mixed ones (stages of one pipeline at different degrees; the runtime sends between them as
 runtime/program.py `_peers` says and `CostModel.stage_send` prices).
 Every config gets a valid lower bound on its step time, the larger of bounds.py's two (its docstring):
-the work bound (per-sample work at the cheapest option, with the pipeline bubble) when the config is
+the work bound (per-sample work at the cheapest option, with the pipeline bubble; pipelines of different
+speeds: the min over integer batch splits of the slowest pipeline's bound at its share) when the config is
 built, and the memory bound (the device holding the most blocks must fit them: the cheapest options that
 do, relaxed to an LP over per-block costs) when it first comes up, the config going back into the queue
 if that raises its bound. Configs are visited in increasing bound order and the search stops when the
@@ -76,8 +77,10 @@ Inner, per config and pipeline class:
     (per-replica share of class c with k_c replicas), r_c replicas taking one more sample,
         min Z  s.t.  sum_c k_c s_c + r_c = B,   Z >= E_c(s_c + [r_c > 0])
     with AddElement on a table of the surrogate E_c per share (`_share_table`; shares that do not fit
-    in memory, or that lose to a greedy split's value, are left out of the domains). Splits are then
-    re-solved at the chosen shares.
+    in memory, that lose to a greedy split's value, or whose work bound at that share (bounds.py,
+    `ConfigBounds.shares`) reaches the incumbent, are left out of the domains, the last unsolved). Splits
+    are then re-solved at the chosen shares, class by class, stopping at the first whose lower bound
+    reaches the incumbent (the config could not win).
 Leaves: a config's candidate is simulated (each distinct replica once) only when its lower bound
 beats the incumbent (inside `Splitter.split` too: `cutoff`); the incumbents are priced in full by
 `pricing.price` (memory per device) once the search ends, fastest first, the first that fits returned
@@ -255,8 +258,9 @@ class Search:
         return hit[1]
 
     def _split(self, cfg: Config, slots: list[Slot], share: int, m: int) -> Split | None:
-        return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound, cutoff=self.best_step,
-                                   model=self.refining)
+        lo = self.bounds.throughput(cfg)  # where pipelines differ: a light one may split below the config's bound
+        return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound if lo is None else lo,
+                                   cutoff=self.best_step, model=self.refining)
 
     def _slots(self, cfg: Config, pipe: tuple[Unit, ...], m: int, alike: bool = True) -> list[Slot]:
         """The stage positions of one pipeline; `alike`: every replica of the config gets the same split and
@@ -322,17 +326,21 @@ class Search:
 
     def _share_table(self, cfg: Config, pipe: tuple[Unit, ...], top: int) -> list[int | None]:
         """Surrogate step time (ns) of one replica on `pipe` for every batch share 1..top; None where it
-        does not fit. The split is solved at every share when there are few, else at powers of two,
-        and a share between them reuses the split of the next solved share up (memory re-checked)."""
+        does not fit, or where the share's work bound (`ConfigBounds.shares`) reaches the incumbent. The split
+        is solved at every share when there are few, else at powers of two, and a share between them reuses
+        the split of the next solved share up (memory re-checked)."""
         cm, p = self.cm, len(pipe)
         anchors = list(range(1, top + 1)) if top <= SHARE_TABLE_EXACT else \
             sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
         solved: dict[int, tuple[list[Slot], Split | None, int]] = {}
         table: list[int | None] = [None]
         exact = top <= SHARE_TABLE_EXACT
+        count = lambda s: microbatch_count(s, min(cfg.b, s), p, cfg.schedule)  # noqa: E731
+        # a share whose work bound (bounds.py) reaches the incumbent cannot be in a split that beats it
+        lows = self.bounds.shares(cfg, self.bounds.per_sample(pipe, cfg.b), count, top)
         for s in range(1, top + 1):
-            m = microbatch_count(s, min(cfg.b, s), p, cfg.schedule)
-            if m is None:
+            m = count(s)
+            if m is None or lows[s] >= self.best_step:
                 table.append(None)
                 continue
             # with a split per share, an entry depends on the share and its micro-batch count, not on the
@@ -394,6 +402,7 @@ class Search:
         keys = []
         counts = [microbatch_count(share, min(cfg.b, share), p, cfg.schedule) for share in shares]
         alike = len({(types[d], shares[d], counts[d]) for d in range(len(pipes))}) == 1
+        bound = 0.0
         for d, pipe in enumerate(pipes):
             share, m = shares[d], counts[d]
             if m is None:
@@ -414,10 +423,11 @@ class Search:
                 slots, split = splits[key]
                 small = share // m if share % m else 0
                 zb = -(-share // m) if cfg.schedule in SPLIT_SCHEDULES else 0
-                distinct[key + (links,)] = (share, m, self.splitter.values(slots, split, small, pipe, zb))
-        bound = 0.0
-        for share, m, vals in distinct.values():
-            bound = max(bound, lower_bound(vals, even_split(share, m), p, cfg.schedule in SPLIT_SCHEDULES))
+                vals = self.splitter.values(slots, split, small, pipe, zb)
+                distinct[key + (links,)] = (share, m, vals)
+                bound = max(bound, lower_bound(vals, even_split(share, m), p, cfg.schedule in SPLIT_SCHEDULES))
+                if bound >= self.best_step:
+                    return None  # `_consider` would drop it: the replicas left need not be split
 
         def build() -> Plan:
             out = []
