@@ -336,12 +336,16 @@ class CostModel(CommPricing):
 
     def _stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
                      dp_group: tuple[int, ...], dp_sig: int | None, layerwise: bool, mixed_tp: bool) -> StageTimes:
+        return self.options_times(base, [opt], dtype, tp_group, dp_group, dp_sig, layerwise, mixed_tp)[0]
+
+    def options_times(self, base: StageBase, opts: list[Option], dtype: str, tp_group: tuple[int, ...],
+                      dp_group: tuple[int, ...], dp_sig: int | None = None, layerwise: bool = True,
+                      mixed_tp: bool = False) -> list[StageTimes]:
+        """`stage_times` of one stage under each of `opts` (not memoised): what does not depend on the option
+        (the data-parallel collectives, the host link, the all-to-alls) is computed once for all of them."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
         t, D = len(tp_group), len(dp_group)
         N = base.params / t + base.tp_extra
-        z = opt.zero if D > 1 else 0
-        if not layerwise:
-            z = min(z, 1)
         key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
         hit = self._memo.get(key) if not mixed_tp else self._mixed_tp_sync(base, tp_group, dp_group)
         if hit is None:
@@ -352,32 +356,49 @@ class CostModel(CommPricing):
         ag, rs, ar = hit  # type: ignore[misc]
         host = self.specs[dtype].host_link
         h2d = lambda x: host.latency + x / host.bandwidth if x > 0 else 0.0  # host link: latency + bytes / bandwidth
-        rc_time, act, _, _ = recomputed(base, opt.recompute)
-        # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
-        a2a_f, a2a_b, moe_sync = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
-            else (0.0, 0.0, 0.0)
-        fc, bc = base.fwd_comm + a2a_f, base.bwd_comm + a2a_b
-        if z == 3:
-            fc, bc = fc + ag, bc + ag
-        if z >= 2:
-            bc += rs
-        if "params" in opt.offload:
-            fc, bc = fc + h2d(N * w), bc + h2d(N * w) + h2d(N * g)
-        if "activations" in opt.offload:
-            fc, bc = fc + h2d(act), bc + h2d(act)
-        sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync + base.host_step
-        local = N / D + (experts.zero_extra(self, base, D) if base.moe_layers else 0.0) if z >= 1 else N
-        if "optimizer" in opt.offload:
-            sync += 0.0 if "params" in opt.offload else h2d(local * g) + h2d(local * w)
-            sync += 2 * (w + g + o) * local / HOST_UPDATE_BANDWIDTH
-        else:
-            sync += 2 * (w + g + o) * local / self.models[dtype].bandwidth
-        fwd = base.fwd + fc
-        bwd = base.bwd + bc + rc_time
-        streamed = "params" in opt.offload
-        gather = (ag if z == 3 else 0.0) + (h2d(N * w) if streamed else 0.0)
-        reduce = (rs if z >= 2 else 0.0) + (h2d(N * g) if streamed else 0.0)
-        return StageTimes(fwd, bwd, fc + bc, sync, gather, reduce)
+        h2d_w, h2d_g = h2d(N * w), h2d(N * g)
+        bandwidth = self.models[dtype].bandwidth
+        zero_extra = experts.zero_extra(self, base, D) if base.moe_layers else 0.0
+        recomputes: dict[bool | int, tuple[float, float, float, float]] = {}
+        a2a: dict[int, tuple[float, float, float]] = {}
+        out = []
+        for opt in opts:
+            z = opt.zero if D > 1 else 0
+            if not layerwise:
+                z = min(z, 1)
+            rc = recomputes.get(opt.recompute)
+            if rc is None:
+                rc = recomputes[opt.recompute] = recomputed(base, opt.recompute)
+            rc_time, act = rc[0], rc[1]
+            # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
+            moe = a2a.get(z)
+            if moe is None:
+                moe = a2a[z] = experts.a2a_times(self, base, tp_group, dp_group, z) if base.moe_layers \
+                    else (0.0, 0.0, 0.0)
+            a2a_f, a2a_b, moe_sync = moe
+            fc, bc = base.fwd_comm + a2a_f, base.bwd_comm + a2a_b
+            if z == 3:
+                fc, bc = fc + ag, bc + ag
+            if z >= 2:
+                bc += rs
+            streamed = "params" in opt.offload
+            if streamed:
+                fc, bc = fc + h2d_w, bc + h2d_w + h2d_g
+            if "activations" in opt.offload:
+                fc, bc = fc + h2d(act), bc + h2d(act)
+            sync = (ar, rs + ag, ag, 0.0)[z] + moe_sync + base.host_step
+            local = N / D + zero_extra if z >= 1 else N
+            if "optimizer" in opt.offload:
+                sync += 0.0 if streamed else h2d(local * g) + h2d(local * w)
+                sync += 2 * (w + g + o) * local / HOST_UPDATE_BANDWIDTH
+            else:
+                sync += 2 * (w + g + o) * local / bandwidth
+            fwd = base.fwd + fc
+            bwd = base.bwd + bc + rc_time
+            gather = (ag if z == 3 else 0.0) + (h2d_w if streamed else 0.0)
+            reduce = (rs if z >= 2 else 0.0) + (h2d_g if streamed else 0.0)
+            out.append(StageTimes(fwd, bwd, fc + bc, sync, gather, reduce))
+        return out
 
     def _mixed_tp_sync(self, base: StageBase, tp_group: tuple[int, ...], dp_group: tuple[int, ...]
                        ) -> tuple[float, float, float]:

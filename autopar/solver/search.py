@@ -89,18 +89,21 @@ beats the incumbent (inside `Splitter.split` too: `cutoff`); the incumbents are 
 Refinement (`_refine`): the configs simulating within REFINE_WINDOW of the best (at most REFINE) are
 solved again with the layer split and the per-stage options decided together instead of the option
 ladder's fastest-fitting choice per range: with at most 64 splits, every split with every combination of
-each stage's non-dominated options (`Splitter.pareto`), simulated in bound order; otherwise, on chains
-of at most `split.STAGE_MODEL_LAYERS` layers, the CP-SAT stage model (stage_model.py, its formulation in
-its docstring), proven optimal for E within `split.STAGE_MODEL_TIME_S`; where neither applies (long chains:
-GPT-3's 98 layers), the dynamic program or the bisection above. Then each stage recomputing all its
-blocks tries recomputing only its first k (selective.py: per ZeRO level and offload set, the fewest that
-fit, by bisection). The simulator judges: a refined plan replaces the incumbent only if it simulates
-faster.
+each stage's non-dominated options (`Splitter.pareto`), simulated in bound order; otherwise, on every
+chain length and schedule, the CP-SAT stage model (stage_model.py, its formulation in its docstring),
+whose incumbent is the best split the dynamic program, the bisection or Megatron's even split finds and
+caps E: it proves the surrogate's optimum within its GAP = 1% (`Split.gap`; GPT-3 175B on 1024 A100:
+every finalist's known split proven within 1% in 2-20 ms). Configs with several pipeline classes
+(by-type groupings) are then solved once more at the batch shares of the joint model
+(stage_model_shares.py: every class's split and options and the integer shares in one CP-SAT model,
+`_batch_split`'s shares its incumbent, proven within GAP too) where those differ from `_batch_split`'s.
+Then each stage recomputing all its blocks tries recomputing only its first k (selective.py: per ZeRO
+level and offload set, the fewest that fit, by bisection). The simulator judges: a refined plan replaces
+the incumbent only if it simulates faster.
 
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
-fixed, the batch split's CP-SAT runs single-threaded with a fixed seed and the stage model's 8 workers
-interleaved (deterministic) with a fixed seed, so equal inputs give equal plans (a stage model stopped by
-its time limit, which depends on the machine's speed, falls back as said). A time limit returns the best
+fixed, the batch split's and the stage models' CP-SAT run single-threaded with a fixed seed (the stage
+models under a deterministic time limit), so equal inputs give equal plans. A time limit returns the best
 plan found so far with a warning.
 """
 
@@ -132,7 +135,7 @@ from .configs import (
 )
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from .selective import selective
-from .split import Slot, Split, Splitter, Unit, rank_fits, surrogate
+from .split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, rank_fits, surrogate
 
 Progress = Callable[[int, int, float | None], None]
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
@@ -473,7 +476,11 @@ class Search:
     def _refine(self, finalists: list[tuple[float, int, Config]]) -> None:
         """Re-solve the fastest configs (REFINE, REFINE_WINDOW) with their splits and options decided
         together (`split.Splitter.split(model=True)`: every split with every non-dominated option combination
-        where few, else the CP-SAT stage model); a plan replaces the incumbent only if it simulates faster."""
+        where few, else the CP-SAT stage model, proven within its GAP); configs with several pipeline
+        classes then once more at the batch shares of the joint model (stage_model_shares.py) where they
+        differ from `_batch_split`'s. A plan replaces the incumbent only if it simulates faster."""
+        from .stage_model_shares import ShareClass, joint_shares
+
         self.refining = True
         try:
             top = sorted(finalists)[:REFINE]
@@ -483,6 +490,24 @@ class Search:
                 if time.perf_counter() > self.deadline:
                     break
                 self._consider(cfg)
+                classes: dict[tuple, list[int]] = {}
+                for d, key in enumerate(self._replica_types(cfg)):
+                    classes.setdefault(key, []).append(d)
+                inner = self._batch_split(cfg, classes) if len(classes) > 1 else None
+                if inner is None:
+                    continue
+                share_classes = [ShareClass(ix, lambda m, c=cfg, d=ix[0]: self._slots(c, c.pipelines[d], m, False))
+                                 for ix in classes.values()]
+                joint = joint_shares(self.cm, self.splitter, share_classes, cfg.b, cfg.schedule, cfg.chunks, inner,
+                                     cfg.bound, STAGE_MODEL_TIME_S)
+                if joint is None or joint.shares == inner:
+                    continue
+                # `_solve` takes its shares from `_batch_split`: for this one solve, the joint model's
+                self._batch_split = lambda *_, shares=joint.shares: shares  # type: ignore[method-assign]
+                try:
+                    self._consider(cfg)
+                finally:
+                    del self._batch_split
         finally:
             self.refining = False
 

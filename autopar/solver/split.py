@@ -31,11 +31,9 @@ from .wgrad import wgrad_share, zero_bubble_backward
 OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"), ("optimizer", "params"),
                   ("optimizer", "activations", "params"))
 SPLIT_ENUMERATION = 64  # layer splits up to which every split is simulated
-STAGE_MODEL_TIME_S = 2.0  # the stage model's time limit per pipeline class; not proven by then: DP or bisection
-# chains up to which the stage model runs: on longer ones its LP bound is weak and proving the optimum takes
-# seconds per pipeline (measured on GPT-3's 98-layer chain: 161 entries, 8 stages, 1.8-4.8 s; 486 entries,
-# 4 stages, 2.7-8.7 s), where the dynamic program (non-interleaved) takes milliseconds
-STAGE_MODEL_LAYERS = 32
+# the stage model's deterministic time limit per pipeline class (CP-SAT's unit, about a second); measured on
+# GPT-3 175B's finalists: 2-17 ms each. Not proven by then: its best split with its larger gap, or the incumbent
+STAGE_MODEL_TIME_S = 2.0
 PARETO_COMBOS = 256  # option combinations per layer split up to which `_enumerate(pareto=True)` tries them all
 EXACT_SPLIT_LIMIT = 6_000  # stages x layers^2 up to which the surrogate is minimised exactly
 Unit = tuple[int, ...]  # a tensor-parallel group
@@ -128,6 +126,9 @@ class Closest(NamedTuple):
 class Split:
     stages: list[tuple[int, int, Choice]]
     surrogate: float
+    # where the stage model decided it: no split of the pipeline class it was solved for has a surrogate below
+    # (1 - gap) x this one's (stage_model.py: what is proven); None elsewhere
+    gap: float | None = None
 
 
 def surrogate(times: list[StageTimes], sends: list[float], ranks: int, mult: float) -> float:
@@ -151,6 +152,15 @@ def surrogate(times: list[StageTimes], sends: list[float], ranks: int, mult: flo
     return worst
 
 
+def priced_surrogate(cm: CostModel, slots: list[Slot], stages: list[tuple[int, int, Choice]], chunks: int,
+                     mult: float) -> float:
+    """`surrogate` of a split on `slots`, its sends priced as the plan sends them (`CostModel.stage_send`)."""
+    S = len(slots)
+    sends = [0.0 if j + 1 == S else cm.stage_send(c.out_bytes, slots[j].tp_group, slots[j + 1].tp_group)
+             for j, (_, _, c) in enumerate(stages)]
+    return surrogate([c.times for _, _, c in stages], sends, S // chunks, mult)
+
+
 def _pareto(states: list[tuple]) -> list[tuple]:
     """The states no other state beats on all of its first four fields (first found wins ties); the
     fifth, the last send, is the same for every state of a front."""
@@ -169,6 +179,7 @@ class Splitter:
         self.cm = cm
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
+        self._options: dict[tuple, list[tuple[Option, StageTimes, StageMemory]]] = {}
         self._pareto: dict[tuple, list[Choice]] = {}
         self._by_start: dict[tuple, dict[int, Choice | None]] = {}
         self._floors: dict[int, tuple[list, tuple[float, ...]]] = {}
@@ -228,26 +239,31 @@ class Splitter:
         """Every option of layers [a, e) on `slot` as (m (fwd + bwd) + sync, option, times, memory), fastest
         first (ties in the canonical, simplest-first order); memoised per range class."""
         cm = self.cm
-        key = (slot.dtype, slot.sigs, cm.range_key(a, e), m, n, slot.layerwise, slot.mixed_tp)
-        ranked = self._sorted.get(key)
+        key = (slot.dtype, slot.sigs, cm.range_key(a, e), n, slot.layerwise, slot.mixed_tp)
+        ranked = self._sorted.get(key + (m,))
         if ranked is None:
-            base = cm.base(a, e, slot.dtype, n, slot.tp_group)
-            D, t = len(slot.dp_group), len(slot.tp_group)
-            ranked = []
-            for off in OFFLOAD_LADDER:
-                for z in range((4 if slot.layerwise else 2) if D > 1 else 1):
-                    for rc in (False, True) if base.has_blocks else (False,):
-                        if z == 3 and "params" in off:
-                            continue
-                        opt = Option(z, rc, off)
-                        tm = cm.stage_times(base, opt, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1],
-                                            slot.layerwise, slot.mixed_tp)
-                        mem = cm.stage_memory(base, opt, t, D, slot.layerwise)
-                        ranked.append((m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem))
+            options = self._options.get(key)
+            if options is None:  # times and memory per micro-batch: the same at every micro-batch count
+                options = self._options[key] = self._priced_options(slot, a, e, n)
+            ranked = [(m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem) for opt, tm, mem in options]
             # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
             ranked.sort(key=lambda x: round(x[0], 12))
-            self._sorted[key] = ranked
+            self._sorted[key + (m,)] = ranked
         return ranked
+
+    def _priced_options(self, slot: Slot, a: int, e: int, n: int) -> list[tuple[Option, StageTimes, StageMemory]]:
+        """Every option of layers [a, e) on `slot` in the canonical, simplest-first order, with its times and
+        memory at micro-batch size n."""
+        cm = self.cm
+        base = cm.base(a, e, slot.dtype, n, slot.tp_group)
+        D, t = len(slot.dp_group), len(slot.tp_group)
+        opts = [Option(z, rc, off) for off in OFFLOAD_LADDER
+                for z in range((4 if slot.layerwise else 2) if D > 1 else 1)
+                for rc in ((False, True) if base.has_blocks else (False,)) if not (z == 3 and "params" in off)]
+        times = cm.options_times(base, opts, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1], slot.layerwise,
+                                 slot.mixed_tp)
+        return [(opt, tm, cm.stage_memory(base, opt, t, D, slot.layerwise))
+                for opt, tm in zip(opts, times, strict=True)]
 
     def _note_closest(self, slot: Slot, ranked: list[tuple[float, Option, StageTimes, StageMemory]],
                       rank: RankState, layers: tuple[int, int], floor: StageMemory) -> None:
@@ -335,9 +351,9 @@ class Splitter:
         with the greedy feasibility test (always, with `fast`). The chunks of one device (interleaved
         schedules) are checked together against its memory, as `pricing.rank_peak` prices them.
         `cutoff`: a step the caller already has; candidates whose lower bound reaches it are not simulated
-        (the one returned then has a bound >= cutoff, so the caller discards it). `model`: first the CP-SAT
-        stage model (stage_model.py: split and per-stage options together, proven optimal for the
-        surrogate) on chains of at most STAGE_MODEL_LAYERS layers; where it proves nothing in time, as above.
+        (the one returned then has a bound >= cutoff, so the caller discards it). `model`: then the CP-SAT
+        stage model (stage_model.py: split and per-stage options together, the best of the above as its
+        incumbent, proven within its GAP of the surrogate's optimum, `Split.gap`), on every chain.
         """
         n = -(-share // m)
         if not fast and math.comb(self.cm.L - 1, len(slots) - 1) <= SPLIT_ENUMERATION:
@@ -345,21 +361,33 @@ class Splitter:
         best = self.greedy(slots, math.inf, m, n, chunks)
         if best is None:
             return None
-        if model and not fast and self.cm.L <= STAGE_MODEL_LAYERS:
-            from .stage_model import solve_split  # it builds on this module's Slot, Split and Choice
-
-            got = solve_split(self.cm, self, slots, m, n, chunks, best, STAGE_MODEL_TIME_S)
-            if got is not None:
-                return self._simulated_best([got, self.even(slots, m, n, chunks)], slots, share, m, schedule,
-                                            chunks, cutoff)
-        if not fast and chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
-            even = self.even(slots, m, n, chunks)
+        if fast:
+            return self._bisect(slots, m, n, chunks, lo, best, None)
+        even = self.even(slots, m, n, chunks)
+        if chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
             # the dynamic program drops states whose term reaches the incumbent's: start from the better one
             start = even if even is not None and even.surrogate < best.surrogate else best
-            return self._simulated_best([self._exact(slots, m, n, start), even], slots, share, m, schedule, chunks,
-                                        cutoff)
+            known = [self._exact(slots, m, n, start), even]
+        else:
+            known = [self._bisect(slots, m, n, chunks, lo, best, even), even]
+        if model:
+            from .stage_model import StageModel  # it builds on this module's Slot, Split and Choice
+
+            incumbent = min((sp for sp in known if sp is not None),
+                            key=lambda sp: priced_surrogate(self.cm, slots, sp.stages, chunks, m))
+            sm = StageModel(self.cm, self, slots, m, n, chunks, incumbent)
+            got = sm.solve(STAGE_MODEL_TIME_S)
+            if got is not None and got.stages is incumbent.stages:  # proven within the gap: not simulated twice
+                known[known.index(incumbent)] = got
+            else:
+                known[:0] = [got, *sm.pool]
+        return self._simulated_best(known, slots, share, m, schedule, chunks, cutoff)
+
+    def _bisect(self, slots: list[Slot], m: int, n: int, chunks: int, lo: float, best: Split,
+                even: Split | None) -> Split:
+        """The bisection on the surrogate between `lo` and the better of `best` (the memory-only split) and
+        `even`, with the greedy feasibility test: the best split it finds."""
         hi = best.surrogate
-        even = None if fast else self.even(slots, m, n, chunks)
         if even is not None:  # Megatron's split, where it fits, is a tighter start than the memory-only one
             hi = min(hi, even.surrogate)
         while hi - lo > 1e-3 * hi:  # the surrogate only guides the split; 0.1% is plenty
@@ -371,9 +399,7 @@ class Splitter:
                 hi = got.surrogate
                 if got.surrogate < best.surrogate:
                     best = got
-        if fast:
-            return best
-        return self._simulated_best([best, even], slots, share, m, schedule, chunks, cutoff)
+        return best
 
     def even(self, slots: list[Slot], m: int, n: int, chunks: int) -> Split | None:
         """Megatron's split: the repeated blocks evenly over the stages (the first ones one more when they
