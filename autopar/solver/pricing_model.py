@@ -32,7 +32,7 @@ from ..schedule import peak_inflight
 from . import experts
 from .intra_op_pricing import LayerPricer, tp_layer_cost
 from .pricing_comm import CommPricing
-from .stage_memory import StageMemory, recomputed, stage_memory
+from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memory
 
 T = TypeVar("T")
 
@@ -327,7 +327,8 @@ class CostModel(CommPricing):
         gathers them and before it broadcasts the result (`_mixed_tp_sync`). Memoised per base (by identity,
         the entry holding the base so its id stays its own), option, groups and modes: the search prices one
         range's options at many micro-batch counts, which these times do not depend on."""
-        key = ("st", id(base), opt, dtype, tp_group, dp_group, layerwise, mixed_tp)
+        key = ("st", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, dtype, tp_group, dp_group,
+               layerwise, mixed_tp)
         hit = self._memo.get(key)
         if hit is None or hit[0] is not base:  # type: ignore[index]
             hit = self._memo[key] = (base, self._stage_times(base, opt, dtype, tp_group, dp_group, dp_sig, layerwise,
@@ -359,16 +360,17 @@ class CostModel(CommPricing):
         h2d_w, h2d_g = h2d(N * w), h2d(N * g)
         bandwidth = self.models[dtype].bandwidth
         zero_extra = experts.zero_extra(self, base, D) if base.moe_layers else 0.0
-        recomputes: dict[bool | int, tuple[float, float, float, float]] = {}
+        recomputes: dict[int, tuple[float, float, float, float]] = {}
         a2a: dict[int, tuple[float, float, float]] = {}
         out = []
         for opt in opts:
             z = opt.zero if D > 1 else 0
             if not layerwise:
                 z = min(z, 1)
-            rc = recomputes.get(opt.recompute)
+            k = recomputed_blocks(base, opt.recompute)
+            rc = recomputes.get(k)
             if rc is None:
-                rc = recomputes[opt.recompute] = recomputed(base, opt.recompute)
+                rc = recomputes[k] = recomputed(base, opt.recompute)
             rc_time, act = rc[0], rc[1]
             # expert parallelism: all-to-alls, and expert state synced (and ZeRO-partitioned) among its holders only
             moe = a2a.get(z)
@@ -420,7 +422,7 @@ class CostModel(CommPricing):
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
         """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py); memoised
         as `stage_times` is."""
-        key = ("sm", id(base), opt, tp, dp, layerwise)
+        key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
         hit = self._memo.get(key)
         if hit is None or hit[0] is not base:  # type: ignore[index]
             hit = self._memo[key] = (base, stage_memory(self, base, opt, tp, dp, layerwise))

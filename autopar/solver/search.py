@@ -390,14 +390,17 @@ class Search:
         return all(rank_fits(mems[r], inflight[r], slots[r]) for r in range(p))
 
     # -- one config --
-    def _solve(self, cfg: Config) -> Solved | None:
+    def _solve(self, cfg: Config, shares: list[int] | None = None) -> Solved | None:
+        """The config's candidate: its batch shares (`shares`, else even or `_batch_split`'s), each distinct
+        replica split; None where nothing fits or its bound cannot beat the incumbent."""
         cm, pipes = self.cm, cfg.pipelines
         p = len(pipes[0])
         types = self._replica_types(cfg)  # replicas share a split only where these are alike
         classes: dict[tuple, list[int]] = {}
         for d, key in enumerate(types):
             classes.setdefault(key, []).append(d)
-        shares = even_split(cm.B, len(pipes)) if len(classes) == 1 else self._batch_split(cfg, classes)
+        if shares is None:
+            shares = even_split(cm.B, len(pipes)) if len(classes) == 1 else self._batch_split(cfg, classes)
         if shares is None or min(shares) < 1:
             return None
         splits: dict[tuple, tuple[list[Slot], Split]] = {}
@@ -448,10 +451,11 @@ class Search:
         return Solved(build, bound, list(distinct.values()))
 
     # -- driver --
-    def _consider(self, cfg: Config) -> float | None:
-        """Solve one config; its simulated step, or None (no candidate, or none that can beat the incumbent).
-        A faster one becomes the incumbent, priced in full only when the search ends (`_best_priced`)."""
-        solved = self._solve(cfg)
+    def _consider(self, cfg: Config, shares: list[int] | None = None) -> float | None:
+        """Solve one config (at `shares`, where given); its simulated step, or None (no candidate, or none that
+        can beat the incumbent). A faster one becomes the incumbent, priced in full only when the search ends
+        (`_best_priced`)."""
+        solved = self._solve(cfg, shares)
         if solved is None or solved.bound >= self.best_step:
             return None
         step = max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
@@ -502,12 +506,7 @@ class Search:
                                      cfg.bound, STAGE_MODEL_TIME_S)
                 if joint is None or joint.shares == inner:
                     continue
-                # `_solve` takes its shares from `_batch_split`: for this one solve, the joint model's
-                self._batch_split = lambda *_, shares=joint.shares: shares  # type: ignore[method-assign]
-                try:
-                    self._consider(cfg)
-                finally:
-                    del self._batch_split
+                self._consider(cfg, joint.shares)
         finally:
             self.refining = False
 

@@ -72,6 +72,14 @@ class StageMemory:
         return self.static + max(act, self.sync)
 
 
+def recomputed_blocks(base: StageBase, recompute: bool | int) -> int:
+    """How many of the stage's blocks `recompute` (True = all, False = none, or k, clamped) recomputes: what
+    `recomputed` depends on. Memo keys use it, never the raw value: True == 1 in Python, so an option recomputing
+    all of a stage's blocks and one recomputing its first block would otherwise share an entry."""
+    n = len(base.block_parts)
+    return (n if recompute else 0) if isinstance(recompute, bool) else min(int(recompute), n)
+
+
 def recomputed(base: StageBase, recompute: bool | int) -> tuple[float, float, float, float]:
     """What recomputing a stage's first k blocks (`recompute`: True = all, False = none, or k; clamped to
     the stage's blocks) costs and saves: (seconds its backward adds, activation bytes kept per micro-batch,
@@ -80,8 +88,7 @@ def recomputed(base: StageBase, recompute: bool | int) -> tuple[float, float, fl
     micro-batch's backward frees before it reaches the first k (module docstring). k = all gives `StageBase.recompute`,
     `act_recompute`, `act_work`, `block_params` exactly; so does any k > 0 on a stage with expert-parallel MoE
     layers, whose runtime recomputes the whole stage in one checkpoint (runtime/program.py)."""
-    n = len(base.block_parts)
-    k = (n if recompute else 0) if isinstance(recompute, bool) else min(int(recompute), n)
+    n, k = len(base.block_parts), recomputed_blocks(base, recompute)
     if not base.has_blocks or k <= 0:
         return 0.0, base.act, 0.0, 0.0
     if k >= n or base.moe_layers:
