@@ -74,12 +74,12 @@ term of (E) sums at most 4p + v - 3 of them, so a split's model value and its su
 than R = 2p + v + 2 ns (`rounding_slack`).
   * no entry survives, or CP-SAT proves the capped model infeasible: no split is shorter than
     (1 - GAP) U, the incumbent is returned with gap 1 - (1 - GAP) U / U <= GAP;
-  * CP-SAT finds splits under the cap: the incumbent was no near-optimum, so the same model is solved on to
-    relative gap 0 from the split found (its hint): the best one, with gap 1 - (bound - R) / value (0 when
-    proven optimal, else what the time limit left). Stopping at GAP there instead lost 6.5% of simulated
-    step on bench/planner.py case 4: splits of equal or near surrogate simulate apart (m = 2 micro-batches);
-  * proven optimal: up to POOL more splits within POOL_RTOL of the optimum, next best first (`_near_optimal`:
-    each solve cuts off the splits found before), go to the simulator with it (`StageModel.pool`);
+  * CP-SAT finds splits under the cap and stops at relative gap GAP (`relative_gap_limit`): the best one,
+    with gap 1 - (bound - R) / value (<= GAP up to the R ns); then up to POOL more splits within POOL_RTOL
+    of its value, next best first (`_near_optimal`: each solve cuts off the splits found before), go to the
+    simulator with it (`StageModel.pool`): splits of equal or near surrogate simulate apart (few
+    micro-batches), and without the pool bench/planner.py case 4's plan simulated 6.5% slower (solving on
+    to gap 0 did not change that, and cost GPT-3 on 4096 A100 seconds);
   * its deterministic time limit (STAGE_MODEL_TIME_S, `split.py`) ends first: the best split found with its
     (larger) gap, or None when it found none, and the caller keeps the incumbent.
 The gap is the surrogate's: the simulator (`plan.simulated_step_time`) still judges, `split.Splitter.split`
@@ -461,16 +461,6 @@ class StageModel:
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.status = "unknown"
             return None
-        if self.gap > 0:
-            # a split GAP shorter than the incumbent exists, so the incumbent was no near-optimum: search on, from
-            # that split, to the optimum (the same pruned table: the optimum lies under the cap too)
-            for xs in x:
-                for xv in xs:
-                    md.AddHint(xv, solver.BooleanValue(xv))
-            exact = solver_for(time_limit_s, 0.0)
-            again = exact.Solve(md)
-            if again in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                solver, status = exact, again
         self.status = "optimal" if status == cp_model.OPTIMAL else "feasible"
         self._last = solver
         stages = table.stages(solver, x)
@@ -494,7 +484,7 @@ class StageModel:
         for _ in range(POOL):
             md.Add(sum(chosen) <= len(chosen) - 1)
             md.ClearHints()
-            solver = solver_for(time_limit_s / POOL, 0.0)
+            solver = solver_for(time_limit_s / (4 * POOL), 0.0)  # a pool is worth less than the optimum
             if solver.Solve(md) != cp_model.OPTIMAL:
                 break
             stages = self.table.stages(solver, x)
