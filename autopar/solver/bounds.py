@@ -40,6 +40,7 @@ tighter bound means fewer configs solved, never a different optimum.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -176,13 +177,7 @@ class ConfigBounds:
             return lo <= cm.B <= hi
 
         values = sorted({x for _, f in tables for x in f if x < math.inf})
-        i, j = 0, len(values)  # the least value that is feasible (feasibility grows with T)
-        while i < j:
-            mid = (i + j) // 2
-            if feasible(values[mid]):
-                j = mid
-            else:
-                i = mid + 1
+        i = bisect.bisect_left(values, True, key=feasible)  # the least feasible value (feasibility grows with T)
         if i == len(values):
             return None
         return max(values[i], self.throughput(cfg) or 0.0)

@@ -331,13 +331,9 @@ class CostModel(CommPricing):
                layerwise, mixed_tp)
         hit = self._memo.get(key)
         if hit is None or hit[0] is not base:  # type: ignore[index]
-            hit = self._memo[key] = (base, self._stage_times(base, opt, dtype, tp_group, dp_group, dp_sig, layerwise,
-                                                             mixed_tp))
+            hit = self._memo[key] = (base, self.options_times(base, [opt], dtype, tp_group, dp_group, dp_sig,
+                                                              layerwise, mixed_tp)[0])
         return hit[1]  # type: ignore[index]
-
-    def _stage_times(self, base: StageBase, opt: Option, dtype: str, tp_group: tuple[int, ...],
-                     dp_group: tuple[int, ...], dp_sig: int | None, layerwise: bool, mixed_tp: bool) -> StageTimes:
-        return self.options_times(base, [opt], dtype, tp_group, dp_group, dp_sig, layerwise, mixed_tp)[0]
 
     def options_times(self, base: StageBase, opts: list[Option], dtype: str, tp_group: tuple[int, ...],
                       dp_group: tuple[int, ...], dp_sig: int | None = None, layerwise: bool = True,

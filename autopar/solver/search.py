@@ -135,7 +135,7 @@ from .configs import (
 )
 from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from .selective import selective
-from .split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, rank_fits, surrogate
+from .split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, priced_surrogate, rank_fits
 
 Progress = Callable[[int, int, float | None], None]
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
@@ -369,10 +369,7 @@ class Search:
             slots, split, n_a = solved[a]
             value = None
             if split is not None and (a == s or self._fits(cfg, slots, split, m, -(-s // m))):
-                sends = [0.0 if j + 1 == len(slots) else
-                         cm.stage_send(c.out_bytes, pipe[j % p], pipe[(j + 1) % p])
-                         for j, (_, _, c) in enumerate(split.stages)]
-                value = round(surrogate([c.times for _, _, c in split.stages], sends, p, s / n_a) * 1e9)
+                value = round(priced_surrogate(cm, slots, split.stages, cfg.chunks, s / n_a) * 1e9)
             if exact:
                 self._entries[key] = (cfg.pipelines, value)
             table.append(value)

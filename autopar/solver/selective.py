@@ -15,7 +15,7 @@ tests/test_selective_recompute.py).
 from __future__ import annotations
 
 from .pricing import Option, StageMemory
-from .split import Choice, Slot, Split, Splitter, rank_fits, surrogate
+from .split import Choice, Slot, Split, Splitter, priced_surrogate, rank_fits
 
 
 def _with_k(splitter: Splitter, slot: Slot, a: int, e: int, n: int, opt: Option, k: int,
@@ -72,9 +72,7 @@ def selective(splitter: Splitter, slots: list[Slot], split: Split, m: int, n: in
             changed = True
     if not changed:
         return split
-    sends = [cm.stage_send(c.out_bytes, slots[j].tp_group, slots[j + 1].tp_group)
-             if j + 1 < len(slots) else 0.0 for j, (_, _, c) in enumerate(stages)]
-    return Split(stages, surrogate([c.times for _, _, c in stages], sends, p, m))
+    return Split(stages, priced_surrogate(cm, slots, stages, chunks, m))
 
 
 __all__ = ["selective"]

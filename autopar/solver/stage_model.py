@@ -462,34 +462,31 @@ class StageModel:
             self.status = "unknown"
             return None
         self.status = "optimal" if status == cp_model.OPTIMAL else "feasible"
-        self._last = solver
         stages = table.stages(solver, x)
         value = self.value(stages)
         lb = (math.floor(solver.BestObjectiveBound()) - rounding_slack(self.p, self.chunks)) / NS
         if status == cp_model.OPTIMAL:
-            self.pool = self._near_optimal(md, E, x, round(solver.ObjectiveValue()), time_limit_s)
+            self.pool = self._near_optimal(md, E, x, solver, time_limit_s)
         return Split(stages, value, max(0.0, 1 - lb / value))
 
-    def _near_optimal(self, md, E, x: list[list], best: int, time_limit_s: float) -> list[Split]:
-        """Up to POOL more splits whose model value is within POOL_RTOL of the optimum `best` (ns), next best
+    def _near_optimal(self, md, E, x: list[list], solver, time_limit_s: float) -> list[Split]:
+        """Up to POOL more splits whose model value is within POOL_RTOL of the optimum `solver` found, next best
         first: each solve excludes the splits found before (a cut on their chosen entries). The surrogate only
         approximates the simulated step (with few micro-batches, splits of equal surrogate simulate apart), so
         the caller's simulator judges among them (`split.Splitter.split`)."""
         from ortools.sat.python import cp_model
 
         assert self.table is not None
-        md.Add(E <= int(best * (1 + POOL_RTOL)) + rounding_slack(self.p, self.chunks))
+        md.Add(E <= int(round(solver.ObjectiveValue()) * (1 + POOL_RTOL)) + rounding_slack(self.p, self.chunks))
         out: list[Split] = []
-        chosen = [next(xv for xv in xs if self._last.BooleanValue(xv)) for xs in x]
         for _ in range(POOL):
+            chosen = [next(xv for xv in xs if solver.BooleanValue(xv)) for xs in x]
             md.Add(sum(chosen) <= len(chosen) - 1)
-            md.ClearHints()
             solver = solver_for(time_limit_s / (4 * POOL), 0.0)  # a pool is worth less than the optimum
             if solver.Solve(md) != cp_model.OPTIMAL:
                 break
             stages = self.table.stages(solver, x)
             out.append(Split(stages, self.value(stages)))
-            chosen = [next(xv for xv in xs if solver.BooleanValue(xv)) for xs in x]
         return out
 
 
