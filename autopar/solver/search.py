@@ -164,6 +164,15 @@ class Solved(NamedTuple):
     pipelines: list[tuple[int, int, list[tuple]]]  # (share, micro-batches, stage times) of distinct replicas
 
 
+def _pipeline_classes(types: list[tuple]) -> dict[tuple, list[int]]:
+    """The pipelines of a config by class (`Search._replica_types`: replicas alike share a split): per kind,
+    its pipeline indices in order."""
+    classes: dict[tuple, list[int]] = {}
+    for d, key in enumerate(types):
+        classes.setdefault(key, []).append(d)
+    return classes
+
+
 def _greedy_split_value(tables: list[list[int | None]], counts: list[int], total: int) -> int | None:
     """Max table value of the batch split that hands samples one at a time to the replica whose next
     sample costs least (optimal when tables grow with the share); None if it gets stuck."""
@@ -394,9 +403,7 @@ class Search:
         cm, pipes = self.cm, cfg.pipelines
         p = len(pipes[0])
         types = self._replica_types(cfg)  # replicas share a split only where these are alike
-        classes: dict[tuple, list[int]] = {}
-        for d, key in enumerate(types):
-            classes.setdefault(key, []).append(d)
+        classes = _pipeline_classes(types)
         if shares is None:
             shares = even_split(cm.B, len(pipes)) if len(classes) == 1 else self._batch_split(cfg, classes)
         if shares is None or min(shares) < 1:
@@ -494,14 +501,13 @@ class Search:
                     break
                 if time.perf_counter() > self.deadline:
                     break
-                self.model_splits = False
-                self._consider(cfg)
-                self.model_splits = True
-                self._consider(cfg)
-                classes: dict[tuple, list[int]] = {}
-                for d, key in enumerate(self._replica_types(cfg)):
-                    classes.setdefault(key, []).append(d)
+                classes = _pipeline_classes(self._replica_types(cfg))
+                # the batch split once for both passes (None: one class, its even split)
                 inner = self._batch_split(cfg, classes) if len(classes) > 1 else None
+                self.model_splits = False
+                self._consider(cfg, inner)
+                self.model_splits = True
+                self._consider(cfg, inner)
                 if inner is None:
                     continue
                 share_classes = [ShareClass(ix, lambda m, c=cfg, d=ix[0]: self._slots(c, c.pipelines[d], m, False))
