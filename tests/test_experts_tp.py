@@ -51,16 +51,21 @@ def results_tp() -> list:
     return spawn_local(run_ep_cases, 4, cases, timeout_s=400)
 
 
+# the 4-rank expert x tensor-parallel runs (one spawn, ~25-60 s) run in CI's slow step: the main suite is at
+# its 15-minute budget
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES_TP)), ids=[f"{c[0]}-{c[2]}" for c in CASES_TP])
 def test_expert_and_tensor_parallel_match_single_process(results_tp: list, index: int) -> None:
     _check(results_tp, CASES_TP, index)
 
 
+@pytest.mark.slow
 def test_compiled_expert_and_tensor_parallel_plan_matches_single_process(results_tp: list) -> None:
     """autopar.estimate(dp=2, tp=2, ep=2) -> Plan (JSON) -> autopar.compile trains exactly."""
     _check(results_tp, CASES_TP + [PLAN_CASE], len(CASES_TP))
 
 
+@pytest.mark.slow
 def test_compiled_expert_parallel_zero_plan_matches_single_process(results_tp: list) -> None:
     """autopar.estimate(dp=4, ep=2, zero=2) -> Plan (JSON) -> autopar.compile trains exactly, and its ranks
     run ZeRO-2 on the experts (partitioned among the 2 replicas holding each) and on the rest."""
