@@ -80,11 +80,22 @@ def _key_name(k: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- running
-def _blocks(p: Program, interpret: bool) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a program's kernels are launched: BLOCK_M rows by BLOCK_N columns per program, `grid` programs."""
+
+    block_m: int
+    block_n: int
+    grid: int
+    num_warps: int
+
+
+def launch_config(p: Program, interpret: bool) -> LaunchConfig:
+    """The launch of a program's kernels under the interpreter or on CUDA."""
     bn = triton_gen.pow2(p.n) if p.rows else p.n
     tile = 1 << 16 if interpret else 4096  # the interpreter pays per program, a GPU per register
     bm = max(1, min(triton_gen.pow2(p.m), tile // bn))
-    return bm, bn, -(-p.m // bm)
+    return LaunchConfig(bm, bn, -(-p.m // bm), 4 if bm * bn <= 4096 else 8)
 
 
 def _prep(p: Program, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -95,12 +106,12 @@ def _prep(p: Program, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return out
 
 
-def _launch(kernel: Any, grid: int, args: list[Any], p: Program, seed: int, bm: int, bn: int,
-            interpret: bool) -> None:
-    extra = {} if interpret else {"num_warps": 4 if bm * bn <= 4096 else 8}
+def _launch(kernel: Any, args: list[Any], p: Program, seed: int, cfg: LaunchConfig, interpret: bool) -> None:
+    extra = {} if interpret else {"num_warps": cfg.num_warps}
     periods = [i.period for i in p.inputs if i.kind == "P"]
     with interpreted_stdlib() if interpret else contextlib.nullcontext():
-        kernel[(grid,)](*args, *periods, p.m, p.n, p.numel, seed, BLOCK_M=bm, BLOCK_N=bn, **extra)
+        kernel[(cfg.grid,)](*args, *periods, p.m, p.n, p.numel, seed, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                            **extra)
 
 
 def _run_host(host: list[Instr], env: dict[str, torch.Tensor]) -> None:
@@ -111,7 +122,8 @@ def _run_host(host: list[Instr], env: dict[str, torch.Tensor]) -> None:
 def run_forward(r: CompiledRegion, xs: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], dict]:
     p = r.program
     dev = xs[0].device
-    bm, bn, grid = _blocks(p, r.interpret)
+    cfg = launch_config(p, r.interpret)
+    grid = cfg.grid
     seed = int(torch.randint(0, 2**31 - 1024, ()).item()) if any(i.prim == "rand" for i in p.instrs) else 0
     raw: dict[int, torch.Tensor] = {}
     for k in triton_gen.kernel_outputs(p):
@@ -121,7 +133,7 @@ def run_forward(r: CompiledRegion, xs: tuple[torch.Tensor, ...]) -> tuple[list[t
                   torch.empty(shape, device=dev, dtype=dtype))
     parts = {v: torch.empty(grid, device=dev, dtype=torch.float32) for v in triton_gen.totals(p)}
     args = _prep(p, xs) + list(raw.values()) + list(parts.values())
-    _launch(r.fwd, grid, args, p, seed, bm, bn, r.interpret)
+    _launch(r.fwd, args, p, seed, cfg, r.interpret)
     env = {v: t.sum() for v, t in parts.items()}
     tvals = dict(env)
     _run_host(p.host, env)
@@ -136,7 +148,8 @@ def run_backward(r: CompiledRegion, xs: tuple[torch.Tensor, ...], state: dict,
                  gouts: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
     p = r.program
     dev = xs[0].device
-    bm, bn, grid = _blocks(p, r.interpret)
+    cfg = launch_config(p, r.interpret)
+    grid = cfg.grid
     gt: dict[str, torch.Tensor] = {}
     if triton_gen.totals(p):  # gradients of the totals through the host ops: torch autograd on a few scalars
         with torch.enable_grad():
@@ -161,7 +174,7 @@ def run_backward(r: CompiledRegion, xs: tuple[torch.Tensor, ...], state: dict,
            torch.empty(grid, p.n, device=dev, dtype=torch.float32) if i.kind == "C" else
            torch.empty(grid, device=dev, dtype=torch.float32) for i in gin_inputs]
     args = _prep(p, xs) + go + [gt[v] for v in triton_gen.totals(p)] + gin
-    _launch(r.bwd, grid, args, p, state["seed"], bm, bn, r.interpret)
+    _launch(r.bwd, args, p, state["seed"], cfg, r.interpret)
     by_name = {}
     for i, g in zip(gin_inputs, gin, strict=True):
         if i.kind in ("P", "X"):

@@ -514,7 +514,7 @@ class CompiledRegion:
 _LOADED: dict[tuple[str, bool], CompiledRegion] = {}
 
 
-def _import_triton() -> None:
+def import_triton() -> None:
     """Import triton (optional, so only once a kernel is needed). Without CUDA it can only interpret, and
     the interpreter needs TRITON_INTERPRET=1 before the first import; it is set just for that import so
     that subprocesses do not inherit it. (When torch imported triton first, see interpreted_stdlib.)"""
@@ -538,7 +538,7 @@ def load(p: Program, source: str, interpret: bool) -> CompiledRegion:
     hit = _LOADED.get((key, interpret))
     if hit is not None:
         return CompiledRegion(p, source, hit.fwd, hit.bwd, interpret, key)
-    _import_triton()
+    import_triton()
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
