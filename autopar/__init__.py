@@ -5,7 +5,15 @@
 from .api import analyze, default_precision, estimate, plan
 from .cluster import Cluster, DeviceSpec, Link
 from .compiler import compile  # noqa: A004 (autopar.compile, as users spell it)
-from .errors import AutoparError, CaptureError, ClusterError, InfeasibleError, PlanError
+from .errors import (
+    AutoparError,
+    CaptureError,
+    ClusterError,
+    InfeasibleError,
+    KernelError,
+    KernelFallbackWarning,
+    PlanError,
+)
 from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
@@ -31,6 +39,8 @@ __all__ = [
     "ClusterError",
     "InfeasibleError",
     "PlanError",
+    "KernelError",
+    "KernelFallbackWarning",
     "BatchStatisticsWarning",
     "AsyncUpdateWarning",
 ]

@@ -26,6 +26,16 @@ class InfeasibleError(AutoparError, RuntimeError):
     """No plan fits the cluster's memory (or other hard limits)."""
 
 
+class KernelError(AutoparError, RuntimeError):
+    """A generated kernel failed to build or launch where kernels="triton" forces Triton."""
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A fused region runs its torch ops instead of its generated kernel (the kernel failed on its first
+    use, or the region does not lower at the actual shapes); the message names the region, its ops and
+    the error, and the kernel report (`Program.dump`) records it."""
+
+
 def close_matches(word: str, choices: Iterable[str], n: int = 3) -> str:
     """A ' Did you mean ...?' suffix, or '' when nothing is close."""
     choices = list(choices)

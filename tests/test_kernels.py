@@ -210,7 +210,32 @@ def test_generated_source_comes_from_the_op_table() -> None:
 
 
 @pytest.mark.parametrize("which", ["forward", "backward"])
-def test_kernel_failing_on_first_use_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+def test_kernel_failing_on_first_use_falls_back_to_torch_loudly(monkeypatch: pytest.MonkeyPatch, which: str,
+                                                                 tmp_path: Path) -> None:
+    """mode "auto" (as on CUDA tensors): a KernelFallbackWarning naming the region, its ops and the error,
+    a note in the report and its regions.txt; the region then stays in torch."""
+    from autopar.codegen import kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated Triton compile error")
+
+    monkeypatch.setattr(kernels, f"run_{which}", broken)
+    monkeypatch.setattr(FusedRegion, "runs_kernels", lambda self, xs: True)  # CPU tensors take the CUDA path
+    xs = [torch.randn(16, 40), torch.randn(40)]
+    gm = capture(lambda x, w: F.layer_norm(x * 2, (40,), w), *xs)
+    fused, report = apply_kernels(gm, "auto")
+    named = r"region \w+ \(\w*norm: .*layer_norm.*\): .*failed on first use.*simulated Triton compile error"
+    with pytest.warns(autopar.KernelFallbackWarning, match=named):
+        got = grads_of(fused, xs)
+    assert_match(got, grads_of(gm, xs))
+    assert f"{which} kernel failed on first use" in report.fused[0].notes[0]
+    kernels.write_kernels(report, tmp_path)
+    assert "simulated Triton compile error" in (tmp_path / "regions.txt").read_text()
+    assert_match(grads_of(fused, xs), grads_of(gm, xs))  # and stays in torch afterwards
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_kernel_failing_with_triton_forced_is_an_error(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
     from autopar.codegen import kernels
 
     def broken(*args, **kwargs):
@@ -219,12 +244,9 @@ def test_kernel_failing_on_first_use_falls_back_to_torch(monkeypatch: pytest.Mon
     monkeypatch.setattr(kernels, f"run_{which}", broken)
     xs = [torch.randn(16, 40), torch.randn(40)]
     gm = capture(lambda x, w: F.layer_norm(x * 2, (40,), w), *xs)
-    fused, report = apply_kernels(gm, "triton")
-    with pytest.warns(RuntimeWarning, match="simulated Triton compile error"):
-        got = grads_of(fused, xs)
-    assert_match(got, grads_of(gm, xs))
-    assert f"{which} kernel failed on first use" in report.fused[0].notes[0]
-    assert_match(grads_of(fused, xs), grads_of(gm, xs))  # and stays in torch afterwards
+    fused, _ = apply_kernels(gm, "triton")
+    with pytest.raises(autopar.KernelError, match=f"{which} kernel failed on first use.*simulated Triton"):
+        grads_of(fused, xs)
 
 
 def test_dropout_region_under_activation_checkpointing() -> None:

@@ -5,8 +5,9 @@ Each fused region becomes one call to a `FusedRegion` submodule (outputs picked 
 `FusedRegion` lowers its region at the actual input shapes, generates and caches the kernels, and runs
 them through `RegionFunction` (an autograd Function whose backward is the generated backward kernel);
 with mode "auto" it does so only for CUDA tensors and otherwise runs its own copy of the region's torch
-ops. That copy is also the fallback when a region cannot be lowered at the actual shapes or a kernel
-fails on its first use (e.g. Triton rejects it): the report's notes and a warning say so.
+ops. That copy is also the fallback when a region cannot be lowered at the actual shapes or (mode "auto")
+a kernel fails on its first use (e.g. Triton rejects it): the report's notes and a KernelFallbackWarning
+naming the region, its ops and the error say so. With mode "triton" a failing kernel is a KernelError.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..errors import PlanError
+from ..errors import KernelError, KernelFallbackWarning, PlanError
 from ..passes.fusion_pricing import MODES, check_mode
 from . import triton_gen
 from .fusion import Region, find_regions, fused_bytes, lower, meta
@@ -92,7 +93,7 @@ class LaunchConfig:
 
 def launch_config(p: Program, interpret: bool) -> LaunchConfig:
     """The launch of a program's kernels under the interpreter or on CUDA."""
-    bn = triton_gen.pow2(p.n) if p.rows else p.n
+    bn = triton_gen.ROW_BLOCK if triton_gen.row_loop(p) else triton_gen.pow2(p.n) if p.rows else p.n
     tile = 1 << 16 if interpret else 4096  # the interpreter pays per program, a GPU per register
     bm = max(1, min(triton_gen.pow2(p.m), tile // bn))
     return LaunchConfig(bm, bn, -(-p.m // bm), 4 if bm * bn <= 4096 else 8)
@@ -274,11 +275,23 @@ class FusedRegion(nn.Module):
             self.info.notes.append(text)
 
     def fail(self, k: _Kernels, which: str, e: Exception) -> None:
-        """A kernel failed on its first run (e.g. Triton rejected it): this signature runs in torch."""
-        text = f"{which} kernel failed on first use, running in torch: {type(e).__name__}: {str(e)[:300]}"
+        """A kernel failed on its first run (e.g. Triton rejected it): with kernels="triton" that is an
+        error; otherwise this signature runs in torch, with a KernelFallbackWarning and a report note."""
+        ops = ", ".join(o.removeprefix("aten.") for o in self.info.ops)
+        err = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if self.mode == "triton":
+            raise KernelError(f"autopar region {self.info.name} ({self.info.kind}: {ops}): the {which} kernel "
+                              f"failed on first use: {err}. kernels='triton' forces the generated kernels; "
+                              f"kernels='auto' would run the region's torch ops instead.") from e
+        text = f"{which} kernel failed on first use, running in torch: {err}"
         self._note(text)
-        warnings.warn(f"autopar region {self.info.name}: {text}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"autopar region {self.info.name} ({self.info.kind}: {ops}): {text}", KernelFallbackWarning,
+                      stacklevel=2)
         self._compiled[k.key] = text
+
+    def runs_kernels(self, xs: tuple[torch.Tensor, ...]) -> bool:
+        """Whether these inputs go to the generated kernels (mode "triton", or "auto" on CUDA tensors)."""
+        return self.mode == "triton" or self.mode == "auto" and any(x.is_cuda for x in xs)
 
     def compile_for(self, xs: tuple[torch.Tensor, ...]) -> _Kernels | str:
         """Kernels for these inputs (cached by shapes, dtypes, device), or the reason there are none."""
@@ -295,6 +308,8 @@ class FusedRegion(nn.Module):
         except Unfusible as e:
             hit = f"runtime fallback to torch for inputs {[k[0] for k in key]}: {e}"
             self._note(hit)
+            warnings.warn(f"autopar region {self.info.name} ({self.info.kind}): {hit}", KernelFallbackWarning,
+                          stacklevel=3)
         self._compiled[key] = hit
         return hit
 
@@ -322,7 +337,7 @@ class FusedRegion(nn.Module):
             path.write_text(text)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.mode == "torch" or self.mode == "auto" and not any(x.is_cuda for x in xs):
+        if not self.runs_kernels(xs):
             return self.fallback(*xs)
         if any(type(x) not in (torch.Tensor, nn.Parameter) for x in xs):  # DTensor, FakeTensor (tracing)
             return self.fallback(*xs)

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-MAX_ROW = 32768  # longest row a persistent-row kernel holds in registers
 VIRTUAL_ROW = 1024
 
 
@@ -262,9 +261,6 @@ class Builder:
             i.prim in REDUCE for i in self.instrs) or any(k in ("R", "CP") for _, k, _, _ in outs)
         if _numel(self.domain) >= 2**31:
             raise Unfusible("2^31 or more elements (kernels index with int32)")
-        if rows and self.N > MAX_ROW:
-            raise Unfusible(f"row of {self.N} elements is longer than the {MAX_ROW} a kernel keeps in "
-                            f"registers")
         return Program(self.domain, self.inputs, self.instrs, self.host, outs, self.cls, self.dt, rows)
 
 
@@ -333,9 +329,6 @@ def _vjp(ins: Instr, g: str, p: Program) -> list[tuple[int, str, str]]:
     o = ins.out
     if ins.prim in ("rsum", "tsum", "csum"):
         return [(0, g, {"rsum": "R", "tsum": "S", "csum": "C"}[ins.prim])]
-    if ins.prim == "rmax":  # ties share the gradient, as torch.amax's backward does
-        cnt = f"tl.sum(tl.where(mask & ({a[0]} == {o}), 1.0, 0.0), axis=1, keep_dims=True)"
-        return [(0, f"tl.where({a[0]} == {o}, {g} / {cnt}, 0.0)", "E")]
     if ins.prim == "cast":
         return [(0, g, p.cls[o])] if p.dt[o] == "f" else []
     if ins.prim == "pow":
@@ -348,16 +341,203 @@ def _vjp(ins: Instr, g: str, p: Program) -> list[tuple[int, str, str]]:
     return [(i, t.format(*a, g=g, o=o), p.cls[o]) for i, t in PRIMS[ins.prim][1].items()]
 
 
-def _reduce_to(expr: str, src: str, dst: str) -> str:
-    if src == dst:
-        return expr
-    if (src, dst) in (("S", "E"), ("S", "R"), ("S", "C"), ("R", "E"), ("C", "E")):
-        shape = {"E": "[BLOCK_M, BLOCK_N]", "R": "[BLOCK_M, 1]", "C": "[1, BLOCK_N]"}[dst]
-        return f"({expr} + tl.zeros({shape}, tl.float32))"
-    if dst == "S":
-        return f"tl.sum(tl.where({_MASK[src]}, {expr}, 0.0))"
-    axis = {"R": 1, "C": 0}[dst]
-    return f"tl.sum(tl.where(mask, {expr}, 0.0), axis={axis}, keep_dims=True)"
+@dataclass(frozen=True)
+class Stmt:
+    """One line of a kernel body. `name` None is a store. `red` is a reduction across the whole row:
+    "rsum"/"rmax" of `arg` to a per-row value, "ssum" of `arg` to the program's scalar."""
+
+    name: str | None
+    cls: str  # E, C: vary along the row (recomputed per column block when rows loop); R, S: do not
+    expr: str = ""
+    red: str = ""
+    arg: str = ""
+
+
+_VARYING = {"E", "C"}
+_IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+class _Body:
+    """Statements of one kernel, with fresh temporaries for reductions split out of expressions."""
+
+    def __init__(self) -> None:
+        self.stmts: list[Stmt] = []
+        self.cls: dict[str, str] = {}
+        self._n = 0
+
+    def add(self, name: str | None, cls: str, expr: str = "", red: str = "", arg: str = "") -> str:
+        self.stmts.append(Stmt(name, cls, expr, red, arg))
+        if name is not None:
+            self.cls[name] = cls
+        return name or ""
+
+    def temp(self, cls: str, expr: str = "", red: str = "", arg: str = "") -> str:
+        self._n += 1
+        return self.add(f"t{self._n}", cls, expr, red, arg)
+
+    def reduce_to(self, expr: str, src: str, dst: str) -> str:
+        """`expr` (of class `src`) broadcast or summed to class `dst`; sums over the row become statements."""
+        if src == dst:
+            return expr
+        if (src, dst) in (("S", "E"), ("S", "R"), ("S", "C"), ("R", "E"), ("C", "E")):
+            shape = {"E": "[BLOCK_M, BLOCK_N]", "R": "[BLOCK_M, 1]", "C": "[1, BLOCK_N]"}[dst]
+            return f"({expr} + tl.zeros({shape}, tl.float32))"
+        if dst == "S" and src == "R":
+            return self.temp("S", f"tl.sum(tl.where(rmask, {expr}, 0.0))")
+        if dst == "C":  # over the rows of this program: within one column block
+            return self.temp("C", f"tl.sum(tl.where(mask, {expr}, 0.0), axis=0, keep_dims=True)")
+        arg = self.temp(src, expr)
+        return self.temp(dst, red="rsum" if dst == "R" else "ssum", arg=arg)
+
+
+def _deps(st: Stmt, defined: set[str]) -> set[str]:
+    return {t for t in _IDENT.findall(f"{st.expr} {st.arg}") if t in defined}
+
+
+def _red_line(st: Stmt) -> str:
+    """A row sum or max over one block (the whole row, or one column block when rows loop)."""
+    if st.red == "rmax":
+        return f'tl.max(tl.where(mask, {st.arg}, -float("inf")), axis=1, keep_dims=True)'
+    return f"tl.sum(tl.where(mask, {st.arg}, 0.0), axis=1, keep_dims=True)"
+
+
+def _live(stmts: list[Stmt]) -> list[Stmt]:
+    """Statements a store depends on, in order."""
+    defined = {st.name for st in stmts if st.name is not None}
+    need: set[str] = set()
+    out = []
+    for st in reversed(stmts):
+        if st.name is None or st.name in need:
+            need |= _deps(st, defined)
+            out.append(st)
+    return out[::-1]
+
+
+def _one_block(stmts: list[Stmt], cls: dict[str, str]) -> list[str]:
+    lines = []
+    for st in stmts:
+        if st.name is None:
+            lines.append(f"    {st.expr}")
+        elif st.red == "ssum":
+            lines.append(f"    {st.name} = tl.sum(tl.where({_MASK[cls[st.arg]]}, {st.arg}, 0.0))")
+        elif st.red:
+            lines.append(f"    {st.name} = {_red_line(st)}")
+        else:
+            lines.append(f"    {st.name} = {st.expr}")
+    return lines
+
+
+def schedule(stmts: list[Stmt]) -> list[list[Stmt]]:
+    """Split a kernel body into passes over the row's column blocks when a row does not fit one block.
+
+    A value that varies along the row and depends on row reductions finished in pass k is computed
+    in pass k (or later); a reduction of it ends in pass k. So pass k computes, per column block, the
+    varying statements the reductions and stores of pass k need (recomputing from the inputs rather
+    than keeping the row), and the per-row values between passes follow from the finished sums. The
+    result is passes[k] = the varying statements of loop k (with its reductions and stores); the
+    per-row statements are placed by `row_groups`."""
+    live = _live(stmts)
+    defined = {st.name for st in live if st.name is not None}
+    lvl: dict[str, int] = {}
+    at: list[tuple[Stmt, int]] = []
+    for st in live:
+        d = max((lvl[x] for x in _deps(st, defined)), default=0)
+        if st.red:
+            at.append((st, d))
+            lvl[st.name or ""] = d + 1
+        else:
+            if st.name is not None:
+                lvl[st.name] = d
+            if st.name is None and st.cls in _VARYING:
+                at.append((st, d))
+    n = 1 + max((k for _, k in at), default=-1)
+    by_name = {st.name: st for st in live if st.name is not None}
+    passes: list[list[Stmt]] = []
+    for k in range(n):
+        roots = [st for st, j in at if j == k]
+        need: set[str] = set()
+        stack = [x for st in roots for x in _deps(st, defined)]
+        while stack:
+            x = stack.pop()
+            sx = by_name[x]
+            if x in need or sx.red or sx.cls not in _VARYING:
+                continue
+            need.add(x)
+            stack += _deps(sx, defined)
+        passes.append([st for st in live if st.name in need or any(st is r for r in roots)])
+    return passes
+
+
+def _row_level(stmts: list[Stmt]) -> list[tuple[Stmt, int]]:
+    """The per-row statements (loads, arithmetic, stores of R/S values) and the pass they follow."""
+    live = _live(stmts)
+    defined = {st.name for st in live if st.name is not None}
+    lvl: dict[str, int] = {}
+    out = []
+    for st in live:
+        d = max((lvl[x] for x in _deps(st, defined)), default=0)
+        if st.red:
+            lvl[st.name or ""] = d + 1
+            continue
+        if st.name is not None:
+            lvl[st.name] = d
+        if st.cls not in _VARYING:
+            out.append((st, d))
+    return out
+
+
+_COLS = ["cols = c0 + tl.arange(0, BLOCK_N)[None, :]", "offs = rows * N + cols", "cmask = cols < N",
+         "mask = rmask & cmask & (offs < NUMEL)"]
+
+
+def _looped(stmts: list[Stmt], cls: dict[str, str]) -> list[str]:
+    passes = schedule(stmts)
+    rows = _row_level(stmts)
+    stores = [st for st, _ in rows if st.name is None]
+    lines: list[str] = []
+
+    def row_stmts(k: int) -> None:
+        lines.extend(f"    {st.name} = {st.expr}" for st, j in rows if j == k and st.name is not None)
+
+    for k, body in enumerate(passes):
+        row_stmts(k)
+        reds = [st for st in body if st.red]
+        for st in reds:
+            acc = "[1, 1]" if st.red == "ssum" and cls[st.arg] == "C" else "[BLOCK_M, 1]"
+            init = f'tl.full({acc}, -float("inf"), tl.float32)' if st.red == "rmax" else f"tl.zeros({acc}, tl.float32)"
+            lines.append(f"    acc_{st.name} = {init}")
+        lines.append("    for c0 in range(0, N, BLOCK_N):")
+        lines += [f"        {c}" for c in _COLS]
+        for st in body:
+            if st.name is None:
+                lines.append(f"        {st.expr}")
+            elif st.red == "rmax":
+                lines.append(f"        acc_{st.name} = tl.maximum(acc_{st.name}, {_red_line(st)})")
+            elif st.red:
+                m = _MASK[cls[st.arg]] if st.red == "ssum" else "mask"
+                lines.append(f"        acc_{st.name} = acc_{st.name} + "
+                             f"tl.sum(tl.where({m}, {st.arg}, 0.0), axis=1, keep_dims=True)")
+            else:
+                lines.append(f"        {st.name} = {st.expr}")
+        for st in reds:
+            lines.append(f"    {st.name} = " + (f"tl.sum(acc_{st.name})" if st.red == "ssum" else f"acc_{st.name}"))
+    row_stmts(len(passes))
+    lines += [f"    {st.expr}" for st in stores]
+    return lines
+
+
+ROW_BLOCK = 8192  # longest row one program keeps in registers; longer rows loop over column blocks
+
+
+def row_loop(p: Program) -> bool:
+    """Whether a program's kernels loop over column blocks of ROW_BLOCK (rows longer than that)."""
+    return p.rows and pow2(p.n) > ROW_BLOCK
+
+
+def _emit(p: Program, name: str, args: list[str], body: _Body) -> list[str]:
+    if not row_loop(p):
+        return _header(name, args) + _one_block(_live(body.stmts), body.cls)
+    return _header(name, args)[:4] + ["    rmask = rows < M"] + _looped(body.stmts, body.cls)
 
 
 def _load(i: Input, ptr: str) -> str:
@@ -368,6 +548,9 @@ def _load(i: Input, ptr: str) -> str:
     where, m = {"E": ("offs", "mask"), "X": ("offs", "mask"), "P": (f"offs % P_{i.name}", "mask"),
                 "C": ("cols", "cmask"), "R": ("rows", "rmask")}[i.kind]
     return f"tl.load({ptr} + {where}, mask={m}, other={other}){cast}"
+
+
+_LOAD_CLS = {"E": "E", "X": "E", "P": "E", "C": "C", "R": "R", "S": "S"}
 
 
 def _header(name: str, args: list[str]) -> list[str]:
@@ -382,15 +565,16 @@ def _header(name: str, args: list[str]) -> list[str]:
             "    mask = rmask & cmask & (offs < NUMEL)"]
 
 
-def _store(kind: str, ptr: str, v: str, cls: str) -> str:
+def _store(b: _Body, kind: str, ptr: str, v: str, cls: str) -> None:
     cls = {"CP": "C", "T": "S"}.get(cls, cls)  # already reduced inside this program
     if kind in ("E", "X"):
-        return f"    tl.store({ptr} + offs, {_reduce_to(v, cls, 'E')}, mask=mask)"
-    if kind == "R":
-        return f"    tl.store({ptr} + rows, {_reduce_to(v, cls, 'R')}, mask=rmask)"
-    if kind in ("C", "CP"):  # per-program column partials
-        return f"    tl.store({ptr} + pid * N + cols, {_reduce_to(v, cls, 'C')}, mask=cmask)"
-    return f"    tl.store({ptr} + pid, {_reduce_to(v, cls, 'S')})"  # per-program partial (or a scalar)
+        b.add(None, "E", f"tl.store({ptr} + offs, {b.reduce_to(v, cls, 'E')}, mask=mask)")
+    elif kind == "R":
+        b.add(None, "R", f"tl.store({ptr} + rows, {b.reduce_to(v, cls, 'R')}, mask=rmask)")
+    elif kind in ("C", "CP"):  # per-program column partials
+        b.add(None, "C", f"tl.store({ptr} + pid * N + cols, {b.reduce_to(v, cls, 'C')}, mask=cmask)")
+    else:  # per-program partial (or a scalar)
+        b.add(None, "S", f"tl.store({ptr} + pid, {b.reduce_to(v, cls, 'S')})")
 
 
 def _period_args(p: Program) -> list[str]:
@@ -412,76 +596,111 @@ def grad_outputs(p: Program) -> list[int]:
             if p.outputs[k][3].is_floating_point and p.dt[p.outputs[k][0]] == "f"]
 
 
+def _instr(b: _Body, ins: Instr, p: Program) -> None:
+    cls = {"T": "S", "CP": "C"}.get(p.cls[ins.out], p.cls[ins.out])
+    a0 = ins.args[0] if ins.args else None
+    if ins.prim in ("rsum", "rmax"):
+        b.add(ins.out, "R", red=ins.prim, arg=a0)
+    elif ins.prim == "tsum" and p.cls[a0] in _VARYING:
+        b.add(ins.out, "S", red="ssum", arg=a0)
+    else:
+        b.add(ins.out, cls, _expr(ins, p))
+
+
+def _forward_body(p: Program) -> _Body:
+    b = _Body()
+    for i in p.inputs:
+        b.add(i.name, _LOAD_CLS[i.kind], _load(i, f"in_{i.name}"))
+    for ins in p.instrs:
+        _instr(b, ins, p)
+    for k in kernel_outputs(p):
+        v, kind, _, _ = p.outputs[k]
+        _store(b, kind, f"out_{k}", v, p.cls[v])
+    for v in totals(p):
+        _store(b, "T", f"tp_{v}", v, "S")
+    return b
+
+
 def generate(p: Program, title: str = "") -> str:
     """Python source of the forward kernel `fwd` and the backward kernel `bwd` of a program."""
     kinds = [(i.kind, str(i.dtype).removeprefix("torch.")) for i in p.inputs]
+    layout = "flat" if not p.rows else f"rows looped in blocks of {ROW_BLOCK}" if row_loop(p) else "rows"
     lines = [f"# generated by autopar.codegen.triton_gen{': ' + title if title else ''}",
-             f"# {'rows' if p.rows else 'flat'} layout; inputs (kind, dtype): {kinds}",
+             f"# {layout} layout; inputs (kind, dtype): {kinds}",
              "import triton.language as tl", "", ""]
     outs = kernel_outputs(p)
-    lines += _header("fwd", [f"in_{i.name}" for i in p.inputs] + [f"out_{k}" for k in outs]
-                     + [f"tp_{v}" for v in totals(p)] + _period_args(p))
-    lines += [f"    {i.name} = {_load(i, f'in_{i.name}')}" for i in p.inputs]
-    lines += [f"    {ins.out} = {_expr(ins, p)}" for ins in p.instrs]
-    for k in outs:
-        v, kind, _, _ = p.outputs[k]
-        lines.append(_store(kind, f"out_{k}", v, p.cls[v]))
-    lines += [_store("T", f"tp_{v}", v, "S") for v in totals(p)]
+    lines += _emit(p, "fwd", [f"in_{i.name}" for i in p.inputs] + [f"out_{k}" for k in outs]
+                   + [f"tp_{v}" for v in totals(p)] + _period_args(p), _forward_body(p))
     lines += ["", ""] + _backward(p)
     return "\n".join(lines) + "\n"
 
 
-_NAME = re.compile(r"\bv\d+\b")
-
-
-def _backward(p: Program) -> list[str]:
-    body: list[str] = []
+def _backward_body(p: Program) -> _Body:
+    b = _Body()
     grads: dict[str, str] = {}
     gcls: dict[str, str] = {}
+    count = [0]
 
     def add(v: str, expr: str, cls: str) -> None:
         target = {"T": "S", "CP": "C"}.get(p.cls[v], p.cls[v])
-        e = _reduce_to(expr, cls, target)
-        if v in grads:
-            body.append(f"    {grads[v]} = {grads[v]} + {e}")
-        else:
-            grads[v], gcls[v] = f"g_{v}", target
-            body.append(f"    g_{v} = {e}")
+        e = b.reduce_to(expr, cls, target)
+        count[0] += 1
+        name = f"g{count[0]}_{v}"
+        b.add(name, target, f"{grads[v]} + {e}" if v in grads else e)
+        grads[v], gcls[v] = name, target
 
-    gouts = grad_outputs(p)
-    for k in gouts:
+    for i in p.inputs:
+        b.add(i.name, _LOAD_CLS[i.kind], _load(i, f"in_{i.name}"))
+    for ins in p.instrs:
+        if ins.prim not in ("tsum", "csum"):
+            _instr(b, ins, p)
+    for k in grad_outputs(p):
         v, kind, _, _ = p.outputs[k]
         where, m, cls = {"E": ("offs", "mask", "E"), "R": ("rows", "rmask", "R"),
                          "CP": ("cols", "cmask", "C"), "S": ("", "", "S")}[kind]
         load = f"tl.load(gout_{k} + {where}, mask={m}, other=0.0)" if where else f"tl.load(gout_{k})"
-        body.append(f"    go_{k} = {load}.to(tl.float32)")
-        add(v, f"go_{k}", cls)
+        add(v, b.add(f"go_{k}", cls, f"{load}.to(tl.float32)"), cls)
     for v in totals(p):
-        body.append(f"    go_{v} = tl.load(gt_{v}).to(tl.float32)")
-        add(v, f"go_{v}", "S")
+        add(v, b.add(f"go_{v}", "S", f"tl.load(gt_{v}).to(tl.float32)"), "S")
     for ins in reversed(p.instrs):
         if ins.out not in grads or p.dt[ins.out] != "f":
             continue
-        for idx, expr, cls in _vjp(ins, grads[ins.out], p):
+        if ins.prim == "rmax":  # ties share the gradient, as torch.amax's backward does
+            x, o = _args(ins, p)[0], ins.out
+            hit = b.temp("E", f"tl.where({x} == {o}, 1.0, 0.0)")
+            cnt = b.temp("R", red="rsum", arg=hit)
+            contrib = [(0, f"tl.where({x} == {o}, {grads[o]} / {cnt}, 0.0)", "E")]
+        else:
+            contrib = _vjp(ins, grads[ins.out], p)
+        for idx, expr, cls in contrib:
             arg = ins.args[idx]
             if isinstance(arg, str) and p.dt[arg] == "f":
                 add(arg, expr, cls)
-    needed = set(_NAME.findall("\n".join(body)))
-    for ins in reversed(p.instrs):
-        if ins.out in needed:
-            needed |= {a for a in ins.args if isinstance(a, str)}
+    for i in p.inputs:
+        if i.dtype.is_floating_point:
+            kind = {"P": "E", "X": "E"}.get(i.kind, i.kind)
+            _store(b, kind, f"gin_{i.name}", grads.get(i.name, "0.0"), gcls.get(i.name, "S"))
+    return b
+
+
+def _backward(p: Program) -> list[str]:
     gin = [i for i in p.inputs if i.dtype.is_floating_point]
-    args = ([f"in_{i.name}" for i in p.inputs] + [f"gout_{k}" for k in gouts] + [f"gt_{v}" for v in totals(p)]
-            + [f"gin_{i.name}" for i in gin] + _period_args(p))
-    lines = _header("bwd", args)
-    lines += [f"    {i.name} = {_load(i, f'in_{i.name}')}" for i in p.inputs if i.name in needed]
-    lines += [f"    {ins.out} = {_expr(ins, p)}" for ins in p.instrs
-              if ins.out in needed and ins.prim not in ("tsum", "csum")]
-    lines += body
-    for i in gin:
-        kind = {"P": "E", "X": "E"}.get(i.kind, i.kind)
-        lines.append(_store(kind, f"gin_{i.name}", grads.get(i.name, "0.0"), gcls.get(i.name, "S")))
-    return lines
+    args = ([f"in_{i.name}" for i in p.inputs] + [f"gout_{k}" for k in grad_outputs(p)]
+            + [f"gt_{v}" for v in totals(p)] + [f"gin_{i.name}" for i in gin] + _period_args(p))
+    return _emit(p, "bwd", args, _backward_body(p))
+
+
+def input_reads(p: Program, which: str = "fwd") -> dict[str, int]:
+    """How many times the `fwd` or `bwd` kernel reads each input (by value name) and, for `bwd`, each
+    output gradient (`go_<k>`): once, or once per pass over the column blocks when rows loop."""
+    b = _forward_body(p) if which == "fwd" else _backward_body(p)
+    names = {i.name for i in p.inputs} | {f"go_{k}" for k in grad_outputs(p)}
+    reads = {st.name: 1 for st in _live(b.stmts) if st.name in names}
+    if row_loop(p):
+        for name in reads:
+            n = sum(any(st.name == name for st in body) for body in schedule(b.stmts))
+            reads[name] = max(1, n)
+    return reads
 
 
 # ---------------------------------------------------------------------------------------------- loading
