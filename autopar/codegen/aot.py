@@ -131,36 +131,41 @@ def _ptxas_report(ptx: str, arch: int) -> dict[str, int]:
 
 def compile_program(p: Program, arch: int = 90, name: str = "kernel", *, which: tuple[str, ...] = ("fwd", "bwd"),
                     num_warps: int | None = None, block: tuple[int, int] | None = None) -> list[KernelBuild]:
-    """Compile a program's kernels for CUDA compute capability `arch` with the launch configuration the
-    runtime uses on CUDA (or `num_warps` / `block` = (BLOCK_M, BLOCK_N) given); one KernelBuild each."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
+    """Compile a program's kernels for CUDA compute capability `arch` in every configuration autotuning may
+    launch on CUDA (or the one `num_warps` / `block` = (BLOCK_M, BLOCK_N) give); one KernelBuild each."""
     from .kernels import launch_config
 
     triton_gen.import_triton()
     src = triton_gen.generate(p, name)
     compiled = triton_gen.load(p, src, interpret=False)
     cfg = launch_config(p, interpret=False)
-    bm, bn = block or (cfg.block_m, cfg.block_n)
-    warps = num_warps or cfg.num_warps
-    out = []
-    for w in which:
-        fn = compiled.fwd if w == "fwd" else compiled.bwd
-        label = f"{name} {w}"
-        try:
-            with compiled_stdlib():
-                ast = triton.compiler.ASTSource(fn=fn, signature=signature(p, w, list(fn.arg_names)),
-                                                constexprs={"BLOCK_M": bm, "BLOCK_N": bn})
-                k = triton.compile(ast, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-            res = _ptxas_report(k.asm["ptx"], arch)
-        except Exception as e:  # the build failing is the finding
-            msg = " ".join(str(e).split())[:400]
-            out.append(KernelBuild(label, arch, bm, bn, warps, False, f"{type(e).__name__}: {msg}"))
-            continue
-        out.append(KernelBuild(label, arch, bm, bn, warps, True, "", res["regs"], res["stores"], res["loads"],
-                               res["stack"], int(getattr(k.metadata, "shared", 0))))
-    return out
+    if block is not None or num_warps is not None:
+        bm, bn = block or (cfg.block_m, cfg.block_n)
+        configs = [(bm, bn, num_warps or cfg.num_warps)]
+    else:  # every configuration autotuning may pick
+        configs = [(cfg.block_m, c.get("BLOCK_N", cfg.block_n), c["num_warps"]) for c in triton_gen.tune_configs(p)]
+    return [_build(p, compiled.fwd if w == "fwd" else compiled.bwd, w, arch, name, bm, bn, warps)
+            for w in which for bm, bn, warps in configs]
+
+
+def _build(p: Program, fn: Any, w: str, arch: int, name: str, bm: int, bn: int, warps: int) -> KernelBuild:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.autotuner import Autotuner
+
+    fn = fn.fn if isinstance(fn, Autotuner) else fn
+    label = f"{name} {w}"
+    try:
+        with compiled_stdlib():
+            ast = triton.compiler.ASTSource(fn=fn, signature=signature(p, w, list(fn.arg_names)),
+                                            constexprs={"BLOCK_M": bm, "BLOCK_N": bn})
+            k = triton.compile(ast, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        res = _ptxas_report(k.asm["ptx"], arch)
+    except Exception as e:  # the build failing is the finding
+        msg = " ".join(str(e).split())[:400]
+        return KernelBuild(label, arch, bm, bn, warps, False, f"{type(e).__name__}: {msg}")
+    return KernelBuild(label, arch, bm, bn, warps, True, "", res["regs"], res["stores"], res["loads"], res["stack"],
+                       int(getattr(k.metadata, "shared", 0)))
 
 
 def compile_for_target(kernel: Any, targets: tuple[int, ...] | int = DEFAULT_TARGETS, **kw: Any) -> list[KernelBuild]:

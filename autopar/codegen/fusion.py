@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from . import triton_gen
 from .fusion_rules import RULES, Resolver, Rule, bind, meta  # noqa: F401  (re-exported)
 from .triton_gen import Builder, Program, Unfusible
 
@@ -278,7 +279,8 @@ def fused_bytes(region: Region, sizes: Mapping[str, int] | None = None) -> tuple
     """Forward memory traffic of a region: (bytes as separate torch ops, bytes as one fused kernel).
 
     Before: every op reads its tensor inputs and writes its outputs (views are free). After: the kernel
-    reads each region input once and writes each region output once, plus the copies that run around it
+    reads each region input once (once per pass where rows loop, `input_passes`) and writes each region
+    output once, plus the copies that run around it
     (kernels.py): a non-contiguous input made contiguous, a broadcast input expanded in torch (kind X),
     an output torch would give a permuted layout copied into it; each copy writes and reads once more.
     `sizes` (node name -> bytes) fills in tensors without shape metadata, e.g. from TrainingGraph.nodes /
@@ -298,8 +300,21 @@ def fused_bytes(region: Region, sizes: Mapping[str, int] | None = None) -> tuple
             continue
         skip = _mm_operands(n) if _label(n) == "head" else []  # the matmul stays outside either way
         before += nbytes(n) + sum(nbytes(a) for a in n.all_input_nodes if a not in skip or a in members)
-    after = sum(nbytes(k) for k in region.inputs) + sum(nbytes(o) for o in region.outputs)
+    reads = input_passes(region)
+    after = sum(nbytes(k) * reads[i] for i, k in enumerate(region.inputs)) + sum(nbytes(o) for o in region.outputs)
     return before, after + 2 * _relayout_bytes(region, nbytes)
+
+
+def input_passes(region: Region, which: str = "fwd") -> list[int]:
+    """Per region input, how many times the region's `fwd` (or `bwd`) kernel reads it: once, or once per
+    pass over the column blocks where rows are longer than triton_gen.ROW_BLOCK."""
+    if region.program is None:
+        return [1] * len(region.inputs)
+    reads = triton_gen.input_reads(region.program, which)
+    per_key: dict[Any, int] = {}
+    for i, k in zip(region.program.inputs, region.sources, strict=True):
+        per_key[k] = max(per_key.get(k, 1), reads.get(i.name, 1))
+    return [per_key.get(k, 1) for k in region.inputs]
 
 
 def _relayout_bytes(region: Region, nbytes: Any) -> int:

@@ -108,11 +108,20 @@ def _prep(p: Program, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 
 def _launch(kernel: Any, args: list[Any], p: Program, seed: int, cfg: LaunchConfig, interpret: bool) -> None:
-    extra = {} if interpret else {"num_warps": cfg.num_warps}
+    blocks = {"BLOCK_M": cfg.block_m}
+    if interpret or not triton_gen.row_loop(p):  # on CUDA a looping kernel's BLOCK_N is autotuned
+        blocks["BLOCK_N"] = cfg.block_n
     periods = [i.period for i in p.inputs if i.kind == "P"]
     with interpreted_stdlib() if interpret else contextlib.nullcontext():
-        kernel[(cfg.grid,)](*args, *periods, p.m, p.n, p.numel, seed, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                            **extra)
+        kernel[(cfg.grid,)](*args, *periods, p.m, p.n, p.numel, seed, **blocks)
+
+
+def tuned_config(kernel: Any) -> str:
+    """The configuration autotuning chose for a launched kernel ('' under the interpreter)."""
+    best = getattr(kernel, "best_config", None)
+    if best is None:
+        return ""
+    return ", ".join([f"{k}={v}" for k, v in best.kwargs.items()] + [f"num_warps={best.num_warps}"])
 
 
 def _run_host(host: list[Instr], env: dict[str, torch.Tensor]) -> None:
@@ -356,6 +365,10 @@ class FusedRegion(nn.Module):
             self.fail(k, "forward", e)
             return self.fallback(*xs)
         k.ran_fwd = True
+        tuned = tuned_config(k.compiled.fwd)
+        if tuned:
+            self._note(f"forward kernel autotuned for rows of {k.compiled.program.n}: {tuned} "
+                       f"(of {triton_gen.tune_configs(k.compiled.program)})")
         return out
 
 

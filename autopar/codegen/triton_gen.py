@@ -529,6 +529,15 @@ def _looped(stmts: list[Stmt], cls: dict[str, str]) -> list[str]:
 ROW_BLOCK = 8192  # longest row one program keeps in registers; longer rows loop over column blocks
 
 
+def tune_configs(p: Program) -> list[dict[str, int]]:
+    """The configurations `triton.autotune` times on CUDA (keyed on the row length N), the first being the
+    default: num_warps, and for looping rows the column block BLOCK_N too (a one-block kernel's BLOCK_N
+    is the row, and BLOCK_M fixes the grid and its partial buffers, so neither is tuned there)."""
+    if row_loop(p):
+        return [{"BLOCK_N": bn, "num_warps": w} for bn in (ROW_BLOCK, ROW_BLOCK // 2) for w in (8, 16)]
+    return [{"num_warps": w} for w in (4, 8)]
+
+
 def row_loop(p: Program) -> bool:
     """Whether a program's kernels loop over column blocks of ROW_BLOCK (rows longer than that)."""
     return p.rows and pow2(p.n) > ROW_BLOCK
@@ -772,8 +781,15 @@ def load(p: Program, source: str, interpret: bool) -> CompiledRegion:
     mod = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = mod
     spec.loader.exec_module(mod)
-    wrap: Callable[[Any], Any] = InterpretedFunction if interpret else (
-        lambda f: JITFunction(f, do_not_specialize=["SEED"]))  # a fresh seed per call must not recompile
+    def compiled(f: Any) -> Any:
+        import triton
+
+        configs = [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"])
+                   for c in tune_configs(p)]
+        # a fresh seed per call must not recompile; the row length keys the tuning
+        return triton.autotune(configs=configs, key=["N"])(JITFunction(f, do_not_specialize=["SEED"]))
+
+    wrap: Callable[[Any], Any] = InterpretedFunction if interpret else compiled
     region = CompiledRegion(p, source, wrap(mod.fwd), wrap(mod.bwd), interpret, key)
     _LOADED[(key, interpret)] = region
     return region

@@ -5,7 +5,9 @@ regions the runtime will fuse, and each region is priced as one kernel: its exte
 and its outputs written once (`fusion.fused_bytes`), intermediates never materialised, one launch. The
 matmul of a bias head stays its own kernel; its bias add (and the bias-gradient sum) move into the
 region's kernels. The backward kernel reads the region's inputs (which `RegionFunction` saves) and the
-gradients of its outputs, and writes the gradients of its inputs that need them.
+gradients of its outputs, and writes the gradients of its inputs that need them. Where rows are longer than
+`triton_gen.ROW_BLOCK` the kernels loop over column blocks and read their row-sized inputs once per pass
+(`fusion.input_passes`), and are priced so.
 
 Regions are found per layer (a fused region never spans layers here, as it cannot span pipeline
 stages), once per block signature: identical blocks reuse the result by node position.
@@ -55,6 +57,8 @@ class RegionSpec:
     targets: tuple[str, ...]  # member targets, to check a reuse
     before: int  # forward bytes as separate ops / as one kernel (fusion.fused_bytes, graph dtypes)
     after: int
+    bwd_reads: tuple[int, ...] = ()  # per input, reads by the backward kernel (more than one where rows loop)
+    grad_reads: int = 1  # reads of each output gradient by the backward kernel
 
 
 def _layer_module(members: list[fx.Node]) -> fx.GraphModule:
@@ -74,7 +78,8 @@ def _layer_module(members: list[fx.Node]) -> fx.GraphModule:
 
 
 def layer_regions(gm: Any, layer: Layer) -> list[RegionSpec]:
-    from ..codegen.fusion import find_regions, fused_bytes
+    from ..codegen import triton_gen
+    from ..codegen.fusion import find_regions, fused_bytes, input_passes
 
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     members = [fx_nodes[x] for x in layer.nodes if x in fx_nodes]
@@ -95,9 +100,11 @@ def layer_regions(gm: Any, layer: Layer) -> list[RegionSpec]:
                 m, i = next((m, i) for m in r.nodes for i, a in enumerate(m.all_input_nodes) if a is k)
                 inputs.append(("A", pos[m.name], i))
         before, after = fused_bytes(r)
+        reads = triton_gen.input_reads(r.program, "bwd") if r.program is not None else {}
+        grad_reads = max([n for k, n in reads.items() if k.startswith("go_")], default=1)
         out.append(RegionSpec(r.kind, tuple(sorted(pos[x] for x in mem)), tuple(pos[h.name] for h in r.heads),
                               tuple(inputs), tuple(str(n.target) for n in sorted(r.nodes, key=lambda n: pos[n.name])),
-                              before, after))
+                              before, after, tuple(input_passes(r, "bwd")), grad_reads))
     return out
 
 
@@ -129,7 +136,9 @@ def fuse_layer(specs: list[RegionSpec], layer: Layer, nodes: dict[str, OpNode], 
                     elems=int(_work(removed_f)))  # elems: elementwise work in add-equivalents
         trains = any(nodes[x].kernels_bwd for x in names)
         outs = [x for x in names if any(u.name not in names for u in fx_nodes[x].users)]
-        bwd_bytes = (sum(nbytes(x) for x in inputs) + sum(nbytes(x) for x in outs)
+        reads = s.bwd_reads or (1,) * len(inputs)
+        bwd_bytes = (sum(nbytes(x) * k for x, k in zip(inputs, reads, strict=True))
+                     + sum(nbytes(x) * s.grad_reads for x in outs)
                      + sum(nbytes(x) for x in inputs if grad.get(x, False)))
         kb = Kernel(f"fused.{s.kind}.backward", kf.kind, 0.0, bwd_bytes * scale, elems=int(_work(removed_b)))
         for x in heads:  # the bias-gradient sum moves into the region's backward kernel
