@@ -7,7 +7,8 @@ kernels come from the graph's ops, not from hand-written per-op kernels.
 
 Layout: a region works on its domain viewed as [M, N] row-major (N = last dim). One program owns
 BLOCK_M rows and, up to ROW_BLOCK elements, the whole row (BLOCK_N >= N), so row reductions (norms,
-softmax, cross-entropy) stay in registers; longer rows loop over column blocks in passes (`schedule`). Pure elementwise regions use a virtual row of 1024 elements. Value classes in a kernel:
+softmax, cross-entropy) stay in registers; longer rows loop over column blocks in passes (`schedule`).
+Pure elementwise regions use a virtual row of 1024 elements. Value classes in a kernel:
 E [BLOCK_M, BLOCK_N], R per row [BLOCK_M, 1], C per column [1, BLOCK_N], S scalar; T (a total over all
 rows) and CP (a column sum over all rows) are written as per-program partials and summed in torch.
 Ops on T values ("host ops", e.g. the mean of a cross-entropy) run in torch after the kernel.
