@@ -28,7 +28,7 @@ from .passes.capture import LossFn, capture
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
 from .runtime.asynchronous import AsyncProgram, delay_of, warn_async
-from .runtime.devices import launch_device, warn_device_order, world_comm_device
+from .runtime.devices import check_rank_gpu, launch_device, warn_device_order, world_comm_device
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
@@ -114,9 +114,14 @@ def compile(
     cluster = Cluster.load(cluster)
     # the rank's device (runtime/devices.py) is current before the group exists: NCCL binds to it eagerly
     device = launch_device(cluster)
-    rank, world = ensure_initialized(timeout_s, device)
-    if device.type == "cuda":  # CUDA's default order (fastest first) may not be the cluster file's
+    if device.type == "cuda":  # before any collective: this rank's GPU is the type the cluster file says
+        from .cluster import catalog_name_for_gpu
+
+        # CUDA's default order (fastest first) may not be the cluster file's
         warn_device_order([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+        check_rank_gpu(cluster, int(os.environ.get("RANK", "0")), device, torch.cuda.get_device_name(device),
+                       catalog_name_for_gpu)
+    rank, world = ensure_initialized(timeout_s, device)
     if world != cluster.world_size:
         raise PlanError(
             f"the cluster has {cluster.world_size} devices but {world} process(es) are running: start "

@@ -51,7 +51,8 @@ class CommCall:
     index: int  # this rank's n-th communication op
 
     def describe(self) -> str:
-        return f"rank {self.rank}: {self.op} got a {self.dtype}{list(self.shape)} tensor on {self.device} at {self.site}"
+        return (f"rank {self.rank}: {self.op} got a {self.dtype}{list(self.shape)} tensor on {self.device} at "
+                f"{self.site}")
 
 
 @dataclass

@@ -11,8 +11,8 @@ the CUDA device is set before the group exists and passed as `device_id`, so NCC
 eagerly at setup rather than lazily inside step 1 (racing the timeout while other ranks wait); the backend
 is "cpu:gloo,cuda:nccl" where CUDA exists, so CPU ranks and CPU tensors go to gloo and CUDA tensors to NCCL.
 
-`check_local_gpus` compares this machine's GPUs with the devices the cluster file gives a node (count, and
-the catalog type of each), before any collective.
+`check_rank_gpu` compares this rank's GPU with the catalog type the cluster file gives its device, before
+any collective (`autopar run` checks the GPU count of a node before it starts the workers).
 """
 
 from __future__ import annotations
@@ -133,37 +133,23 @@ def comm_device(backend: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_local_gpus(cluster: Any, node: int, gpu_names: list[str], catalog_name: Callable[[str, int], Any]
-                     ) -> None:
-    """Raise a DeviceMismatchError unless this machine's GPUs (`gpu_names`, in CUDA order) hold node
-    `node`'s devices of `cluster`: at least as many GPUs as the node has accelerators, and GPU i the
-    catalog type of the node's i-th device. `catalog_name(cuda_name, index)` maps a CUDA name to a catalog
-    entry as `Cluster.local()` does."""
-    devices = [cluster.devices[d] for d in cluster.nodes[node].devices]
-    accel = [d for d in devices if not computes_on_cpu(d.spec)]
-    if not accel:
-        return
-    if len(gpu_names) < len(accel):
-        raise DeviceMismatchError(
-            f"node {node} of cluster {cluster.name!r} has {len(accel)} GPU device(s) "
-            f"({accel[0].spec.name}) but this machine has {len(gpu_names)} visible GPU(s): run this node's "
-            f"share on a machine with {len(accel)} GPUs, fix CUDA_VISIBLE_DEVICES, or change the cluster file.")
+def check_rank_gpu(cluster: Any, rank: int, device: torch.device, cuda_name: str,
+                   catalog_name: Callable[[str, int], Any]) -> None:
+    """Raise a DeviceMismatchError unless `cuda_name`, the name of this rank's GPU `device`, maps (by
+    `catalog_name`, as `Cluster.local()` maps it) to the catalog type the cluster gives device `rank`."""
     from ..catalog import CATALOG
 
-    wrong = []
-    for i, d in enumerate(accel):
-        if d.spec.name not in CATALOG:
-            continue  # a custom device type: nothing to compare the CUDA name with
-        found = catalog_name(gpu_names[i], i)
-        found_name = found if isinstance(found, str) else str(found.get("name", gpu_names[i]))
-        if found_name != d.spec.name:
-            wrong.append(f"GPU {i} is {gpu_names[i]!r} ({found_name}) but the cluster file gives device "
-                         f"{d.index} (rank {d.index}) type {d.spec.name}")
-    if wrong:
+    want = cluster.devices[rank].spec.name
+    if device.type != "cuda" or want not in CATALOG:  # a custom type: nothing to compare with
+        return
+    found = catalog_name(cuda_name, device.index or 0)
+    found_name = found if isinstance(found, str) else str(found.get("name", cuda_name))
+    if found_name != want:
         raise DeviceMismatchError(
-            f"node {node}'s GPUs do not match cluster {cluster.name!r}: " + "; ".join(wrong) + ". Run each "
-            "node's share on the machine that has its devices (--node-rank), with CUDA_DEVICE_ORDER=PCI_BUS_ID, "
-            "or correct the cluster file's device types.")
+            f"rank {rank} runs on {device} ({cuda_name!r}, catalog type {found_name}) but the cluster file gives "
+            f"device {rank} type {want}: start each node's share on the machine holding its devices (autopar run "
+            f"--node-rank i on node i), keep CUDA_DEVICE_ORDER=PCI_BUS_ID (autopar run sets it), or correct the "
+            f"cluster file.")
 
 
 def warn_device_order(names: list[str], env: dict[str, str] | None = None) -> None:
@@ -184,6 +170,6 @@ def move_to(x: Any, device: torch.device) -> Any:
         if isinstance(t, torch.Tensor) and t.device != device else t, x)
 
 
-__all__ = ["DeviceMismatchError", "MIXED_BACKEND", "backend_for", "check_local_gpus", "comm_device",
+__all__ = ["DeviceMismatchError", "MIXED_BACKEND", "backend_for", "check_rank_gpu", "comm_device",
            "computes_on_cpu", "init_process_group", "launch_device", "local_rank", "move_to", "plan_rank_device",
            "rank_device", "set_local_device", "warn_device_order", "world_comm_device"]
