@@ -98,8 +98,9 @@ def elastic_ranks_match(c: Cluster) -> bool:
     """Whether torchrun's elastic (c10d) rendezvous, which numbers nodes in arrival order, still gives rank r
     a device of device r's type and node shape: only when every node of the cluster is the same (same device
     count, types and links), so any order of the nodes is the same cluster."""
-    shapes = {(tuple(c.devices[d].spec for d in n.devices), n.intra_node, n.host_memory) for n in c.nodes}
-    return len(shapes) == 1 and not c.pair_links
+    shapes = [([c.devices[d].spec for d in n.devices], n.intra_node, n.host_memory, n.nic_bandwidth)
+              for n in c.nodes]
+    return all(s == shapes[0] for s in shapes) and not c.pair_links
 
 
 def run(
