@@ -50,6 +50,8 @@ def test_every_tensor_handed_to_communication_is_on_its_ranks_device(layout: str
     assert report.devices == want
     for c in report.calls:
         assert c.device.split(":")[0] == want[c.rank], c.describe()
+    if layout == "tp":  # item 14: the mesh follows the rank's device, not torch.cuda.is_available()
+        assert report.meshes == {0: "meta", 1: "meta"}
 
 
 def test_a_mixed_cluster_names_collectives_that_span_both_backends() -> None:

@@ -66,16 +66,24 @@ class DeviceReport:
     host_reads: list[tuple[int, str]] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     backend_mismatches: list[str] = field(default_factory=list)
+    meshes: dict[int, str] = field(default_factory=dict)  # rank -> its tensor-parallel DeviceMesh's device type
 
     @property
     def ok(self) -> bool:
-        return not self.wrong and not self.errors
+        return not self.wrong and not self.errors and not self.wrong_meshes
+
+    @property
+    def wrong_meshes(self) -> list[int]:
+        """Ranks whose DeviceMesh is not of their device's type (DTensor then places shards elsewhere)."""
+        return [r for r, t in self.meshes.items() if t != self.devices[r].split(":")[0]]
 
     def text(self) -> str:
         lines = [f"device audit of {len(self.devices)} rank(s): {len(self.calls)} tensors handed to communication, "
                  f"{len(self.wrong)} on the wrong device"]
         lines += ["  " + c.describe() + f" (the rank computes on {self.devices[c.rank]})" for c in self.wrong]
         lines += [f"  rank {r} failed: {e}" for r, e in self.errors.items()]
+        lines += [f"  rank {r}: its DeviceMesh is {self.meshes[r]!r} but the rank computes on {self.devices[r]}"
+                  for r in self.wrong_meshes]
         if self.host_reads:
             sites = sorted({s for _, s in self.host_reads})
             lines.append(f"  host reads of device values (not device findings): {', '.join(sites)}")
@@ -153,6 +161,8 @@ def audit_devices(model: nn.Module, plan: Any, example_inputs: tuple, example_ta
             with _Recorder(rank, device, report):
                 prog = Program(model, plan, inputs, example_target, loss_fn, optimizer, rank, world,
                                kernels=kernels, graph=graph, device=device)
+                if prog.tp is not None:
+                    report.meshes[rank] = prog.tp.mesh.device_type
                 for _ in range(steps):
                     prog.step(*inputs, target=example_target)
         except Exception as e:  # noqa: BLE001 - a rank that cannot run is a finding, the others still run

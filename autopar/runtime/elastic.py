@@ -42,7 +42,8 @@ the restart and, if it crashes again, uses up the restarts); taking in devices t
 a running single-node job (only at the next restart); hyperparameters and LR schedules, which come from
 the optimizer factory (the restored step counter lets a schedule keyed on it resume). On a heterogeneous
 multi-node cluster the "first WORLD_SIZE devices" rule assumes the surviving nodes are the first ones of
-the cluster file (torchrun does not say which node left).
+the cluster file (torchrun does not say which node left); `autopar run` refuses --max-restarts on clusters whose nodes
+differ, since torchrun's elastic rendezvous orders nodes as they arrive (rank r would not be device r).
 """
 
 from __future__ import annotations
