@@ -28,6 +28,7 @@ from .passes.capture import LossFn, capture
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
 from .runtime.asynchronous import AsyncProgram, delay_of, warn_async
+from .runtime.devices import check_rank_gpu, launch_device, warn_device_order, world_comm_device
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
@@ -110,8 +111,17 @@ def compile(
     if delay and adapt:
         raise PlanError(f"sync={sync!r} with adapt=: re-planning around stragglers is for synchronous programs; "
                         f"pass adapt=False (delayed updates already let fast replicas run ahead) or sync='sync'.")
-    rank, world = ensure_initialized(timeout_s)
     cluster = Cluster.load(cluster)
+    # the rank's device (runtime/devices.py) is current before the group exists: NCCL binds to it eagerly
+    device = launch_device(cluster)
+    if device.type == "cuda":  # before any collective: this rank's GPU is the type the cluster file says
+        from .cluster import catalog_name_for_gpu
+
+        # CUDA's default order (fastest first) may not be the cluster file's
+        warn_device_order([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+        check_rank_gpu(cluster, int(os.environ.get("RANK", "0")), device, torch.cuda.get_device_name(device),
+                       catalog_name_for_gpu)
+    rank, world = ensure_initialized(timeout_s, device)
     if world != cluster.world_size:
         raise PlanError(
             f"the cluster has {cluster.world_size} devices but {world} process(es) are running: start "
@@ -162,7 +172,7 @@ def compile(
                 failed = e
                 box[0] = e if isinstance(e, AutoparError) else AutoparError(f"rank 0 failed to plan: {e!r}")
         if world > 1:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, device=world_comm_device(cluster, device))
         if failed is not None:
             raise failed
         if isinstance(box[0], BaseException):
@@ -363,7 +373,7 @@ def train(build: Callable[[], Any], cluster: Cluster | str | dict | os.PathLike,
     rank, world = survivors.index(device), len(survivors)
     sub = base if survivors == list(range(base.world_size)) else \
         base.subset(survivors, name=f"{base.name}[{','.join(map(str, survivors))}]")
-    join_attempt(rank, world, launched, attempt, timeout_s)
+    join_attempt(rank, world, launched, attempt, timeout_s, launch_device(base))
     times["joined"] = time.time()
     case = build()
     model, inputs, target, loss_fn = (case if isinstance(case, tuple) else

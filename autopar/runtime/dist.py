@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import AutoparError
+from .devices import init_process_group, set_local_device
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOPAR_TIMEOUT_S", "120"))
 
@@ -21,12 +22,17 @@ class PeerLostError(AutoparError, RuntimeError):
     """A collective or transfer did not complete in time: a rank died or hangs."""
 
 
-def ensure_initialized(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
-    """Join the process group torchrun / `autopar run` set up (gloo on CPU, NCCL on GPUs).
+def ensure_initialized(timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None) -> tuple[int, int]:
+    """Join the process group torchrun / `autopar run` set up (gloo on CPU; gloo for CPU tensors and NCCL for
+    CUDA ones where CUDA exists), on `device`, this rank's device (None: cuda:LOCAL_RANK where CUDA exists;
+    see devices.py). The CUDA device is set and passed as `device_id` before the group is created, so NCCL
+    communicators are made here, not inside the first step. A process group the user created is kept, with
+    this rank's CUDA device made current.
 
     Without a launcher environment this is a single process (rank 0 of 1).
     """
     if dist.is_available() and dist.is_initialized():
+        set_local_device(device)
         return dist.get_rank(), dist.get_world_size()
     if (
         "WORLD_SIZE" not in os.environ
@@ -34,10 +40,7 @@ def ensure_initialized(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
         and "MASTER_ADDR" not in os.environ
     ):
         return 0, 1
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("AUTOPAR_BACKEND") != "gloo" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_process_group(timeout_s, device)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -143,15 +146,17 @@ def wire_dtype(dtype: torch.dtype, compress: torch.dtype | None) -> torch.dtype:
     return dtype
 
 
-def pack(tensors: list[torch.Tensor], compress: torch.dtype | None = None) -> torch.Tensor:
+def pack(tensors: list[torch.Tensor], compress: torch.dtype | None = None,
+         device: torch.device | None = None) -> torch.Tensor:
     """One flat byte message holding `tensors` in their native dtypes (exact for every dtype, integer ids
     and masks included), floating ones cast to `compress` first when given.
 
     Compression rounds to nearest: each element gets a relative error of at most the unit roundoff,
     2^-8 for bf16 and 2^-11 for fp16 (fp16 also overflows above 65504 and flushes below ~6e-8, so it suits
-    normalized activations). Integer and bool values are never compressed."""
+    normalized activations). Integer and bool values are never compressed. An empty message is made on
+    `device` (the rank's: NCCL takes CUDA tensors only), else the CPU."""
     if not tensors:
-        return torch.zeros(0, dtype=torch.uint8)
+        return torch.zeros(0, dtype=torch.uint8, device=device)
     parts = [t.detach().to(wire_dtype(t.dtype, compress)).reshape(-1).view(torch.uint8) for t in tensors]
     return torch.cat(parts)
 

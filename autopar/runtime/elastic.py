@@ -42,7 +42,8 @@ the restart and, if it crashes again, uses up the restarts); taking in devices t
 a running single-node job (only at the next restart); hyperparameters and LR schedules, which come from
 the optimizer factory (the restored step counter lets a schedule keyed on it resume). On a heterogeneous
 multi-node cluster the "first WORLD_SIZE devices" rule assumes the surviving nodes are the first ones of
-the cluster file (torchrun does not say which node left).
+the cluster file (torchrun does not say which node left); `autopar run` refuses --max-restarts on clusters whose nodes
+differ, since torchrun's elastic rendezvous orders nodes as they arrive (rank r would not be device r).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
+from .devices import init_process_group
 from .dist import PeerLostError, ensure_initialized
 
 HEARTBEAT_S = 0.2
@@ -261,9 +263,11 @@ def device_usable() -> bool:
         return False
 
 
-def join_attempt(rank: int, world: int, launched: int, attempt: int, timeout_s: float) -> None:
+def join_attempt(rank: int, world: int, launched: int, attempt: int, timeout_s: float,
+                 device: torch.device | None = None) -> None:
     """Join this attempt's process group as `rank` of `world` (fewer than the launcher started when devices
-    are recorded lost: the launcher's store still serves the rendezvous)."""
+    are recorded lost: the launcher's store still serves the rendezvous), on `device` (this worker's; None:
+    cuda:LOCAL_RANK where CUDA exists), as `devices.init_process_group` sets it up."""
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() != world:
             raise PlanError("train() must create the process group itself (it may exclude lost devices); do "
@@ -272,7 +276,7 @@ def join_attempt(rank: int, world: int, launched: int, attempt: int, timeout_s: 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         if world != launched:  # env:// rendezvous with the survivors only
             os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        ensure_initialized(timeout_s)
+        ensure_initialized(timeout_s, device)
         return
     # torchrun's shared store keeps the previous attempt's keys, so a restarted gloo/NCCL group can read
     # dead workers' addresses (pytorch#135712; `autopar run` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to
@@ -281,11 +285,7 @@ def join_attempt(rank: int, world: int, launched: int, attempt: int, timeout_s: 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timeout)
     scoped = dist.PrefixStore(f"autopar/restart_{attempt}/world_{world}_of_{launched}", store)
-    gpu = torch.cuda.is_available() and os.environ.get("AUTOPAR_BACKEND") != "gloo"
-    dist.init_process_group("nccl" if gpu else "gloo", store=scoped, rank=rank, world_size=world,
-                            timeout=timeout)
-    if gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_process_group(timeout_s, device, store=scoped, rank=rank, world_size=world)
 
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "device_usable", "is_comm_failure", "join_attempt",

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
+from .devices import comm_device
 from .dist import broadcast
 from .elastic import naming_lost_ranks
 
@@ -43,7 +44,7 @@ def eval_step(prog: Program, inputs: tuple) -> Any:
             prog.zero.release()
         sources = [p.stages[-1].ranks[0] for p in sorted(prog.layout.pipelines, key=lambda p: p.batch_offset)]
         mine = local if prog.rank in sources else None
-        out = concat_from(mine, sources, prog.world_size, prog.timeout_s)
+        out = concat_from(mine, sources, prog.world_size, prog.timeout_s, prog.device)
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -56,6 +57,7 @@ def _has_model_output(prog: Program) -> bool:
 def _forward(prog: Program, inputs: tuple) -> list[torch.Tensor] | None:
     """This rank's forward-only actions (`RankProgram.eval_actions`) run by the training executor; the last
     stage's outputs concatenated over micro-batches."""
+    inputs, _ = prog.to_rank_device(inputs, None)
     per_mb = prog._run(prog.lowered.eval_actions, inputs, None, train=False)
     if not per_mb:
         return None
@@ -67,16 +69,17 @@ def _forward(prog: Program, inputs: tuple) -> list[torch.Tensor] | None:
 
 
 def concat_from(local: list[torch.Tensor] | None, sources: list[int], world_size: int,
-                timeout_s: float) -> list[torch.Tensor]:
+                timeout_s: float, device: torch.device | None = None) -> list[torch.Tensor]:
     """Every rank gets, per tensor index, the concatenation (dim 0) of `local` of each source rank in order.
-    `local` is None on ranks that are not sources. Collective over the world."""
+    `local` is None on ranks that are not sources. Collective over the world; received parts land on
+    `device` (the rank's; None: its GPU under NCCL, else the CPU)."""
     if world_size == 1:
         assert local is not None
         return local
     meta = None if local is None else [(tuple(t.shape), t.dtype) for t in local]
     metas: list[Any] = [None] * world_size
     dist.all_gather_object(metas, meta)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = device or comm_device()
     parts: list[list[torch.Tensor]] = []
     for src in sources:
         mine = dist.get_rank() == src

@@ -36,15 +36,14 @@ import torch.distributed as dist
 
 from ..cluster import Cluster
 from ..errors import AutoparError
+from .devices import comm_device
 from .dist import ensure_initialized
 
 SMALL_BYTES = 8
 
 
 def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return comm_device()  # the CUDA device under NCCL (alone or "cpu:gloo,cuda:nccl"), else the CPU
 
 
 def _sync(device: torch.device) -> None:
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         raise AutoparError(f"autopar probe: {world} processes for a cluster of {cluster.world_size} devices; "
                            f"start one process per device (no --nproc).")
     backend = dist.get_backend()
-    mib = args.max_mib if args.max_mib is not None else (64.0 if backend == "nccl" else 4.0)
+    mib = args.max_mib if args.max_mib is not None else (64.0 if "nccl" in backend else 4.0)
     records = measure(cluster, rank, int(mib * 2**20), args.iters)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, records)

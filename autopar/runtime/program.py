@@ -32,6 +32,7 @@ from ..graph import TrainingGraph
 from ..lowering import PipelineLayout, RankProgram, lower
 from ..passes.capture import LossFn, capture
 from ..schedule import MEMORY_OF, Action
+from .devices import move_to, plan_rank_device
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_runtime
@@ -71,10 +72,12 @@ class Program:
     def __init__(self, model: nn.Module, plan: Any, example_inputs: tuple, example_target: Any,
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, kernels: str = "auto",
-                 weights: WeightsArg = None, graph: TrainingGraph | None = None) -> None:
+                 weights: WeightsArg = None, graph: TrainingGraph | None = None,
+                 device: torch.device | None = None) -> None:
         """`plan`: an `autopar.Plan` (what `autopar.plan`, `estimate` or `plan_from_strategy` return).
         `graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
-        caller has it (compile does), so the model is not captured again for it."""
+        caller has it (compile does), so the model is not captured again for it. `device`: where this rank
+        computes (default: the plan's device of `rank`, devices.py's rule; the device audit passes meta)."""
         self.plan = plan
         self.kernels = kernels
         self.kernel_reports: dict[tuple[int, int], Any] = {}
@@ -84,11 +87,11 @@ class Program:
         self.step_count = 0
         self.timer = StageTimer(rank)  # forward/backward seconds per step, for straggler_report()
         self._model = model
+        # the rank's device, not the model's: its share of the parameters, its inputs and messages go there
+        self.device = torch.device(device) if device is not None else plan_rank_device(plan, rank)
         # values of this rank's tensors (weights.py): `weights` is checked against the model before any collective
-        self._weights = ModelWeights(model, weights)
+        self._weights = ModelWeights(model, weights, device=self.device)
         example_inputs, example_target = self._weights.capture_args(example_inputs, example_target)
-        # where received messages land: the model's device (NCCL needs CUDA buffers, gloo takes CPU ones)
-        self.device = self._weights.device
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
         self.graph = graph if graph is not None else capture(model, example_inputs, loss_fn, example_target)
@@ -113,8 +116,7 @@ class Program:
         if self.position is not None:
             my_group = tuple(self.pipeline.stages[self.position.stages[0]].ranks)
             if len(my_group) > 1:
-                mesh = DeviceMesh.from_group(self.groups.get(my_group), "cuda" if torch.cuda.is_available()
-                                             else "cpu")
+                mesh = DeviceMesh.from_group(self.groups.get(my_group), self.device.type)
                 spec = TPSpec()
                 # with experts, placements come from the graph the stages run (MoE blocks dispatching)
                 spec_graph = self.experts.capture(model, example_inputs, loss_fn, example_target) \
@@ -138,7 +140,7 @@ class Program:
                 for s in self.position.stages:
                     self._stages[(s, size)] = self.amp.prepare(programs[s])
             for st in self._stages.values():
-                self._weights.retarget(st)  # a meta capture names the meta device
+                self._weights.retarget(st)  # devices named in the capture (arange, to) -> the rank's
                 for name in st.params:
                     if name not in self.params:
                         value = self._weights.param(name, self.tp, self.experts)
@@ -254,6 +256,7 @@ class Program:
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
+        inputs, target = self.to_rank_device(inputs, target)
         with naming_lost_ranks(self.rank, f"step {self.step_count + 1}"):
             summed, loss_work = None, None
             if self.position is not None:
@@ -278,6 +281,14 @@ class Program:
         self.timer.end_step()
         self.step_count += 1
         return float(local_loss)
+
+    def to_rank_device(self, inputs: tuple, target: Any) -> tuple[tuple, Any]:
+        """The step's inputs and target with those this rank's stages read moved to its device (the others
+        are not read here and stay where they are)."""
+        n = len(inputs)
+        read = {i for st in self._stages.values() for i in st.inputs}
+        moved = tuple(move_to(x, self.device) if i in read else x for i, x in enumerate(inputs))
+        return moved, (move_to(target, self.device) if n in read and self._has_target else target)
 
     def eval_step(self, *inputs: Any) -> Any:
         """Forward only on one global batch (no gradients, no update): the model's full output for the
@@ -417,7 +428,7 @@ class Program:
     def _send(self, tensors: list[torch.Tensor], peer: int, tag: int, compress: str | None = None
               ) -> tuple[Any, int, list[torch.Tensor]]:
         # one message per transfer, every value in its own dtype (or the stage's compressed wire dtype)
-        flat = pack(tensors, self.amp.wire(compress))
+        flat = pack(tensors, self.amp.wire(compress), self.device)
         return dist.isend(flat, dst=peer, tag=tag), peer, [flat]
 
     def _recv(self, st: StageProgram, names: list[str], peer: int, tag: int, what: str,

@@ -274,8 +274,8 @@ class ModelWeights:
         if name in self._key:
             assert self.source is not None
             value = self.source.read(self._key[name])
-        elif like.device.type != "meta":
-            value = like.detach().clone()
+        elif like.device.type != "meta":  # copied straight to the program's device: no second copy on cuda:0
+            return like.detach().to(device=self.device, dtype=like.dtype, copy=True)
         else:
             value = self._initialized(self._first[name])
         return value.to(device=self.device, dtype=like.dtype)
@@ -330,18 +330,21 @@ class ModelWeights:
         return torch.utils._pytree.tree_map(to_meta, (tuple(inputs), target))
 
     def retarget(self, st: StageProgram) -> StageProgram:
-        """A stage program captured on meta, with the devices it names (arange, to, asserts) set to the
-        program's device."""
-        if not self.meta:
-            return st
+        """A stage program with the devices its capture names (arange, full, to, asserts: the meta device, the
+        CPU or cuda:0, wherever the model was captured) set to the program's device."""
         device = self.device
-        swap = lambda a: device if isinstance(a, torch.device) and a.type == "meta" else a
+        swap = lambda a: device if isinstance(a, torch.device) and a != device else a
         for gm in (st.gm, st.eval_gm):
             if gm is None:
                 continue
             for node in gm.graph.nodes:
                 node.args = torch.utils._pytree.tree_map(swap, node.args)
                 node.kwargs = torch.utils._pytree.tree_map(swap, node.kwargs)
+                if node.op == "get_attr":  # a tensor constant of the capture (a lifted scalar tensor)
+                    value = getattr(gm, node.target, None) if "." not in str(node.target) else None
+                    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                            and value.device != device:
+                        setattr(gm, node.target, value.to(device))
             gm.recompile()
         return st
 
@@ -352,7 +355,7 @@ def _program_device(model: nn.Module) -> torch.device:
     d = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
     if d is not None:
         return d
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -1,0 +1,175 @@
+"""Where a rank computes, and how its process joins the job on that device.
+
+The device rule: rank r computes on the device its plan's cluster gives device r. A `cpu` type (any device
+spec of kind "cpu") computes on the CPU; an accelerator type computes on `cuda:LOCAL_RANK` when CUDA is
+available, and on the CPU otherwise (the gloo stand-ins of a machine without GPUs). Where the model's
+parameters happen to be (built on the CPU, or moved to `cuda:0` on every rank) does not matter: the program
+places its share of them, its inputs and its messages on the rank's device (`rank_device`).
+
+Process-group setup (`init_process_group`, shared by `dist.ensure_initialized` and `elastic.join_attempt`):
+the CUDA device is set before the group exists and passed as `device_id`, so NCCL communicators are made
+eagerly at setup rather than lazily inside step 1 (racing the timeout while other ranks wait); the backend
+is "cpu:gloo,cuda:nccl" where CUDA exists, so CPU ranks and CPU tensors go to gloo and CUDA tensors to NCCL.
+
+`check_rank_gpu` compares this rank's GPU with the catalog type the cluster file gives its device, before
+any collective (`autopar run` checks the GPU count of a node before it starts the workers).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AutoparError
+
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+class DeviceMismatchError(AutoparError, RuntimeError):
+    """This machine's GPUs are not the devices the cluster file gives it."""
+
+
+def computes_on_cpu(spec: Any) -> bool:
+    """Whether a cluster device type (a `DeviceSpec`, or a catalog name) computes on the CPU."""
+    if isinstance(spec, str):
+        return spec == "cpu"
+    return getattr(spec, "kind", "") == "cpu" or getattr(spec, "name", "") == "cpu"
+
+
+def rank_device(spec: Any, local_rank: int, cuda_available: bool) -> torch.device:
+    """The torch.device a rank whose cluster device has type `spec` computes on (the module's rule)."""
+    if computes_on_cpu(spec) or not cuda_available:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def local_rank() -> int:
+    """This process's index on its machine, as torchrun / `autopar run` set it (0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def plan_rank_device(plan: Any, rank: int, local: int | None = None, cuda_available: bool | None = None
+                     ) -> torch.device:
+    """The device rank `rank` of `plan` computes on (`rank_device` of the plan cluster's device `rank`)."""
+    from ..cluster import Cluster
+
+    cluster = Cluster.load(plan.cluster)
+    spec = cluster.devices[rank].spec if rank < cluster.world_size else None
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return rank_device(spec, local_rank() if local is None else local, cuda)
+
+
+def launch_device(cluster: Any, env: dict[str, str] | None = None, cuda_available: bool | None = None
+                  ) -> torch.device:
+    """This process's device, read before the process group exists: device RANK of `cluster` (the launcher's
+    rank r is device r of the cluster file) on cuda:LOCAL_RANK by `rank_device`'s rule."""
+    env = os.environ if env is None else env
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    rank = int(env.get("RANK", "0"))
+    spec = cluster.devices[rank].spec if rank < cluster.world_size else None
+    return rank_device(spec, int(env.get("LOCAL_RANK", "0")), cuda)
+
+
+def world_comm_device(cluster: Any, device: torch.device) -> torch.device:
+    """Where world-group object collectives (the plan broadcast) put their tensors: the rank's device when
+    every device of `cluster` is an accelerator, else the CPU, since every rank must hand the same backend
+    the same collective and a `cpu` device's rank can only use gloo ("cpu:gloo,cuda:nccl")."""
+    if any(computes_on_cpu(d.spec) for d in cluster.devices):
+        return torch.device("cpu")
+    return device
+
+
+def backend_for(cuda_available: bool, forced: str | None = None) -> str:
+    """The process-group backend: gloo without CUDA (or when `forced` is "gloo", `autopar run`'s stand-ins),
+    else gloo for CPU tensors and NCCL for CUDA ones, so a `cpu` device in a GPU plan works."""
+    if forced:
+        return forced
+    return MIXED_BACKEND if cuda_available else "gloo"
+
+
+def init_process_group(timeout_s: float, device: torch.device | None = None, *, store: dist.Store | None = None,
+                       rank: int | None = None, world_size: int | None = None,
+                       init: Callable[..., None] | None = None) -> str:
+    """Create the default process group on `device` (None: this process's GPU, cuda:LOCAL_RANK, where CUDA
+    exists): the CUDA device set first and given as `device_id`. Returns the backend. `init` stands in for
+    `dist.init_process_group` in tests."""
+    cuda = torch.cuda.is_available()
+    forced = "gloo" if os.environ.get("AUTOPAR_BACKEND") == "gloo" else None
+    backend = backend_for(cuda, forced)
+    if device is None and cuda and forced is None:
+        device = torch.device("cuda", local_rank())
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    if device is not None and device.type == "cuda" and forced is None:
+        torch.cuda.set_device(device)  # before the group: NCCL binds its communicator to the current device
+        kwargs["device_id"] = device
+    (init or dist.init_process_group)(backend, **kwargs)
+    return backend
+
+
+def set_local_device(device: torch.device | None = None) -> None:
+    """For a process group the user created: make this rank's GPU current before anything allocates, so
+    that torch.distributed's object collectives and lazily made communicators do not all land on cuda:0."""
+    if not torch.cuda.is_available():
+        return
+    device = device or torch.device("cuda", local_rank())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def comm_device(backend: str | None = None) -> torch.device:
+    """Where tensors for world-group object collectives live: this rank's current GPU when the world
+    group has NCCL, else the CPU."""
+    backend = backend if backend is not None else (dist.get_backend() if dist.is_initialized() else "gloo")
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_rank_gpu(cluster: Any, rank: int, device: torch.device, cuda_name: str,
+                   catalog_name: Callable[[str, int], Any]) -> None:
+    """Raise a DeviceMismatchError unless `cuda_name`, the name of this rank's GPU `device`, maps (by
+    `catalog_name`, as `Cluster.local()` maps it) to the catalog type the cluster gives device `rank`."""
+    from ..catalog import CATALOG
+
+    want = cluster.devices[rank].spec.name
+    if device.type != "cuda" or want not in CATALOG:  # a custom type: nothing to compare with
+        return
+    found = catalog_name(cuda_name, device.index or 0)
+    found_name = found if isinstance(found, str) else str(found.get("name", cuda_name))
+    if found_name != want:
+        raise DeviceMismatchError(
+            f"rank {rank} runs on {device} ({cuda_name!r}, catalog type {found_name}) but the cluster file gives "
+            f"device {rank} type {want}: start each node's share on the machine holding its devices (autopar run "
+            f"--node-rank i on node i), keep CUDA_DEVICE_ORDER=PCI_BUS_ID (autopar run sets it), or correct the "
+            f"cluster file.")
+
+
+def warn_device_order(names: list[str], env: dict[str, str] | None = None) -> None:
+    """Warn when CUDA orders several GPUs of different types fastest-first (its default), so that cuda:i
+    may not be the i-th device of the cluster file: CUDA_DEVICE_ORDER=PCI_BUS_ID fixes the order."""
+    env = os.environ if env is None else env
+    if len(set(names)) > 1 and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        warnings.warn(f"this machine has GPUs of different types ({sorted(set(names))}) and CUDA_DEVICE_ORDER is "
+                      f"not PCI_BUS_ID: CUDA numbers them fastest first, which may not be the order of the cluster "
+                      f"file. Set CUDA_DEVICE_ORDER=PCI_BUS_ID (autopar run does) before starting the workers.",
+                      stacklevel=3)
+
+
+def move_to(x: Any, device: torch.device) -> Any:
+    """`x` (tensors inside lists, tuples and dicts too) on `device`; other values as they are."""
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to(device, non_blocking=device.type == "cuda")
+        if isinstance(t, torch.Tensor) and t.device != device else t, x)
+
+
+__all__ = ["DeviceMismatchError", "MIXED_BACKEND", "backend_for", "check_rank_gpu", "comm_device",
+           "computes_on_cpu", "init_process_group", "launch_device", "local_rank", "move_to", "plan_rank_device",
+           "rank_device", "set_local_device", "warn_device_order", "world_comm_device"]
