@@ -551,4 +551,5 @@ def wrap(program: Any, rebuild: Rebuild, price: Price | None = None, price_copy:
 
 
 __all__ = ["ABSORBED", "ENV", "PriceCopy", "ReroutingProgram", "RerouteEvent", "Snapshot", "absorbed", "agree",
-           "backend_refusal", "enabled", "under_torchrun_agent", "lost_pipelines", "proportional", "simulated", "unsupported", "with_shares", "without", "wrap"]
+           "backend_refusal", "enabled", "lost_pipelines", "proportional", "simulated", "under_torchrun_agent",
+           "unsupported", "with_shares", "without", "wrap"]
