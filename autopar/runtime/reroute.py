@@ -29,6 +29,10 @@ is run again, on the same global batch. Later steps run on the new plan.
 `autopar run` (without --max-restarts) starts each worker as its own process sharing one store hosted by
 the launcher (launch.launch_workers), so that the survivors keep running when one dies (torchrun's agent
 would stop the whole group), and records a death the survivors absorbed, so the job still exits 0.
+Only on gloo, outside torchrun's agent (`backend_refusal`): an NCCL group with a dead member cannot be
+destroyed and re-formed (its communicators would have to be aborted, or the kernels queued on the dead
+peer block the stream), so there `compile(reroute=True)` is a PlanError and the default leaves re-routing
+off, said once on rank 0; a lost rank then stops the job for a checkpoint restart (--max-restarts).
 Re-routing is on when `compile(reroute=True)`, or with reroute=None (the default) when the process was
 launched with AUTOPAR_REROUTE=1 (`enabled`: the runtime reading its own launch environment; `autopar run`
 without --max-restarts sets it). What is priced for it reaches the program from the cost model (below),

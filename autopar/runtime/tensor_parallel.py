@@ -130,8 +130,8 @@ def _shard_local_layout(q: Any, k: Any, v: Any, attn_mask: Any) -> Placement | N
     (p,) = placements.pop()
     if isinstance(p, Replicate):
         return p
-    if not isinstance(p, Shard) or p.dim not in (0, 1) or q.shape[p.dim] % q.device_mesh.size() != 0:
-        return None
+    if not isinstance(p, Shard) or p.dim not in (0, 1) or any(t.shape[p.dim] % q.device_mesh.size() for t in (q, k, v)):
+        return None  # (grouped-query k and v: each rank's query heads read its own k/v heads when both divide)
     if attn_mask is not None:
         if isinstance(attn_mask, DTensor) and not all(isinstance(m, Replicate) for m in attn_mask.placements):
             return None
