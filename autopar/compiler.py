@@ -99,7 +99,8 @@ def compile(
     a restart (runtime/reroute.py): it keeps one copy of each rank's state before every step, priced by the
     cost model into `prog.plan.predicted["reroute"]` (solver/reroute_memory.py, shown by explain()); when
     that copy does not fit, re-routing is off for the job, said on rank 0's stderr, and a lost rank stops it
-    (restart from the last checkpoint).
+    (restart from the last checkpoint). Re-routing is gloo-only: on NCCL or under torchrun's agent
+    reroute=True raises PlanError and None leaves it off (`runtime.reroute.backend_refusal`).
     """
     from .api import estimate, price_async
     from .api import plan as make_plan

@@ -376,9 +376,7 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
     effective = {n: (levels.get(n, 0) if len(g) > 1 else 0) for n, g in holders.items()}
     sizes = {info.name: info.meta.numel for info in graph.params.values() if not info.is_buffer}
     owners = assign_owners(holders, levels, sizes)
-    tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
-    reps = {tuple(g[0] for g in groups) for groups in holders.values()}
-    groups = tuple(sorted(tp_groups | reps))
+    groups = process_groups(layout, holders)
     pos = layout.position(rank)
     if pos is None:
         return RankProgram(rank, layout, None, holders, levels, owners, (), {}, {}, {}, {}, {}, groups, None)
@@ -415,6 +413,49 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
                        gathered, streamed, recompute, groups, schedule, tuple(schedule.actions[pos.group]))
 
 
+def process_groups(layout: Layout, holders: dict[str, tuple[Group, ...]]) -> tuple[Group, ...]:
+    """The rank sets the runtime makes process groups of: every stage's tensor-parallel group and, per
+    parameter, the set of its holding groups' first ranks (its data-parallel replicas)."""
+    tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
+    reps = {tuple(g[0] for g in groups) for groups in holders.values()}
+    return tuple(sorted(tp_groups | reps))
+
+
+def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int,
+                      rank: int) -> tuple[Group, ...]:
+    """The rank sets of the NCCL communicators `rank` creates: the world's (the loss all-reduce spans it),
+    each of `groups` holding it other than the world (runtime/dist.py `Groups`), and one 2-rank communicator
+    per peer it sends activations or gradients to or receives them from (torch.distributed keys point-to-point
+    communicators by rank pair). `pipelines`: per pipeline, the rank group of each stage in order, interleaved
+    chunks included; peers as runtime/program.py's `_peer` / `_peers` pick them (the same tensor-parallel
+    index, modulo the other stage's degree)."""
+    if world <= 1:
+        return ()
+    out = {tuple(range(world))} | {tuple(sorted(g)) for g in groups if rank in g and 1 < len(g) < world}
+    for stages in pipelines:
+        for s, ranks in enumerate(stages):
+            if rank not in ranks:
+                continue
+            tp_index = ranks.index(rank)
+            for nb in (s - 1, s + 1):
+                if not 0 <= nb < len(stages):
+                    continue
+                other = stages[nb]
+                peers = [other[tp_index % len(other)]]  # received from
+                peers += [r for i, r in enumerate(other) if i % len(ranks) == tp_index]  # sent to
+                out |= {tuple(sorted((rank, q))) for q in peers if q != rank}
+    return tuple(sorted(out))
+
+
+def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Group, ...]]:
+    """Rank -> `communicator_sets` of the ranks `plan` runs on (expert-parallel groups not included)."""
+    layout = layout_of(plan, len(graph.layers))
+    groups = process_groups(layout, param_groups(graph, layout, params_by_layer(graph)))
+    pipelines = [[tuple(st.ranks) for st in p.stages] for p in layout.pipelines]
+    ranks = sorted({r for p in pipelines for st in p for r in st})
+    return {r: communicator_sets(pipelines, groups, layout.world_size, r) for r in ranks}
+
+
 def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, float]]:
     """Pipeline `pipe` of `plan` as `Plan.simulate` prices it: its schedule with the memory actions of its
     stages priced per layer (`Stage.predicted` gather_s / reduce_s > 0; every layer of such a stage gets
@@ -442,6 +483,6 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
 
 
 __all__ = ["COMPRESS_DTYPES", "Layout", "PipelineLayout", "Position", "RankProgram", "StageLayout",
-           "assign_owners", "layerwise_params", "layout_of", "lower", "make_layout", "memory_actions",
-           "param_groups", "params_by_layer", "pipeline_schedule", "priced_schedule", "recomputed_blocks",
-           "zero_levels"]
+           "assign_owners", "communicator_sets", "layerwise_params", "layout_of", "lower", "make_layout",
+           "memory_actions", "param_groups", "params_by_layer", "pipeline_schedule", "plan_communicators",
+           "priced_schedule", "process_groups", "recomputed_blocks", "zero_levels"]

@@ -217,7 +217,8 @@ def priced_fields(est: Estimate, cluster: dict, suffix: str = "", cm: CostModel 
            f"fits_no_reserve{suffix}": all(peak[d] <= cap[d] for d in peak),
            f"peak_mem{suffix}_GiB": max(peak.values()) / GiB}
     if cm is not None:  # the tightest device: usable bytes (reserve and CUDA runtime taken off) less its peak
-        out[f"headroom{suffix}_GiB"] = min(cm.usable(d) - peak[d] for d in peak) / GiB
+        comms = cm.communicators(est.plan)
+        out[f"headroom{suffix}_GiB"] = min(cm.usable(int(d), comms.get(int(d))) - peak[d] for d in peak) / GiB
     if suffix:
         return out
     nodes = [d.node for d in Cluster.load(cluster).devices]

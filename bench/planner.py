@@ -81,7 +81,15 @@ from autopar.solver.pricing import (
     stage_option,
     tied_sync,
 )
-from autopar.solver.search import config_microbatch_sizes, divisors, groupings, microbatch_count, schedules, tp_units
+from autopar.solver.search import (
+    config_communicators,
+    config_microbatch_sizes,
+    divisors,
+    groupings,
+    microbatch_count,
+    schedules,
+    tp_units,
+)
 
 TIME_LIMIT_S = 60.0  # autopar.plan's default
 EXACT_RTOL = 1e-9
@@ -233,6 +241,7 @@ class Exhaustive:
         cm, p = self.cm, len(pipe)
         S = p * v
         best: tuple[float, Any] | None = None
+        comms = config_communicators((pipe,), list(dp_groups), v, cm.cluster.world_size)  # as the search counts
         for m in counts:
             full = -(-share // m)
             small = full - 1 if share % m else 0
@@ -244,7 +253,7 @@ class Exhaustive:
                     stages = range(r, S, p)
                     lists = [self.stage_choices(edges[j], edges[j + 1], pipe[r], dp_groups[j], full, small,
                                                 inflight[r]) for j in stages]
-                    budget = min(cm.usable(d) for d in pipe[r])
+                    budget = min(cm.usable(d, comms.get(d)) for d in pipe[r])
                     combos = []
                     for combo in itertools.product(*lists):
                         if rank_peak([c[1][1] for c in combo], inflight[r]) <= budget:
@@ -425,11 +434,12 @@ def chunk_memory_note(cm: CostModel, est: Estimate) -> str | None:
     ranks = len(pipe.stages) // plan.chunks
     inflight = inflight_closed_form(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
     worst = (0.0, 0, 0.0)
+    comms = cm.communicators(plan)
     for j, st in enumerate(pipe.stages):
         dtype = cm.cluster.devices[st.devices[0]].spec.name
         base = cm.base(st.layers[0], st.layers[1], dtype, pipe.microbatch_size, tuple(st.devices))
         mem = cm.stage_memory(base, stage_option(st), st.tp, len(plan.pipelines))
-        share = min(cm.usable(d) for d in st.devices) / plan.chunks
+        share = min(cm.usable(d, comms.get(d)) for d in st.devices) / plan.chunks
         worst = max(worst, (mem.peak(inflight[j % ranks]) / share, j, share))
     if worst[0] <= 1:
         return None

@@ -21,7 +21,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.memory import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
-    NCCL_BUFFER_BYTES,
+    NCCL_COMMUNICATOR_BYTES,
     runtime_reserve_bytes,
 )
 from autopar.passes.annotate import annotate
@@ -83,11 +83,12 @@ def test_amp_trials_that_completed_fit(gpt2_medium: CostModel, trial: int, tp: i
 
 
 def test_runtime_reserve_is_charged_on_gpus_only() -> None:
-    assert runtime_reserve_bytes("cpu", True) == 0 and runtime_reserve_bytes("edge", True) == 0
-    assert runtime_reserve_bytes("gpu", False) == CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
-    assert runtime_reserve_bytes("gpu", True) == CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + NCCL_BUFFER_BYTES
-    assert runtime_reserve_bytes("gpu", True, "T4") == runtime_reserve_bytes("gpu", True)
-    assert runtime_reserve_bytes("gpu", True, "tiny") == 0  # a custom device states what its tensors may use
+    assert runtime_reserve_bytes("cpu", 3) == 0 and runtime_reserve_bytes("edge", 3) == 0
+    assert runtime_reserve_bytes("gpu", 0) == CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
+    # NCCL buffers per communicator the process creates (its groups and pipeline peers)
+    assert runtime_reserve_bytes("gpu", 3) == CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + 3 * NCCL_COMMUNICATOR_BYTES
+    assert runtime_reserve_bytes("gpu", 1, "T4") == runtime_reserve_bytes("gpu", 1)
+    assert runtime_reserve_bytes("gpu", 1, "tiny") == 0  # a custom device states what its tensors may use
     # sourced figures (cost_models/memory.py): ~0.4 GiB context with lazy loading, PyTorch's 8519680-byte workspace
     assert CUDA_CONTEXT_BYTES == 400 * 2**20 and CUBLAS_WORKSPACE_BYTES == 4096 * 1024 * 2 + 16 * 1024 * 8
 
@@ -107,8 +108,9 @@ def test_cpu_usable_memory_is_the_reserve_fraction_only() -> None:
 
 def test_gpu_usable_memory_excludes_context_workspace_and_nccl() -> None:
     cm = tiny_cost_model("1x2xT4", "fp16")
-    held = 400 * 2**20 + 8_519_680 + 256 * 2**20
+    held = 400 * 2**20 + 8_519_680 + 192 * 2**20  # without a plan: the world's communicator only
     assert cm.usable(1) == pytest.approx(0.9 * 16 * GiB - held, rel=0, abs=1)
+    assert cm.usable(1, 3) == pytest.approx(0.9 * 16 * GiB - held - 2 * 192 * 2**20, rel=0, abs=1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

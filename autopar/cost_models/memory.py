@@ -43,12 +43,18 @@ not counted in the predicted peak (which stays comparable to the allocator's `ma
 * cuBLAS workspace: `CUBLAS_WORKSPACE_BYTES` = 8,519,680 bytes per handle and stream (PyTorch's default
   `:4096:2:16:8` config, 4096 KiB x 2 + 16 KiB x 8; the fixed 8519680-byte block reported on
   discuss.pytorch.org "unexpected memory allocation in torch.cuda.memory_snapshot()");
-* NCCL buffers (multi-device runs): `NCCL_BUFFER_BYTES` = 256 MiB per process, an estimate: NCCL's
-  buffers grow linearly with the channels it opens and the peers it connects to (S. Jeaugey, NVIDIA/nccl
-  #864 and #986: ring uses 2 connections per channel; `NCCL_BUFFSIZE` default 4 MiB per connection and
-  protocol); measured 544-688 MB per process group on 4x A100 with NVLink (NVIDIA/nccl#964), which opens
-  many channels; PCIe and Ethernet links open far fewer, so 256 MiB is a middle figure, not a bound.
-  A process with tensor, data and pipeline groups holds one communicator per group (more than this).
+* NCCL buffers (multi-device runs), per communicator the process creates: `NCCL_COMMUNICATOR_BYTES`
+  = `NCCL_BUFFSIZE` (4 MiB, NCCL's default: "the size of the buffer used by NCCL when communicating data
+  between pairs of GPUs", docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize) per
+  protocol (`NCCL_PROTOCOLS`: LL, LL128, Simple; NCCL sizes LL's and LL128's buffers near the same figure)
+  for each of a channel's two ring connections (send and receive: S. Jeaugey, NVIDIA/nccl #864 and #986)
+  over `NCCL_CHANNELS` = 8 channels, an estimate: the channel count is NCCL's topology search's
+  (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS; many more on NVSwitch boards, fewer over PCIe or Ethernet),
+  so 192 MiB a communicator is a middle figure, not a bound (measured 544-688 MB for one process group on
+  4x A100 with NVLink, NVIDIA/nccl#964). A process creates one communicator per process group it joins
+  and one per peer it sends to or receives from (torch.distributed's point-to-point communicators are
+  2-rank ones keyed by the pair); lowering.communicator_sets counts them for a plan as the runtime makes
+  them: the world, the tensor-parallel and data-parallel groups, the pipeline neighbours.
 The caching allocator's fragmentation is not modelled separately: `memory_reserve` (default 10%) is the
 margin for it.
 """
@@ -72,7 +78,10 @@ OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "momentum": 4, "adam": 8, 
 # what a CUDA training process holds on its GPU besides tensors (module docstring, sources there)
 CUDA_CONTEXT_BYTES = 400 << 20
 CUBLAS_WORKSPACE_BYTES = 8_519_680
-NCCL_BUFFER_BYTES = 256 << 20
+NCCL_BUFFSIZE = 4 << 20
+NCCL_PROTOCOLS = 3
+NCCL_CHANNELS = 8
+NCCL_COMMUNICATOR_BYTES = NCCL_BUFFSIZE * NCCL_PROTOCOLS * 2 * NCCL_CHANNELS  # 2: a channel's send + receive
 RUNTIME_RESERVE_KINDS = ("gpu",)
 
 # aten ops torch.autocast runs in float32 on CUDA whose saved tensors are large enough to matter (PyTorch AMP
@@ -128,13 +137,13 @@ def training_state_bytes(graph: TrainingGraph, optimizer: object = "adamw", prec
             "optimizer": per.optimizer * numel + step_bytes}
 
 
-def runtime_reserve_bytes(kind: str, distributed: bool, name: str | None = None) -> int:
+def runtime_reserve_bytes(kind: str, communicators: int, name: str | None = None) -> int:
     """Device bytes a training process holds outside its tensors on a device of `kind` (module docstring):
-    CUDA context + cuBLAS workspace, + NCCL buffers when `distributed`; 0 on CPU and edge devices, and on a
-    custom device (`name` given and not in the catalog)."""
+    CUDA context + cuBLAS workspace + the buffers of its `communicators` NCCL communicators; 0 on CPU and
+    edge devices, and on a custom device (`name` given and not in the catalog)."""
     if kind not in RUNTIME_RESERVE_KINDS or (name is not None and name not in CATALOG):
         return 0
-    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + (NCCL_BUFFER_BYTES if distributed else 0)
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES
 
 
 def _op(target: str) -> str:

@@ -188,11 +188,24 @@ def root_store() -> dist.Store:
     return getattr(store, "_underlying_non_prefix_store", store)
 
 
+# Why re-forming groups around a dead rank is gloo-only (reroute.py says it when it refuses re-routing).
+REGROUP_BACKENDS_WHY = ("an NCCL communicator with a dead member must be aborted, not destroyed, before a new "
+                        "group can form, or the kernels queued on it block the GPU stream; and its watchdog "
+                        "kills the process at the same timeout as the failing collective")
+
+
 def regroup(store: dist.Store, prefix: str, rank: int, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Replace the process group (and every subgroup) by a fresh one of `world` ranks meeting in `store` under
     `prefix`: how survivors of a lost rank continue, since a gloo or NCCL group cannot drop a member (and
-    new_group over the survivors needs the dead one too). Every survivor calls it with the same prefix."""
+    new_group over the survivors needs the dead one too). Every survivor calls it with the same prefix.
+
+    gloo only: an NCCL group's kernels still queued on the dead peer would block the device's stream after
+    destroy (its communicators are not aborted), so on NCCL it raises instead of hanging."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if backend != "gloo":
+        raise AutoparError(f"cannot re-form the {backend} process group around a lost rank: only gloo groups "
+                           f"can be destroyed with a peer gone ({REGROUP_BACKENDS_WHY}). Restart from the last "
+                           f"checkpoint instead (`autopar run --max-restarts K` with autopar.compiler.train).")
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,

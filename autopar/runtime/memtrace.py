@@ -11,6 +11,14 @@ the sum never goes below zero. Views, `detach()` and parameter wrappers allocate
 Allocations made on threads the profiler does not follow are not seen (checked for a plain Python thread;
 likely also communication library worker threads); autograd's CPU backward runs on the calling thread.
 
+Only the measured device's events count (`track_memory(device)`, "cpu" by default): the profiler reports
+every allocator it sees, so a host copy of a CUDA tensor (or a CUDA allocation on a CPU rank's thread) would
+otherwise be summed into one device's peak. A CUDA device is measured with its caching allocator's own
+counters instead (`torch.cuda.reset_peak_memory_stats` / `max_memory_allocated` / `memory_allocated` /
+`memory_reserved` of that device): the peak is the highest allocated bytes above those allocated when the
+window opened, and `reserved_bytes` what the caching allocator holds at its close (what the device really
+lends out, rounding and fragmentation included); no attribution there.
+
 Each allocation is attributed from its ancestors in the profiler's event tree: the outermost `phase()`
 label around it, and what it belongs to (optimizer step, backward, a collective, else the top-level op:
 e.g. `aten::clone` for a copied parameter). `MemoryTrace.at_peak` sums the allocations live at the peak
@@ -24,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -46,6 +55,7 @@ class Allocation:
     phase: str  # the outermost `phase()` label around it ("" outside any)
     what: str  # what it is for: optimizer step, backward, collective, or the top-level op
     ptr: int
+    device: str = "cpu"  # the allocator's device ("cpu", "cuda:0")
 
     @property
     def label(self) -> str:
@@ -67,6 +77,8 @@ class MemoryTrace:
     # frees inferred from address reuse (made on threads the profiler does not follow); such a block counts
     # as live until then, so the peak is an upper bound when this is not 0
     unseen_free_bytes: int = 0
+    device: str = "cpu"  # the device measured
+    reserved_bytes: int | None = None  # CUDA: what the caching allocator holds when the window closes
 
     def summary(self, top: int = 8) -> dict[str, Any]:
         """A JSON-friendly digest: peak, final, where the peak's bytes came from (largest first)."""
@@ -74,7 +86,8 @@ class MemoryTrace:
         return {"peak_bytes": self.peak_bytes, "final_bytes": self.final_bytes, "peak_label": self.peak_label,
                 "at_peak": dict(items[:top]), "at_peak_other": sum(v for _, v in items[top:]),
                 "phase_peaks": dict(self.phase_peaks), "events": self.events,
-                "unseen_free_bytes": self.unseen_free_bytes}
+                "unseen_free_bytes": self.unseen_free_bytes, "device": self.device,
+                "reserved_bytes": self.reserved_bytes}
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
@@ -82,34 +95,61 @@ def phase(name: str) -> contextlib.AbstractContextManager:
     return record_function(PHASE + name)
 
 
+def device_name(device: torch.device | str) -> str:
+    """"cpu" or "cuda:i" (a bare "cuda" is the current device)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 @contextlib.contextmanager
-def track_memory() -> Iterator[MemoryTrace]:
-    """Measure live tensor bytes of the block; the yielded trace is filled in when the block exits."""
-    trace = MemoryTrace()
+def track_memory(device: torch.device | str = "cpu") -> Iterator[MemoryTrace]:
+    """Measure live tensor bytes of the block on `device` (that device's allocations only); the yielded trace
+    is filled in when the block exits."""
+    name = device_name(device)
+    trace = MemoryTrace(device=name)
+    if torch.device(name).type == "cuda":
+        with _cuda_window(name, trace):
+            yield trace
+        return
     # no with_stack: Python frames cost 2-4x the time, and with them the tree no longer links an
     # allocation to the record_function labels around it (phases and the optimizer step are lost)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield trace
-    _fill(trace, _allocations(prof))
+    fill(trace, allocations(prof.profiler.kineto_results.experimental_event_tree(), name))
 
 
-def measure_peak(fn: Callable[[], T]) -> tuple[T, int, MemoryTrace]:
-    """Run `fn()`; return its result, the peak of live tensor bytes it allocated, and the trace."""
-    with track_memory() as trace:
+@contextlib.contextmanager
+def _cuda_window(device: str, trace: MemoryTrace) -> Iterator[None]:
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield
+    torch.cuda.synchronize(device)  # frees and allocations of queued kernels are settled
+    trace.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - start)
+    trace.final_bytes = max(0, torch.cuda.memory_allocated(device) - start)
+    trace.reserved_bytes = torch.cuda.memory_reserved(device)
+
+
+def measure_peak(fn: Callable[[], T], device: torch.device | str = "cpu") -> tuple[T, int, MemoryTrace]:
+    """Run `fn()`; return its result, the peak of live tensor bytes it allocated on `device`, and the trace."""
+    with track_memory(device) as trace:
         result = fn()
     return result, trace.peak_bytes, trace
 
 
-def _allocations(prof: profile) -> list[Allocation]:
-    roots = prof.profiler.kineto_results.experimental_event_tree()
+def allocations(roots: list[Any], device: str = "cpu") -> list[Allocation]:
+    """The allocator events on `device` in a profiler event tree (`experimental_event_tree()`), attributed,
+    in time order (ns since the first of them)."""
     out: list[Allocation] = []
     stack = list(reversed(roots))
     while stack:  # depth first, in recorded order
         node = stack.pop()
-        if node.tag == _EventType.Allocation:
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == device:
             ef = node.extra_fields
             out.append(Allocation(int(ef.alloc_size), node.start_time_ns, *_attribute(node),
-                                  int(ef.ptr)))
+                                  int(ef.ptr), device))
         stack.extend(reversed(node.children))
     out.sort(key=lambda a: a.t_ns)  # stable: ties keep the recorded order
     t0 = out[0].t_ns if out else 0
@@ -131,7 +171,8 @@ def _attribute(node: Any) -> tuple[str, str]:
     return (phases[-1] if phases else ""), kind or (ops[-1] if ops else UNTRACED)
 
 
-def _fill(trace: MemoryTrace, allocs: list[Allocation]) -> None:
+def fill(trace: MemoryTrace, allocs: list[Allocation]) -> None:
+    """Set `trace`'s peak, final bytes, attribution and timeline from one device's `allocations`."""
     live, peak_index, points = 0, -1, []
     for i, a in enumerate(_inside(allocs)):
         live += a.nbytes
@@ -166,7 +207,7 @@ def _inside(allocs: list[Allocation]) -> Iterator[Allocation]:
         if a.nbytes > 0:
             old = sizes.get(a.ptr)
             if old is not None:
-                yield Allocation(-old, a.t_ns, a.phase, UNSEEN_FREE, a.ptr)
+                yield Allocation(-old, a.t_ns, a.phase, UNSEEN_FREE, a.ptr, a.device)
             sizes[a.ptr] = a.nbytes
             yield a
         elif sizes.pop(a.ptr, None) is not None:
@@ -196,4 +237,5 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-__all__ = ["MemoryTrace", "measure_peak", "phase", "tensor_bytes", "track_memory"]
+__all__ = ["Allocation", "MemoryTrace", "allocations", "device_name", "fill", "measure_peak", "phase", "tensor_bytes",
+           "track_memory"]

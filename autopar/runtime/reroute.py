@@ -29,6 +29,10 @@ is run again, on the same global batch. Later steps run on the new plan.
 `autopar run` (without --max-restarts) starts each worker as its own process sharing one store hosted by
 the launcher (launch.launch_workers), so that the survivors keep running when one dies (torchrun's agent
 would stop the whole group), and records a death the survivors absorbed, so the job still exits 0.
+Only on gloo, outside torchrun's agent (`backend_refusal`): an NCCL group with a dead member cannot be
+destroyed and re-formed (its communicators would have to be aborted, or the kernels queued on the dead
+peer block the stream), so there `compile(reroute=True)` is a PlanError and the default leaves re-routing
+off, said once on rank 0; a lost rank then stops the job for a checkpoint restart (--max-restarts).
 Re-routing is on when `compile(reroute=True)`, or with reroute=None (the default) when the process was
 launched with AUTOPAR_REROUTE=1 (`enabled`: the runtime reading its own launch environment; `autopar run`
 without --max-restarts sets it). What is priced for it reaches the program from the cost model (below),
@@ -91,7 +95,7 @@ from torch.distributed.tensor import DTensor
 from ..cluster import Cluster
 from ..errors import PlanError
 from ..plan import Pipeline, Plan, even_split
-from .dist import PeerLostError, announce_abort, regroup, root_store, watch_aborts
+from .dist import REGROUP_BACKENDS_WHY, PeerLostError, announce_abort, regroup, root_store, watch_aborts
 from .elastic import LOST_AFTER_S, stop_heartbeat
 
 ENV = "AUTOPAR_REROUTE"  # "1": compile wraps synchronous programs in a ReroutingProgram (autopar run sets it)
@@ -500,18 +504,56 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") not in ("", "0")
 
 
+def backend_refusal(backend: str | None, torchrun_agent: bool) -> str | None:
+    """Why re-routing cannot work for a job on process-group `backend` (None: not initialized) started under
+    torchrun's agent or not; None when it can."""
+    if backend is not None and backend != "gloo":
+        return f"the process group runs on {backend}, and re-routing is gloo-only: {REGROUP_BACKENDS_WHY}"
+    if torchrun_agent:
+        return ("the job runs under torchrun's elastic agent, which stops every worker when one dies, so the "
+                "survivors never get to re-route (`autopar run` without --max-restarts starts workers without an "
+                "agent)")
+    return None
+
+
+def under_torchrun_agent() -> bool:
+    """Whether this process is a worker of torchrun's elastic agent (it sets TORCHELASTIC_RUN_ID; `autopar
+    run`'s agent-less launcher does not)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def wrap(program: Any, rebuild: Rebuild, price: Price | None = None, price_copy: PriceCopy | None = None,
          on: bool | None = None) -> Any:
     """`program` as a ReroutingProgram when re-routing is on (`on`; None: `enabled()`) and it is a plain
     synchronous multi-rank Program; otherwise `program` itself. With `price_copy` the pre-step copy is priced
     (collective: rank 0 prices it) into `program.plan.predicted["reroute"]`; a copy that does not fit turns
-    re-routing off for the job, saying so on rank 0's stderr (a lost rank then stops it with that reason)."""
+    re-routing off for the job, saying so on rank 0's stderr (a lost rank then stops it with that reason).
+
+    Where re-routing cannot work (`backend_refusal`: NCCL, torchrun's agent) `on=True` raises PlanError and
+    `on=None` leaves it off, recorded in `plan.predicted["reroute"]` and said on rank 0's stderr."""
     from .program import Program
 
-    if not (enabled() if on is None else on) or type(program) is not Program or program.world_size == 1:
+    if not (enabled() if on is None else on) or getattr(program, "world_size", 1) == 1:
+        return program
+    why = backend_refusal(dist.get_backend() if dist.is_initialized() else None, under_torchrun_agent())
+    if why is not None:
+        if on:
+            raise PlanError(f"compile(reroute=True) cannot re-route around a lost rank here: {why}. Pass "
+                            f"reroute=False and restart from the last checkpoint instead (`autopar run "
+                            f"--max-restarts K` with autopar.compiler.train).")
+        block = {"on": False, "why": why}
+        if program.plan.predicted.get("reroute") != block:
+            program.plan.predicted["reroute"] = block
+            if program.rank == 0:
+                print(f"autopar: re-routing around a lost rank is off for this job: {why}. A lost rank stops it: "
+                      f"restart from the last checkpoint (`autopar run --max-restarts K` with "
+                      f"autopar.compiler.train).", file=sys.stderr, flush=True)
+        return program
+    if type(program) is not Program:
         return program
     return ReroutingProgram(program, rebuild, price, price_copy=price_copy)
 
 
 __all__ = ["ABSORBED", "ENV", "PriceCopy", "ReroutingProgram", "RerouteEvent", "Snapshot", "absorbed", "agree",
-           "enabled", "lost_pipelines", "proportional", "simulated", "unsupported", "with_shares", "without", "wrap"]
+           "backend_refusal", "enabled", "lost_pipelines", "proportional", "simulated", "under_torchrun_agent",
+           "unsupported", "with_shares", "without", "wrap"]

@@ -106,7 +106,8 @@ def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mappi
 
 
 def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    # The math formulation decomposes into ops DTensor can shard over heads; the fused CPU kernel has no rule.
+    # The math formulation decomposes into ops DTensor can shard whatever the layouts; it holds the seq x seq
+    # scores per head, so it is only the fallback where the fused kernel cannot run shard by shard.
     # Like the public op, turn a boolean mask (True = attend) into an additive one first.
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
@@ -117,13 +118,83 @@ def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     )[0]
 
 
-# Shards and their gradients can have other strides than the captured global tensors: reshape where the
-# capture said view (same values, copies only when a view is impossible).
-_SUBSTITUTE = {
-    aten.scaled_dot_product_attention.default: _sdpa_math,
-    aten.view.default: aten.reshape.default,
-    aten._unsafe_view.default: aten.reshape.default,
+def _shard_local_layout(q: Any, k: Any, v: Any, attn_mask: Any) -> Placement | None:
+    """The one placement q, k and v share when attention can run on each rank's local shards alone:
+    replicated, or sharded evenly over the batch (dim 0) or the heads (dim 1) with a mask that broadcasts
+    over that dim; None otherwise."""
+    if not all(isinstance(t, DTensor) and t.ndim == 4 for t in (q, k, v)):
+        return None
+    placements = {t.placements for t in (q, k, v)}
+    if len(placements) != 1 or q.device_mesh.ndim != 1:
+        return None
+    (p,) = placements.pop()
+    if isinstance(p, Replicate):
+        return p
+    if not isinstance(p, Shard) or p.dim not in (0, 1) or any(t.shape[p.dim] % q.device_mesh.size() for t in (q, k, v)):
+        return None  # (grouped-query k and v: each rank's query heads read its own k/v heads when both divide)
+    if attn_mask is not None:
+        if isinstance(attn_mask, DTensor) and not all(isinstance(m, Replicate) for m in attn_mask.placements):
+            return None
+        at = p.dim - (4 - attn_mask.ndim)  # masks broadcast from the right
+        if at >= 0 and attn_mask.shape[at] != 1:
+            return None
+    return p
+
+
+def _sdpa_per_shard(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # Heads (and batch rows) of attention are independent: where q, k and v share a head, batch or replicated
+    # layout, each rank runs the fused kernel (the one the planner prices) on its local shards.
+    p = _shard_local_layout(q, k, v, attn_mask)
+    if p is None:
+        return _sdpa_math(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    mask = attn_mask.to_local() if isinstance(attn_mask, DTensor) else attn_mask
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to_local(), k.to_local(), v.to_local(), attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )
+    return DTensor.from_local(out, q.device_mesh, [p], run_check=False)
+
+
+# The fused kernels scaled_dot_product_attention dispatches to on each device type (forward, backward).
+FUSED_ATTENTION: dict[str, tuple[Any, ...]] = {
+    "cuda": (
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_backward.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_efficient_attention_backward.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_cudnn_attention_backward.default,
+    ),
+    "cpu": (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    ),
 }
+
+
+def dtensor_has_rule(op: Any) -> bool:
+    """Whether DTensor's sharding propagation has a strategy registered for aten overload `op`."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return op in propagator.op_strategy_funcs or op in propagator.op_to_rules
+
+
+def substitutions(device_type: str) -> dict[Any, Any]:
+    """The ops a TP stage on a mesh of `device_type` runs in place of the captured ones.
+
+    Attention keeps the captured op where DTensor shards every fused kernel it can dispatch to there (CUDA
+    in torch 2.13: flash, memory-efficient and cuDNN attention over heads); elsewhere (the CPU flash
+    kernel has no rule) it runs the fused kernel per shard, or the math formulation where layouts differ.
+    Shards and their gradients can have other strides than the captured global tensors: reshape where the
+    capture said view (same values, copies only when a view is impossible).
+    """
+    table: dict[Any, Any] = {
+        aten.view.default: aten.reshape.default,
+        aten._unsafe_view.default: aten.reshape.default,
+    }
+    fused = FUSED_ATTENTION.get(device_type)
+    if not fused or not all(dtensor_has_rule(op) for op in fused):
+        table[aten.scaled_dot_product_attention.default] = _sdpa_per_shard
+    return table
 
 
 _VOCAB_PARALLEL = {
@@ -154,12 +225,13 @@ class _TPInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, spec: TPSpec, replicated: set[str]) -> None:
         super().__init__(gm)
         self.mesh, self.spec, self.replicated = mesh, spec, replicated
+        self.substitute = substitutions(mesh.device_type)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        target = _SUBSTITUTE.get(n.target, n.target)
+        target = self.substitute.get(n.target, n.target)
         if n.target is aten._assert_tensor_metadata.default and isinstance(args[0], DTensor):
             return None  # a capture-time check; gathering a sharded tensor just to assert it would cost
         if n.name in self.replicated:

@@ -94,6 +94,7 @@ def async_memory(cm: CostModel, plan: Plan, delay: int, mode: str = "asynchronou
     dp_groups = [tuple(p.stages[j].devices[0] for p in plan.pipelines if j < len(p.stages))
                  for j in range(max(len(p.stages) for p in plan.pipelines))]
     tied = _multi_holder_shared(cm, plan)
+    comms = cm.communicators(plan)
     for i, pipe in enumerate(plan.pipelines):
         ranks = len(pipe.stages) // plan.chunks
         inflight = (dict(enumerate(flushless_inflight(ranks, pipe.num_microbatches))) if flushless
@@ -125,7 +126,8 @@ def async_memory(cm: CostModel, plan: Plan, delay: int, mode: str = "asynchronou
                 out.check(cm, d, need,
                           f"device {d} ({devices[d].spec.name}, pipeline {i} stage {r}) needs {fmt_bytes(need)} with "
                           f"{mode}'s {delay} pending wave gradient(s) ({fmt_bytes(pending)}: each wave's summed "
-                          f"gradients are kept until its update is applied {delay} wave(s) later){second}", share=True)
+                          f"gradients are kept until its update is applied {delay} wave(s) later){second}", share=True,
+                          communicators=comms.get(d))
     out.pending, out.peak = dict(sorted(out.pending.items())), dict(sorted(out.peak.items()))
     out.versions = dict(sorted(out.versions.items()))
     return out

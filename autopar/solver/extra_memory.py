@@ -35,15 +35,19 @@ class ExtraMemory:
     def fits(self) -> bool:
         return not self.problems
 
-    def check(self, cm: CostModel, d: int, need: float, what: str, share: bool = False) -> None:
-        """Record `need` (bytes, rounded) as device `d`'s peak; when it is over what `d` may fill, the problem
-        "`what`, over the <usable> it may fill[ (<share>% of <memory>)]." with the runtime's note on the device
-        (`share`: say the fraction of the device's memory that is)."""
+    def check(self, cm: CostModel, d: int, need: float, what: str, share: bool = False,
+              communicators: int | None = None) -> None:
+        """Record `need` (bytes, rounded) as device `d`'s peak; when it is over what `d` may fill (with the buffers
+        of its `communicators` NCCL communicators, `CostModel.usable`), the problem "`what`, over the <usable>
+        it may fill[ (<share>% of <memory>)]." with the runtime's note on the device (`share`: say the
+        fraction of the device's memory that is)."""
         self.peak[d] = round(need)
-        if need > cm.usable(d):
+        usable = cm.usable(d, communicators)
+        if need > usable:
             of = (f" ({100 * (1 - cm.reserve):.0f}% of {fmt_bytes(cm.cluster.devices[d].spec.memory)})" if share
                   else "")
-            self.problems.append(f"{what}, over the {fmt_bytes(cm.usable(d))} it may fill{of}." + runtime_note(cm, d))
+            self.problems.append(f"{what}, over the {fmt_bytes(usable)} it may fill{of}."
+                                 + runtime_note(cm, d, communicators))
 
 
 def stage_base(cm: CostModel, pipe: Pipeline, st: Stage) -> tuple[StageBase, float]:

@@ -232,6 +232,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
     mixed_tp = {j for j in range(len(dp_groups))
                 if len({len(p.stages[j].devices) for p in plan.pipelines if j < len(p.stages)}) > 1}
     bucketed = bucketed_gradients(cm, plan)
+    comms = cm.communicators(plan)  # NCCL buffers per device: its groups and pipeline peers
     seen: dict[tuple, tuple[list[dict], list[tuple], list[StageMemory]]] = {}
     for i, pipe in enumerate(plan.pipelines):
         ranks = len(pipe.stages) // plan.chunks
@@ -259,9 +260,9 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
                 host[d] = on_host
                 shared = on_host if cm.unified(d) else 0.0
                 peak[d] = math.ceil(need + shared)
-                if need + shared > cm.usable(d):
-                    problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared)
-                                    + runtime_note(cm, d))
+                if need + shared > cm.usable(d, comms.get(d)):
+                    problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared,
+                                                   comms.get(d)) + runtime_note(cm, d, comms.get(d)))
         bound = max(bound, lower_bound(vals, sizes, ranks, plan.schedule in SPLIT_SCHEDULES))
         pipes.append(replace(pipe, stages=stages))
     node_host = [sum(host.get(d, 0.0) for d in node.devices) for node in cm.cluster.nodes]

@@ -27,6 +27,8 @@ from ..cost_models.overhead import stage_host_seconds
 from ..errors import PlanError
 from ..graph import TrainingGraph
 from ..host_memory import UNIFIED_KINDS
+from ..lowering import plan_communicators
+from ..plan import Plan
 from ..plan_simulate import cached_schedule
 from ..schedule import peak_inflight
 from . import experts
@@ -229,15 +231,24 @@ class CostModel(CommPricing):
             hit = self._memo[key] = peak_inflight(cached_schedule(schedule, ranks, microbatches, chunks))
         return hit  # type: ignore[return-value]
 
-    def usable(self, device: int) -> float:
+    def usable(self, device: int, communicators: int | None = None) -> float:
         """Bytes the plan's tensors may fill: (1 - memory_reserve) of the capacity, less what the runtime
         holds outside tensors on a GPU (CUDA context, cuBLAS workspace, NCCL buffers: `runtime_reserve`)."""
-        return self.cluster.devices[device].spec.memory * (1 - self.reserve) - self.runtime_reserve(device)
+        return (self.cluster.devices[device].spec.memory * (1 - self.reserve)
+                - self.runtime_reserve(device, communicators))
 
-    def runtime_reserve(self, device: int) -> int:
-        """`cost_models.memory.runtime_reserve_bytes` of one device of this cluster."""
+    def runtime_reserve(self, device: int, communicators: int | None = None) -> int:
+        """`cost_models.memory.runtime_reserve_bytes` of one device of this cluster whose process creates
+        `communicators` NCCL communicators (`communicators`); None: the world's only, the least a
+        multi-device plan creates (an upper bound on what a plan's tensors may fill)."""
         spec = self.cluster.devices[device].spec
-        return runtime_reserve_bytes(spec.kind, self.cluster.world_size > 1, spec.name)
+        n = int(self.cluster.world_size > 1) if communicators is None else communicators
+        return runtime_reserve_bytes(spec.kind, n, spec.name)
+
+    def communicators(self, plan: Plan) -> dict[int, int]:
+        """Device -> how many NCCL communicators its process creates under `plan` (`lowering.plan_communicators`:
+        the world, its tensor- and data-parallel groups, one per pipeline peer)."""
+        return {d: len(sets) for d, sets in plan_communicators(plan, self.graph).items()}
 
     def host_usable(self, node: int) -> float:
         """Bytes of a node's host memory its devices may fill with what they offload."""

@@ -152,9 +152,10 @@ def rank_host(mems: list[StageMemory], inflight: int) -> float:
 
 
 def memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,
-                    mems: list[StageMemory], inflight: int, host: float = 0.0) -> str:
+                    mems: list[StageMemory], inflight: int, host: float = 0.0, communicators: int | None = None
+                    ) -> str:
     """Why one device does not fit; `need` includes the `host` bytes it offloads when its memory is the
-    host's (`CostModel.unified`)."""
+    host's (`CostModel.unified`); `communicators`: its NCCL communicators (`CostModel.usable`)."""
     spec = cm.cluster.devices[device].spec
     static = sum(m.static for m in mems)
     shared = (f", offloaded state {fmt_bytes(host)}, which stays in this device's memory: it is the host's"
@@ -162,8 +163,8 @@ def memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: f
     return (f"device {device} ({spec.name}, pipeline {pipeline} stage {rank}) needs {fmt_bytes(need)} "
             f"(parameters, gradients and optimizer state {fmt_bytes(static)}, activations of {inflight} "
             f"in-flight micro-batch(es) {fmt_bytes(need - static - host)}{shared}) but has "
-            f"{fmt_bytes(cm.usable(device))} usable of {fmt_bytes(spec.memory)} ({100 * cm.reserve:.0f}% "
-            f"reserve).")
+            f"{fmt_bytes(cm.usable(device, communicators))} usable of {fmt_bytes(spec.memory)} "
+            f"({100 * cm.reserve:.0f}% reserve).")
 
 
 def host_problem(cm: CostModel, node: int, need: float, host: dict[int, float]) -> str:

@@ -80,13 +80,15 @@ def reroute_memory(cm: CostModel, plan: Plan) -> RerouteMemory:
                     where = host if on_host else copy
                     where[d] = where.get(d, 0.0) + nbytes
     peaks = plan.predicted.get("peak_memory_bytes") or {}
+    comms = cm.communicators(plan)
     for d in sorted(set(copy) | set(host)):
         out.copy[d], out.host[d] = math.ceil(copy.get(d, 0.0)), math.ceil(host.get(d, 0.0))
         need = int(peaks.get(d, 0)) + out.copy[d]
         out.check(cm, d, need,
                   f"device {d} ({devices[d].spec.name}): re-routing's pre-step copy of its state "
                   f"({fmt_bytes(out.copy[d])}: parameters, optimizer state and buffers) on top of the step's "
-                  f"predicted peak {fmt_bytes(int(peaks.get(d, 0)))} needs {fmt_bytes(need)}")
+                  f"predicted peak {fmt_bytes(int(peaks.get(d, 0)))} needs {fmt_bytes(need)}",
+                  communicators=comms.get(d))
     return out
 
 

@@ -118,6 +118,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..errors import InfeasibleError
+from ..lowering import communicator_sets
 from ..plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ..report import fmt_time
 from ..schedule import SPLIT_SCHEDULES
@@ -143,6 +144,16 @@ SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solve
 # the best, at most REFINE of them, fastest first
 REFINE = 8
 REFINE_WINDOW = 0.05
+
+
+def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit], chunks: int, world: int
+                         ) -> dict[int, int]:
+    """Device -> NCCL communicators its process creates under a config (`lowering.communicator_sets` on the
+    config's tensor-parallel groups, data-parallel groups and pipeline neighbours), as `price` counts them
+    for the plan (which also counts a tied weight's replica group across stages)."""
+    stages = [[tuple(pl[s % len(pl)]) for s in range(len(pl) * chunks)] for pl in pipelines]
+    groups = sorted({tuple(u) for pl in pipelines for u in pl} | {tuple(sorted(g)) for g in dp})
+    return {d: len(communicator_sets(stages, groups, world, d)) for pl in pipelines for u in pl for d in u}
 
 
 class Config(NamedTuple):
@@ -213,6 +224,7 @@ class Search:
         self._anchors: dict[tuple, tuple[tuple, tuple]] = {}  # `_share_table`'s solved shares
         # the last config's pipelines, its data-parallel groups and whether each mixes tensor-parallel degrees
         self._dp_cache: tuple[object, list[Unit], list[bool]] = (None, [], [])
+        self._comm_cache: tuple[object, int, dict[int, int]] = (None, 0, {})  # (pipelines, chunks, counts)
         self.best_step = math.inf  # the incumbent's simulated step
         self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
         self.refining = False  # in `_refine`: selective recompute (selective.py) on the splits
@@ -285,8 +297,11 @@ class Search:
             mixed = [len({len(other[r]) for other in cfg.pipelines}) > 1 for r in range(p)]
             self._dp_cache = (cfg.pipelines, groups, mixed)
         dp, mixed = self._dp_cache[1], self._dp_cache[2]
+        if self._comm_cache[0] is not cfg.pipelines or self._comm_cache[1] != v:
+            self._comm_cache = (cfg.pipelines, v, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size))
+        comms = self._comm_cache[2]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
-                     min(cm.usable(d) for d in pipe[j % p]),
+                     min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
                      min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
                      alike and len(pipe[j % p]) == 1, mixed[j % p])

@@ -167,8 +167,10 @@ def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
     return True
 
 
-def runtime_note(cm: CostModel, device: int) -> str:
-    """The sentence a memory problem on a GPU adds: the usable figure also excludes the runtime's own memory."""
-    held = cm.runtime_reserve(device)
+def runtime_note(cm: CostModel, device: int, communicators: int | None = None) -> str:
+    """The sentence a memory problem on a GPU adds: the usable figure also excludes the runtime's own memory
+    (with the buffers of `communicators` NCCL communicators, `CostModel.runtime_reserve`)."""
+    held = cm.runtime_reserve(device, communicators)
+    comms = f" of {communicators} communicator(s)" if communicators else ""
     return (f" The usable figure also excludes {fmt_bytes(held)} the CUDA runtime holds outside tensors (context, "
-            f"cuBLAS workspace, NCCL buffers; cost_models/memory.py)." if held else "")
+            f"cuBLAS workspace, NCCL buffers{comms}; cost_models/memory.py)." if held else "")
