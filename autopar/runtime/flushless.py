@@ -38,7 +38,7 @@ and splits (tests/test_flushless.py: equal to AsyncProgram and to the single-pro
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
-from ..schedule_waves import WaveAction, steady_wave_time, step_cuts, step_wave, waves_1f1b
+from ..schedule_nccl import batch_transfers
+from ..schedule_waves import WaveAction, call_of_wave, steady_wave_time, wave_calls
 from .asynchronous import AsyncProgram, Wave, plan_problems
 from .dist import wait
 from .elastic import naming_lost_ranks
@@ -93,10 +94,6 @@ def flushless_wave(plan: Any) -> float | None:
     return max(waves)
 
 
-def _shift(actions: list[WaveAction], by: int) -> list[WaveAction]:
-    return [replace(a, wave=a.wave + by) for a in actions]
-
-
 def _version_leaf(p: torch.Tensor) -> torch.Tensor:
     """A leaf on `p`'s current storage with a version counter of its own (through `.data`), so the update's
     in-place writes into the newest version (another storage) never look like a change to this one; a
@@ -139,26 +136,13 @@ class FlushlessProgram(AsyncProgram):
             self._templates()
 
     def _templates(self) -> None:
-        """The rank's calls of waves 0, 1 and 2 (wave r >= 2's is wave 2's shifted by r - 2: wave 2's is the
-        first with an UPDATE) and the drains after them (likewise), cut from 5-wave and short schedules;
-        checked periodic (wave 3's call and the drain after it are the shifts)."""
+        """The rank's calls of waves 0, 1 and 2 and the drains after them (`schedule_waves.wave_calls`), each
+        as the executor's steps (transfers batched: `schedule_nccl.batch_transfers`)."""
         pipe, s = self.pipeline, self.position.stages[0]
-        p, m = len(pipe.stages), len(pipe.microbatch_sizes)
-        long = waves_1f1b(p, m, 5, DELAY).actions[s]
-        cuts = [0] + step_cuts(waves_1f1b(p, m, 5, DELAY), s)
-        calls = [long[cuts[i]:cuts[i + 1]] for i in range(4)]
-        drains = []
-        for r in range(4):
-            done = set(long[:cuts[r + 1]])
-            drains.append([a for a in waves_1f1b(p, m, r + 1, DELAY).actions[s]
-                           if a not in done and step_wave(a, DELAY) <= r])
-        if calls[3] != _shift(calls[2], 1) or drains[3] != _shift(drains[2], 1):
-            raise PlanError(f"internal: the flushless schedule of {p} stages and {m} micro-batches is not periodic "
-                            f"from wave 2 on (schedule_waves.waves_1f1b)")
-        self._calls, self._drains = calls[:3], drains[:3]
+        self._calls, self._drains = wave_calls(len(pipe.stages), len(pipe.microbatch_sizes), s, DELAY)
 
     def _of_wave(self, templates: list[list[WaveAction]], r: int) -> list[WaveAction]:
-        return templates[r] if r < 2 else _shift(templates[2], r - 2)
+        return call_of_wave(templates, r)
 
     # ---- one wave -------------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
