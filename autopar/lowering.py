@@ -623,5 +623,5 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
 __all__ = ["COMPRESS_DTYPES", "Layout", "PipelineLayout", "Position", "RankProgram", "StageLayout",
            "assign_owners", "check_transfers", "eval_steps", "flushless_steps", "layerwise_params", "layout_of",
            "layout_programs", "lower", "make_layout", "memory_actions", "p2p_batches", "param_groups",
-           "params_by_layer", "pipeline_schedule", "priced_schedule", "recomputed_blocks", "train_steps", "transfer_steps",
-           "transfer_message", "zero_levels"]
+           "params_by_layer", "pipeline_schedule", "priced_schedule", "recomputed_blocks", "train_steps",
+           "transfer_message", "transfer_steps", "zero_levels"]

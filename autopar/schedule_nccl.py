@@ -121,12 +121,13 @@ def _simulate(programs: Mapping[int, Sequence[Batch]]
         remaining[r] = [len(b.ops) for b in batches]
         for i, b in enumerate(batches):
             for j, op in enumerate(b.ops):
-                (sends if op.send else recvs).setdefault((r, op.peer) if op.send else (op.peer, r), []).append((r, i, j))
+                pair = (r, op.peer) if op.send else (op.peer, r)
+                (sends if op.send else recvs).setdefault(pair, []).append((r, i, j))
     partner: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for pair in sorted(set(sends) | set(recvs)):
         out, into = sends.get(pair, []), recvs.get(pair, [])
         src, dst = pair
-        for k, (s, r) in enumerate(zip(out, into)):
+        for k, (s, r) in enumerate(zip(out, into, strict=False)):
             partner[s], partner[r] = r, s
             sent, got = programs[s[0]][s[1]].ops[s[2]], programs[r[0]][r[1]].ops[r[2]]
             if sent.message != got.message or sent.nbytes != got.nbytes:
@@ -222,7 +223,7 @@ def settle(steps: Mapping[Any, Sequence[tuple[A, ...]]], ranks: Mapping[Any, Seq
         g, index, acts = where[q]
         target, into = acts[h][ll], index[ptr[q]]
         sender = partner[move][0]
-        moved = [a for hh in range(ptr[q] + 1, h + 1) for a, op in zip(acts[hh], programs[q][hh].ops)
+        moved = [a for hh in range(ptr[q] + 1, h + 1) for a, op in zip(acts[hh], programs[q][hh].ops, strict=True)
                  if not op.send and op.peer == sender]
         moved = moved[:moved.index(target) + 1]
         sts = cur[g]
