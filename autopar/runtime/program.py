@@ -366,8 +366,8 @@ class Program:
             if step[0].kind in TRANSFER_KINDS:  # one batch_isend_irecv; receives waited where consumed
                 posted, sent = self._post(step, outgoing, incoming)
                 sends += sent
-                for a, pending in posted.items():
-                    (recv_in if a.kind == "RECV_F" else grads_out)[(a.stage, a.microbatch)] = pending
+                for a, recv in posted.items():
+                    (recv_in if a.kind == "RECV_F" else grads_out)[(a.stage, a.microbatch)] = recv
                 continue
             action = step[0]
             i = index[action]
