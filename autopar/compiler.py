@@ -23,6 +23,7 @@ from torch import nn
 from .checks import check_seconds
 from .cluster import Cluster
 from .errors import AutoparError, CaptureError, PlanError
+from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
 from .report import dump_dir as _dump_dir
@@ -32,7 +33,7 @@ from .runtime.devices import check_rank_gpu, launch_device, warn_device_order, w
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
-from .runtime.flushless import async_program  # 2BW's flushless schedule where it runs
+from .runtime.flushless import async_program, flushless_problems  # 2BW's flushless schedule where it runs
 from .runtime.program import OptimizerFactory, Program
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
@@ -210,6 +211,8 @@ def compile(
         warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
         warn_async(sync, delay, plan=plan)  # names the runtime (flushless or not, and why)
     program = Program if not delay else functools.partial(async_program(plan, sync), sync=sync, staleness=staleness)
+    # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
+    check_transfers(layout_of(plan, len(graph.layers)), flushless=bool(delay) and not flushless_problems(plan, sync))
     prog = program(
         model,
         plan,

@@ -32,7 +32,8 @@ after the schedule), and the planner prices that path for it (solver/stage_memor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ from .errors import PlanError
 from .graph import TrainingGraph
 from .plan import OFFLOAD_KINDS, Pipeline, Plan, even_split, layerwise_stages, recompute_count
 from .schedule import MEMORY_OF, SPLIT_SCHEDULES, Action, Schedule, make_schedule, splits_backward
+from .schedule_nccl import TRANSFER_KINDS, Batch, P2POp, batch_transfers, nccl_problems, settle
+from .schedule_waves import call_of_wave, wave_calls
 
 COMPRESS_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 Group = tuple[int, ...]
@@ -89,6 +92,29 @@ class PipelineLayout:
 
     def bounds(self) -> list[tuple[int, int]]:
         return [s.layers for s in self.stages]
+
+    def source(self, stage: int, tp_index: int) -> int:
+        """The rank of `stage` that the rank at tensor-parallel index `tp_index` of an adjacent stage receives
+        from: the same index, modulo `stage`'s degree when the two differ (a tp per device type in one
+        pipeline). Every rank of a tensor-parallel group holds the whole activation and input gradient at a
+        stage boundary, so any one of them can send it."""
+        ranks = self.stages[stage].ranks
+        return ranks[tp_index % len(ranks)]
+
+    def targets(self, stage: int, tp_index: int, degree: int) -> tuple[int, ...]:
+        """The ranks of `stage` that the rank at `tp_index` of an adjacent stage of `degree` ranks sends to:
+        those whose `source` it is (the same index when the degrees are equal; none for a tp rank beyond a
+        smaller next group; several into a larger one)."""
+        return tuple(r for i, r in enumerate(self.stages[stage].ranks) if i % degree == tp_index)
+
+    def peers(self, action: Any, tp_index: int) -> tuple[int, ...]:
+        """The ranks a transfer action (schedule.Action or schedule_waves.WaveAction) of the rank at `tp_index`
+        of its stage's group sends to or receives from: one source for a RECV, the `targets` of a SEND."""
+        s, kind = action.stage, action.kind
+        other = s + 1 if kind in ("SEND_F", "RECV_B") else s - 1
+        if kind.startswith("RECV"):
+            return (self.source(other, tp_index),)
+        return self.targets(other, tp_index, len(self.stages[s].ranks))
 
 
 @dataclass(frozen=True)
@@ -343,6 +369,27 @@ class RankProgram:
         return tuple(self.pipeline.stages[self.position.stages[0]].ranks)
 
     @property
+    def steps(self) -> tuple[tuple[Action, ...], ...]:
+        """What the executor runs of `actions`, step by step: one compute action, or a batch of transfers issued
+        together (`transfer_steps`); memory actions run inside their F / B (zero_layers.py), ALLREDUCE after
+        the schedule, so neither is a step. () for an idle rank."""
+        return () if self.position is None else transfer_steps(self.pipeline)[self.position.group]
+
+    @property
+    def eval_steps(self) -> tuple[tuple[Action, ...], ...]:
+        """What the executor runs of `eval_actions` (`transfer_steps(..., forward_only=True)`)."""
+        return () if self.position is None else transfer_steps(self.pipeline, True)[self.position.group]
+
+    def steps_of(self, actions: Sequence[Action]) -> tuple[tuple[Action, ...], ...]:
+        """The steps of `actions`, which must be `actions` or `eval_actions`."""
+        if tuple(actions) == self.actions:
+            return self.steps
+        if tuple(actions) == self.eval_actions:
+            return self.eval_steps
+        raise PlanError("the executor was given an action list that is neither the rank's training list nor its "
+                        "eval list (RankProgram.actions / eval_actions): its transfers have no batches.")
+
+    @property
     def eval_actions(self) -> tuple[Action, ...]:
         """The forward-only list `eval_step` runs: the F / SEND_F / RECV_F actions in training order (a subset
         of a deadlock-free list whose forwards never wait for a backward, so it cannot deadlock either)."""
@@ -456,6 +503,138 @@ def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Grou
     return {r: communicator_sets(pipelines, groups, layout.world_size, r) for r in ranks}
 
 
+# ---- transfers under NCCL's rules (schedule_nccl.py) -----------------------------------------------------
+
+def transfer_message(action: Any) -> tuple[Any, ...]:
+    """What a transfer action moves, the same for a send and its receive: ("F" | "B", the sending stage,
+    micro-batch, wave)."""
+    kind, s = action.kind, action.stage
+    sender = s + 1 if kind == "RECV_B" else s - 1 if kind == "RECV_F" else s
+    return (kind[-1], sender, action.microbatch, getattr(action, "wave", 0))
+
+
+def p2p_batches(pipe: PipelineLayout, tp_index: int, steps: Sequence[Sequence[Any]],
+                nbytes: Callable[[Any], int] | None = None) -> tuple[Batch, ...]:
+    """A rank's transfer steps (`batch_transfers`' batches) as the point-to-point ops it posts, peers resolved
+    as the runtime resolves them (`PipelineLayout.peers`); `nbytes`: a transfer action's message size, when
+    known. Steps without ops (a send with no targets, compute) post nothing."""
+    out = []
+    for step in steps:
+        ops = tuple(op for a in step if a.kind in TRANSFER_KINDS for op in _ops(pipe, tp_index, a, nbytes))
+        if ops:
+            out.append(Batch(" ".join(str(a) for a in step if a.kind in TRANSFER_KINDS), ops))
+    return tuple(out)
+
+
+StepsOf = Callable[[PipelineLayout, int], Sequence[Sequence[Any]]]
+
+
+def transfer_steps(pipe: PipelineLayout, forward_only: bool = False) -> dict[int, tuple[tuple[Action, ...], ...]]:
+    """Per device group of `pipe`, the executor's steps of its schedule (`forward_only`: eval_step's F / SEND_F /
+    RECV_F list): adjacent transfers batched (`schedule_nccl.batch_transfers`), receives pulled earlier where
+    NCCL's rules need it (`schedule_nccl.settle`). Memory actions are inert among transfers, so these are
+    the batches of the lowered lists too (`RankProgram.steps`). Memoized per pipeline shape."""
+    return _transfer_steps(_shape(pipe), forward_only)
+
+
+@functools.lru_cache(maxsize=256)
+def _transfer_steps(shape: tuple[Any, ...], forward_only: bool) -> dict[int, tuple[tuple[Action, ...], ...]]:
+    pipe = _stand_in(shape)
+    lists = pipeline_schedule(pipe).actions
+    if forward_only:
+        lists = {g: [a for a in acts if a.kind in ("F", "SEND_F", "RECV_F")] for g, acts in lists.items()}
+    steps = {g: batch_transfers(acts) for g, acts in lists.items()}
+    ranks = {g: pipe.stages[g].ranks for g in steps}
+    return settle(steps, ranks, lambda g, k, a: _ops(pipe, k, a, None))
+
+
+def _stand_in(shape: tuple[Any, ...]) -> PipelineLayout:
+    """A pipeline of `shape` (`_shape`) on ranks 0, 1, ... in group order."""
+    schedule, groups, m, chunks, degrees = shape
+    firsts = [sum(degrees[:g]) for g in range(groups)]
+    stages = tuple(StageLayout((s, s + 1), tuple(range(firsts[s % groups], firsts[s % groups] + degrees[s % groups])))
+                   for s in range(groups * chunks))
+    return PipelineLayout(0, stages, 0, m, m, schedule, chunks)
+
+
+def _ops(pipe: PipelineLayout, tp_index: int, a: Any, nbytes: Callable[[Any], int] | None) -> tuple[P2POp, ...]:
+    return tuple(P2POp(peer, a.kind.startswith("SEND"), transfer_message(a), -1 if nbytes is None else nbytes(a))
+                 for peer in pipe.peers(a, tp_index))
+
+
+def train_steps(pipe: PipelineLayout, group: int) -> tuple[tuple[Action, ...], ...]:
+    """Device group `group`'s training steps (`transfer_steps`)."""
+    return transfer_steps(pipe)[group]
+
+
+def eval_steps(pipe: PipelineLayout, group: int) -> tuple[tuple[Action, ...], ...]:
+    """Device group `group`'s steps of eval_step's forward-only list (`transfer_steps`)."""
+    return transfer_steps(pipe, forward_only=True)[group]
+
+
+def flushless_steps(waves: int) -> StepsOf:
+    """The flushless 2BW executor's steps (runtime/flushless.py) over its calls of waves 0..waves-1 and the
+    drain after the last, each call batched on its own (a batch never spans two calls)."""
+    def steps(pipe: PipelineLayout, group: int) -> list[tuple[Any, ...]]:
+        calls, drains = wave_calls(len(pipe.stages), pipe.num_microbatches, group)
+        out: list[tuple[Any, ...]] = []
+        for r in range(waves):
+            out += batch_transfers(call_of_wave(calls, r))
+        return out + list(batch_transfers(call_of_wave(drains, waves - 1)))
+    return steps
+
+
+def layout_programs(layout: Layout, steps_of: StepsOf, nbytes: Callable[[Any], int] | None = None
+                    ) -> dict[int, tuple[Batch, ...]]:
+    """Every pipeline rank's posted batches (`p2p_batches`) when each device group runs `steps_of(pipe, g)`."""
+    out: dict[int, tuple[Batch, ...]] = {}
+    for pipe in layout.pipelines:
+        for g in range(pipe.num_groups):
+            steps = steps_of(pipe, g)
+            for k, r in enumerate(pipe.stages[g].ranks):
+                out[r] = p2p_batches(pipe, k, steps, nbytes)
+    return out
+
+
+def _shape(pipe: PipelineLayout) -> tuple[Any, ...]:
+    return (pipe.schedule, pipe.num_groups, pipe.num_microbatches, pipe.chunks,
+            tuple(len(pipe.stages[g].ranks) for g in range(pipe.num_groups)))
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_ok(shape: tuple[Any, ...], flushless: bool) -> bool:
+    """Whether a pipeline of this shape completes under NCCL's rules, on stand-in ranks (the outcome does not
+    depend on which ranks run it)."""
+    pipe = _stand_in(shape)
+    layout = Layout((pipe,), sum(shape[4]), pipe.num_microbatches)
+    return not any(nccl_problems(layout_programs(layout, f)) for f in _steps_checked(flushless))
+
+
+def _steps_checked(flushless: bool) -> tuple[StepsOf, ...]:
+    if flushless:
+        return tuple(flushless_steps(k) for k in (1, 2, 3, 4)) + (eval_steps,)
+    return (train_steps, eval_steps)
+
+
+def check_transfers(layout: Layout, flushless: bool = False) -> None:
+    """Raise PlanError naming the ranks and stuck actions if any pipeline's transfers, as the executors issue
+    them (training steps, eval's forward-only list; `flushless`: the 2BW executor's calls), would hang or
+    mis-deliver under NCCL's rules (schedule_nccl.py). Memoized per pipeline shape."""
+    for pipe in layout.pipelines:
+        if pipe.num_groups < 2 or _shape_ok(_shape(pipe), flushless):
+            continue
+        one = Layout((pipe,), layout.world_size, layout.global_batch)
+        for steps_of in _steps_checked(flushless):
+            problems = nccl_problems(layout_programs(one, steps_of))
+            if problems:
+                what = getattr(steps_of, "__name__", "steps")
+                raise PlanError(f"pipeline {pipe.index} ({pipe.schedule}, {pipe.num_groups} device groups, "
+                                f"{pipe.num_microbatches} micro-batches, {what}) would hang on NCCL, which matches "
+                                f"sends and receives by order only and blocks a send until its receive is posted: "
+                                + " | ".join(problems[:4]) + ". Issue adjacent transfers as one batch "
+                                "(schedule_nccl.batch_transfers) in the same per-pair order on both ranks.")
+
+
 def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, float]]:
     """Pipeline `pipe` of `plan` as `Plan.simulate` prices it: its schedule with the memory actions of its
     stages priced per layer (`Stage.predicted` gather_s / reduce_s > 0; every layer of such a stage gets
@@ -483,6 +662,7 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
 
 
 __all__ = ["COMPRESS_DTYPES", "Layout", "PipelineLayout", "Position", "RankProgram", "StageLayout",
-           "assign_owners", "communicator_sets", "layerwise_params", "layout_of", "lower", "make_layout",
-           "memory_actions", "param_groups", "params_by_layer", "pipeline_schedule", "plan_communicators",
-           "priced_schedule", "process_groups", "recomputed_blocks", "zero_levels"]
+           "assign_owners", "check_transfers", "communicator_sets", "eval_steps", "flushless_steps",
+           "layerwise_params", "layout_of", "layout_programs", "lower", "make_layout", "memory_actions", "p2p_batches",
+           "param_groups", "params_by_layer", "pipeline_schedule", "plan_communicators", "priced_schedule",
+           "process_groups", "recomputed_blocks", "train_steps", "transfer_message", "transfer_steps", "zero_levels"]

@@ -233,6 +233,37 @@ def step_cuts(schedule: WaveSchedule, rank: int) -> list[int]:
     return cuts
 
 
+def shift_waves(actions: Sequence[WaveAction], by: int) -> list[WaveAction]:
+    """`actions` with every wave number moved by `by`."""
+    return [WaveAction(a.rank, a.kind, a.stage, a.microbatch, a.wave + by) for a in actions]
+
+
+def wave_calls(num_stages: int, num_microbatches: int, stage: int, delay: int = 1
+               ) -> tuple[list[list[WaveAction]], list[list[WaveAction]]]:
+    """What runtime/flushless.py runs on `stage`'s rank of the flushless schedule: its calls of waves 0, 1 and
+    2 (wave r >= 2's is wave 2's shifted by r - 2: wave 2's is the first with an UPDATE) and the drains after
+    them (likewise), cut from 5-wave and short schedules; PlanError unless periodic (wave 3's call and the
+    drain after it are the shifts). Relative wave numbers: wave r of the current run."""
+    p, m, s = num_stages, num_microbatches, stage
+    long = waves_1f1b(p, m, 5, delay).actions[s]
+    cuts = [0] + step_cuts(waves_1f1b(p, m, 5, delay), s)
+    calls = [long[cuts[i]:cuts[i + 1]] for i in range(4)]
+    drains = []
+    for r in range(4):
+        done = set(long[:cuts[r + 1]])
+        drains.append([a for a in waves_1f1b(p, m, r + 1, delay).actions[s]
+                       if a not in done and step_wave(a, delay) <= r])
+    if calls[3] != shift_waves(calls[2], 1) or drains[3] != shift_waves(drains[2], 1):
+        raise PlanError(f"internal: the flushless schedule of {p} stages and {m} micro-batches is not periodic "
+                        f"from wave 2 on (schedule_waves.waves_1f1b)")
+    return calls[:3], drains[:3]
+
+
+def call_of_wave(templates: Sequence[Sequence[WaveAction]], r: int) -> list[WaveAction]:
+    """Wave r's entry of `wave_calls`' calls or drains (the third shifted for r > 2)."""
+    return list(templates[r]) if r < 2 else shift_waves(templates[2], r - 2)
+
+
 def validate_waves(schedule: WaveSchedule) -> None:
     """Raise PlanError naming what is wrong: the projection (schedule.validate: completeness, placement,
     transfers, order, deadlock), the per-wave ALLREDUCE/UPDATE, the update rule, that every call of the
@@ -402,5 +433,6 @@ def steady_wave_time(num_stages: int, num_microbatches: int, fwd: Seconds, bwd: 
     return (t[1] - t[0]) / waves
 
 
-__all__ = ["PER_WAVE", "WAVE_KINDS", "WaveAction", "WaveSchedule", "compile_waves", "peak_versions",
-           "simulate_waves", "steady_wave_time", "step_cuts", "step_wave", "validate_waves", "waves_1f1b"]
+__all__ = ["PER_WAVE", "WAVE_KINDS", "WaveAction", "WaveSchedule", "call_of_wave", "compile_waves", "peak_versions",
+           "shift_waves", "simulate_waves", "steady_wave_time", "step_cuts", "step_wave", "validate_waves",
+           "wave_calls", "waves_1f1b"]

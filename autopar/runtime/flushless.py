@@ -38,7 +38,7 @@ and splits (tests/test_flushless.py: equal to AsyncProgram and to the single-pro
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,10 +46,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
-from ..schedule_waves import WaveAction, steady_wave_time, step_cuts, step_wave, waves_1f1b
+from ..schedule_nccl import TRANSFER_KINDS, batch_transfers
+from ..schedule_waves import WaveAction, call_of_wave, steady_wave_time, wave_calls
 from .asynchronous import AsyncProgram, Wave, plan_problems
 from .dist import wait
 from .elastic import naming_lost_ranks
+from .program import PendingRecv
 from .zero import local_tensor
 
 DELAY = 1  # 2BW's delay
@@ -91,10 +93,6 @@ def flushless_wave(plan: Any) -> float | None:
                                       [s.predicted.get("send_s", 0.0) for s in st],
                                       [s.predicted.get("sync_s", 0.0) for s in st]))
     return max(waves)
-
-
-def _shift(actions: list[WaveAction], by: int) -> list[WaveAction]:
-    return [replace(a, wave=a.wave + by) for a in actions]
 
 
 def _version_leaf(p: torch.Tensor) -> torch.Tensor:
@@ -139,26 +137,13 @@ class FlushlessProgram(AsyncProgram):
             self._templates()
 
     def _templates(self) -> None:
-        """The rank's calls of waves 0, 1 and 2 (wave r >= 2's is wave 2's shifted by r - 2: wave 2's is the
-        first with an UPDATE) and the drains after them (likewise), cut from 5-wave and short schedules;
-        checked periodic (wave 3's call and the drain after it are the shifts)."""
+        """The rank's calls of waves 0, 1 and 2 and the drains after them (`schedule_waves.wave_calls`), each
+        as the executor's steps (transfers batched: `schedule_nccl.batch_transfers`)."""
         pipe, s = self.pipeline, self.position.stages[0]
-        p, m = len(pipe.stages), len(pipe.microbatch_sizes)
-        long = waves_1f1b(p, m, 5, DELAY).actions[s]
-        cuts = [0] + step_cuts(waves_1f1b(p, m, 5, DELAY), s)
-        calls = [long[cuts[i]:cuts[i + 1]] for i in range(4)]
-        drains = []
-        for r in range(4):
-            done = set(long[:cuts[r + 1]])
-            drains.append([a for a in waves_1f1b(p, m, r + 1, DELAY).actions[s]
-                           if a not in done and step_wave(a, DELAY) <= r])
-        if calls[3] != _shift(calls[2], 1) or drains[3] != _shift(drains[2], 1):
-            raise PlanError(f"internal: the flushless schedule of {p} stages and {m} micro-batches is not periodic "
-                            f"from wave 2 on (schedule_waves.waves_1f1b)")
-        self._calls, self._drains = calls[:3], drains[:3]
+        self._calls, self._drains = wave_calls(len(pipe.stages), len(pipe.microbatch_sizes), s, DELAY)
 
     def _of_wave(self, templates: list[list[WaveAction]], r: int) -> list[WaveAction]:
-        return templates[r] if r < 2 else _shift(templates[2], r - 2)
+        return call_of_wave(templates, r)
 
     # ---- one wave -------------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
@@ -184,16 +169,36 @@ class FlushlessProgram(AsyncProgram):
         wave runs forwards, so `inputs` are its inputs."""
         pipe, fl = self.pipeline, self._flight
         sizes = pipe.microbatch_sizes
-        n_s, n_mb = len(pipe.stages), len(sizes)
         args = tuple(inputs) + ((target,) if self._has_target else ())
-        tag = lambda stage, r, j, back: (((r % 4) * n_s + stage) * n_mb + j) * 2 + back  # receiver's stage
-        for a in actions:
+
+        def outgoing(a: WaveAction) -> tuple[list[torch.Tensor], str | None]:
+            key = (a.wave, a.microbatch)
+            if a.kind == "SEND_F":
+                return [o.detach() for o in fl.outputs[key]], pipe.stages[a.stage].compress
+            st = self._stages[(a.stage, sizes[a.microbatch])]
+            ins = [x for x, n in zip(fl.recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
+            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
+            return grads, pipe.stages[a.stage - 1].compress
+
+        def incoming(a: WaveAction) -> tuple[Any, list[str], str, bool, str | None]:
+            st = self._stages[(a.stage, sizes[a.microbatch])]
+            if a.kind == "RECV_F":
+                return st, st.recv, "activations", True, pipe.stages[a.stage - 1].compress
+            return st, [n for n in st.send if n in st.grad_values], "gradients", False, pipe.stages[a.stage].compress
+
+        for step in batch_transfers(actions):  # what lowering.flushless_steps checks
+            if step[0].kind in TRANSFER_KINDS:
+                posted, sent = self._post(step, outgoing, incoming)
+                fl.sends += sent
+                for t, pending in posted.items():
+                    (fl.recv_in if t.kind == "RECV_F" else fl.grads_out)[(t.wave, t.microbatch)] = pending
+                continue
+            a = step[0]
             s, j, r, key = a.stage, a.microbatch, a.wave, (a.wave, a.microbatch)
             st = self._stages[(s, sizes[j])] if j >= 0 else None
-            if a.kind == "RECV_F":
-                fl.recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, r, j, 0), "activations",
-                                             grad=True, compress=pipe.stages[s - 1].compress)
-            elif a.kind == "F":
+            if a.kind == "F":
+                if isinstance(fl.recv_in.get(key), PendingRecv):
+                    fl.recv_in[key] = fl.recv_in[key].take(self.timeout_s)
                 leaves = fl.leaves.get(r)
                 if leaves is None:  # the wave's version: the newest one at its first forward
                     leaves = fl.leaves[r] = {n: _version_leaf(p) for n, p in self.params.items()}
@@ -208,19 +213,8 @@ class FlushlessProgram(AsyncProgram):
                         fl.outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                     else:
                         fl.outputs[key] = run(*vals)
-            elif a.kind == "SEND_F":
-                fl.sends.append(self._send([o.detach() for o in fl.outputs[key]], self._peer(s + 1),
-                                           tag(s + 1, r, j, 0), pipe.stages[s].compress))
-            elif a.kind == "RECV_B":
-                names = [n for n in st.send if n in st.grad_values]
-                fl.grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, r, j, 1), "gradients",
-                                               grad=False, compress=pipe.stages[s].compress)
             elif a.kind == "B":
                 self._backward(st, key, sizes[j] / self.layout.global_batch)
-            elif a.kind == "SEND_B":
-                ins = [x for x, n in zip(fl.recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
-                grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
-                fl.sends.append(self._send(grads, self._peer(s - 1), tag(s - 1, r, j, 1), pipe.stages[s - 1].compress))
             elif a.kind == "ALLREDUCE":
                 for n, leaf in fl.leaves.pop(r).items():  # the wave's gradient, launched as AsyncProgram does
                     self.params[n].grad = leaf.grad
@@ -242,7 +236,7 @@ class FlushlessProgram(AsyncProgram):
                 outs, out_grads = [self.amp.scale(loss * weight)], None
             else:
                 outs = [o for o, n in zip(fl.outputs.pop(key), st.send, strict=True) if n in st.grad_values]
-                out_grads = fl.grads_out.pop(key)
+                out_grads = fl.grads_out.pop(key).take(self.timeout_s)
             torch.autograd.backward(outs, out_grads)
 
     def _apply(self, wave: Wave) -> None:

@@ -32,6 +32,7 @@ from ..graph import TrainingGraph
 from ..lowering import PipelineLayout, RankProgram, lower
 from ..passes.capture import LossFn, capture
 from ..schedule import MEMORY_OF, Action
+from ..schedule_nccl import TRANSFER_KINDS
 from .devices import move_to, plan_rank_device
 from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
@@ -47,6 +48,24 @@ from .zero import ZeroRuntime, offload_activations
 from .zero_layers import LayerwiseMemory
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class PendingRecv:
+    """A receive posted in a batch (`Program._post`), waited and unpacked where its values are consumed."""
+
+    def __init__(self, works: list[Any], flat: torch.Tensor, metas: list, wire: Any, st: StageProgram,
+                 names: list[str], grad: bool, what: str, peer: int) -> None:
+        self.works, self.flat, self.metas, self.wire = works, flat, metas, wire
+        self.st, self.names, self.grad, self.what, self.peer = st, names, grad, what, peer
+
+    def take(self, timeout_s: float) -> list[torch.Tensor]:
+        for work in self.works:
+            wait(work, self.what, self.peer, timeout_s)
+        out = unpack(self.flat, self.metas, self.wire)
+        for n, t in zip(self.names, out, strict=True):
+            if self.grad and n in self.st.grad_values:
+                t.requires_grad_(True)
+        return out
 
 
 def make_optimizer(optimizer: str | OptimizerFactory, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -298,21 +317,17 @@ class Program:
         return eval_step(self, inputs)
 
     def _peer(self, stage: int) -> int | None:
-        """The rank of `stage` (of this rank's pipeline) this rank receives from: the one at the same
-        tensor-parallel index, modulo that stage's degree when the two stages differ in degree (a tp per
-        device type in one pipeline). Every rank of a tensor-parallel group holds the whole activation and
-        input gradient at a stage boundary, so any one of them can send it."""
+        """The rank of `stage` (of this rank's pipeline) this rank receives from (`PipelineLayout.source`, what
+        the NCCL check resolves too); None outside the pipeline."""
         pipe = self.pipeline
         if not 0 <= stage < len(pipe.stages):
             return None
-        ranks = pipe.stages[stage].ranks
-        return ranks[self.position.tp_index % len(ranks)]
+        return pipe.source(stage, self.position.tp_index)
 
     def _peers(self, stage: int) -> list[int]:
-        """The ranks of `stage` this rank sends to: those whose `_peer` is this rank (the same index when the
-        degrees are equal; none for a tp rank beyond a smaller next group; several into a larger one)."""
+        """The ranks of `stage` this rank sends to (`PipelineLayout.targets`)."""
         t = len(self.pipeline.stages[self.position.stages[0]].ranks)
-        return [r for i, r in enumerate(self.pipeline.stages[stage].ranks) if i % t == self.position.tp_index]
+        return list(self.pipeline.targets(stage, self.position.tp_index, t))
 
     def _run(self, actions: tuple[Action, ...] | list[Action], inputs: tuple, target: Any, train: bool = True
              ) -> Any:
@@ -325,7 +340,6 @@ class Program:
         n_mb = len(sizes)
         starts = [pipe.batch_offset + sum(sizes[:m]) for m in range(n_mb)]
         args = tuple(inputs) + ((target,) if self._has_target else ())
-        tag = lambda stage, m, backward: (stage * n_mb + m) * 2 + backward  # receiver's stage
         recv_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int], Any] = {}
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -341,7 +355,33 @@ class Program:
                             "ZeRO whole-step (lowering.lower); the rank's program and its action list disagree.")
         last_b = max((i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")), default=-1)
         what = "" if train else " (eval)"
-        for i, action in enumerate(actions):
+        index = {a: i for i, a in enumerate(actions)}
+
+        def outgoing(a: Action) -> tuple[list[torch.Tensor], str | None]:
+            key = (a.stage, a.microbatch)
+            if a.kind == "SEND_F":
+                values = [o.detach() for o in outputs[key]] if train else list(outputs.pop(key))
+                return values, pipe.stages[a.stage].compress
+            st = self._stages[(a.stage, sizes[a.microbatch])]
+            ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
+            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
+            return grads, pipe.stages[a.stage - 1].compress
+
+        def incoming(a: Action) -> tuple[StageProgram, list[str], str, bool, str | None]:
+            st = self._stages[(a.stage, sizes[a.microbatch])]
+            if a.kind == "RECV_F":
+                return st, st.recv, "activations" + what, train, pipe.stages[a.stage - 1].compress
+            return st, [n for n in st.send if n in st.grad_values], "gradients", False, pipe.stages[a.stage].compress
+
+        for step in self.lowered.steps_of(actions):
+            if step[0].kind in TRANSFER_KINDS:  # one batch_isend_irecv; receives waited where consumed
+                posted, sent = self._post(step, outgoing, incoming)
+                sends += sent
+                for a, recv in posted.items():
+                    (recv_in if a.kind == "RECV_F" else grads_out)[(a.stage, a.microbatch)] = recv
+                continue
+            action = step[0]
+            i = index[action]
             s, m, kind = action.stage, action.microbatch, action.kind
             if kind == "ALLREDUCE" or kind in MEMORY_OF:
                 continue  # gradients are synchronized after the schedule; memory actions run inside F/B
@@ -351,10 +391,9 @@ class Program:
             if memory and self.layers is None:
                 raise PlanError(f"{action} has memory actions {memory[0]}... but stage {s} does not run layer by "
                                 f"layer on this rank: the rank's program and its action list disagree.")
-            if kind == "RECV_F":
-                recv_in[key] = self._recv(st, st.recv, self._peer(s - 1), tag(s, m, 0), "activations" + what,
-                                          grad=train, compress=pipe.stages[s - 1].compress)
-            elif kind == "F":
+            if kind == "F":
+                if isinstance(recv_in.get(key), PendingRecv):
+                    recv_in[key] = recv_in[key].take(self.timeout_s)
                 mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
                 held = [self.params[p] if p in self.params else self.experts.placeholder for p in st.params]
                 received = recv_in.get(key, []) if train else recv_in.pop(key, [])  # SEND_B reads them
@@ -379,14 +418,6 @@ class Program:
                     evaluated.append(tuple(out))
                 else:
                     outputs[key] = out
-            elif kind == "SEND_F":
-                values = [o.detach() for o in outputs[key]] if train else list(outputs.pop(key))
-                sends += [self._send(values, peer, tag(s + 1, m, 0), pipe.stages[s].compress)
-                          for peer in self._peers(s + 1)]
-            elif kind == "RECV_B":
-                names = [n for n in st.send if n in st.grad_values]
-                grads_out[key] = self._recv(st, names, self._peer(s + 1), tag(s, m, 1), "gradients",
-                                            grad=False, compress=pipe.stages[s].compress)
             elif kind == "B":
                 weight = sizes[m] / self.layout.global_batch
                 if self.grad_sync is not None:  # all-reduce buckets launch during the last backward
@@ -403,7 +434,7 @@ class Program:
                     else:
                         outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True)
                                 if n in st.grad_values]
-                        out_grads = grads_out.pop(key)
+                        out_grads = grads_out.pop(key).take(self.timeout_s)
                     if split:  # zero-bubble B: the received inputs' gradients only
                         pending[key] = backward_input(outs, out_grads, recv_in.get(key, []),
                                                       [self.params[p] for p in st.params if p in self.params])
@@ -416,33 +447,52 @@ class Program:
                     self.grad_sync.final = i == last_b
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
                     backward_weight(pending.pop(key))
-            elif kind == "SEND_B":
-                ins = [x for x, n in zip(recv_in.pop(key), st.recv, strict=True) if n in st.grad_values]
-                grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
-                sends += [self._send(grads, peer, tag(s - 1, m, 1), pipe.stages[s - 1].compress)
-                          for peer in self._peers(s - 1)]
         for work, peer, _keep in sends:
             wait(work, "send" + what, peer, self.timeout_s)
         return loss_sum if train else evaluated
 
-    def _send(self, tensors: list[torch.Tensor], peer: int, tag: int, compress: str | None = None
-              ) -> tuple[Any, int, list[torch.Tensor]]:
-        # one message per transfer, every value in its own dtype (or the stage's compressed wire dtype)
-        flat = pack(tensors, self.amp.wire(compress), self.device)
-        return dist.isend(flat, dst=peer, tag=tag), peer, [flat]
-
-    def _recv(self, st: StageProgram, names: list[str], peer: int, tag: int, what: str,
-              grad: bool, compress: str | None = None) -> list[torch.Tensor]:
-        metas = [(tuple(st.value_meta[n].shape), getattr(torch, st.value_meta[n].dtype)) for n in names]
-        wire = self.amp.wire(compress)
-        flat = torch.empty(message_bytes(metas, wire), dtype=torch.uint8, device=self.device)
-        wait(dist.irecv(flat, src=peer, tag=tag), f"receiving {what} for stage {st.index}", peer,
-             self.timeout_s)
-        out = unpack(flat, metas, wire)
-        for n, t in zip(names, out, strict=True):
-            if grad and n in st.grad_values:
-                t.requires_grad_(True)
-        return out
+    def _post(self, step: tuple[Any, ...], outgoing: Callable[[Any], tuple[list[torch.Tensor], str | None]],
+              incoming: Callable[[Any], tuple[StageProgram, list[str], str, bool, str | None]]
+              ) -> tuple[dict[Any, PendingRecv], list[tuple[Any, Any, list[torch.Tensor]]]]:
+        """Issue a batch of transfer actions (`RankProgram.steps`) with one `batch_isend_irecv`, so NCCL progresses
+        them together (schedule_nccl.py); peers as the lowering resolves them (`PipelineLayout.peers`). Matching
+        is by order, as on NCCL: every message has tag 0, so gloo matches them in order as well.
+        `outgoing(a)`: a send's values and compression; `incoming(a)`: a receive's stage, value names, what
+        for messages, whether it needs grad, compression. Returns the receives (wait with `take`) and the
+        (work, peer, buffers) to wait for at the end."""
+        ops: list[dist.P2POp] = []
+        peers: list[int] = []
+        metas: dict[Any, tuple] = {}
+        tp = self.position.tp_index
+        for a in step:
+            if a.kind.startswith("SEND"):
+                values, compress = outgoing(a)
+                targets = self.pipeline.peers(a, tp)
+                if not targets:
+                    continue
+                # one message per transfer, every value in its own dtype (or the stage's compressed wire dtype)
+                flat = pack(values, self.amp.wire(compress), self.device)
+                ops += [dist.P2POp(dist.isend, flat, peer, tag=0) for peer in targets]
+                peers += targets
+            else:
+                st, names, what, grad, compress = incoming(a)
+                value_metas = [(tuple(st.value_meta[n].shape), getattr(torch, st.value_meta[n].dtype)) for n in names]
+                wire = self.amp.wire(compress)
+                flat = torch.empty(message_bytes(value_metas, wire), dtype=torch.uint8, device=self.device)
+                (peer,) = self.pipeline.peers(a, tp)
+                metas[a] = (len(ops), flat, value_metas, wire, st, names, grad,
+                            f"receiving {what} for stage {st.index}", peer)
+                ops.append(dist.P2POp(dist.irecv, flat, peer, tag=0))
+                peers.append(peer)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL: one for the coalesced batch
+        everyone = ", ".join(str(p) for p in sorted(set(peers)))
+        posted = {a: PendingRecv([works[k]] if per_op else works, flat, vm, wire, st, names, grad, what, peer)
+                  for a, (k, flat, vm, wire, st, names, grad, what, peer) in metas.items()}
+        # a gloo receive's work is waited once, by its PendingRecv (a second wait blocks)
+        sent = [(w, peers[k] if per_op else everyone, [op.tensor for op in ops]) for k, w in enumerate(works)
+                if not per_op or ops[k].op is dist.isend]
+        return posted, sent
 
     def _sync_gradients(self) -> float | None:
         """Sum each parameter's gradient over every stage copy holding it (data-parallel replicas, tied
