@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -138,8 +139,6 @@ def audit_devices(model: nn.Module, plan: Any, example_inputs: tuple, example_ta
     rank's device (module docstring). Needs no process group of its own (one must not exist)."""
     from ..cluster import Cluster
     from ..passes.capture import capture
-    from .elastic import stop_heartbeat
-    from .program import Program
 
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -153,26 +152,48 @@ def audit_devices(model: nn.Module, plan: Any, example_inputs: tuple, example_ta
     world = cluster.world_size
     graph = capture(model, inputs, loss_fn, example_target)
     report = DeviceReport()
-    for rank in ranks if ranks is not None else range(world):
-        device = torch.device("cpu") if computes_on_cpu(cluster.devices[rank].spec) else torch.device("meta")
-        report.devices[rank] = str(device)
-        dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
-        try:
-            with _Recorder(rank, device, report):
-                prog = Program(model, plan, inputs, example_target, loss_fn, optimizer, rank, world,
-                               kernels=kernels, graph=graph, device=device)
-                if prog.tp is not None:
-                    report.meshes[rank] = prog.tp.mesh.device_type
-                for _ in range(steps):
-                    prog.step(*inputs, target=example_target)
-        except Exception as e:  # noqa: BLE001 - a rank that cannot run is a finding, the others still run
-            report.errors[rank] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} " \
-                                  f"at {_error_site(e)}"
-        finally:
-            stop_heartbeat()
-            dist.destroy_process_group()
+    with _meta_mesh_host(world):
+        for rank in ranks if ranks is not None else range(world):
+            _audit_rank(model, plan, inputs, example_target, loss_fn, steps, optimizer, kernels, graph, cluster,
+                        world, rank, report, FakeStore)
     report.backend_mismatches = _mismatches(report)
     return report
+
+
+def _meta_mesh_host(world: int) -> Any:
+    """DTensor sizes some redistributions by the devices per host of the mesh's device type, which it reads from
+    the type's device module (torch.cuda); the meta type standing in for accelerators has none: all `world`
+    stand-ins on one host."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    per_host = type(_mesh_resources).num_devices_per_host
+    stand_in = lambda device_type: world if device_type == "meta" else per_host(device_type)
+    return mock.patch.object(type(_mesh_resources), "num_devices_per_host", staticmethod(stand_in))
+
+
+def _audit_rank(model: nn.Module, plan: Any, inputs: tuple, example_target: Any, loss_fn: Any, steps: int,
+                optimizer: Any, kernels: str, graph: Any, cluster: Any, world: int, rank: int, report: DeviceReport,
+                fake_store: Any) -> None:
+    from .elastic import stop_heartbeat
+    from .program import Program
+
+    device = torch.device("cpu") if computes_on_cpu(cluster.devices[rank].spec) else torch.device("meta")
+    report.devices[rank] = str(device)
+    dist.init_process_group("cpu:fake,meta:fake", store=fake_store(), rank=rank, world_size=world)
+    try:
+        with _Recorder(rank, device, report):
+            prog = Program(model, plan, inputs, example_target, loss_fn, optimizer, rank, world,
+                           kernels=kernels, graph=graph, device=device)
+            if prog.tp is not None:
+                report.meshes[rank] = prog.tp.mesh.device_type
+            for _ in range(steps):
+                prog.step(*inputs, target=example_target)
+    except Exception as e:  # noqa: BLE001 - a rank that cannot run is a finding, the others still run
+        report.errors[rank] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} " \
+                              f"at {_error_site(e)}"
+    finally:
+        stop_heartbeat()
+        dist.destroy_process_group()
 
 
 def _error_site(e: BaseException) -> str:
