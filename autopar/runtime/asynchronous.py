@@ -220,7 +220,7 @@ class AsyncProgram(Program):
         loss = torch.tensor([local], dtype=torch.float64, device=self.device)
         if self._loss_group is not None:
             wait(dist.all_reduce(loss, group=self._loss_group, async_op=True), f"loss all-reduce of wave {c + 1}",
-                 "in its group", self.timeout_s)
+                 "in its group", self.timeout_s, self._loss_group, loss.device)
         return float(loss)
 
     def _apply(self, wave: Wave) -> None:

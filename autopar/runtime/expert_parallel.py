@@ -84,7 +84,8 @@ class _Context:
 def _a2a(c: _Context, t: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
     out = t.new_empty((sum(recv), *t.shape[1:]))
     work = dist.all_to_all_single(out, t.contiguous(), recv, send, group=c.group, async_op=True)
-    wait(work, f"expert all-to-all ({what}) over ranks {list(c.ranks)}", "in its group", c.timeout_s)
+    wait(work, f"expert all-to-all ({what}) over ranks {list(c.ranks)}", "in its group", c.timeout_s, c.group,
+         out.device)
     return out
 
 

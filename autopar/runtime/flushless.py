@@ -265,8 +265,8 @@ class FlushlessProgram(AsyncProgram):
         r = self.step_count - 1 - self._base
         if self.position is not None and r >= 0:
             self._execute(self._of_wave(self._drains, r), (), None)
-            for work, peer, _keep in self._flight.sends:
-                wait(work, "send (drain)", peer, self.timeout_s)
+            for work, peer, keep in self._flight.sends:
+                wait(work, "send (drain)", peer, self.timeout_s, device=keep[0].device)
             self._flight = _Flight()
         self._spare.clear()  # no wave in flight: the next update allocates the second version again
         self._base = self.step_count

@@ -153,7 +153,7 @@ class BucketedGradSync:
         when it rode in the last bucket."""
         self._launch_ready(force=True)
         for work in self.works:
-            wait(work, "bucketed gradient all-reduce", "in its group", self.timeout_s)
+            wait(work, "bucketed gradient all-reduce", "in its group", self.timeout_s, self.group, self.flats[0].device)
         for names in self.buckets:
             for n in names:
                 self.params[n].grad = self._view(n)

@@ -151,7 +151,7 @@ def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> Stra
             mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
         parts = [torch.zeros_like(mine) for _ in range(prog.world_size)]
         wait(dist.all_gather(parts, mine, async_op=True), "straggler report all-gather", "in the job",
-             prog.timeout_s)
+             prog.timeout_s, device=mine.device)  # the host reads `parts` below (.cpu()): the report's sync
     names = prog.plan.device_names() if prog.plan is not None else {}
     rows = []
     for r, t in enumerate(parts):

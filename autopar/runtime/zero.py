@@ -317,7 +317,8 @@ class ZeroRuntime:
         work, reps, dst, names, shapes, flat = pending
         if work is not None:
             what = f"gradient reduce to rank {dst[0]}" if dst else "gradient all-reduce"
-            wait(work, f"{what} over ranks {list(reps)}", "in its group", self.timeout_s)
+            wait(work, f"{what} over ranks {list(reps)}", "in its group", self.timeout_s, self.groups.get(reps),
+                 flat.device)
         receives = not dst or dst == self.my_group
         if receives and len(self.my_group) > 1:
             self._group_broadcast(flat, "gradient broadcast in the tensor-parallel group")
@@ -379,8 +380,8 @@ class ZeroRuntime:
     # ---- collectives ---------------------------------------------------------------------------------
     def _group_broadcast(self, flat: torch.Tensor, what: str) -> None:
         src = self.my_group[0]
-        wait(dist.broadcast(flat, src=src, group=self.groups.get(self.my_group), async_op=True), what, src,
-             self.timeout_s)
+        group = self.groups.get(self.my_group)
+        wait(dist.broadcast(flat, src=src, group=group, async_op=True), what, src, self.timeout_s, group, flat.device)
 
     def _broadcast_from_owners(self, names: list[str]) -> None:
         """Every holder of `names` gets the owner's current value. Buckets are processed in one sorted
@@ -408,14 +409,14 @@ class ZeroRuntime:
                     flat = torch.cat([self._value(n).detach().reshape(-1) for n in chunk])
                 else:
                     flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=local_tensor(ps[0]).device)
-                work = (dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True)
-                        if self.rank in reps else None)
-                yield work, owner, chunk, flat
+                group = self.groups.get(reps) if self.rank in reps else None
+                work = dist.broadcast(flat, src=owner[0], group=group, async_op=True) if group is not None else None
+                yield work, owner, chunk, flat, group
 
     def finish_broadcast(self, pending: tuple) -> None:
-        work, owner, names, flat = pending
+        work, owner, names, flat, group = pending
         if work is not None:
-            wait(work, f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s)
+            wait(work, f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s, group, flat.device)
         if owner == self.my_group:
             return
         with torch.no_grad():
