@@ -118,7 +118,7 @@ class _Flight:
     outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     leaves: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    loss: dict[int, float] = field(default_factory=dict)
+    loss: dict[int, Any] = field(default_factory=dict)  # wave -> float64 device tensor
     sends: list[tuple[Any, int, list[torch.Tensor]]] = field(default_factory=list)
 
 
@@ -237,8 +237,9 @@ class FlushlessProgram(AsyncProgram):
         with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
             if st.is_last:  # the loss is counted once per tensor-parallel group (as Program._run does)
                 loss = fl.outputs.pop(key)
-                share = float(loss.detach()) * weight if self.position.tp_index == 0 else 0.0
-                fl.loss[key[0]] = fl.loss.get(key[0], 0.0) + share
+                if self.position.tp_index == 0:  # on the device: no host read per micro-batch
+                    share = loss.detach().reshape(()).to(torch.float64) * weight
+                    fl.loss[key[0]] = fl.loss.get(key[0], 0.0) + share
                 outs, out_grads = [self.amp.scale(loss * weight)], None
             else:
                 outs = [o for o, n in zip(fl.outputs.pop(key), st.send, strict=True) if n in st.grad_values]
