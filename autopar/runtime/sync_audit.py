@@ -12,7 +12,7 @@ warnings, each at the Python line that triggered it. On a CPU, where nothing syn
 for that check: it patches the tensor methods that would force a device-to-host sync on an accelerator
 (`item`, `__float__`, `__int__`, `__bool__`, `__index__`, `tolist`, `numpy`, `cpu`, `nonzero`,
 `repeat_interleave` with tensor repeats and no `output_size`, `bincount`, `unique`, `masked_select`,
-boolean-mask indexing, `.to` a CPU device from another device) and records each call made by autopar's
+boolean-mask indexing, a blocking `.to` the host: `_to_host`) and records each call made by autopar's
 own code (the calling frame is a file inside the autopar package); `deep=True` also records the calls
 torch makes on autopar's behalf, each at its innermost autopar frame. Only the thread that entered the
 context is watched. On CPU every tensor stands for a device tensor, so reading one that would live on the
@@ -99,13 +99,19 @@ def _bool_index(index: Any) -> bool:  # noqa: ANN401
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in parts)
 
 
-def _is_cpu_target(args: tuple, kwargs: dict) -> bool:
+def _to_host(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """A blocking `.to` the host: from a device tensor, or (the CPU stand-in) to the device named by the
+    string "cpu", autopar's way of naming the host explicitly (its device tensors move by `torch.device`)."""
+    if kwargs.get("non_blocking") or (len(args) > 2 and isinstance(args[0], (str, torch.device)) and args[2]):
+        return False
     target = kwargs.get("device", args[0] if args else None)
     if isinstance(target, torch.Tensor):
         target = target.device
+    if isinstance(target, str) and target == "cpu":
+        return True
     if isinstance(target, (str, torch.device)):
         try:
-            return torch.device(target).type == "cpu"
+            return t.device.type != "cpu" and torch.device(target).type == "cpu"
         except RuntimeError:
             return False
     return False
@@ -128,7 +134,7 @@ _TENSOR_METHODS: dict[str, Callable[[torch.Tensor, tuple, dict], bool]] = {
     "repeat_interleave": lambda t, a, k: isinstance(a[0] if a else k.get("repeats"), torch.Tensor)
     and k.get("output_size") is None,
     "__getitem__": lambda t, a, k: _bool_index(a[0]),
-    "to": lambda t, a, k: t.device.type != "cpu" and _is_cpu_target(a, k),
+    "to": _to_host,
 }
 _TORCH_FUNCTIONS: dict[str, Callable[[torch.Tensor, tuple, dict], bool]] = {
     "nonzero": _TENSOR_METHODS["nonzero"],
