@@ -190,7 +190,8 @@ class _Patches:
 @contextlib.contextmanager
 def host_syncs(raise_on_sync: bool = False, device: torch.device | str | None = None,
                deep: bool = False) -> Iterator[HostSyncs]:
-    """Record (or with `raise_on_sync`, refuse with `HostSyncError`) the host-device syncs inside the block.
+    """Record the host-device syncs inside the block, or with `raise_on_sync` refuse the first one (on CPU a
+    `HostSyncError` naming autopar's call site; on CUDA torch's sync debug mode raises its RuntimeError).
 
     `device`: where the audited code keeps its tensors; "cuda" uses torch's sync debug mode, anything else
     (default: "cuda" when CUDA is available, else "cpu") the CPU stand-in described in the module doc.
