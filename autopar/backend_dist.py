@@ -213,7 +213,7 @@ class TPGraph:
 def _gather(x: torch.Tensor, world: int) -> list[torch.Tensor]:
     out = [torch.empty_like(x) for _ in range(world)]
     wait(dist.all_gather(out, x.contiguous(), async_op=True), "all-gather of batch slices (autopar backend)",
-         "in the group", DEFAULT_TIMEOUT_S)
+         "in the group", DEFAULT_TIMEOUT_S, device=x.device)
     return out
 
 

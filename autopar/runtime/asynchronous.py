@@ -214,13 +214,15 @@ class AsyncProgram(Program):
             p.grad = None
         return Wave(c, reduces, single)
 
-    def _global_loss(self, c: int, local: float) -> float:
+    def _global_loss(self, c: int, local: float | torch.Tensor) -> float:
         """The wave's global mean loss: every rank's weighted share summed (as `Program.step` sums it, over
-        every rank, tensor-parallel ranks but the first contributing 0)."""
-        loss = torch.tensor([local], dtype=torch.float64, device=self.device)
+        every rank, tensor-parallel ranks but the first contributing 0). `local`: a float64 device tensor (or
+        0.0); the final `float` is the wave's one host-device sync."""
+        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        loss += local
         if self._loss_group is not None:
             wait(dist.all_reduce(loss, group=self._loss_group, async_op=True), f"loss all-reduce of wave {c + 1}",
-                 "in its group", self.timeout_s)
+                 "in its group", self.timeout_s, self._loss_group, loss.device)
         return float(loss)
 
     def _apply(self, wave: Wave) -> None:

@@ -67,7 +67,8 @@ class Groups:
 # `wait` polls collectives for completion and gives up as soon as the key appears, so that a rank blocked in
 # one with a survivor (which no closed connection wakes: leaving a gloo group does not close its sockets)
 # joins the others at once instead of after timeout_s. Transfers are not polled (gloo runs them inside
-# wait()); a pipeline's ranks meet the dead one directly. Only on gloo: NCCL's wait does not block the host.
+# wait()); a pipeline's ranks meet the dead one directly. Only on gloo: on NCCL `wait` does not block the host
+# (`stream_ordered`).
 _abort_watch: tuple[dist.Store, str] | None = None
 
 
@@ -105,8 +106,48 @@ def _poll(work: dist.Work, what: str, timeout_s: float) -> None:
         nap = min(2 * nap, 1e-3)
 
 
-def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Wait for a transfer or collective, turning a timeout or a broken connection into a named error."""
+# Backends whose Work.wait() makes the current stream wait for the operation instead of the host thread.
+STREAM_ORDERED_BACKENDS = frozenset({"nccl", "xccl"})
+
+
+def stream_ordered(group: object | None = None, device: torch.device | str | None = None) -> bool:
+    """Whether a Work of `group` (the default group when None) on tensors of `device` completes on the device
+    stream: NCCL's does. A multi-device group ("cpu:gloo,cuda:nccl") runs each tensor on its device's
+    backend; `device` None means the accelerator's when there is one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    backend = str(dist.get_backend(group))
+    if ":" in backend:
+        kind = torch.device(device).type if device is not None else \
+            ("cuda" if torch.cuda.is_available() else "cpu")
+        per_device = dict(pair.split(":", 1) for pair in backend.split(","))
+        backend = per_device.get(kind, "")
+    return backend in STREAM_ORDERED_BACKENDS
+
+
+def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT_TIMEOUT_S,
+         group: object | None = None, device: torch.device | str | None = None) -> None:
+    """Complete a transfer or collective of `group` (default: the default group) on tensors of `device`,
+    turning a timeout or a broken connection into a named error.
+
+    On a stream-ordered backend (NCCL, `stream_ordered`) this does not block the host: the current stream
+    waits for the operation, so later kernels see its result and the host runs ahead. Host code that needs
+    the value itself reads it (`.item()`, `.cpu()`), which synchronizes then: that read is the explicit
+    host sync. On gloo the host waits, at most `timeout_s`."""
+    if stream_ordered(group, device):
+        # torch 2.13, Work.wait's docstring (torch/csrc/distributed/c10d/init.cpp): "calling wait() is the
+        # same as calling synchronize(): letting the current stream block on the completion of the NCCL
+        # work. However, if timeout is set, it will block the CPU thread until the NCCL work is completed or
+        # timed out." Hangs are still caught: the group's timeout (timeout_s, init_process_group) is enforced
+        # by ProcessGroupNCCL's watchdog, which aborts the communicator and fails the process.
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise PeerLostError(
+                f"{what} failed: rank {peer} is lost or stopped responding ({_first_line(e)}). "
+                f"Check that process; every rank must run the same script."
+            ) from e
+        return
     if _abort_watch is not None:
         _poll(work, what, timeout_s)
     try:
@@ -125,13 +166,13 @@ def all_reduce(
 ) -> None:
     if group is None:
         return
-    wait(dist.all_reduce(t, group=group, async_op=True), what, "in its group", timeout_s)
+    wait(dist.all_reduce(t, group=group, async_op=True), what, "in its group", timeout_s, group, t.device)
 
 
 def broadcast(t: torch.Tensor, src: int, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    wait(dist.broadcast(t, src=src, async_op=True), what, src, timeout_s)
+    wait(dist.broadcast(t, src=src, async_op=True), what, src, timeout_s, device=t.device)
 
 
 def _first_line(e: BaseException) -> str:

@@ -84,44 +84,68 @@ class _Context:
 def _a2a(c: _Context, t: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
     out = t.new_empty((sum(recv), *t.shape[1:]))
     work = dist.all_to_all_single(out, t.contiguous(), recv, send, group=c.group, async_op=True)
-    wait(work, f"expert all-to-all ({what}) over ranks {list(c.ranks)}", "in its group", c.timeout_s)
+    wait(work, f"expert all-to-all ({what}) over ranks {list(c.ranks)}", "in its group", c.timeout_s, c.group,
+         out.device)
     return out
 
 
-def _route(c: _Context, index: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
-    """Slots sorted by expert: (order, send splits, receive splits, local expert id of each received slot)."""
+@dataclass
+class _Routes:
+    """One dispatch's routing: the (token, k) slots sorted by expert (`order`), the all-to-all's split sizes
+    (`send`, `recv`: per rank of the group), and the received slots grouped by local expert (`by_expert`, a
+    stable sort of the slots' local expert ids, with `per_expert` slots each)."""
+
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    by_expert: torch.Tensor
+    per_expert: list[int]
+
+
+def _route(c: _Context, index: torch.Tensor) -> _Routes:
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=c.experts).to(torch.int64)
+    # a bincount on the device (sized by a host read of the max on CUDA) done as a scatter: no sync
+    counts = torch.zeros(c.experts, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
     per, d = c.per_rank, c.degree
     got = _a2a(c, counts, [per] * d, [per] * d, "counts")  # per source, counts for my local experts
-    send, recv = counts.view(d, per).sum(1).tolist(), got.view(d, per).sum(1).tolist()
-    ids = torch.arange(per, device=index.device).repeat(d).repeat_interleave(got)
-    return order, send, recv, ids
+    # the all-to-all takes its split sizes on the host: the dispatch's one host read, both count tables at once
+    both = torch.cat([counts, got]).tolist()
+    mine, theirs = both[:c.experts], both[c.experts:]
+    send = [sum(mine[r * per:(r + 1) * per]) for r in range(d)]
+    recv = [sum(theirs[r * per:(r + 1) * per]) for r in range(d)]
+    per_expert = [sum(theirs[r * per + le] for r in range(d)) for le in range(per)]
+    ids = torch.arange(per, device=index.device).repeat(d).repeat_interleave(got, output_size=sum(recv))
+    return _Routes(order, send, recv, torch.argsort(ids, stable=True), per_expert)
 
 
-def _run_local(c: _Context, params: list[torch.Tensor], x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    parts, rows = [], []
-    for le in range(c.per_rank):
-        sel = (ids == le).nonzero().squeeze(1)
-        if sel.numel():
-            parts.append(c.run_expert(params, c.index * c.per_rank + le, le, x[sel]))
-            rows.append(sel)
-    if not parts:
+def _run_local(c: _Context, params: list[torch.Tensor], x: torch.Tensor, routes: _Routes) -> torch.Tensor:
+    """The local experts on the received slots `x`, each on its slots in arrival order (one gather by the
+    sorted order, contiguous slices per expert, one scatter back)."""
+    if not x.shape[0]:
         return x.new_zeros(x.shape)
-    out = torch.cat(parts)
-    return out[torch.argsort(torch.cat(rows))]
+    grouped = x[routes.by_expert]
+    parts, start = [], 0
+    for le, n in enumerate(routes.per_expert):
+        if n:
+            parts.append(c.run_expert(params, c.index * c.per_rank + le, le, grouped[start:start + n]))
+        start += n
+    out = torch.empty((x.shape[0], *parts[0].shape[1:]), dtype=parts[0].dtype, device=parts[0].device)
+    out[routes.by_expert] = torch.cat(parts)
+    return out
 
 
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, index: torch.Tensor, params: list[torch.Tensor], key: str) -> torch.Tensor:
     """(tokens, hidden) x (tokens, k) expert ids -> (tokens, k, hidden): each slot's expert output."""
     c = _CONTEXTS[key]
-    order, send, recv, ids = _route(c, index)
+    routes = _route(c, index)
+    order, send, recv = routes.order, routes.send, routes.recv
     k = index.shape[1]
     xr = _a2a(c, x[order // k], send, recv, "tokens")
     with torch.no_grad():
-        yr = _run_local(c, params, xr, ids)
+        yr = _run_local(c, params, xr, routes)
     ys = _a2a(c, yr, recv, send, "expert outputs")
     y = torch.empty_like(ys)
     y[order] = ys
@@ -142,7 +166,8 @@ def _setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
 def _backward(ctx: object, grad: torch.Tensor) -> tuple:
     x, index, *params = ctx.saved_tensors  # type: ignore[attr-defined]
     c = _CONTEXTS[ctx.key]  # type: ignore[attr-defined]
-    order, send, recv, ids = _route(c, index)
+    routes = _route(c, index)
+    order, send, recv = routes.order, routes.send, routes.recv
     k, h = index.shape[1], x.shape[-1]
     tokens = order // k
     both = _a2a(c, torch.cat([x[tokens], grad.reshape(-1, h)[order]], dim=1), send, recv,
@@ -151,7 +176,7 @@ def _backward(ctx: object, grad: torch.Tensor) -> tuple:
     leaves = [p.detach().requires_grad_(i in held) for i, p in enumerate(params)]
     with torch.enable_grad():
         xr = both[:, :h].detach().requires_grad_(True)
-        yr = _run_local(c, leaves, xr, ids)
+        yr = _run_local(c, leaves, xr, routes)
         grads = torch.autograd.grad(yr, [xr] + [leaves[i] for i in held], both[:, h:], allow_unused=True)
     gx = _a2a(c, grads[0], recv, send, "token gradients")
     grad_x = torch.zeros_like(x).index_add_(0, tokens, gx)

@@ -116,7 +116,7 @@ class _Flight:
     outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     leaves: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    loss: dict[int, float] = field(default_factory=dict)
+    loss: dict[int, Any] = field(default_factory=dict)  # wave -> float64 device tensor
     sends: list[tuple[Any, int, list[torch.Tensor]]] = field(default_factory=list)
 
 
@@ -231,8 +231,9 @@ class FlushlessProgram(AsyncProgram):
         with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
             if st.is_last:  # the loss is counted once per tensor-parallel group (as Program._run does)
                 loss = fl.outputs.pop(key)
-                share = float(loss.detach()) * weight if self.position.tp_index == 0 else 0.0
-                fl.loss[key[0]] = fl.loss.get(key[0], 0.0) + share
+                if self.position.tp_index == 0:  # on the device: no host read per micro-batch
+                    share = loss.detach().reshape(()).to(torch.float64) * weight
+                    fl.loss[key[0]] = fl.loss.get(key[0], 0.0) + share
                 outs, out_grads = [self.amp.scale(loss * weight)], None
             else:
                 outs = [o for o, n in zip(fl.outputs.pop(key), st.send, strict=True) if n in st.grad_values]
@@ -259,8 +260,8 @@ class FlushlessProgram(AsyncProgram):
         r = self.step_count - 1 - self._base
         if self.position is not None and r >= 0:
             self._execute(self._of_wave(self._drains, r), (), None)
-            for work, peer, _keep in self._flight.sends:
-                wait(work, "send (drain)", peer, self.timeout_s)
+            for work, peer, keep in self._flight.sends:
+                wait(work, "send (drain)", peer, self.timeout_s, device=keep[0].device)
             self._flight = _Flight()
         self._spare.clear()  # no wave in flight: the next update allocates the second version again
         self._base = self.step_count

@@ -99,7 +99,7 @@ class BucketedGradSync:
             self.flats.append(torch.zeros(off + extra, dtype=params[names[0]].dtype,
                                           device=params[names[0]].device))
         self.final = False  # set around the step's last backward of this rank (its last W under zero-bubble)
-        self.loss = 0.0
+        self.loss: torch.Tensor | float = 0.0  # the rank's loss share (a device tensor), rides in the last bucket
         self._reset()
         for name, p in params.items():
             p.register_post_accumulate_grad_hook(lambda p, name=name: self._on_grad(name, p))
@@ -148,16 +148,16 @@ class BucketedGradSync:
                 flat[-1] = self.loss
             self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
 
-    def finish(self) -> float | None:
+    def finish(self) -> torch.Tensor | None:
         """Wait for every bucket and hand the reduced gradients to the parameters; returns the summed loss
-        when it rode in the last bucket."""
+        (a float64 device tensor: no host read) when it rode in the last bucket."""
         self._launch_ready(force=True)
         for work in self.works:
-            wait(work, "bucketed gradient all-reduce", "in its group", self.timeout_s)
+            wait(work, "bucketed gradient all-reduce", "in its group", self.timeout_s, self.group, self.flats[0].device)
         for names in self.buckets:
             for n in names:
                 self.params[n].grad = self._view(n)
-        loss = float(self.flats[-1][-1]) if self.carry_loss and self.buckets else None
+        loss = self.flats[-1][-1].to(torch.float64, copy=True) if self.carry_loss and self.buckets else None
         self.final = False
         self._reset()
         return loss

@@ -171,7 +171,7 @@ class PrecisionPolicy:
             found += flag.to(self.device)
         if world_size > 1:
             work = dist.all_reduce(found, op=dist.ReduceOp.MAX, async_op=True)
-            wait(work, "loss-scaling inf/nan check (all-reduce)", "in its group", self.timeout_s)
+            wait(work, "loss-scaling inf/nan check (all-reduce)", "in its group", self.timeout_s, device=found.device)
         found_inf = bool(found.item() > 0)
         self.scaler.update(found_inf)
         if found_inf:

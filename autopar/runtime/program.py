@@ -271,7 +271,8 @@ class Program:
 
     # ---- one training step ------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
-        """Forward, backward and optimizer step on one global batch; returns the global mean loss."""
+        """Forward, backward and optimizer step on one global batch; returns the global mean loss (reading it,
+        the final `float`, is the step's one host-device sync: tests/test_host_syncs.py)."""
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
@@ -333,7 +334,8 @@ class Program:
              ) -> Any:
         """Execute this rank's action list: the one executor of training steps and of `eval_step` (which
         passes the forward-only list, `train=False`, under no_grad). Returns the rank's weighted loss sum
-        (train) or the last stage's outputs per micro-batch (eval). Memory actions run inside their F/B,
+        (train; a float64 device tensor, read on the host once, at the end of `step`) or the last stage's
+        outputs per micro-batch (eval). Memory actions run inside their F/B,
         at its layer boundaries (zero_layers.py)."""
         pipe, pos = self.pipeline, self.position
         sizes = pipe.microbatch_sizes
@@ -345,7 +347,8 @@ class Program:
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         sends: list[tuple[dist.Work, int, list[torch.Tensor]]] = []
         evaluated: list[tuple[torch.Tensor, ...]] = []
-        loss_sum = 0.0
+        # the weighted losses stay on the device: reading each on the host would sync once per micro-batch
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         # zero-bubble schedules: B computes input gradients, W the weight gradients later (split_backward.py)
         split = any(a.kind == "W" for a in actions)
         pending: dict[tuple[int, int], PendingWeights] = {}  # (stage, micro-batch) -> what its W runs
@@ -427,7 +430,8 @@ class Program:
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
                     if st.is_last:
                         loss = outputs.pop(key)
-                        loss_sum += float(loss.detach()) * weight if pos.tp_index == 0 else 0.0
+                        if pos.tp_index == 0:
+                            loss_sum += loss.detach().reshape(()).to(torch.float64) * weight
                         if self.grad_sync is not None:
                             self.grad_sync.loss = loss_sum
                         outs, out_grads = [self.amp.scale(loss * weight)], None
@@ -494,7 +498,7 @@ class Program:
                 if not per_op or ops[k].op is dist.isend]
         return posted, sent
 
-    def _sync_gradients(self) -> float | None:
+    def _sync_gradients(self) -> torch.Tensor | None:
         """Sum each parameter's gradient over every stage copy holding it (data-parallel replicas, tied
         weights); under ZeRO-2/3 only the owner keeps the sum (see `zero.ZeroRuntime.sync_gradients`).
         Plain data parallelism finishes the overlapped bucket all-reduces instead (grad_sync.py) and
@@ -507,23 +511,26 @@ class Program:
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Full, unsharded state on every rank, under every ZeRO level and offload: {"model": <original
-        model's state_dict>, "optimizer": {param name: state}, "step": n}. Each parameter's owner (its first
-        holder without ZeRO) supplies it. `model.load_state_dict(sd["model"])` restores the original model."""
+        model's state_dict>, "optimizer": {param name: state}, "step": n}, in host memory (CPU tensors).
+        Each parameter's owner (its first holder without ZeRO) supplies it, moved to the host as soon as it is
+        assembled, and the pieces are gathered as objects over a CPU group, so no device ever holds the whole
+        state. `model.load_state_dict(sd["model"])` restores the original model."""
+        host = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
         mine_p, mine_o = {}, {}
         for name in sorted(self.params):  # same order on every member of a tensor-parallel group
             if not self.zero.is_source(name):
                 continue
             value, state = self.zero.full_param(name), self.zero.full_opt_state(name, self.optimizer)
             if self.zero.state[name].owner[0] == self.rank:
-                mine_p[name], mine_o[name] = value, state
+                mine_p[name], mine_o[name] = host(value), {k: host(v) for k, v in state.items()}
         if self.experts:  # shards of stacked expert tensors, concatenated after the gather
             mine_p, mine_o = self.experts.tag(mine_p), self.experts.tag(mine_o)
         mine = {"params": mine_p, "optimizer": mine_o,
-                "buffers": {n: b.clone() for n, b in self.buffers.items()}}
+                "buffers": {n: host(b) for n, b in self.buffers.items()}}  # copied below or by the pickling
         parts = [mine]
         if self.world_size > 1:
             parts = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
+            dist.all_gather_object(parts, mine, group=self._object_group)
         params, opt, buffers = {}, {}, {}
         for part in parts:
             params.update(part["params"])
@@ -536,6 +543,17 @@ class Program:
             canon = self._canonical.get(fqn, fqn)
             model_sd[fqn] = params.get(canon, buffers.get(fqn, t)).clone()
         return {"model": model_sd, "optimizer": opt, "step": self.step_count}
+
+    @functools.cached_property
+    def _object_group(self) -> Any:
+        """The group `state_dict` gathers objects over: the default one when it has a CPU backend (torch
+        2.13's `_get_object_coll_device` then picks "cpu", as for "gloo" or "cpu:gloo,cuda:nccl"), else a
+        gloo group over the world, made once (collectively, on the first `state_dict`): over NCCL alone
+        every rank's pickles would be copied into GPU memory, the whole state on each device."""
+        backend = str(dist.get_backend())
+        if backend == "gloo" or "cpu:" in backend:
+            return None
+        return dist.new_group(list(range(self.world_size)), backend="gloo")
 
     @functools.cached_property
     def _canonical(self) -> dict[str, str]:

@@ -63,24 +63,64 @@ def emulated_slowdown(rank: int) -> float:
 
 
 class StageTimer:
-    """Compute seconds of this rank's forward and backward actions, per step."""
+    """Compute seconds of this rank's forward and backward actions, per step.
 
-    def __init__(self, rank: int, history: int = 64) -> None:
+    On CUDA the host only launches kernels, so host clocks would time the launches: each compute section
+    records a pair of timing events on the current stream instead, and a step's seconds are read from them
+    when `steps` is asked for (one wait for the newest event then, none inside a step). Elsewhere (and
+    while emulating a slowdown, which sleeps for real time) `time.perf_counter` times the section.
+    `device`: where the rank computes (default: CUDA when it is in use in this process); `event`: the timing
+    event type (`torch.cuda.Event`)."""
+
+    def __init__(self, rank: int, history: int = 64, device: torch.device | str | None = None,
+                 event: Callable[..., Any] | None = None) -> None:
         self.slowdown = emulated_slowdown(rank)
+        self.device = torch.device(device) if device is not None else None
+        self.event = event
         self.current = 0.0
-        self.steps: deque[float] = deque(maxlen=history)
+        self._pairs: list[tuple[Any, Any]] = []  # this step's CUDA sections, read later
+        self._steps: deque[float | tuple[float, list[tuple[Any, Any]]]] = deque(maxlen=history)
+
+    def _on_cuda(self) -> bool:
+        if self.slowdown > 1.0:
+            return False
+        if self.device is not None:
+            return self.device.type == "cuda"
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        start = time.perf_counter()
+        if self._on_cuda():
+            make = self.event or torch.cuda.Event
+            start, end = make(enable_timing=True), make(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pairs.append((start, end))
+            return
+        start_s = time.perf_counter()
         yield
         if self.slowdown > 1.0:
-            time.sleep((time.perf_counter() - start) * (self.slowdown - 1.0))
-        self.current += time.perf_counter() - start
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the emulated device is as slow as its kernels' real time
+            time.sleep((time.perf_counter() - start_s) * (self.slowdown - 1.0))
+        self.current += time.perf_counter() - start_s
 
     def end_step(self) -> None:
-        self.steps.append(self.current)
-        self.current = 0.0
+        self._steps.append((self.current, self._pairs) if self._pairs else self.current)
+        self.current, self._pairs = 0.0, []
+
+    @property
+    def steps(self) -> deque[float]:
+        """Compute seconds of the recent steps (reading the CUDA events waits for the newest one)."""
+        pending = [s for s in self._steps if isinstance(s, tuple)]
+        if pending:
+            pending[-1][1][-1][1].synchronize()  # a stream's events complete in order: the newest is last
+        out: deque[float] = deque(maxlen=self._steps.maxlen)
+        for s in self._steps:
+            out.append(s if not isinstance(s, tuple) else s[0] + sum(a.elapsed_time(b) for a, b in s[1]) / 1e3)
+        self._steps = deque(out, maxlen=self._steps.maxlen)
+        return out
 
 
 # ---- the report -------------------------------------------------------------------------------------------
@@ -150,7 +190,7 @@ def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> Stra
         mine = mine.to(prog.device)  # NCCL collectives take device tensors only
         parts = [torch.zeros_like(mine) for _ in range(prog.world_size)]
         wait(dist.all_gather(parts, mine, async_op=True), "straggler report all-gather", "in the job",
-             prog.timeout_s)
+             prog.timeout_s, device=mine.device)  # the host reads `parts` below (.cpu()): the report's sync
     names = prog.plan.device_names() if prog.plan is not None else {}
     rows = []
     for r, t in enumerate(parts):

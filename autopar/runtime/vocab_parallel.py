@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .dist import wait
+
 _MEAN, _SUM = 1, 2  # at::Reduction
 
 
@@ -32,7 +34,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
                 ignore_index: int, reduction: int) -> torch.Tensor:
         x = logits.float()
         row_max = x.max(dim=1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        wait(dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, async_op=True),
+             "vocab-parallel loss (all-reduce of row maxima)", "in its group", group=group, device=row_max.device)
         shifted = x - row_max[:, None]
         exp = shifted.exp()
         sum_exp = exp.sum(dim=1)
@@ -41,7 +44,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         idx = local_t.clamp(0, x.shape[1] - 1)
         picked = torch.where(inside, shifted.gather(1, idx[:, None])[:, 0], 0.0)
         both = torch.stack([sum_exp, picked])
-        dist.all_reduce(both, group=group)
+        wait(dist.all_reduce(both, group=group, async_op=True), "vocab-parallel loss (all-reduce of sums)",
+             "in its group", group=group, device=both.device)
         sum_exp, picked = both[0], both[1]
         valid = target != ignore_index
         per_row = torch.where(valid, sum_exp.log() - picked, 0.0)

@@ -53,8 +53,12 @@ Offload (per rank, the union over its stages holding a parameter):
   read by one layer, ZeRO level <= 2, with the optimizer offloaded or not owned) come back one layer at a
   time and their gradients are accumulated on the host; others are moved back at the start of the step.
 * "activations": the stage's forward runs under `torch.autograd.graph.save_on_cpu`.
-All copies are synchronous (no overlap with compute). On a CPU-only machine the copies are CPU to CPU:
-the code paths run, nothing is saved.
+With CUDA, host copies are pinned and device-to-host copies are issued without blocking
+(`non_blocking=True`, `host_copy`): the host waits once per step, right before the CPU optimizer reads
+the gradients (`step`); host-to-device copies from pinned memory are stream-ordered too, and a streamed
+parameter's gradient is accumulated on the device into a copy of its host sum (the host never adds a
+gradient whose copy may still be in flight). On a CPU-only machine the copies are plain CPU to CPU
+copies: the code paths run, nothing is saved.
 """
 
 from __future__ import annotations
@@ -85,6 +89,21 @@ def offload_activations(enabled: bool) -> contextlib.AbstractContextManager:
     if not enabled:
         return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def host_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh host copy of `t` (cast to `dtype`): from a CUDA tensor into pinned memory without blocking
+    the host, so it may be read only after the stream has reached this point (`host_wait`); elsewhere a
+    plain copy."""
+    cuda = t.device.type == "cuda"
+    out = torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=cuda)
+    return out.copy_(t.detach(), non_blocking=cuda)
+
+
+def host_wait(device: torch.device) -> None:
+    """Wait until the copies `host_copy` issued on `device`'s current stream are done (CUDA; nothing else)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -234,7 +253,7 @@ class ZeroRuntime:
         st.released = False
         if from_host and st.host is not None:
             with torch.no_grad():
-                t.data.copy_(st.host)
+                t.data.copy_(st.host, non_blocking=st.host.is_pinned())
 
     def stream_out_grads(self, names: list[str]) -> None:
         """Move streamed parameters' gradients to the host, accumulating over micro-batches."""
@@ -245,9 +264,12 @@ class ZeroRuntime:
                     continue
                 acc = st.get_host_grad()
                 if acc is None:
-                    st.set_host_grad(p.grad.to("cpu", torch.float32, copy=True))
+                    st.set_host_grad(host_copy(p.grad, torch.float32))
+                elif p.grad.device.type == "cuda":  # the host sum may still be arriving: add on the stream
+                    total = acc.to(p.grad.device, non_blocking=acc.is_pinned()) + p.grad.to(torch.float32)
+                    acc.copy_(total, non_blocking=acc.is_pinned())
                 else:
-                    acc += p.grad.to("cpu", torch.float32)
+                    acc += p.grad.to(torch.float32)
                 p.grad = None
 
     def gather(self, names: list[str]) -> list[tuple]:
@@ -317,7 +339,8 @@ class ZeroRuntime:
         work, reps, dst, names, shapes, flat = pending
         if work is not None:
             what = f"gradient reduce to rank {dst[0]}" if dst else "gradient all-reduce"
-            wait(work, f"{what} over ranks {list(reps)}", "in its group", self.timeout_s)
+            wait(work, f"{what} over ranks {list(reps)}", "in its group", self.timeout_s, self.groups.get(reps),
+                 flat.device)
         receives = not dst or dst == self.my_group
         if receives and len(self.my_group) > 1:
             self._group_broadcast(flat, "gradient broadcast in the tensor-parallel group")
@@ -330,7 +353,7 @@ class ZeroRuntime:
             if not (receives and st.owned):
                 continue
             if st.streamed:  # a streamed parameter's gradient lives on the host
-                st.set_host_grad(full.to("cpu", torch.float32, copy=True))
+                st.set_host_grad(host_copy(full, torch.float32))
             elif self.tp:
                 p.grad = self.tp.shard(n, full)
             elif p.grad is not None and p.grad.shape == full.shape:
@@ -350,17 +373,19 @@ class ZeroRuntime:
                 elif g is not None:
                     if isinstance(g, DTensor):
                         g = g.redistribute(p.device_mesh, p.placements).to_local()
-                    st.host.grad = g.to("cpu", torch.float32, copy=True)  # type: ignore[union-attr]
+                    st.host.grad = host_copy(g, torch.float32)  # type: ignore[union-attr]
                 p.grad = None
             for st in self.state.values():
                 if st.streamed and not st.master:
                     st.host_grad = None  # a non-owner's share was reduced to the owner
             if optimizer is not None:
+                if masters:  # the CPU optimizer reads gradients copied without blocking: the step's one wait
+                    host_wait(local_tensor(masters[0][0]).device)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             for p, st in masters:
                 if not st.streamed:  # streamed ones are brought in from the host layer by layer
-                    local_tensor(p).copy_(st.host)
+                    local_tensor(p).copy_(st.host, non_blocking=st.host.is_pinned())  # type: ignore[union-attr]
         self._broadcast_from_owners([n for n, st in self.state.items() if st.level in (1, 2)])
         self.release()
 
@@ -379,8 +404,8 @@ class ZeroRuntime:
     # ---- collectives ---------------------------------------------------------------------------------
     def _group_broadcast(self, flat: torch.Tensor, what: str) -> None:
         src = self.my_group[0]
-        wait(dist.broadcast(flat, src=src, group=self.groups.get(self.my_group), async_op=True), what, src,
-             self.timeout_s)
+        group = self.groups.get(self.my_group)
+        wait(dist.broadcast(flat, src=src, group=group, async_op=True), what, src, self.timeout_s, group, flat.device)
 
     def _broadcast_from_owners(self, names: list[str]) -> None:
         """Every holder of `names` gets the owner's current value. Buckets are processed in one sorted
@@ -408,14 +433,14 @@ class ZeroRuntime:
                     flat = torch.cat([self._value(n).detach().reshape(-1) for n in chunk])
                 else:
                     flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=local_tensor(ps[0]).device)
-                work = (dist.broadcast(flat, src=owner[0], group=self.groups.get(reps), async_op=True)
-                        if self.rank in reps else None)
-                yield work, owner, chunk, flat
+                group = self.groups.get(reps) if self.rank in reps else None
+                work = dist.broadcast(flat, src=owner[0], group=group, async_op=True) if group is not None else None
+                yield work, owner, chunk, flat, group
 
     def finish_broadcast(self, pending: tuple) -> None:
-        work, owner, names, flat = pending
+        work, owner, names, flat, group = pending
         if work is not None:
-            wait(work, f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s)
+            wait(work, f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s, group, flat.device)
         if owner == self.my_group:
             return
         with torch.no_grad():
@@ -441,7 +466,7 @@ class ZeroRuntime:
         """The parameter's current full value on its device (a streamed one's from the host)."""
         p, st = self.params[name], self.state[name]
         if st.streamed:
-            return st.host.to(local_tensor(p).device, p.dtype)  # type: ignore[union-attr]
+            return st.host.to(local_tensor(p).device, p.dtype, non_blocking=st.host.is_pinned())  # type: ignore[union-attr]
         return p.full_tensor() if isinstance(p, DTensor) else p
 
     def _chunks(self, names: list[str]) -> list[list[str]]:
@@ -468,7 +493,7 @@ class ZeroRuntime:
         if st.streamed:
             g = st.get_host_grad()
             g = g if g is not None else torch.zeros(p.shape, dtype=torch.float32)
-            return g.to(local_tensor(p).device, p.dtype)
+            return g.to(local_tensor(p).device, p.dtype, non_blocking=g.is_pinned())
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         return g.full_tensor() if isinstance(g, DTensor) else g
 
@@ -503,10 +528,11 @@ class ZeroRuntime:
         return t.clone()
 
     def load_param(self, name: str, full: torch.Tensor) -> None:
+        """Take this rank's part of a full value (on any device: `state_dict` returns host tensors)."""
         st = self.state[name]
         if not st.keeps_value:
             return
-        shard = self._shard(name, full)
+        shard = self._shard(name, full.to(local_tensor(self.params[name]).device))
         with torch.no_grad():
             if not st.released:
                 local_tensor(self.params[name]).copy_(shard)
@@ -518,14 +544,16 @@ class ZeroRuntime:
         if optimizer is None or not st.owned or not state:
             return
 
+        device = local_tensor(self.params[name]).device
+
         def convert(v: Any) -> Any:
             if not isinstance(v, torch.Tensor):
                 return v
             if v.dim() == 0:
                 return v.clone()
             if st.master:
-                return self._shard(name, v).to("cpu", torch.float32, copy=True)
-            return self.tp.shard(name, v) if self.tp else v.clone()
+                return self._shard(name, v.to(device)).to("cpu", torch.float32, copy=True)
+            return self.tp.shard(name, v.to(device)) if self.tp else v.to(device, copy=True)
 
         optimizer.state[self.opt_param(name)] = {k: convert(v) for k, v in state.items()}
 
