@@ -11,6 +11,12 @@ any section failed):
 2. nccl_program: a 1-process NCCL group (an all-reduce and a broadcast on the GPU), a small GPT compiled with
    `autopar.compile` for the 1-GPU cluster, 3 steps with kernels "torch" and "auto" (generated Triton
    kernels), loss and every parameter against single-process eager training on the same GPU.
+2b. nccl_ready: what issue 21 found would break on a first GPU run: a model built on the CPU with CPU inputs
+   (the README's path), the group joined by autopar's own `ensure_initialized`; its parameters must be on
+   the GPU and its steps equal eager; host-device syncs per step counted under
+   `torch.cuda.set_sync_debug_mode("warn")` (more than the step's one loss read is a finding); and the time
+   autopar's `dist.wait` holds the host on an all-reduce queued behind ~0.1 s of matmuls (a wait that
+   blocks the host fails the section).
 3. kernels: bench/kernels.py's region cases compiled by Triton for real (not interpreted): max relative
    error against torch, median ms fused vs eager (`--inductor` adds torch.compile, ~1 min more).
 4. calibrate: `autopar calibrate --quick --device cuda` (profile under <out>_files/profiles, used by the
@@ -36,6 +42,7 @@ import argparse
 import contextlib
 import datetime
 import faulthandler
+import functools
 import gc
 import importlib.util
 import itertools
@@ -67,7 +74,7 @@ from autopar import models  # noqa: E402
 from autopar.cluster import Cluster, GiB  # noqa: E402
 from autopar.report import render_table  # noqa: E402
 
-SECTIONS = ("env", "nccl_program", "kernels", "calibrate", "gpt_1gpu", "gpt_capped")
+SECTIONS = ("env", "nccl_program", "nccl_ready", "kernels", "calibrate", "gpt_1gpu", "gpt_capped")
 SIZES = {  # models.gpt keyword arguments per mode
     "cuda": {"small": dict(batch=8, seq=128, vocab=1024, hidden=256, layers=2, heads=4),
              "big": dict(models.gpt_config("gpt2-medium"), batch=8)},
@@ -82,7 +89,7 @@ KERNEL_REL_TOL = 1e-4
 CAP_SHARE = 0.8  # the capped device holds this share of the training state (after the plan's reserve)
 STEP_RESERVE_S = 15.0  # measured steps stop when less than this is left of the budget
 # on a GPU, a section does not start with less than this left (seconds; first Triton compiles included)
-NEEDS_S = {"kernels": 40, "calibrate": 30, "gpt_1gpu": 45, "gpt_capped": 40}
+NEEDS_S = {"nccl_ready": 20, "kernels": 40, "calibrate": 30, "gpt_1gpu": 45, "gpt_capped": 40}
 
 
 class Skip(Exception):
@@ -387,6 +394,124 @@ def section_nccl_program(ctx: Context) -> dict:
         dist.destroy_process_group()
 
 
+WAIT_MATMULS = 6  # nccl_ready: queued 8192^2 matmuls (~20 ms each on an A100-class GPU) ahead of the all-reduce
+
+
+def _syncs_per_step(ctx: Context, step: Callable[[], float], steps: int) -> tuple[list[float], list[int]]:
+    """Run `step` `steps` times, counting the host-device synchronizations inside each: torch's own detector
+    (`torch.cuda.set_sync_debug_mode("warn")`) on a GPU, autopar's CPU stand-in (runtime/sync_audit.py) on
+    the CPU."""
+    import warnings
+
+    losses, counts = [], []
+    for _ in range(steps):
+        if ctx.cpu:
+            from autopar.runtime.sync_audit import host_syncs
+
+            with host_syncs() as found:
+                losses.append(step())
+            counts.append(len(found))
+            continue
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                losses.append(step())
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+    return losses, counts
+
+
+def _wait_blocking(ctx: Context) -> dict:
+    """How long autopar's `dist.wait` holds the host on an all-reduce queued behind GPU work: a wait that only
+    orders the stream returns at once; one that blocks returns when the GPU is done."""
+    import torch.distributed as dist
+
+    from autopar.runtime import dist as adist
+
+    n = 8192 if not ctx.cpu else 512
+    a = torch.randn(n, n, device=ctx.device)
+    t = torch.ones(1 << 20, device=ctx.device)
+    if not ctx.cpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(WAIT_MATMULS):
+        a = a @ a
+        a = a / a.norm()
+    queued = time.perf_counter()
+    work = dist.all_reduce(t, async_op=True)
+    adist.wait(work, "gpu_check all-reduce", "itself")
+    waited = time.perf_counter()
+    if not ctx.cpu:
+        torch.cuda.synchronize()
+    done = time.perf_counter()
+    f = {"queue_ms": (queued - t0) * 1e3, "wait_host_ms": (waited - queued) * 1e3,
+         "device_done_ms": (done - queued) * 1e3}
+    f["wait_blocked_host"] = f["wait_host_ms"] > 0.5 * f["device_done_ms"] and f["device_done_ms"] > 5
+    return f
+
+
+def section_nccl_ready(ctx: Context) -> dict:
+    """The user's path on the GPU, as issue 21 found it broken: a model built on the CPU (as the README shows)
+    with CPU inputs, the process group joined by autopar's own setup (`ensure_initialized`: device set first,
+    `device_id`, cpu:gloo,cuda:nccl); the program's parameters must be on the GPU, its steps equal eager
+    training and hold no host-device sync beyond the step's loss; and autopar's wait must not block the host."""
+    import copy
+
+    import torch.distributed as dist
+
+    from autopar.runtime.dist import ensure_initialized
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    if ctx.cpu:
+        env["AUTOPAR_BACKEND"] = "gloo"
+    with mock.patch.dict(os.environ, env):
+        ensure_initialized(60)
+    try:
+        f: dict[str, Any] = {"backend": str(dist.get_backend())}
+        case = models.gpt(**ctx.sizes["small"], device="cpu", seed=0)
+        ref = copy.deepcopy(case)
+        ref.model.to(ctx.device)
+        ref.example_inputs = tuple(x.to(ctx.device) for x in ref.example_inputs)
+        ref.example_target = ref.example_target.to(ctx.device)
+        ref_losses, ref_state = models.train_reference(ref, _adamw, SMALL_STEPS)
+        cluster = local_cluster(ctx)
+        plan = _plan(ctx, case, cluster, "fp32")
+        prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                               optimizer=_adamw, plan=plan, kernels="torch", timeout_s=60)
+        devices = sorted({str(p.device) for p in prog.params.values()})
+        f["param_devices"] = devices
+        f["params_on_device"] = devices == [str(ctx.device)]
+        step = functools.partial(prog.step, *case.example_inputs, target=case.example_target)
+        losses, syncs = _syncs_per_step(ctx, step, SMALL_STEPS)
+        state = prog.state_dict()["model"]
+        l_atol, l_rtol, p_rtol, p_atol = TOLERANCES["torch"]
+        f["loss_match"] = all(abs(a - b) <= l_atol + l_rtol * abs(b)
+                              for a, b in zip(losses, ref_losses, strict=True))
+        f["params_match"] = all(torch.allclose(state[k].to(ctx.device), v, rtol=p_rtol, atol=p_atol)
+                                for k, v in ref_state.items())
+        f["state_dict_devices"] = sorted({str(v.device) for v in state.values()})
+        f["syncs_per_step"] = syncs
+        del prog, step
+        f["wait"] = _wait_blocking(ctx)
+        problems = [what for what, bad in (
+            ("parameters not on the rank's device", not f["params_on_device"]),
+            ("losses differ from eager", not f["loss_match"]), ("parameters differ from eager", not f["params_match"]),
+            ("the wait blocked the host", f["wait"]["wait_blocked_host"])) if bad]
+        if max(syncs[1:] or syncs) > 1:
+            f["finding"] = f"{max(syncs)} host-device syncs in a step (1 expected: the step's loss)"
+        f["headline"] = (f"{f['backend']}: CPU-built model on {devices}, syncs/step {syncs}, wait held the host "
+                         f"{f['wait']['wait_host_ms']:.1f} of {f['wait']['device_done_ms']:.1f} ms"
+                         + (f"; {', '.join(problems)}" if problems else ", matches eager"))
+        if problems:
+            raise AssertionError(f["headline"])
+        return f
+    finally:
+        dist.destroy_process_group()
+
+
 def _load_kernel_bench() -> Any:
     # by path: a package called `kernels` may be installed, and bench/ is not a package
     spec = importlib.util.spec_from_file_location("autopar_bench_kernels", BENCH / "kernels.py")
@@ -555,7 +680,8 @@ def section_gpt_capped(ctx: Context) -> dict:
 
 
 SECTION_FNS: dict[str, Callable[[Context], dict]] = {
-    "env": section_env, "nccl_program": section_nccl_program, "kernels": section_kernels,
+    "env": section_env, "nccl_program": section_nccl_program, "nccl_ready": section_nccl_ready,
+    "kernels": section_kernels,
     "calibrate": section_calibrate, "gpt_1gpu": section_gpt_1gpu, "gpt_capped": section_gpt_capped,
 }
 

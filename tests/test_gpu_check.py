@@ -165,6 +165,12 @@ def test_cpu_pipeline_runs_every_section(gpu_check, tmp_path):
     assert prog["backend"] == "gloo" and prog["match"] and prog["loss_falling"]
     assert prog["auto"]["max_loss_diff"] <= 1e-5 and len(prog["auto"]["losses"]) == gpu_check.SMALL_STEPS
 
+    ready = rows["nccl_ready"]["figures"]  # a CPU-built model on the rank's device, equal to eager
+    assert rows["nccl_ready"]["status"] == "ok" and ready["backend"] == "gloo"
+    assert ready["params_on_device"] and ready["loss_match"] and ready["params_match"]
+    assert ready["state_dict_devices"] == ["cpu"] and len(ready["syncs_per_step"]) == gpu_check.SMALL_STEPS
+    assert max(ready["syncs_per_step"]) <= 1 and ready["wait"]["wait_blocked_host"] is False
+
     for name in ("gpt_1gpu", "gpt_capped"):
         f = rows[name]["figures"]
         assert rows[name]["status"] == "ok"
