@@ -471,11 +471,11 @@ def process_groups(layout: Layout, holders: dict[str, tuple[Group, ...]]) -> tup
 def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int,
                       rank: int) -> tuple[Group, ...]:
     """The rank sets of the NCCL communicators `rank` creates: the world's (the loss all-reduce spans it),
-    each of `groups` holding it other than the world (runtime/dist.py `Groups`), and one 2-rank communicator
-    per peer it sends activations or gradients to or receives them from (torch.distributed keys point-to-point
-    communicators by rank pair). `pipelines`: per pipeline, the rank group of each stage in order, interleaved
-    chunks included; peers as runtime/program.py's `_peer` / `_peers` pick them (the same tensor-parallel
-    index, modulo the other stage's degree)."""
+    each of `groups` holding it other than the world (runtime/dist.py `Groups`), and one pair per peer it sends
+    activations or gradients to or receives them from: the batched transfers run on the world's communicator,
+    where NCCL still connects each peer with buffers of its own (cost_models/memory.py). `pipelines`: per
+    pipeline, the rank group of each stage in order, interleaved chunks included; peers as
+    `PipelineLayout.peers` picks them (the same tensor-parallel index, modulo the other stage's degree)."""
     if world <= 1:
         return ()
     out = {tuple(range(world))} | {tuple(sorted(g)) for g in groups if rank in g and 1 < len(g) < world}

@@ -51,10 +51,13 @@ not counted in the predicted peak (which stays comparable to the allocator's `ma
   over `NCCL_CHANNELS` = 8 channels, an estimate: the channel count is NCCL's topology search's
   (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS; many more on NVSwitch boards, fewer over PCIe or Ethernet),
   so 192 MiB a communicator is a middle figure, not a bound (measured 544-688 MB for one process group on
-  4x A100 with NVLink, NVIDIA/nccl#964). A process creates one communicator per process group it joins
-  and one per peer it sends to or receives from (torch.distributed's point-to-point communicators are
-  2-rank ones keyed by the pair); lowering.communicator_sets counts them for a plan as the runtime makes
-  them: the world, the tensor-parallel and data-parallel groups, the pipeline neighbours.
+  4x A100 with NVLink, NVIDIA/nccl#964). A process creates one communicator per process group it joins.
+  Pipeline transfers go through `batch_isend_irecv` on the world group, which NCCL runs on the world's
+  communicator (batched point-to-point ops use the group's communicator, single ones a 2-rank one per
+  pair: pytorch/pytorch#160342), but NCCL still connects each point-to-point peer with buffers of its own
+  (lazily, on first use), so each peer is counted as one more buffer set of the same size;
+  lowering.communicator_sets counts them for a plan as the runtime makes them: the world, the
+  tensor-parallel and data-parallel groups, the pipeline neighbours. Not measured on a GPU yet.
 The caching allocator's fragmentation is not modelled separately: `memory_reserve` (default 10%) is the
 margin for it.
 """
