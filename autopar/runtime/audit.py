@@ -41,6 +41,7 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 _HERE = str(Path(__file__).resolve())
 COMM_NAMESPACES = ("c10d", "_c10d_functional")
 _HOST_READS = {"_local_scalar_dense"}
+_STAGING = str(Path(__file__).resolve().with_name("dist.py"))
 
 
 @dataclass
@@ -107,10 +108,11 @@ class DeviceReport:
 
 
 def _site() -> str:
-    """The innermost autopar line (outside this module) on the stack, else the innermost caller's."""
+    """The innermost autopar line (outside this module and dist.py's wrappers and host staging) on the stack,
+    else the innermost caller's."""
     frames = traceback.extract_stack()[:-2]
     for f in reversed(frames):
-        if f.filename.startswith(_PACKAGE) and f.filename != _HERE:
+        if f.filename.startswith(_PACKAGE) and f.filename not in (_HERE, _STAGING):
             return f"{Path(f.filename).relative_to(Path(_PACKAGE).parent)}:{f.lineno} ({f.name})"
     f = frames[-1]
     return f"{f.filename}:{f.lineno} ({f.name})"
@@ -148,7 +150,6 @@ class _Recorder(TorchDispatchMode):
 
 
 _P2P = ("send", "recv_")
-_STAGING = str(Path(__file__).resolve().with_name("dist.py"))
 
 
 def _staging() -> bool:
