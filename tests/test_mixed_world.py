@@ -117,3 +117,23 @@ def test_the_rule() -> None:
     check_one_device_kind({"stage 0": [0, 1]}, mixed)
     with pytest.raises(Exception, match=r"stage 1 spans ranks \[1, 2\].*ranks \[2\] compute on the CPU"):
         check_one_device_kind({"stage 1": [1, 2]}, mixed)
+
+
+def test_the_planner_never_groups_cpu_and_accelerators_for_tensor_parallelism() -> None:
+    """What compile refuses (`check_one_device_kind`) the planner cannot choose: its tensor-parallel groups are
+    consecutive devices of one node (solver/configs.py `tp_units`, `mixed_tp_layouts`), and a cluster file gives
+    each node one device type, so every group is of one kind, a cpu node's included."""
+    from types import SimpleNamespace
+
+    from autopar.cluster import Cluster
+    from autopar.runtime.devices import computes_on_cpu
+    from autopar.solver.configs import mixed_tp_layouts, tp_units
+
+    cluster = Cluster.load("1x2xA100-80GB+1x2xcpu")
+    cm = SimpleNamespace(cluster=cluster, B=8, L=6, expert_parallel=SimpleNamespace(degree=1))
+    groups = [u for t in (1, 2) for u in tp_units(cm, t)]
+    mixed = mixed_tp_layouts(cm)
+    assert mixed, "no per-type tensor-parallel layouts to check"
+    groups += [u for _, _, pipes in mixed for pipe in pipes for u in pipe]
+    for g in groups:
+        assert len({computes_on_cpu(cluster.devices[r].spec) for r in g}) == 1, g
