@@ -9,8 +9,9 @@ p2p, object collectives and the functional collectives DTensor runs): the c10d a
 A tensor that is not on the device the mixed-world rule gives its group (devices.CommDevices: the rank's
 device, or the CPU for a group or pair that includes a rank computing on the CPU) is a finding, named with its
 op, device, shape and the autopar line that handed it over. Staging an accelerator rank's tensor through the
-host reads a meta tensor: the audit hands the collective zeros of its shape (values are not its concern). The model and inputs may stay on the CPU: the audit passes only if the program
-itself moves parameters, buffers, inputs, targets and messages to the rank's device.
+host reads a meta tensor: the audit hands the collective zeros of its shape (values are not its concern).
+The model and inputs may stay on the CPU: the audit passes only if the program itself moves parameters,
+buffers, inputs, targets and messages to the rank's device.
 
 Reading a meta tensor's value on the host (`float(loss)`, `.item()`) cannot run on meta: the audit returns 0
 for it and lists the site in `report.host_reads` (not a device finding; a host-sync audit judges those).

@@ -34,8 +34,7 @@ from ..passes.capture import LossFn, capture
 from ..schedule import MEMORY_OF, Action
 from ..schedule_nccl import TRANSFER_KINDS
 from .devices import CommDevices, check_one_device_kind, move_to, plan_rank_device
-from .dist import (DEFAULT_TIMEOUT_S, Groups, PeerLostError, batch_p2p, message_bytes, on_comm_device, pack, unpack,
-                   wait)
+from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, batch_p2p, message_bytes, on_comm_device, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_groups, expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
@@ -487,8 +486,9 @@ class Program:
               ) -> tuple[dict[Any, PendingRecv], list[tuple[Any, Any, list[torch.Tensor]]]]:
         """Issue a batch of transfer actions (`RankProgram.steps`) with one `batch_isend_irecv` per comm device
         (`dist.batch_p2p`: pairs of accelerator ranks on the device, pairs with a rank computing on the CPU on the
-        host), so NCCL progresses the device ones together (schedule_nccl.py); peers as the lowering resolves them (`PipelineLayout.peers`). Matching
-        is by order, as on NCCL: every message has tag 0, so gloo matches them in order as well.
+        host), so NCCL progresses the device ones together (schedule_nccl.py); peers as the lowering resolves
+        them (`PipelineLayout.peers`). Matching is by order, as on NCCL: every message has tag 0, so gloo
+        matches them in order as well.
         `outgoing(a)`: a send's values and compression; `incoming(a)`: a receive's stage, value names, what
         for messages, whether it needs grad, compression. Returns the receives (wait with `take`) and the
         (work, peer, buffers) to wait for at the end."""

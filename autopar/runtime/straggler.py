@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..cluster import Cluster
 from ..errors import AutoparError
 from ..plan import Plan
-from .dist import on_comm_device, wait
+from .dist import wait
 from .reroute import proportional, simulated, with_shares
 
 SLOWDOWN_ENV = "AUTOPAR_EMULATE_SLOWDOWN"
