@@ -193,12 +193,12 @@ class StagedWork:
         return self.works[0].get_future()
 
 
-def on_comm_device(op: Callable[..., Any], comm: torch.device, *args: Any, **kwargs: Any) -> Any:
-    """`op(*args, **kwargs)` (a torch.distributed call with async_op=True) with every tensor argument (inside
+def on_comm_device(fn: Callable[..., Any], comm: torch.device, /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a torch.distributed call with async_op=True) with every tensor argument (inside
     lists too) on `comm`, the group's comm device (devices.CommDevices: the CPU when the group includes a rank
     computing on the CPU). A tensor elsewhere (an accelerator rank's) is copied to `comm` first and the
     returned `StagedWork` copies the results back into it when waited, so the caller's tensors end as if the
-    collective had run on them; without such a tensor this is `op` itself. Numerics are unchanged."""
+    collective had run on them; without such a tensor this is `fn` itself. Numerics are unchanged."""
     back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def stage(t: Any) -> Any:
@@ -209,7 +209,7 @@ def on_comm_device(op: Callable[..., Any], comm: torch.device, *args: Any, **kwa
         return host
 
     args, kwargs = torch.utils._pytree.tree_map(stage, (args, kwargs))
-    work = op(*args, **kwargs)
+    work = fn(*args, **kwargs)
     if not back:
         return work
     return StagedWork([work] if work is not None else [], back)
