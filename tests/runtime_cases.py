@@ -49,13 +49,14 @@ def plan_for(graph: Any, world: int, spec: dict) -> Plan:
     compress; "m": micro-batches per replica, at most its share, sizes as even as possible), or explicit
     replicas (`"pipelines": [{"batch": n, "m": k, "stages": [(blocks, ranks), ...]}]`: the first stage also
     takes the layers before the blocks, the last those after); "ep": expert-parallel degree, "sharding": an
-    ILP-style `Stage.sharding` on every stage; "precision": the plan's (default fp32). The program then lowers
+    ILP-style `Stage.sharding` on every stage; "precision": the plan's (default fp32); "cluster": the plan's cluster
+(default 1x{world}xcpu). The program then lowers
     it (`autopar.lowering.lower`)."""
     batch = graph.batch_size
     n_layers = len(graph.layers)
     blocks = sum(1 for layer in graph.layers if layer.kind == "block")
     fields = dict(precision=spec.get("precision", "fp32"), optimizer="adamw",
-                  cluster=Cluster.load(f"1x{world}xcpu").to_dict(),
+                  cluster=Cluster.load(spec.get("cluster", f"1x{world}xcpu")).to_dict(),
                   model={"num_layers": n_layers})
     if "pipelines" in spec:
         pipes = []

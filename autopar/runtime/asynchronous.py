@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from .dist import wait
+from .dist import on_comm_device, wait
 from .elastic import naming_lost_ranks
 from .program import Program
 
@@ -221,7 +221,8 @@ class AsyncProgram(Program):
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         loss += local
         if self._loss_group is not None:
-            wait(dist.all_reduce(loss, group=self._loss_group, async_op=True), f"loss all-reduce of wave {c + 1}",
+            work = on_comm_device(dist.all_reduce, self.comm.world, loss, group=self._loss_group, async_op=True)
+            wait(work, f"loss all-reduce of wave {c + 1}",
                  "in its group", self.timeout_s, self._loss_group, loss.device)
         return float(loss)
 

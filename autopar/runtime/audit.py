@@ -6,15 +6,20 @@ device, without peers) with the meta device standing in for the rank's accelerat
 keeps the CPU), runs `steps` training steps, and records every tensor handed to a collective or transfer.
 A TorchDispatchMode sees them all, whoever calls them (torch.distributed's collectives and p2p, batched
 p2p, object collectives and the functional collectives DTensor runs): the c10d and _c10d_functional ops.
-A tensor that is not on the rank's device is a finding, named with its op, device, shape and the autopar
-line that handed it over. The model and inputs may stay on the CPU: the audit passes only if the program
-itself moves parameters, buffers, inputs, targets and messages to the rank's device.
+A tensor that is not on the device the mixed-world rule gives its group (devices.CommDevices: the rank's
+device, or the CPU for a group or pair that includes a rank computing on the CPU) is a finding, named with its
+op, device, shape and the autopar line that handed it over. Staging an accelerator rank's tensor through the
+host reads a meta tensor: the audit hands the collective zeros of its shape (values are not its concern).
+The model and inputs may stay on the CPU: the audit passes only if the program itself moves parameters,
+buffers, inputs, targets and messages to the rank's device.
 
 Reading a meta tensor's value on the host (`float(loss)`, `.item()`) cannot run on meta: the audit returns 0
 for it and lists the site in `report.host_reads` (not a device finding; a host-sync audit judges those).
-Collectives are also listed per rank in `report.calls`, with the device type each rank used
-(`report.backend_mismatches`: the same collective of a group handed to different backends on different
-ranks, which hangs under "cpu:gloo,cuda:nccl" where a group mixes `cpu` and accelerator ranks).
+Collectives are also listed per rank in `report.calls`, with the device type each rank used and the group's
+ranks. `report.backend_mismatches` (a failure): the n-th collective of one group handed tensors of different
+device types by its ranks, or a send whose tensor's device type differs from its matching receive's (the n-th
+send from a to b is matched with b's n-th receive from a) -- either hangs under "cpu:gloo,cuda:nccl", where
+torch picks the backend by the tensors' device.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import AutoparError
-from .devices import computes_on_cpu
+from .devices import CommDevices, computes_on_cpu
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _HERE = str(Path(__file__).resolve())
 COMM_NAMESPACES = ("c10d", "_c10d_functional")
 _HOST_READS = {"_local_scalar_dense"}
+_STAGING = str(Path(__file__).resolve().with_name("dist.py"))
 
 
 @dataclass
@@ -50,6 +56,9 @@ class CommCall:
     dtype: str
     site: str
     index: int  # this rank's n-th communication op
+    ranks: tuple[int, ...] = ()  # the group's global ranks (() when unknown)
+    peer: int | None = None  # a transfer's other end (global rank)
+    expected: str = ""  # the device type the mixed-world rule gives this group or pair
 
     def describe(self) -> str:
         return (f"rank {self.rank}: {self.op} got a {self.dtype}{list(self.shape)} tensor on {self.device} at "
@@ -71,7 +80,7 @@ class DeviceReport:
 
     @property
     def ok(self) -> bool:
-        return not self.wrong and not self.errors and not self.wrong_meshes
+        return not self.wrong and not self.errors and not self.wrong_meshes and not self.backend_mismatches
 
     @property
     def wrong_meshes(self) -> list[int]:
@@ -81,7 +90,8 @@ class DeviceReport:
     def text(self) -> str:
         lines = [f"device audit of {len(self.devices)} rank(s): {len(self.calls)} tensors handed to communication, "
                  f"{len(self.wrong)} on the wrong device"]
-        lines += ["  " + c.describe() + f" (the rank computes on {self.devices[c.rank]})" for c in self.wrong]
+        lines += ["  " + c.describe() + f" (the rank computes on {self.devices[c.rank]}; its group {list(c.ranks)} "
+                  f"communicates on {c.expected})" for c in self.wrong]
         lines += [f"  rank {r} failed: {e}" for r, e in self.errors.items()]
         lines += [f"  rank {r}: its DeviceMesh is {self.meshes[r]!r} but the rank computes on {self.devices[r]}"
                   for r in self.wrong_meshes]
@@ -94,41 +104,81 @@ class DeviceReport:
     def check(self) -> None:
         """Raise an AutoparError listing the findings unless the audit passed."""
         if not self.ok:
-            raise AutoparError(self.text() + "\nMove these tensors to the rank's device (runtime/devices.py).")
+            raise AutoparError(self.text() + "\nMove these tensors to their group's comm device "
+                               "(runtime/devices.py: CommDevices, dist.on_comm_device).")
 
 
 def _site() -> str:
-    """The innermost autopar line (outside this module) on the stack, else the innermost caller's."""
+    """The innermost autopar line (outside this module and dist.py's wrappers and host staging) on the stack,
+    else the innermost caller's."""
     frames = traceback.extract_stack()[:-2]
     for f in reversed(frames):
-        if f.filename.startswith(_PACKAGE) and f.filename != _HERE:
+        if f.filename.startswith(_PACKAGE) and f.filename not in (_HERE, _STAGING):
             return f"{Path(f.filename).relative_to(Path(_PACKAGE).parent)}:{f.lineno} ({f.name})"
     f = frames[-1]
     return f"{f.filename}:{f.lineno} ({f.name})"
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, rank: int, device: torch.device, report: DeviceReport) -> None:
+    def __init__(self, rank: int, device: torch.device, report: DeviceReport, comm: CommDevices) -> None:
         super().__init__()
-        self.rank, self.device, self.report, self.count = rank, device, report, 0
+        self.rank, self.device, self.report, self.comm, self.count = rank, device, report, comm, 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
         if func.namespace in COMM_NAMESPACES:
             site = _site()
+            ranks, peer = _group_and_peer(name, args, self.rank)
+            expected = self.comm.of((self.rank, peer) if peer is not None else (ranks or None)).type
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
-                    call = CommCall(self.rank, str(func.overloadpacket.__name__), str(t.device), tuple(t.shape),
-                                    str(t.dtype).removeprefix("torch."), site, self.count)
+                    call = CommCall(self.rank, str(name), str(t.device), tuple(t.shape),
+                                    str(t.dtype).removeprefix("torch."), site, self.count, ranks, peer, expected)
                     self.report.calls.append(call)
-                    if t.device.type != self.device.type:
+                    if t.device.type != expected:
                         self.report.wrong.append(call)
             self.count += 1
-        elif func.overloadpacket.__name__ in _HOST_READS and args and args[0].device.type == "meta":
+        elif name in _HOST_READS and args and args[0].device.type == "meta":
             self.report.host_reads.append((self.rank, _site()))
             t = args[0]
             return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        elif name == "_to_copy" and args and args[0].device.type == "meta" and \
+                torch.device(kwargs.get("device") or "meta").type == "cpu" and _staging():
+            t = args[0]
+            return torch.zeros(t.shape, dtype=kwargs.get("dtype") or t.dtype, device="cpu")
         return func(*args, **kwargs)
+
+
+_P2P = ("send", "recv_")
+
+
+def _staging() -> bool:
+    """Whether the running copy is dist.py's host staging (`on_comm_device`, `batch_p2p`), the one host copy of
+    a meta tensor the audit stands in for."""
+    return any(f.filename == _STAGING for f in traceback.extract_stack(limit=12))
+
+
+def _group_and_peer(op: str, args: tuple, rank: int) -> tuple[tuple[int, ...], int | None]:
+    """The global ranks of a c10d op's process group (its ScriptObject argument, or a functional collective's
+    group name), and a send's or receive's peer as a global rank."""
+    ranks: tuple[int, ...] = ()
+    for a in args:
+        try:
+            if isinstance(a, torch.ScriptObject):
+                pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+            elif isinstance(a, str):
+                pg = dist.distributed_c10d._resolve_process_group(a)
+            else:
+                continue
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            break
+        except (RuntimeError, ValueError, KeyError, TypeError):
+            continue
+    peer = None
+    if op in _P2P and len(args) > 2 and isinstance(args[2], int):
+        peer = ranks[args[2]] if ranks and args[2] < len(ranks) else args[2]
+    return ranks, peer
 
 
 def audit_devices(model: nn.Module, plan: Any, example_inputs: tuple, example_target: Any = None,
@@ -181,7 +231,7 @@ def _audit_rank(model: nn.Module, plan: Any, inputs: tuple, example_target: Any,
     report.devices[rank] = str(device)
     dist.init_process_group("cpu:fake,meta:fake", store=fake_store(), rank=rank, world_size=world)
     try:
-        with _Recorder(rank, device, report):
+        with _Recorder(rank, device, report, CommDevices.of_cluster(cluster, device)):
             prog = Program(model, plan, inputs, example_target, loss_fn, optimizer, rank, world,
                            kernels=kernels, graph=graph, device=device)
             if prog.tp is not None:
@@ -204,16 +254,45 @@ def _error_site(e: BaseException) -> str:
 
 
 def _mismatches(report: DeviceReport) -> list[str]:
-    """Collectives at the same site whose ranks used different device types (so different backends)."""
-    by_site: dict[tuple[str, str], set[tuple[int, str]]] = {}
+    """Where the ranks of one collective, or the two ends of one transfer, used different device types (so
+    different backends): the n-th collective of a group on each of its ranks is one collective; the n-th send
+    from a to b is b's n-th receive from a."""
+    kinds: dict[tuple[int, int], set[str]] = {}  # (rank, op index) -> device types of its tensors
+    first: dict[tuple[int, int], CommCall] = {}
     for c in report.calls:
-        by_site.setdefault((c.op, c.site), set()).add((c.rank, c.device.split(":")[0]))
+        kinds.setdefault((c.rank, c.index), set()).add(c.device.split(":")[0])
+        first.setdefault((c.rank, c.index), c)
+    seq: dict[tuple, int] = {}
+    collectives: dict[tuple, list[tuple[CommCall, set[str]]]] = {}
+    transfers: dict[tuple, list[tuple[CommCall, set[str]]]] = {}
+    for key in sorted(first):
+        c = first[key]
+        if c.op in _P2P and c.peer is not None:
+            pair = (c.rank, c.peer) if c.op == "send" else (c.peer, c.rank)
+            k = (c.op, c.rank, pair)
+        elif c.op in _P2P or c.op == "recv_any_source_" or not c.ranks:
+            continue
+        else:
+            k = ("collective", c.rank, c.ranks)
+        n = seq[k] = seq.get(k, -1) + 1
+        if c.op in _P2P:
+            transfers.setdefault((pair, n), []).append((c, kinds[key]))
+        else:
+            collectives.setdefault((c.ranks, n), []).append((c, kinds[key]))
     out = []
-    for (op, site), used in sorted(by_site.items()):
-        kinds = {k for _, k in used}
-        if len(kinds) > 1 and op not in ("send", "recv_", "recv_any_source_"):
-            ranks = {k: sorted(r for r, kk in used if kk == k) for k in sorted(kinds)}
-            out.append(f"{op} at {site}: device types differ across ranks {ranks} (one collective, two backends)")
+    for (ranks, n), members in sorted(collectives.items()):
+        used = {k for _, ks in members for k in ks}
+        if len(used) > 1:
+            by_rank = {c.rank: sorted(ks) for c, ks in members}
+            sites = sorted({f"{c.op} at {c.site}" for c, _ in members})
+            out.append(f"collective {n + 1} of group {list(ranks)} ({'; '.join(sites)}): device types differ across "
+                       f"its ranks {by_rank} (one collective, two backends)")
+    for ((src, dst), n), ends in sorted(transfers.items()):
+        used = {k for _, ks in ends for k in ks}
+        if len(used) > 1:
+            sides = "; ".join(f"rank {c.rank} {c.op} on {sorted(ks)} at {c.site}" for c, ks in ends)
+            out.append(f"transfer {n + 1} from rank {src} to rank {dst}: the ends use different device types "
+                       f"({sides}; one transfer, two backends)")
     return out
 
 

@@ -11,6 +11,17 @@ the CUDA device is set before the group exists and passed as `device_id`, so NCC
 eagerly at setup rather than lazily inside step 1 (racing the timeout while other ranks wait); the backend
 is "cpu:gloo,cuda:nccl" where CUDA exists, so CPU ranks and CPU tensors go to gloo and CUDA tensors to NCCL.
 
+The mixed-world rule (`group_comm_device`, `CommDevices`): under "cpu:gloo,cuda:nccl" torch picks a
+collective's backend by its tensors' device, so every rank of one group (or both ends of one transfer) must hand
+it tensors of one device type. A group or pair that includes a rank computing on the CPU therefore communicates
+with CPU tensors (gloo), accelerator ranks staging theirs through the host (`dist.on_comm_device`); groups of
+accelerator ranks only communicate on the device (NCCL). Tensor-parallel and expert-parallel groups cannot
+stage (DTensor and the expert all-to-all run inside the stage's compute), so one spanning both kinds is refused
+(`check_one_device_kind`). Pricing: a cluster file gives each node one device type, so a cpu device and a GPU
+are always on different nodes and the cost model prices their link as the network between those nodes
+(`Cluster.link`); the staging copies (host<->device, usually faster than that network) are not priced
+separately, and they are transient: one message or bucket at a time, small beside the stage's memory.
+
 `check_rank_gpu` compares this rank's GPU with the catalog type the cluster file gives its device, before
 any collective (`autopar run` checks the GPU count of a node before it starts the workers).
 """
@@ -20,13 +31,13 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import AutoparError
+from ..errors import AutoparError, PlanError
 
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 
@@ -76,13 +87,64 @@ def launch_device(cluster: Any, env: dict[str, str] | None = None, cuda_availabl
     return rank_device(spec, int(env.get("LOCAL_RANK", "0")), cuda)
 
 
-def world_comm_device(cluster: Any, device: torch.device) -> torch.device:
-    """Where world-group object collectives (the plan broadcast) put their tensors: the rank's device when
-    every device of `cluster` is an accelerator, else the CPU, since every rank must hand the same backend
-    the same collective and a `cpu` device's rank can only use gloo ("cpu:gloo,cuda:nccl")."""
-    if any(computes_on_cpu(d.spec) for d in cluster.devices):
+def group_comm_device(ranks: Iterable[int], device: torch.device, cluster: Any) -> torch.device:
+    """Where a rank computing on `device` puts the tensors it hands a collective of `ranks` (or a transfer
+    between the two ranks of a pair) of `cluster`: the CPU when any of them computes on the CPU (gloo is the
+    only backend every member can reach), else `device` (module docstring: the mixed-world rule)."""
+    if any(computes_on_cpu(cluster.devices[r].spec) for r in ranks):
         return torch.device("cpu")
     return device
+
+
+def world_comm_device(cluster: Any, device: torch.device) -> torch.device:
+    """Where world-group collectives (the plan broadcast, the loss all-reduce) put their tensors:
+    `group_comm_device` of every device of `cluster`."""
+    return group_comm_device(range(cluster.world_size), device, cluster)
+
+
+class CommDevices:
+    """`group_comm_device` for one rank of one plan, built once per Program: `of(ranks)` is the device its
+    tensors for a collective of `ranks` (a transfer's pair) must be on; `world` that of the world group."""
+
+    def __init__(self, cpu_ranks: Iterable[int], device: torch.device, world_size: int) -> None:
+        self.cpu_ranks = frozenset(cpu_ranks)
+        self.device = torch.device(device)
+        self.world_size = world_size
+
+    @classmethod
+    def of_cluster(cls, cluster: Any, device: torch.device) -> CommDevices:
+        return cls((d.index for d in cluster.devices if computes_on_cpu(d.spec)), device, cluster.world_size)
+
+    @classmethod
+    def of_plan(cls, plan: Any, device: torch.device) -> CommDevices:
+        from ..cluster import Cluster
+
+        return cls.of_cluster(Cluster.load(plan.cluster), device)
+
+    def of(self, ranks: Iterable[int] | None) -> torch.device:
+        """The comm device of a group of `ranks` (None: the world)."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return torch.device("cpu") if any(r in self.cpu_ranks for r in ranks) else self.device
+
+    @property
+    def world(self) -> torch.device:
+        return self.of(None)
+
+
+def check_one_device_kind(groups: Mapping[str, Iterable[int]], cluster: Any) -> None:
+    """PlanError unless every group of `groups` (what it is, e.g. "stage 1's tensor-parallel group" -> its
+    ranks) has only `cpu` devices or only accelerators: a DeviceMesh, and the expert all-to-all, communicate
+    inside the stage's compute on one backend, which cannot reach both kinds (the mixed-world rule)."""
+    for what, ranks in groups.items():
+        ranks = list(ranks)
+        kinds = {r: cluster.devices[r].spec.name for r in ranks}
+        cpu = [r for r in ranks if computes_on_cpu(cluster.devices[r].spec)]
+        if cpu and len(cpu) < len(ranks):
+            raise PlanError(
+                f"{what} spans ranks {ranks} of device types {kinds}: ranks {cpu} compute on the CPU (gloo) and "
+                f"the others on accelerators (NCCL), and one group cannot use both backends. Keep tensor and "
+                f"expert parallelism within one device kind: lower tp (or ep) in `Strategy(tp=...)` so that each "
+                f"group holds devices of one kind, or plan again (`autopar.plan` never groups them so).")
 
 
 def backend_for(cuda_available: bool, forced: str | None = None) -> str:
@@ -171,5 +233,6 @@ def move_to(x: Any, device: torch.device) -> Any:
 
 
 __all__ = ["DeviceMismatchError", "MIXED_BACKEND", "backend_for", "check_rank_gpu", "comm_device",
-           "computes_on_cpu", "init_process_group", "launch_device", "local_rank", "move_to", "plan_rank_device",
+           "CommDevices", "check_one_device_kind", "computes_on_cpu", "group_comm_device",
+           "init_process_group", "launch_device", "local_rank", "move_to", "plan_rank_device",
            "rank_device", "set_local_device", "warn_device_order", "world_comm_device"]

@@ -7,7 +7,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,9 @@ def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT
     On a stream-ordered backend (NCCL, `stream_ordered`) this does not block the host: the current stream
     waits for the operation, so later kernels see its result and the host runs ahead. Host code that needs
     the value itself reads it (`.item()`, `.cpu()`), which synchronizes then: that read is the explicit
-    host sync. On gloo the host waits, at most `timeout_s`."""
+    host sync. On gloo the host waits, at most `timeout_s`. A `StagedWork` (host copies) is waited on the host."""
+    if isinstance(work, StagedWork):
+        device = work.device
     if stream_ordered(group, device):
         # torch 2.13, Work.wait's docstring (torch/csrc/distributed/c10d/init.cpp): "calling wait() is the
         # same as calling synchronize(): letting the current stream block on the completion of the NCCL
@@ -161,18 +164,111 @@ def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT
         raise PeerLostError(f"{what} timed out after {timeout_s:.0f} s waiting for rank {peer}.")
 
 
+class StagedWork:
+    """The Work of a collective or transfer run on host copies of device tensors (`on_comm_device`): waiting it
+    completes the inner work(s), then copies the host results back into the device tensors. It runs on gloo,
+    so `wait` always waits it on the host, with its timeout."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, works: list[Any], back: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.works, self.back = works, back
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        ok = True
+        for work in self.works:
+            ok = (work.wait() if timeout is None else work.wait(timeout)) is not False and ok
+        if ok:
+            for device_t, host_t in self.back:
+                device_t.copy_(host_t)
+            self.back = []
+        return ok
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> Any:
+        if len(self.works) != 1:
+            raise RuntimeError("a staged batch has no single future")
+        return self.works[0].get_future()
+
+
+def on_comm_device(fn: Callable[..., Any], comm: torch.device, /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a torch.distributed call with async_op=True) with every tensor argument (inside
+    lists too) on `comm`, the group's comm device (devices.CommDevices: the CPU when the group includes a rank
+    computing on the CPU). A tensor elsewhere (an accelerator rank's) is copied to `comm` first and the
+    returned `StagedWork` copies the results back into it when waited, so the caller's tensors end as if the
+    collective had run on them; without such a tensor this is `fn` itself. Numerics are unchanged."""
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def stage(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.device == comm:
+            return t
+        host = t.detach().to(comm)  # blocking: the collective reads the host copy on gloo's threads
+        back.append((t, host))
+        return host
+
+    args, kwargs = torch.utils._pytree.tree_map(stage, (args, kwargs))
+    work = fn(*args, **kwargs)
+    if not back:
+        return work
+    return StagedWork([work] if work is not None else [], back)
+
+
+def batch_p2p(ops: list[tuple[bool, torch.Tensor, int]], comms: list[torch.device]
+              ) -> tuple[list[list[Any]], list[tuple[Any, int | str, list[torch.Tensor]]]]:
+    """Post transfers (is_send, tensor, peer) with one `batch_isend_irecv` per comm device (`comms[k]`, op k's:
+    its pair's, devices.CommDevices), so NCCL's batch holds device tensors only and gloo's host ones; each
+    peer's transfers keep their order (a pair has one comm device). gloo transfers are host-asynchronous, so
+    posting the batches one after the other cannot deadlock. A tensor not on its comm device travels through
+    a host copy (`on_comm_device`: a receive's is copied back when waited). Returns, per op, the works to
+    wait for it, and the (work, peer, buffers) to wait for at the end of the step (sends; every work of a
+    coalesced NCCL batch)."""
+    per_op: list[list[Any]] = [[] for _ in ops]
+    sent: list[tuple[Any, int | str, list[torch.Tensor]]] = []
+    for comm in dict.fromkeys(comms):
+        idx = [k for k, c in enumerate(comms) if c == comm]
+        wires, backs = [], []
+        for k in idx:
+            is_send, t, _ = ops[k]
+            if t.device == comm:
+                wires.append(t)
+                backs.append(None)
+            else:
+                wires.append(t.detach().to(comm) if is_send else torch.empty(t.shape, dtype=t.dtype, device=comm))
+                backs.append(None if is_send else (t, wires[-1]))
+        p2p = [dist.P2POp(dist.isend if ops[k][0] else dist.irecv, w, ops[k][2], tag=0)
+               for k, w in zip(idx, wires, strict=True)]
+        works = dist.batch_isend_irecv(p2p)
+        one_each = len(works) == len(p2p)  # gloo: one work per op; NCCL: one for the coalesced batch
+        everyone = ", ".join(str(p) for p in sorted({ops[k][2] for k in idx}))
+        for j, k in enumerate(idx):
+            mine = [works[j]] if one_each else list(works)
+            per_op[k] = [StagedWork(mine, [backs[j]])] if backs[j] is not None else mine
+        # a gloo receive's work is waited once, by its receiver (a second wait blocks)
+        sent += [(w, ops[idx[j]][2] if one_each else everyone, wires) for j, w in enumerate(works)
+                 if not one_each or ops[idx[j]][0]]
+    return per_op, sent
+
+
 def all_reduce(
-    t: torch.Tensor, group: object | None, what: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    t: torch.Tensor, group: object | None, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+    comm: torch.device | None = None
 ) -> None:
+    """All-reduce `t` over `group` on its comm device `comm` (None: `t`'s own; see `on_comm_device`)."""
     if group is None:
         return
-    wait(dist.all_reduce(t, group=group, async_op=True), what, "in its group", timeout_s, group, t.device)
+    work = on_comm_device(dist.all_reduce, comm or t.device, t, group=group, async_op=True)
+    wait(work, what, "in its group", timeout_s, group, t.device)
 
 
-def broadcast(t: torch.Tensor, src: int, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def broadcast(t: torch.Tensor, src: int, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+              comm: torch.device | None = None) -> None:
+    """Broadcast `t` from `src` over the world on its comm device `comm` (None: `t`'s own)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    wait(dist.broadcast(t, src=src, async_op=True), what, src, timeout_s, device=t.device)
+    wait(on_comm_device(dist.broadcast, comm or t.device, t, src=src, async_op=True), what, src, timeout_s,
+         device=t.device)
 
 
 def _first_line(e: BaseException) -> str:

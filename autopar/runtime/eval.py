@@ -44,7 +44,7 @@ def eval_step(prog: Program, inputs: tuple) -> Any:
             prog.zero.release()
         sources = [p.stages[-1].ranks[0] for p in sorted(prog.layout.pipelines, key=lambda p: p.batch_offset)]
         mine = local if prog.rank in sources else None
-        out = concat_from(mine, sources, prog.world_size, prog.timeout_s, prog.device)
+        out = concat_from(mine, sources, prog.world_size, prog.timeout_s, prog.device, prog.comm.world)
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -69,10 +69,12 @@ def _forward(prog: Program, inputs: tuple) -> list[torch.Tensor] | None:
 
 
 def concat_from(local: list[torch.Tensor] | None, sources: list[int], world_size: int,
-                timeout_s: float, device: torch.device | None = None) -> list[torch.Tensor]:
+                timeout_s: float, device: torch.device | None = None, comm: torch.device | None = None
+                ) -> list[torch.Tensor]:
     """Every rank gets, per tensor index, the concatenation (dim 0) of `local` of each source rank in order.
     `local` is None on ranks that are not sources. Collective over the world; received parts land on
-    `device` (the rank's; None: its GPU under NCCL, else the CPU)."""
+    `device` (the rank's; None: its GPU under NCCL, else the CPU), travelling on `comm` (the world's comm
+    device, devices.CommDevices; None: `device`)."""
     if world_size == 1:
         assert local is not None
         return local
@@ -86,7 +88,7 @@ def concat_from(local: list[torch.Tensor] | None, sources: list[int], world_size
         got = []
         for k, (shape, dtype) in enumerate(metas[src]):
             t = local[k].contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
-            broadcast(t, src, f"eval output broadcast from rank {src}", timeout_s)
+            broadcast(t, src, f"eval output broadcast from rank {src}", timeout_s, comm)
             got.append(t)
         parts.append(got)
     return [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..graph import TrainingGraph
 from ..lowering import Layout, params_by_layer
-from .dist import wait
+from .dist import on_comm_device, wait
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -72,8 +72,10 @@ class BucketedGradSync:
     """Overlapped gradient all-reduce of one rank's parameters over its replica group (see module doc)."""
 
     def __init__(self, params: dict[str, nn.Parameter], order: list[str], group: Any, timeout_s: float,
-                 carry_loss: bool) -> None:
+                 carry_loss: bool, comm: torch.device | None = None) -> None:
+        """`comm`: the replica group's comm device (devices.CommDevices; None: the parameters' own)."""
         self.params, self.group, self.timeout_s = params, group, timeout_s
+        self.comm = comm
         self.carry_loss = carry_loss and bool(order) and params[order[0]].dtype in (torch.float32, torch.float64)
         self.buckets: list[list[str]] = []
         cap, size, dtype = FIRST_BUCKET_BYTES, 0, None
@@ -146,7 +148,8 @@ class BucketedGradSync:
                         part.copy_(p.grad.reshape(-1))
             if self.carry_loss and b == len(self.buckets) - 1:
                 flat[-1] = self.loss
-            self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+            self.works.append(on_comm_device(dist.all_reduce, self.comm or flat.device, flat, group=self.group,
+                                             async_op=True))
 
     def finish(self) -> torch.Tensor | None:
         """Wait for every bucket and hand the reduced gradients to the parameters; returns the summed loss

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..errors import PlanError
 from ..lowering import COMPRESS_DTYPES
 from ..plan import compute_description
-from .dist import DEFAULT_TIMEOUT_S, wait
+from .dist import DEFAULT_TIMEOUT_S, on_comm_device, wait
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,10 +150,11 @@ class PrecisionPolicy:
         return COMPRESS_DTYPES[compress] or self.dtype
 
     def unscale(self, params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                world_size: int) -> bool:
+                world_size: int, comm: torch.device | None = None) -> bool:
         """Before the optimizer step, on every rank (collective under fp16): unscale the gradients of `params`
         and agree with every rank whether any is inf/nan. Returns whether to step; when not, the gradients are
-        dropped and the scale lowered."""
+        dropped and the scale lowered. `comm`: the world group's comm device (devices.CommDevices; None:
+        this rank's)."""
         if self.scaler is None:
             return True
         params = list(params)
@@ -170,7 +171,7 @@ class PrecisionPolicy:
                                                                                device=dev))
             found += flag.to(self.device)
         if world_size > 1:
-            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, async_op=True)
+            work = on_comm_device(dist.all_reduce, comm or found.device, found, op=dist.ReduceOp.MAX, async_op=True)
             wait(work, "loss-scaling inf/nan check (all-reduce)", "in its group", self.timeout_s, device=found.device)
         found_inf = bool(found.item() > 0)
         self.scaler.update(found_inf)

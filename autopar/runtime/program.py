@@ -33,10 +33,10 @@ from ..lowering import PipelineLayout, RankProgram, lower
 from ..passes.capture import LossFn, capture
 from ..schedule import MEMORY_OF, Action
 from ..schedule_nccl import TRANSFER_KINDS
-from .devices import move_to, plan_rank_device
-from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, message_bytes, pack, unpack, wait
+from .devices import CommDevices, check_one_device_kind, move_to, plan_rank_device
+from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, batch_p2p, message_bytes, on_comm_device, pack, unpack, wait
 from .elastic import naming_lost_ranks, start_heartbeat
-from .expert_parallel import expert_runtime
+from .expert_parallel import expert_groups, expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
 from .layered import NoHooks, layer_calls, layered, node_layers
 from .precision import PrecisionPolicy
@@ -108,6 +108,7 @@ class Program:
         self._model = model
         # the rank's device, not the model's: its share of the parameters, its inputs and messages go there
         self.device = torch.device(device) if device is not None else plan_rank_device(plan, rank)
+        self.comm = CommDevices.of_plan(plan, self.device)  # where each group's tensors go (the mixed-world rule)
         # values of this rank's tensors (weights.py): `weights` is checked against the model before any collective
         self._weights = ModelWeights(model, weights, device=self.device)
         example_inputs, example_target = self._weights.capture_args(example_inputs, example_target)
@@ -121,6 +122,7 @@ class Program:
                             f"started; launch one process per device (e.g. torchrun --nproc-per-node "
                             f"{layout.world_size}).")
         self.layout = layout
+        self._check_device_kinds()
         self.holders = self.lowered.holders
         self.experts = expert_runtime(model, layout, rank, timeout_s)  # None without expert parallelism
         ep_sets = self.experts.group_sets(self.holders) if self.experts else set()
@@ -176,9 +178,32 @@ class Program:
         self.grad_sync = self._bucketed_sync()
         self.optimizer = self.zero.build_optimizer(lambda params: make_optimizer(optimizer, params))
         if world_size > 1:
+            self._first_world_collective()
             start_heartbeat()  # lets a failed rank's peers name it (elastic.peer_lost)
 
     # ---- construction helpers --------------------------------------------------------------------
+    def _check_device_kinds(self) -> None:
+        """PlanError when a tensor-parallel or expert-parallel group spans `cpu` and accelerator ranks
+        (devices.check_one_device_kind): those cannot stage through the host."""
+        from ..cluster import Cluster
+
+        groups = {f"stage {s} of pipeline {p.index} (its tensor-parallel group)": st.ranks
+                  for p in self.layout.pipelines for s, st in enumerate(p.stages) if len(st.ranks) > 1}
+        if self.layout.ep > 1:
+            groups.update({f"expert-parallel group {i}": g for i, g in enumerate(expert_groups(self.layout))})
+        check_one_device_kind(groups, Cluster.load(self.plan.cluster))
+
+    def _first_world_collective(self) -> None:
+        """One all-reduce over the world group on every rank, before any transfer. torch's
+        `batch_isend_irecv` docstring: "if this API is the first collective call in the group passed to
+        dist.P2POp, all ranks of the group must participate in this API call"; a step's batches use the
+        world group and ranks outside a pipeline's transfers never call them, so the world's first
+        collective is this one (on the world's comm device: every rank the same backend)."""
+        t = torch.zeros(1, device=self.device)
+        wait(on_comm_device(dist.all_reduce, self.comm.world, t, group=dist.group.WORLD, async_op=True),
+             "the world group's first collective (program setup)", "in the job", self.timeout_s,
+             device=self.comm.world)
+
     @property
     def pipeline(self) -> PipelineLayout:
         assert self.position is not None
@@ -191,7 +216,7 @@ class Program:
         if self.experts:
             levels = self.experts.zero_levels(levels)
         return ZeroRuntime(self.params, self.holders, levels, sizes, offload,
-                           self.rank, self.lowered.tp_group, self.groups, self.tp, self.timeout_s)
+                           self.rank, self.lowered.tp_group, self.groups, self.tp, self.timeout_s, self.comm)
 
     def _layer_hooks(self) -> LayerwiseMemory | None:
         """Run stages layer by layer where the lowered program says so: recompute per block, and the
@@ -227,7 +252,7 @@ class Program:
         group = next(iter(reps))
         carry_loss = len(group) == self.world_size and all(len(p.stages) == 1 for p in self.layout.pipelines)
         return BucketedGradSync(self.params, first_use_order(self.graph, set(self.params)),
-                                self.groups.get(group), self.timeout_s, carry_loss)
+                                self.groups.get(group), self.timeout_s, carry_loss, self.comm.of(group))
 
     def _capture_stages(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
                         size: int) -> list[StageProgram]:
@@ -290,10 +315,11 @@ class Program:
             if summed is not None:  # the loss rode in the last gradient bucket
                 local_loss.fill_(summed)
             elif self.world_size > 1:  # overlaps the optimizer step
-                loss_work = dist.all_reduce(local_loss, group=dist.group.WORLD, async_op=True)
+                loss_work = on_comm_device(dist.all_reduce, self.comm.world, local_loss, group=dist.group.WORLD,
+                                           async_op=True)
             # fp16: every rank unscales and all agree whether to step
             stepping = self.amp.scaler is None or self.amp.unscale(self.zero.gradient_holders(), self.optimizer,
-                                                                   self.world_size)
+                                                                   self.world_size, self.comm.world)
             if self.position is not None:
                 self.zero.step(self.optimizer if stepping else None)
             if loss_work is not None:
@@ -458,14 +484,15 @@ class Program:
     def _post(self, step: tuple[Any, ...], outgoing: Callable[[Any], tuple[list[torch.Tensor], str | None]],
               incoming: Callable[[Any], tuple[StageProgram, list[str], str, bool, str | None]]
               ) -> tuple[dict[Any, PendingRecv], list[tuple[Any, Any, list[torch.Tensor]]]]:
-        """Issue a batch of transfer actions (`RankProgram.steps`) with one `batch_isend_irecv`, so NCCL progresses
-        them together (schedule_nccl.py); peers as the lowering resolves them (`PipelineLayout.peers`). Matching
-        is by order, as on NCCL: every message has tag 0, so gloo matches them in order as well.
+        """Issue a batch of transfer actions (`RankProgram.steps`) with one `batch_isend_irecv` per comm device
+        (`dist.batch_p2p`: pairs of accelerator ranks on the device, pairs with a rank computing on the CPU on the
+        host), so NCCL progresses the device ones together (schedule_nccl.py); peers as the lowering resolves
+        them (`PipelineLayout.peers`). Matching is by order, as on NCCL: every message has tag 0, so gloo
+        matches them in order as well.
         `outgoing(a)`: a send's values and compression; `incoming(a)`: a receive's stage, value names, what
         for messages, whether it needs grad, compression. Returns the receives (wait with `take`) and the
         (work, peer, buffers) to wait for at the end."""
-        ops: list[dist.P2POp] = []
-        peers: list[int] = []
+        ops: list[tuple[bool, torch.Tensor, int]] = []
         metas: dict[Any, tuple] = {}
         tp = self.position.tp_index
         for a in step:
@@ -476,8 +503,7 @@ class Program:
                     continue
                 # one message per transfer, every value in its own dtype (or the stage's compressed wire dtype)
                 flat = pack(values, self.amp.wire(compress), self.device)
-                ops += [dist.P2POp(dist.isend, flat, peer, tag=0) for peer in targets]
-                peers += targets
+                ops += [(True, flat, peer) for peer in targets]
             else:
                 st, names, what, grad, compress = incoming(a)
                 value_metas = [(tuple(st.value_meta[n].shape), getattr(torch, st.value_meta[n].dtype)) for n in names]
@@ -486,16 +512,11 @@ class Program:
                 (peer,) = self.pipeline.peers(a, tp)
                 metas[a] = (len(ops), flat, value_metas, wire, st, names, grad,
                             f"receiving {what} for stage {st.index}", peer)
-                ops.append(dist.P2POp(dist.irecv, flat, peer, tag=0))
-                peers.append(peer)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL: one for the coalesced batch
-        everyone = ", ".join(str(p) for p in sorted(set(peers)))
-        posted = {a: PendingRecv([works[k]] if per_op else works, flat, vm, wire, st, names, grad, what, peer)
+                ops.append((False, flat, peer))
+        # a pair with a rank computing on the CPU transfers on the host (gloo), others on the device (NCCL)
+        works, sent = batch_p2p(ops, [self.comm.of((self.rank, peer)) for _, _, peer in ops]) if ops else ([], [])
+        posted = {a: PendingRecv(works[k], flat, vm, wire, st, names, grad, what, peer)
                   for a, (k, flat, vm, wire, st, names, grad, what, peer) in metas.items()}
-        # a gloo receive's work is waited once, by its PendingRecv (a second wait blocks)
-        sent = [(w, peers[k] if per_op else everyone, [op.tensor for op in ops]) for k, w in enumerate(works)
-                if not per_op or ops[k].op is dist.isend]
         return posted, sent
 
     def _sync_gradients(self) -> torch.Tensor | None:

@@ -187,7 +187,7 @@ def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> Stra
                          1.0 if prog.position is not None else 0.0], dtype=torch.float64)
     parts = [mine]
     if prog.world_size > 1:
-        mine = mine.to(prog.device)  # NCCL collectives take device tensors only
+        mine = mine.to(prog.comm.world)  # NCCL collectives take device tensors only; a mixed world, host ones
         parts = [torch.zeros_like(mine) for _ in range(prog.world_size)]
         wait(dist.all_gather(parts, mine, async_op=True), "straggler report all-gather", "in the job",
              prog.timeout_s, device=mine.device)  # the host reads `parts` below (.cpu()): the report's sync

@@ -76,7 +76,8 @@ from torch.distributed.tensor import DTensor
 
 from ..cost_models.memory import SYNC_BUCKET_BYTES
 from ..lowering import assign_owners
-from .dist import Groups, wait
+from .devices import CommDevices
+from .dist import Groups, on_comm_device, wait
 from .tensor_parallel import TPStage
 
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
@@ -165,9 +166,12 @@ class ZeroRuntime:
 
     def __init__(self, params: dict[str, nn.Parameter], holders: dict[str, tuple[Group, ...]],
                  levels: dict[str, int], sizes: dict[str, int], offload: dict[str, set[str]], rank: int,
-                 my_group: Group, groups: Groups, tp: TPStage | None, timeout_s: float) -> None:
+                 my_group: Group, groups: Groups, tp: TPStage | None, timeout_s: float,
+                 comm: CommDevices | None = None) -> None:
+        """`comm`: where each group's tensors go (devices.CommDevices; None: where they are)."""
         self.params, self.rank, self.my_group = params, rank, my_group
         self.groups, self.tp, self.timeout_s = groups, tp, timeout_s
+        self.comm = comm
         # zero_layers.py: parameters brought to the device per layer (ZeRO-3 gathers, streamed offload),
         # and those whose gradients are reduced per layer during the backward
         self.layer_resident: set[str] = set()
@@ -324,8 +328,9 @@ class ZeroRuntime:
                 work = None
                 if self.rank in reps:
                     group = self.groups.get(reps)
-                    work = dist.reduce(flat, dst=dst[0], group=group, async_op=True) if dst else \
-                        dist.all_reduce(flat, group=group, async_op=True)
+                    comm = self.comm_device(reps, flat)
+                    work = on_comm_device(dist.reduce, comm, flat, dst=dst[0], group=group, async_op=True) if dst \
+                        else on_comm_device(dist.all_reduce, comm, flat, group=group, async_op=True)
                 yield work, reps, dst, chunk, shapes, flat
         self._drop_grads([n for n in names if not self.state[n].owned])
 
@@ -402,10 +407,16 @@ class ZeroRuntime:
                 st.released = True
 
     # ---- collectives ---------------------------------------------------------------------------------
+    def comm_device(self, ranks: Group, t: torch.Tensor) -> torch.device:
+        """Where `t` goes for a collective of `ranks` (the mixed-world rule; `t`'s device without one)."""
+        return self.comm.of(ranks) if self.comm is not None else t.device
+
     def _group_broadcast(self, flat: torch.Tensor, what: str) -> None:
         src = self.my_group[0]
         group = self.groups.get(self.my_group)
-        wait(dist.broadcast(flat, src=src, group=group, async_op=True), what, src, self.timeout_s, group, flat.device)
+        work = on_comm_device(dist.broadcast, self.comm_device(self.my_group, flat), flat, src=src, group=group,
+                              async_op=True)
+        wait(work, what, src, self.timeout_s, group, flat.device)
 
     def _broadcast_from_owners(self, names: list[str]) -> None:
         """Every holder of `names` gets the owner's current value. Buckets are processed in one sorted
@@ -434,7 +445,8 @@ class ZeroRuntime:
                 else:
                     flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=local_tensor(ps[0]).device)
                 group = self.groups.get(reps) if self.rank in reps else None
-                work = dist.broadcast(flat, src=owner[0], group=group, async_op=True) if group is not None else None
+                work = on_comm_device(dist.broadcast, self.comm_device(reps, flat), flat, src=owner[0], group=group,
+                                      async_op=True) if group is not None else None
                 yield work, owner, chunk, flat, group
 
     def finish_broadcast(self, pending: tuple) -> None:
