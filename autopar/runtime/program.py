@@ -104,10 +104,11 @@ class Program:
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
         self.step_count = 0
-        self.timer = StageTimer(rank)  # forward/backward seconds per step, for straggler_report()
         self._model = model
         # the rank's device, not the model's: its share of the parameters, its inputs and messages go there
         self.device = torch.device(device) if device is not None else plan_rank_device(plan, rank)
+        # forward/backward seconds per step, for straggler_report(): CUDA events on a GPU rank, the host clock else
+        self.timer = StageTimer(rank, device=self.device)
         self.comm = CommDevices.of_plan(plan, self.device)  # where each group's tensors go (the mixed-world rule)
         # values of this rank's tensors (weights.py): `weights` is checked against the model before any collective
         self._weights = ModelWeights(model, weights, device=self.device)
