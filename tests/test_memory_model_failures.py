@@ -49,7 +49,7 @@ def gpt2_medium() -> CostModel:
                       device="meta")
     g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
     c = Cluster.load(amp_het_cluster())
-    return CostModel(annotate(g, c, precision="fp16"), c, "fp16", "adam", 0.1, intra_op=False)
+    return CostModel(annotate(g, c, precision="fp16", kernels="torch"), c, "fp16", "adam", 0.1, intra_op=False)
 
 
 def amp_estimate(cm: CostModel, tp: int, dp: int, pp: int, mbs: int, split: list[int]) -> autopar.Estimate:
