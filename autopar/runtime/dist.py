@@ -111,19 +111,25 @@ def _poll(work: dist.Work, what: str, timeout_s: float) -> None:
 STREAM_ORDERED_BACKENDS = frozenset({"nccl", "xccl"})
 
 
-def stream_ordered(group: object | None = None, device: torch.device | str | None = None) -> bool:
-    """Whether a Work of `group` (the default group when None) on tensors of `device` completes on the device
-    stream: NCCL's does. A multi-device group ("cpu:gloo,cuda:nccl") runs each tensor on its device's
-    backend; `device` None means the accelerator's when there is one."""
+def backend_of(group: object | None = None, device: torch.device | str | None = None) -> str:
+    """The backend that runs `group`'s (the default group when None) work on tensors of `device`: a
+    multi-device group ("cpu:gloo,cuda:nccl") runs each tensor on its device's backend; `device` None means
+    the accelerator's when there is one. "" without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
-        return False
+        return ""
     backend = str(dist.get_backend(group))
     if ":" in backend:
         kind = torch.device(device).type if device is not None else \
             ("cuda" if torch.cuda.is_available() else "cpu")
         per_device = dict(pair.split(":", 1) for pair in backend.split(","))
         backend = per_device.get(kind, "")
-    return backend in STREAM_ORDERED_BACKENDS
+    return backend
+
+
+def stream_ordered(group: object | None = None, device: torch.device | str | None = None) -> bool:
+    """Whether a Work of `group` on tensors of `device` (`backend_of`) completes on the device stream:
+    NCCL's does."""
+    return backend_of(group, device) in STREAM_ORDERED_BACKENDS
 
 
 def wait(work: dist.Work, what: str, peer: int | str, timeout_s: float = DEFAULT_TIMEOUT_S,

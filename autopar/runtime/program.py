@@ -34,7 +34,18 @@ from ..passes.capture import LossFn, capture
 from ..schedule import MEMORY_OF, Action
 from ..schedule_nccl import TRANSFER_KINDS
 from .devices import CommDevices, check_one_device_kind, move_to, plan_rank_device
-from .dist import DEFAULT_TIMEOUT_S, Groups, PeerLostError, batch_p2p, message_bytes, on_comm_device, pack, unpack, wait
+from .dist import (
+    DEFAULT_TIMEOUT_S,
+    Groups,
+    PeerLostError,
+    backend_of,
+    batch_p2p,
+    message_bytes,
+    on_comm_device,
+    pack,
+    unpack,
+    wait,
+)
 from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_groups, expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
@@ -199,7 +210,10 @@ class Program:
         `batch_isend_irecv` docstring: "if this API is the first collective call in the group passed to
         dist.P2POp, all ranks of the group must participate in this API call"; a step's batches use the
         world group and ranks outside a pipeline's transfers never call them, so the world's first
-        collective is this one (on the world's comm device: every rank the same backend)."""
+        collective is this one (on the world's comm device: every rank the same backend). gloo has no such
+        rule, and a program rebuilt while survivors re-route (gloo only) must not meet the abort watch here."""
+        if backend_of(dist.group.WORLD, self.comm.world) == "gloo":
+            return
         t = torch.zeros(1, device=self.device)
         wait(on_comm_device(dist.all_reduce, self.comm.world, t, group=dist.group.WORLD, async_op=True),
              "the world group's first collective (program setup)", "in the job", self.timeout_s,
