@@ -468,30 +468,34 @@ def process_groups(layout: Layout, holders: dict[str, tuple[Group, ...]]) -> tup
     return tuple(sorted(tp_groups | reps))
 
 
-def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int,
-                      rank: int) -> tuple[Group, ...]:
-    """The rank sets of the NCCL communicators `rank` creates: the world's (the loss all-reduce spans it),
-    each of `groups` holding it other than the world (runtime/dist.py `Groups`), and one pair per peer it sends
-    activations or gradients to or receives them from: the batched transfers run on the world's communicator,
-    where NCCL still connects each peer with buffers of its own (cost_models/memory.py). `pipelines`: per
-    pipeline, the rank group of each stage in order, interleaved chunks included; peers as
+def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int
+                      ) -> dict[int, tuple[Group, ...]]:
+    """Per rank of `pipelines`, the rank sets of the NCCL communicators it creates: the world's (the loss
+    all-reduce spans it), each of `groups` holding it other than the world (runtime/dist.py `Groups`), and one
+    pair per peer it sends activations or gradients to or receives them from: the batched transfers run on the
+    world's communicator, where NCCL still connects each peer with buffers of its own (cost_models/memory.py).
+    `pipelines`: per pipeline, the rank group of each stage in order, interleaved chunks included; peers as
     `PipelineLayout.peers` picks them (the same tensor-parallel index, modulo the other stage's degree)."""
+    ranks = {r for stages in pipelines for st in stages for r in st}
     if world <= 1:
-        return ()
-    out = {tuple(range(world))} | {tuple(sorted(g)) for g in groups if rank in g and 1 < len(g) < world}
+        return dict.fromkeys(ranks, ())
+    everyone = tuple(range(world))
+    out: dict[int, set[Group]] = {r: {everyone} for r in ranks}
+    for g in groups:  # one pass over the groups and the neighbours for every rank (1024-device configs)
+        if 1 < len(g) < world:
+            for r in g:
+                out.setdefault(r, {everyone}).add(tuple(sorted(g)))
     for stages in pipelines:
-        for s, ranks in enumerate(stages):
-            if rank not in ranks:
-                continue
-            tp_index = ranks.index(rank)
+        for s, members in enumerate(stages):
             for nb in (s - 1, s + 1):
                 if not 0 <= nb < len(stages):
                     continue
                 other = stages[nb]
-                peers = [other[tp_index % len(other)]]  # received from
-                peers += [r for i, r in enumerate(other) if i % len(ranks) == tp_index]  # sent to
-                out |= {tuple(sorted((rank, q))) for q in peers if q != rank}
-    return tuple(sorted(out))
+                for tp_index, rank in enumerate(members):
+                    peers = [other[tp_index % len(other)]]  # received from
+                    peers += [r for i, r in enumerate(other) if i % len(members) == tp_index]  # sent to
+                    out[rank].update((min(rank, q), max(rank, q)) for q in peers if q != rank)
+    return {r: tuple(sorted(v)) for r, v in out.items() if r in ranks}
 
 
 def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Group, ...]]:
@@ -499,8 +503,7 @@ def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Grou
     layout = layout_of(plan, len(graph.layers))
     groups = process_groups(layout, param_groups(graph, layout, params_by_layer(graph)))
     pipelines = [[tuple(st.ranks) for st in p.stages] for p in layout.pipelines]
-    ranks = sorted({r for p in pipelines for st in p for r in st})
-    return {r: communicator_sets(pipelines, groups, layout.world_size, r) for r in ranks}
+    return dict(sorted(communicator_sets(pipelines, groups, layout.world_size).items()))
 
 
 # ---- transfers under NCCL's rules (schedule_nccl.py) -----------------------------------------------------

@@ -118,6 +118,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..errors import InfeasibleError
+from ..lowering import communicator_sets
 from ..plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ..report import fmt_time
 from ..schedule import SPLIT_SCHEDULES
@@ -152,28 +153,8 @@ def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit]
     for the plan (which also counts a tied weight's replica group across stages)."""
     stages = [[tuple(pl[s % len(pl)]) for s in range(len(pl) * chunks)] for pl in pipelines]
     groups = sorted({tuple(u) for pl in pipelines for u in pl} | {tuple(sorted(g)) for g in dp})
-    devices = [d for pl in pipelines for u in pl for d in u]
-    if world <= 1:
-        return dict.fromkeys(devices, 0)
-    # communicator_sets for every device at once: one pass over the groups and the pipeline neighbours instead
-    # of one per device (a 1024-device config would cost a second otherwise); the world's communicator is the
-    # 1 below, and only a pair of a 2-rank world can equal it
-    sets: dict[int, set[tuple[int, ...]]] = {d: set() for d in devices}
-    for g in groups:
-        if 1 < len(g) < world:
-            for d in g:
-                sets.setdefault(d, set()).add(g)
-    for pipe in stages:
-        for s, ranks in enumerate(pipe):
-            for nb in (s - 1, s + 1):
-                if not 0 <= nb < len(pipe):
-                    continue
-                other = pipe[nb]
-                for tp_index, rank in enumerate(ranks):
-                    peers = [other[tp_index % len(other)]]  # received from
-                    peers += [r for i, r in enumerate(other) if i % len(ranks) == tp_index]  # sent to
-                    sets.setdefault(rank, set()).update((min(rank, q), max(rank, q)) for q in peers if q != rank)
-    return {d: 1 + len(sets[d] - {tuple(range(world))} if world == 2 else sets[d]) for d in devices}
+    sets = communicator_sets(stages, groups, world)
+    return {d: len(sets[d]) for pl in pipelines for u in pl for d in u}
 
 
 class Config(NamedTuple):
