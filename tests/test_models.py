@@ -1,6 +1,5 @@
 import importlib.util
 import math
-import time
 
 import pytest
 import torch
@@ -88,11 +87,9 @@ def test_loss_of_defaults_match_explicit_inputs():
     assert torch.equal(loss_of(case), loss_of(case, *case.example_inputs, target=case.example_target))
 
 
-def test_gpt3_175b_on_meta_is_fast_and_right_sized():
+def test_gpt3_175b_on_meta_is_right_sized():  # its build time: bench/fast_paths.py
     cfg = gpt_config("gpt3-175b")
-    start = time.perf_counter()
     case = gpt(**cfg, batch=1, device="meta")
-    assert time.perf_counter() - start < 2.0
     n_params = sum(p.numel() for p in case.model.parameters())
     # Per layer: attention 4h^2 (qkv + out), MLP 8h^2 (h -> 4h -> h); biases and norms are O(h).
     # Embeddings: tokens V*h (shared with the tied LM head) + positions S*h.
