@@ -27,7 +27,9 @@ A non-meta model with `weights` trains from those weights.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import math
 import os
 import re
 import zlib
@@ -89,40 +91,84 @@ class WeightSource:
         return t
 
 
+# safetensors' dtype names (its format spec) -> torch dtypes
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+              "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+
+
 class SafetensorsSource(WeightSource):
-    """One or several .safetensors files (a Hugging Face sharded directory)."""
+    """One or several .safetensors files (a Hugging Face sharded directory).
+
+    Reads go to the file, only for the bytes of the requested slice, into a tensor of the slice's size:
+    safetensors' own torch reader (`safe_open(framework="pt")`) backs every tensor by one storage over the
+    whole file, which the allocator counts as the whole model on every rank for as long as the handle is
+    open. safe_open lists the names; the tensors' offsets come from the file's header (the format's spec:
+    8-byte little-endian header size, JSON header, data)."""
 
     def __init__(self, files: list[Path], where: str, index: dict[str, Path] | None = None) -> None:
-        from safetensors import safe_open
-
-        self.where, self._open = where, safe_open
+        self.where = where
         self._file_of: dict[str, Path] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}  # dtype, shape, file offset
         for path in sorted(set(files)):
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if key in self._file_of:
-                        raise PlanError(f"weights {where!r}: tensor {key!r} is stored in both "
-                                        f"{self._file_of[key].name} and {path.name}.")
-                    self._file_of[key] = path
-                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+            for key, entry in self._header(path).items():
+                if key in self._file_of:
+                    raise PlanError(f"weights {where!r}: tensor {key!r} is stored in both "
+                                    f"{self._file_of[key].name} and {path.name}.")
+                self._file_of[key] = path
+                self._entries[key] = entry
         for key, path in (index or {}).items():
             if self._file_of.get(key) != path:
                 raise PlanError(f"weights {where!r}: the index maps {key!r} to {path.name}, which does not "
                                 f"hold it; the shard files do not match model.safetensors.index.json.")
-        self._handles: dict[Path, Any] = {}
+        self._shapes = {k: e[1] for k, e in self._entries.items()}
+
+    def _header(self, path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:  # validates the file; no tensor is read
+            keys = list(f.keys())
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        out = {}
+        for key in keys:
+            e = header[key]
+            if e["dtype"] not in _ST_DTYPES:
+                raise PlanError(f"weights {self.where!r}: tensor {key!r} has dtype {e['dtype']}, which autopar "
+                                f"cannot read; store it as one of {sorted(_ST_DTYPES)}.")
+            out[key] = (_ST_DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + e["data_offsets"][0])
+        return out
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return self._shapes
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        path = self._file_of[key]
-        if path not in self._handles:
-            self._handles[path] = self._open(str(path), framework="pt")
-        f = self._handles[path]
-        if index is None:
-            return self._count(f.get_tensor(key))
-        return self._count(f.get_slice(key)[index].contiguous())
+        dtype, shape, start = self._entries[key]
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape, strict=False))
+        index += tuple(slice(0, n) for n in shape[len(index):])
+        out = torch.empty(tuple(s.stop - s.start for s in index), dtype=dtype)
+        if out.numel() == 0:
+            return out
+        # the slice is runs of contiguous bytes: the innermost dimension cut short and everything inside it
+        inner = max((d for d, (s, n) in enumerate(zip(index, shape, strict=True)) if s.stop - s.start != n),
+                    default=0)
+        size = torch.tensor([], dtype=dtype).element_size()
+        stride = _contiguous_stride(shape)
+        run = out.numel() // max(1, math.prod(s.stop - s.start for s in index[:inner]))
+        buf = out.view(-1).view(torch.uint8)
+        with open(self._file_of[key], "rb", buffering=0) as fh:
+            for i, outer in enumerate(itertools.product(*(range(s.start, s.stop) for s in index[:inner]))):
+                first = sum(o * st for o, st in zip((*outer, index[inner].start), stride, strict=False)) \
+                    if shape else 0
+                fh.seek(start + first * size)
+                view = memoryview(buf[i * run * size:(i + 1) * run * size].numpy())
+                got = fh.readinto(view)
+                if got != len(view):
+                    raise PlanError(f"weights {self.where!r}: {self._file_of[key].name} ends inside tensor "
+                                    f"{key!r}: the file is truncated.")
+        return self._count(out)
 
 
 class DCPSource(WeightSource):
