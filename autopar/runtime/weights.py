@@ -187,6 +187,15 @@ class DCPSource(WeightSource):
         self._props = {k[len(self.PREFIX):]: v for k, v in md.state_dict_metadata.items()
                        if k.startswith(self.PREFIX) and isinstance(v, TensorStorageMetadata)}
 
+        class MetadataReadOnce(dcp.FileSystemReader):
+            """Every tensor is its own `dcp.load`: without this each of them would read and unpickle the
+            whole checkpoint's metadata again (quadratic in the number of tensors)."""
+
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                return md
+
+        self._reader = MetadataReadOnce(self.where)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.size) for k, v in self._props.items()}
 
@@ -194,8 +203,7 @@ class DCPSource(WeightSource):
         from .checkpoint import quiet_dcp
 
         with quiet_dcp():
-            self._dcp.load({self.PREFIX + key: dest}, storage_reader=self._dcp.FileSystemReader(self.where),
-                           no_dist=True)
+            self._dcp.load({self.PREFIX + key: dest}, storage_reader=self._reader, no_dist=True)
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         md = self._props[key]
