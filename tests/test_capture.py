@@ -119,3 +119,57 @@ def test_graph_json_round_trip_and_dump(tmp_path, monkeypatch) -> None:
     text = (tmp_path / "graph.txt").read_text()
     assert "TOTAL" in text and "fwd A100-80GB" in text and "fwd T4" in text
     assert (tmp_path / "graph.dot").read_text().startswith("digraph")
+
+
+class _Offsets(nn.Module):
+    """A forward that makes tensors from Python data on its input's device (as transformers' Falcon does):
+    export lifts them out of the graph as constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = torch.tensor([-2, -1], device=x.device)
+        return self.proj(x).roll(1, -1) * shift.sum() + torch.tensor([3.0], device=x.device)
+
+
+def test_meta_capture_keeps_the_values_of_lifted_constants() -> None:
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    mse = nn.functional.mse_loss
+    cpu = autopar.capture(_Offsets(), (x,), mse, y)
+    with torch.device("meta"):
+        meta_model = _Offsets()
+    meta = autopar.capture(meta_model, (x,), mse, y)  # real inputs beside a meta model: converted
+    want = {k: v for k, v in cpu.gm.constants.items()}
+    got = {k: v for k, v in meta.gm.constants.items()}
+    assert len(want) == 2 and got.keys() == want.keys()
+    for k, v in want.items():
+        assert not got[k].is_meta, k
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+    assert all(p.is_meta for p in meta_model.parameters())  # the capture put the model back as it was
+
+
+def test_lifted_constants_train_from_a_meta_model() -> None:
+    """The program makes a lifted constant itself (it is in no weights file and not in the state_dict)."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.device("meta"):
+        meta_model = _Offsets()
+    prog = autopar.compile(meta_model, "1x1xcpu", (x,), y, nn.functional.mse_loss, "adamw", precision="fp32")
+    ref = autopar.materialize(_Offsets().to("meta"), seed=0)
+    losses = [prog.step(x, target=y) for _ in range(2)]
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    for want_loss in losses:
+        loss = nn.functional.mse_loss(ref(x), y)
+        torch.testing.assert_close(loss.item(), want_loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
+def test_plan_takes_a_meta_model_with_real_inputs() -> None:
+    from autopar.hf_models import hf_gpt2
+
+    meta, real = hf_gpt2(device="meta"), hf_gpt2()
+    plan = autopar.plan(meta.model, "1x2xA100-80GB", real.example_inputs, real.example_target, meta.loss_fn)
+    assert plan.world_size == 2

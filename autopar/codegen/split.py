@@ -13,7 +13,7 @@ read by nodes outside it) instead of the loss, so `Program.eval_step` needs no s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -35,6 +35,9 @@ class StageProgram:
     value_meta: dict[str, TensorMeta]  # shape/dtype of every received or sent value
     is_last: bool
     eval_gm: fx.GraphModule | None = None  # last stage: the model output instead of the loss
+    # buffers that are tensors the forward makes from Python data (export's lifted constants): the program's
+    # own, by name, in no weights file and not in the model's state_dict
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def code(self) -> str:
@@ -122,12 +125,16 @@ def _build_stage(
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
     params, buffers, inputs = [], [], []
+    constants: dict[str, torch.Tensor] = {}
+    lifted = ep.graph_signature.inputs_to_lifted_tensor_constants
     for n in ep.graph.nodes:
         if n.op != "placeholder" or n.name not in needed:
             continue
         if n.name in graph.params:
             info = graph.params[n.name]
             (buffers if info.is_buffer else params).append(graph.canonical(n.name))
+            if n.name in lifted:
+                constants[graph.canonical(n.name)] = ep.constants[lifted[n.name]]
     # placeholders: parameters, buffers, user inputs, received values (deterministic order)
     for name in dict.fromkeys(params + buffers):
         env_key = [p for p, i in graph.params.items() if graph.canonical(p) == name and p in needed]
@@ -170,6 +177,7 @@ def _build_stage(
         value_meta=meta,
         is_last=is_last,
         eval_gm=eval_gm,
+        constants=constants,
     )
 
 

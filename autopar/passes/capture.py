@@ -71,14 +71,61 @@ def capture(
     if loss_fn is not None and example_target is None:
         raise CaptureError("loss_fn was given without example_target: pass the target of the example batch.")
     args = tuple(example_inputs) + ((example_target,) if loss_fn is not None else ())
+    on_meta = is_on_meta(model)
     wrapper = LossWrapper(model, loss_fn)
+    ep = _export(wrapper, to_meta(args) if on_meta else args)
+    if on_meta and any(v.is_meta for v in ep.constants.values() if isinstance(v, torch.Tensor)):
+        _fill_lifted_constants(ep, wrapper, args)
+    return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
+
+
+def _export(wrapper: nn.Module, args: tuple) -> torch.export.ExportedProgram:
     try:
-        ep = torch.export.export(wrapper, args, strict=False)
+        return torch.export.export(wrapper, args, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types here; turn each into one clear message
         raise CaptureError(explain_export_failure(e)) from e
-    return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+def to_meta(tree: Any) -> Any:
+    """Every tensor of `tree` as a meta tensor of the same shape (a capture needs one device)."""
+    return torch.utils._pytree.tree_map(
+        lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _fill_lifted_constants(ep: torch.export.ExportedProgram, wrapper: nn.Module, args: tuple) -> None:
+    """The values of the tensors a meta model's forward makes from Python data (torch.tensor([-2],
+    device=x.device): export lifts them out of the graph as constants), which a capture on meta leaves
+    without data. A second capture over fake CPU tensors (no memory) makes them on the CPU with their
+    values; same model, same order, so the same names."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        for mod in wrapper.modules():
+            for slots, make in ((mod._parameters, lambda p: nn.Parameter(fake(p), p.requires_grad)),
+                                (mod._buffers, fake)):
+                for k, t in list(slots.items()):
+                    if t is not None and t.is_meta:
+                        saved.append((slots, k, t))
+                        slots[k] = make(t)
+        fake_args = torch.utils._pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, args)
+    try:
+        cpu_ep = _export(wrapper, fake_args)
+    finally:
+        for slots, k, t in reversed(saved):
+            slots[k] = t
+    for name, value in cpu_ep.constants.items():
+        old = ep.constants.get(name)
+        if isinstance(old, torch.Tensor) and old.is_meta and isinstance(value, torch.Tensor) \
+                and not value.is_meta and value.shape == old.shape:
+            ep.constants[name] = value
 
 
 def _batch_size(inputs: tuple | list) -> int:

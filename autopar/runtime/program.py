@@ -182,7 +182,8 @@ class Program:
                         self.params[name] = nn.Parameter(value)
                 for name in st.buffers:
                     if name not in self.buffers:
-                        self.buffers[name] = self._weights.buffer(name)
+                        self.buffers[name] = self._weights.constant(st.constants[name]) \
+                            if name in st.constants else self._weights.buffer(name)
         self.zero = self._zero_runtime()
         self.layers = self._layer_hooks()
         for (s, size), st in self._stages.items():

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import PlanError
+from ..passes.capture import is_on_meta, to_meta
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -253,8 +254,7 @@ def open_source(weights: str | os.PathLike) -> WeightSource:
 # ---- what a program materializes its tensors from ----------------------------------------------------
 
 
-def is_meta(model: nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+is_meta = is_on_meta
 
 
 def _non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -354,6 +354,16 @@ class ModelWeights:
         self.created_bytes += local.numel() * local.element_size()
         return value
 
+    def constant(self, value: torch.Tensor) -> torch.Tensor:
+        """A tensor the capture made from Python data (a lifted constant), on the program's device."""
+        if value.is_meta:
+            raise PlanError(f"a {list(value.shape)} {value.dtype} constant of the meta model's forward has no "
+                            f"value (the capture could not make it on the CPU): build the model outside the "
+                            f"meta device, or make that tensor a registered buffer.")
+        out = value.to(self.device, copy=True)
+        self.created_bytes += out.numel() * out.element_size()
+        return out
+
     def buffer(self, name: str) -> torch.Tensor:
         value = self.full(name)
         self.created_bytes += value.numel() * value.element_size()
@@ -380,8 +390,7 @@ class ModelWeights:
         """Example inputs as meta tensors when the model is on meta (a capture needs one device)."""
         if not self.meta:
             return inputs, target
-        to_meta = lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
-        return torch.utils._pytree.tree_map(to_meta, (tuple(inputs), target))
+        return to_meta((tuple(inputs), target))
 
     def retarget(self, st: StageProgram) -> StageProgram:
         """A stage program with the devices its capture names (arange, full, to, asserts: the meta device, the
