@@ -12,6 +12,7 @@ from .errors import (
     InfeasibleError,
     KernelError,
     KernelFallbackWarning,
+    PlanDriftWarning,
     PlanError,
 )
 from .passes.batch_stats import BatchStatisticsWarning
@@ -41,6 +42,7 @@ __all__ = [
     "PlanError",
     "KernelError",
     "KernelFallbackWarning",
+    "PlanDriftWarning",
     "BatchStatisticsWarning",
     "AsyncUpdateWarning",
 ]

@@ -34,6 +34,7 @@ from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
 from .runtime.flushless import async_program, flushless_problems  # 2BW's flushless schedule where it runs
+from .runtime.plan_check import PlanCheck
 from .runtime.program import OptimizerFactory, Program
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
@@ -60,6 +61,7 @@ def compile(
     sync: str = "sync",
     staleness: int | None = None,
     reroute: bool | None = None,
+    check_plan: bool = True,
 ) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -102,6 +104,12 @@ def compile(
     that copy does not fit, re-routing is off for the job, said on rank 0's stderr, and a lost rank stops it
     (restart from the last checkpoint). Re-routing is gloo-only: on NCCL or under torchrun's agent
     reroute=True raises PlanError and None leaves it off (`runtime.reroute.backend_refusal`).
+
+    `check_plan` (default on): each rank measures its peak memory over building the program and its first 3
+    steps (CUDA: the allocator's counters; CPU: the profiler's allocation events) and warns with
+    `autopar.PlanDriftWarning` when it exceeds the plan's prediction by more than 15 % or the device's
+    capacity; `prog.report()` (every rank) gathers and prints predicted vs measured peaks and step times
+    (runtime/plan_check.py).
     """
     from .api import estimate, price_async
     from .api import plan as make_plan
@@ -213,20 +221,28 @@ def compile(
     program = Program if not delay else functools.partial(async_program(plan, sync), sync=sync, staleness=staleness)
     # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
     check_transfers(layout_of(plan, len(graph.layers)), flushless=bool(delay) and not flushless_problems(plan, sync))
-    prog = program(
-        model,
-        plan,
-        inputs,
-        example_target,
-        loss_fn,
-        optimizer,
-        rank,
-        world,
-        timeout_s=timeout_s,
-        kernels=kernels,
-        weights=weights,
-        graph=graph,
-    )
+    # the plan checks itself: this rank's peak memory over building the program and its first steps
+    check = PlanCheck(plan, rank, device).open() if check_plan else None
+    try:
+        prog = program(
+            model,
+            plan,
+            inputs,
+            example_target,
+            loss_fn,
+            optimizer,
+            rank,
+            world,
+            timeout_s=timeout_s,
+            kernels=kernels,
+            weights=weights,
+            graph=graph,
+        )
+    except BaseException:
+        if check is not None:
+            check.abandon()
+        raise
+    prog.plan_check = check
     d = _dump_dir(dump_dir)
     if d is not None:
         prog.dump(str(d))

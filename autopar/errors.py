@@ -36,6 +36,12 @@ class KernelFallbackWarning(RuntimeWarning):
     the error, and the kernel report (`Program.dump`) records it."""
 
 
+class PlanDriftWarning(UserWarning):
+    """A rank's measured peak memory exceeded its plan's prediction by more than 15 % or its device's capacity
+    (runtime/plan_check.py): the memory model priced the plan wrong. The message names the rank, the figures
+    and the plan options of its stages."""
+
+
 def close_matches(word: str, choices: Iterable[str], n: int = 3) -> str:
     """A ' Did you mean ...?' suffix, or '' when nothing is close."""
     choices = list(choices)

@@ -183,6 +183,8 @@ class AsyncProgram(Program):
         `Program.step` does, on every rank (also kept in `losses[c]`)."""
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
+        if self.plan_check is not None:
+            self.plan_check.step_started()
         c = self.step_count
         with naming_lost_ranks(self.rank, f"asynchronous wave {c + 1}"):
             while self._pending and self._pending[0].index <= c - self.delay - 1:
@@ -192,6 +194,7 @@ class AsyncProgram(Program):
             self.losses[c] = self._global_loss(c, local)
         self.timer.end_step()
         self.step_count += 1
+        self._step_checked()
         return self.losses[c]
 
     def _launch(self, c: int) -> Wave:

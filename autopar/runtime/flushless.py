@@ -151,6 +151,8 @@ class FlushlessProgram(AsyncProgram):
         global mean loss (also kept in `losses[c]`)."""
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
+        if self.plan_check is not None:
+            self.plan_check.step_started()
         c, r = self.step_count, self.step_count - self._base
         with naming_lost_ranks(self.rank, f"flushless 2BW wave {c + 1}"):
             while self._pending and self._pending[0].index < self._base and self._pending[0].index <= c - 2:
@@ -162,6 +164,7 @@ class FlushlessProgram(AsyncProgram):
             self.losses[c] = self._global_loss(c, self._flight.loss.pop(r, 0.0))
         self.timer.end_step()
         self.step_count += 1
+        self._step_checked()
         return self.losses[c]
 
     def _execute(self, actions: list[WaveAction], inputs: tuple, target: Any) -> None:

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,11 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, fn: Callable, world_size: int, port: int, args: tuple, out_dir: str, timeout_s: float
+    rank: int, fn: Callable, world_size: int, port: int, args: tuple, out_dir: str, timeout_s: float,
+    warning_filters: list | None = None,
 ) -> None:
+    if warning_filters is not None:  # a rank's warnings are filtered as its caller's are (e.g. errors in tests)
+        warnings.filters[:] = warning_filters
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -61,12 +65,13 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
     """Run fn(rank, world_size, *args) on `world_size` gloo processes; return each rank's result.
 
     A rank that raises or dies makes this raise within `timeout_s`, naming the rank and its error.
-    `fn` must be importable (a module-level function).
+    `fn` must be importable (a module-level function). The ranks filter warnings as the caller does at the
+    call (a warning that is an error here is one there).
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(fn, world_size, free_port(), args, out_dir, timeout_s),
+            args=(fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters)),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -50,6 +50,7 @@ from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_groups, expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
 from .layered import NoHooks, layer_calls, layered, node_layers
+from .plan_check import PlanCheck, RunReport
 from .precision import PrecisionPolicy
 from .split_backward import PendingWeights, backward_input, backward_weight
 from .straggler import StageTimer, StragglerReport
@@ -316,6 +317,8 @@ class Program:
         the final `float`, is the step's one host-device sync: tests/test_host_syncs.py)."""
         if self._has_target and target is None:
             raise PlanError("this program was compiled with a loss_fn: pass target= to step().")
+        if self.plan_check is not None:
+            self.plan_check.step_started()
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         inputs, target = self.to_rank_device(inputs, target)
         with naming_lost_ranks(self.rank, f"step {self.step_count + 1}"):
@@ -342,7 +345,26 @@ class Program:
                 wait(loss_work, "loss all-reduce", "in its group", self.timeout_s)
         self.timer.end_step()
         self.step_count += 1
-        return float(local_loss)
+        loss = float(local_loss)
+        self._step_checked()
+        return loss
+
+    # ---- the plan's check of itself (runtime/plan_check.py) ---------------------------------------------
+    plan_check: PlanCheck | None = None  # set by autopar.compile, which opened its window before building
+
+    def _step_checked(self) -> None:
+        if self.plan_check is not None:
+            self.plan_check.step_done()
+
+    def report(self) -> RunReport:
+        """Every rank's predicted vs measured peak memory and step time (a collective: call it on every rank);
+        `print(prog.report())` shows the table. See runtime/plan_check.py."""
+        check = self.plan_check
+        if check is None:
+            check = self.plan_check = PlanCheck(self.plan, self.rank, self.device)
+            check.figures.not_measured = "the program was not built by autopar.compile"
+        check.close()  # fewer steps than the window's: the verdict on what ran so far
+        return check.report(self.world_size, self._object_group)
 
     def to_rank_device(self, inputs: tuple, target: Any) -> tuple[tuple, Any]:
         """The step's inputs and target with those this rank's stages read moved to its device (the others

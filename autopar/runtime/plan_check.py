@@ -1,0 +1,229 @@
+"""The plan checks itself: each rank measures its peak memory and its step times against the plan's predictions.
+
+A `PlanCheck` opens a measurement window on the rank's device before the program is built and closes it after
+the first `steps` training steps:
+
+* on a CUDA device, the caching allocator's own counters (`max_memory_allocated` above what was allocated when
+  the window opened; no profiler, so no cost beyond two synchronizations);
+* on the CPU, the allocator's events (torch.profiler with `profile_memory=True`, runtime/memtrace.py): the
+  running sum of live tensor bytes allocated inside the window. The profiler costs time while the window is
+  open (compile and the first steps only; bench/runtime.py measures it). When a profiler is already running
+  (a user's, or a benchmark's own window) the CPU window is not opened: torch's profiler does not nest.
+
+The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`: a rank whose peak exceeds its
+prediction by more than `tolerance` (15 %), or its device's capacity, gets a `PlanDriftWarning` naming the rank,
+the figures and the plan options of its stages. Step times are wall seconds per `step()` call (the loss read at
+its end waits for the device), against `predicted["step_time_s"]`, for the report only: a cost model's time on
+a shared host is not a promise the way memory is.
+
+`Program.report()` gathers every rank's figures (a collective: call it on every rank) and returns a
+`RunReport`, printed as a table by `str()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import PlanDriftWarning
+from .memtrace import MemoryTrace, track_memory
+
+TOLERANCE = 0.15
+STEPS = 3  # steps inside the memory window: the optimizer's state exists from the first step's end
+
+
+@dataclass
+class RankFigures:
+    """One rank's predicted and measured figures."""
+
+    rank: int
+    device: str  # the cluster's device name
+    stages: list[str]  # "stage 0 layers [0, 3): zero 1, recompute" per stage the rank computes
+    predicted_peak_bytes: int
+    capacity_bytes: int
+    measured_peak_bytes: int | None  # None: not measured (window not opened, or still open)
+    predicted_step_s: float
+    step_seconds: list[float] = field(default_factory=list)  # the latest steps' wall seconds
+    window_steps: int = 0  # steps run while the memory window was open (the profiler slows them on the CPU)
+    not_measured: str = ""  # why the memory was not measured
+    peak_in: str = ""  # the allocation that reached the peak (CPU only)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.measured_peak_bytes is None or not self.predicted_peak_bytes:
+            return None
+        return self.measured_peak_bytes / self.predicted_peak_bytes
+
+    @property
+    def timed_steps(self) -> list[float]:
+        """The steps after the window when there are any (the first steps also warm up), else all."""
+        after = self.step_seconds[self.window_steps:]
+        return after or self.step_seconds
+
+    @property
+    def measured_step_s(self) -> float | None:
+        return statistics.median(self.timed_steps) if self.step_seconds else None
+
+    def drift(self, tolerance: float = TOLERANCE) -> str:
+        """Why this rank's memory drifted from the plan ("" when it did not)."""
+        m = self.measured_peak_bytes
+        if m is None:
+            return ""
+        problems = []
+        if self.predicted_peak_bytes and m > (1 + tolerance) * self.predicted_peak_bytes:
+            problems.append(f"{m / self.predicted_peak_bytes:.2f}x its predicted peak")
+        if self.capacity_bytes and m > self.capacity_bytes:
+            problems.append(f"over the device's capacity of {_mib(self.capacity_bytes)}")
+        return " and ".join(problems)
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+@dataclass
+class RunReport:
+    """Every rank's figures; `str()` is the table `Program.report()` prints."""
+
+    ranks: list[RankFigures]
+    tolerance: float = TOLERANCE
+
+    def drifted(self) -> list[int]:
+        return [r.rank for r in self.ranks if r.drift(self.tolerance)]
+
+    def table(self) -> str:
+        from ..report import render_table
+
+        rows = [["rank", "device", "stages", "predicted peak", "measured peak", "measured/predicted",
+                 "predicted step", "measured step", ""]]
+        for r in self.ranks:
+            ratio = r.ratio
+            step = r.measured_step_s
+            rows.append([str(r.rank), r.device, "; ".join(r.stages), _mib(r.predicted_peak_bytes),
+                         _mib(r.measured_peak_bytes) if r.measured_peak_bytes is not None else
+                         f"n/a ({r.not_measured})", f"{ratio:.2f}" if ratio is not None else "",
+                         f"{r.predicted_step_s * 1e3:.3g} ms",
+                         f"{step * 1e3:.3g} ms" if step is not None else "n/a",
+                         "DRIFT: " + r.drift(self.tolerance) if r.drift(self.tolerance) else ""])
+        n = max((len(r.timed_steps) for r in self.ranks), default=0)
+        return render_table(rows, right={3, 4, 5, 6, 7}) + (
+            f"\n(peak: live tensor bytes over compile and the first steps, at the allocator; step: median wall "
+            f"time of {n} step(s); drift: measured peak over {1 + self.tolerance:.2f}x the prediction or over "
+            f"the device's capacity)")
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def stage_options(plan: Any, rank: int) -> list[str]:
+    """The plan's options for each stage `rank` computes, as the drift warning names them."""
+    out = []
+    for p_idx, pipe in enumerate(plan.pipelines):
+        for s_idx, st in enumerate(pipe.stages):
+            if rank not in st.devices:
+                continue
+            opts = [f"schedule {plan.schedule}"] if len(pipe.stages) > 1 else []
+            if len(st.devices) > 1:
+                opts.append(f"tp {len(st.devices)}")
+            if st.zero:
+                opts.append(f"zero {st.zero}")
+            if st.recompute:
+                opts.append("recompute" if st.recompute is True else f"recompute {st.recompute}")
+            if st.offload:
+                opts.append("offload " + "+".join(st.offload))
+            if pipe.num_microbatches > 1:
+                opts.append(f"m={pipe.num_microbatches}")
+            where = f"replica {p_idx} " if len(plan.pipelines) > 1 else ""
+            out.append(f"{where}stage {s_idx} layers [{st.layers[0]}, {st.layers[1]})"
+                       + (": " + ", ".join(opts) if opts else ""))
+    return out
+
+
+class PlanCheck:
+    """One rank's measurement window over program construction and the first `steps` steps."""
+
+    def __init__(self, plan: Any, rank: int, device: torch.device, steps: int = STEPS,
+                 tolerance: float = TOLERANCE) -> None:
+        self.plan, self.rank, self.device = plan, rank, torch.device(device)
+        self.steps, self.tolerance = steps, tolerance
+        predicted = plan.predicted or {}
+        peaks = predicted.get("peak_memory_bytes") or {}
+        caps = predicted.get("memory_capacity_bytes") or {}
+        self.figures = RankFigures(
+            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank),
+            int(peaks.get(rank, peaks.get(str(rank), 0)) or 0), int(caps.get(rank, caps.get(str(rank), 0)) or 0),
+            None, float(predicted.get("step_time_s") or 0.0))
+        self._window: contextlib.ExitStack | None = None
+        self._trace: MemoryTrace | None = None
+        self._step_start: float | None = None
+
+    def open(self) -> PlanCheck:
+        if self.device.type != "cuda" and torch.autograd._profiler_enabled():
+            self.figures.not_measured = "another profiler was running"
+            return self
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            self.figures.not_measured = "no CUDA"
+            return self
+        self._window = contextlib.ExitStack()
+        self._trace = self._window.enter_context(track_memory(self.device))
+        return self
+
+    def abandon(self) -> None:
+        """Close the window without a verdict (the program was not built)."""
+        if self._window is not None:
+            self._window.close()
+            self._window = None
+            self.figures.not_measured = "the program was not built"
+
+    def step_started(self) -> None:
+        self._step_start = time.perf_counter()
+
+    def step_done(self) -> None:
+        if self._step_start is not None:
+            self.figures.step_seconds.append(time.perf_counter() - self._step_start)
+            self._step_start = None
+            if len(self.figures.step_seconds) > 64 + self.figures.window_steps:
+                del self.figures.step_seconds[self.figures.window_steps]
+        if self._window is not None and len(self.figures.step_seconds) >= self.steps:
+            self.close()
+
+    def close(self) -> None:
+        """End the window, record its peak and warn when it drifted from the plan."""
+        if self._window is None:
+            return
+        self._window.close()
+        self._window = None
+        self.figures.window_steps = len(self.figures.step_seconds)
+        assert self._trace is not None
+        self.figures.measured_peak_bytes = int(self._trace.peak_bytes)
+        self.figures.peak_in = self._trace.peak_label
+        why = self.figures.drift(self.tolerance)
+        if why:
+            f = self.figures
+            warnings.warn(PlanDriftWarning(
+                f"rank {f.rank} ({f.device}) peaked at {_mib(f.measured_peak_bytes or 0)} of live tensors over "
+                f"compile and {len(f.step_seconds)} step(s), {why} ({_mib(f.predicted_peak_bytes)} predicted, "
+                f"capacity {_mib(f.capacity_bytes)}); its plan: {'; '.join(f.stages) or 'no stage'}"
+                f"{'; the peak was reached in ' + f.peak_in if f.peak_in else ''}. The memory model priced this "
+                f"plan wrong: please report it with prog.report(); zero=, recompute= or offload= leave more "
+                f"room."), stacklevel=3)
+
+    def report(self, world: int, group: Any = None) -> RunReport:
+        """Every rank's figures (gathered over `group`, a gloo group of the world, when world > 1)."""
+        mine = self.figures
+        if world <= 1:
+            return RunReport([mine], self.tolerance)
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)
+        return RunReport(sorted(gathered, key=lambda r: r.rank), self.tolerance)
+
+
+__all__ = ["PlanCheck", "PlanDriftWarning", "RankFigures", "RunReport", "STEPS", "TOLERANCE", "stage_options"]
