@@ -559,3 +559,34 @@ def test_layer_compute_at_the_captured_batch_is_the_annotated_time(cluster: str)
         fwd, bwd = cm.layer_compute(i, dev, cm.B, 1)
         assert fwd == pytest.approx(layer.time_fwd[dev], rel=1e-9), layer.name
         assert bwd == pytest.approx(layer.time_bwd[dev], rel=1e-9), layer.name
+
+
+def test_interleaved_peak_sums_the_chunks_in_flight() -> None:
+    """A device's peak under interleaved 1F1B is the largest sum of the chunks' activations actually in flight
+    (plus the computing chunk's working set), not every in-flight pair counted as the largest chunk: with one
+    chunk 4x the other, `rank_peak_ordered` lies between the all-small and the all-large count and equals a
+    brute force over the schedule's order."""
+    from autopar.plan_simulate import cached_schedule
+    from autopar.solver.pricing import inflight_closed_form, rank_peak
+    from autopar.solver.pricing_plan import rank_peak_ordered
+    from autopar.solver.stage_memory import StageMemory
+
+    ranks, m, chunks = 2, 4, 2
+    big, small = StageMemory(100.0, 40.0, 3.0, False), StageMemory(100.0, 10.0, 1.0, False)
+    sched = cached_schedule("interleaved_1f1b", ranks, m, chunks)
+    inflight = inflight_closed_form("interleaved_1f1b", ranks, m, chunks)
+    below = []
+    for r in range(ranks):
+        mems = [big, small]  # chunk 0 (stage r) is the big one
+        got = rank_peak_ordered(mems, sched.actions[r], ranks, split=False)
+        live, want = {0: 0, 1: 0}, 0.0
+        for a in sched.actions[r]:
+            if a.kind in ("F", "B"):
+                k = a.stage // ranks
+                live[k] += a.kind == "F"
+                want = max(want, live[0] * big.act + live[1] * small.act + mems[k].work)
+                live[k] -= a.kind == "B"
+        assert got == pytest.approx(200.0 + want)
+        assert 200.0 + inflight[r] * small.act < got <= rank_peak(mems, inflight[r])
+        below.append(got < rank_peak(mems, inflight[r]))
+    assert any(below)

@@ -108,6 +108,7 @@ from ..plan import (
     plan_from_strategy,
     recompute_count,
 )
+from ..plan_simulate import cached_schedule
 from ..schedule import SPLIT_SCHEDULES
 from . import experts
 from .intra_op_pricing import stage_sharding, tp_layer_cost, tp_reason
@@ -126,6 +127,7 @@ from .pricing_plan import (
     memory_problem,
     rank_host,
     rank_peak,
+    rank_peak_ordered,
     tied_sync,
 )
 from .stage_memory import StageMemory, bucketed_gradients, recomputed, runtime_note
@@ -253,8 +255,11 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
         if bucketed:
             mems = [replace(m, sync=0.0) for m in mems]
+        ordered = plan.chunks > 1 and not any(m.offload_act for m in mems)
+        order = cached_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks) if ordered else None
         for r in range(ranks):
-            need = rank_peak(mems[r::ranks], inflight[r])
+            need = rank_peak_ordered(mems[r::ranks], order.actions[r], ranks, plan.schedule in SPLIT_SCHEDULES) \
+                if order is not None else rank_peak(mems[r::ranks], inflight[r])
             on_host = rank_host(mems[r::ranks], inflight[r])
             for d in pipe.stages[r].devices:
                 host[d] = on_host

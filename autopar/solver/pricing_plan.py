@@ -146,6 +146,25 @@ def rank_peak(mems: list[StageMemory], inflight: int) -> float:
     return sum(m.static for m in mems) + max(act + max(m.work for m in mems), max(m.sync for m in mems))
 
 
+def rank_peak_ordered(mems: list[StageMemory], actions: list, ranks: int, split: bool) -> float:
+    """Peak bytes of one device holding several model chunks (`mems`, chunk k = stage k * ranks + r), walked
+    along its schedule `actions`: each chunk's activations live from its forward until its backward (W under
+    a split backward), so the peak is the largest sum of the chunks actually in flight plus the working set
+    of the one computing; `rank_peak` would count every in-flight pair as the largest chunk."""
+    end = "W" if split else "B"
+    live = peak = 0.0
+    for a in actions:
+        if a.kind not in ("F", "B", "W"):
+            continue
+        m = mems[a.stage // ranks]
+        if a.kind == "F":
+            live += m.act
+        peak = max(peak, live + m.work)
+        if a.kind == end:
+            live -= m.act
+    return sum(m.static for m in mems) + max(peak, max(m.sync for m in mems))
+
+
 def rank_host(mems: list[StageMemory], inflight: int) -> float:
     """Host bytes one device holding these stages keeps (what they offload), as `rank_peak` counts them."""
     return sum(m.host for m in mems) + inflight * max(m.host_act for m in mems)
