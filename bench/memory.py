@@ -15,7 +15,8 @@ Families (gloo ranks, one process per device): data parallel, ZeRO-1/2/3, recomp
 tensor parallel, a dp x pp hybrid with ZeRO-1 (4 ranks), the asynchronous modes (ASYNC: data parallel with
 wsp's 2 pending waves, 2bw with tensor parallelism, the hybrid with wsp; predicted with their pending wave
 gradients, solver/async_memory.py), and the planner's own plan (`autopar.plan`) for a
-cluster of two CPU-like devices with different memory sizes and speeds. Plans are made in this process
+cluster of two CPU-like devices with different memory sizes and speeds, and the user's path (USER): a meta-built
+model trained from a .safetensors file (`weights=`) on the plan `compile` chooses itself. Plans are made in this process
 (`autopar.estimate` for the hand-written strategies), then every rank runs each family in turn.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -89,13 +91,35 @@ FAMILIES.update({
 # the second version) comes in wave 3's call, which the STEPS = 3 waves reach
 ASYNC["async pp2 2bw flushless"] = ("2bw", None)
 FAMILIES["async pp2 2bw flushless"] = ("gpt", "1x2xcpu", Strategy(pp=2, microbatch_size=2))
+# the path a user with a model that does not fit takes (issue 22): the model built on `meta`, trained from a
+# .safetensors file with `compile(..., weights=path)`, on the plan compile itself chooses (plan=None), on
+# devices where that plan fits only thanks to recompute / ZeRO / offload; predicted = that plan's prediction
+USER: dict[str, tuple[str, Any]] = {
+    "user: hf_gpt2 meta+weights, 4x40MiB": ("hf_gpt2_big", {"nodes": [{"device": {
+        "name": "cpu-40MiB", "based_on": "cpu", "memory_GiB": 40 / 1024}, "devices_per_node": 4}]}),
+    "user: hf_llama gqa meta+weights, 4x56MiB": ("hf_llama_gqa", small_cluster()),
+}
 # model kwargs beyond CFG, per model name
-MODEL_KWARGS = {"hf_llama_gqa": dict(layers=8, heads=8, kv_heads=2, vocab=4096)}
+MODEL_KWARGS = {"hf_llama_gqa": dict(layers=8, heads=8, kv_heads=2, vocab=4096),
+                "hf_gpt2_big": dict(layers=8, vocab=4096)}
 
 
-def build(model: str) -> models.ModelCase:
-    name = model.removesuffix("_gqa")
-    return models.CASES[name](**{**CFG, **MODEL_KWARGS.get(model, {})}, seed=0)
+def build(model: str, device: str = "cpu") -> models.ModelCase:
+    name = model.removesuffix("_gqa").removesuffix("_big")
+    return models.CASES[name](**{**CFG, **MODEL_KWARGS.get(model, {})}, seed=0, device=device)
+
+
+def write_weights(model: str, path: str) -> str:
+    """The model's state_dict as a .safetensors file (a tied weight under its first name only)."""
+    from safetensors.torch import save_file
+
+    seen, out = set(), {}
+    for k, v in build(model).model.state_dict().items():
+        if v.untyped_storage().data_ptr() not in seen:
+            seen.add(v.untyped_storage().data_ptr())
+            out[k] = v.contiguous().clone()
+    save_file(out, path)
+    return path
 
 
 def make_plans() -> dict[str, tuple[Any, str]]:
@@ -142,15 +166,19 @@ def measure(rank: int, world: int, items: list[tuple[str, Any, str]]) -> dict[st
     """On every rank: for each family, peak live bytes over compile + STEPS steps, and what held them."""
     out = {}
     for name, cluster, plan_json in items:
-        case = build(FAMILIES[name][0])
+        user = name in USER
+        case = build(USER[name][0] if user else FAMILIES[name][0])
+        model = build(USER[name][0], "meta").model if user else case.model
         gc.collect()
         t0 = time.perf_counter()
         sync, staleness = ASYNC.get(name, ("sync", None))
         with track_memory() as trace:
             with phase("compile"):
-                prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target,
-                                       case.loss_fn, "adamw", plan=plan_json, timeout_s=120, sync=sync,
-                                       staleness=staleness)
+                # a user row: plan_json is the weights file and compile plans (the user's default path)
+                prog = autopar.compile(model, cluster, case.example_inputs, case.example_target,
+                                       case.loss_fn, "adamw", plan=None if user else plan_json, timeout_s=120,
+                                       sync=sync, staleness=staleness, weights=plan_json if user else None,
+                                       time_limit_s=30)
             losses = []
             # delayed updates: the first optimizer step (and its state) comes at the start of wave D + 1, so
             # D + 2 waves reach the steady state the plan prices (optimizer state and D pending waves)
@@ -164,7 +192,7 @@ def measure(rank: int, world: int, items: list[tuple[str, Any, str]]) -> dict[st
                                       if isinstance(v, torch.Tensor)),
         }
         out[name] = {"trace": trace.summary(top=12), "held_between_steps": held, "losses": losses,
-                     "seconds": time.perf_counter() - t0}
+                     "seconds": time.perf_counter() - t0, "plan": prog.plan.to_json()}
         del prog, opt, trace
         gc.collect()
     return out
@@ -177,11 +205,17 @@ def main() -> None:
     by_world: dict[int, list[tuple[str, Any, str]]] = {}
     for name, (cluster, plan_json) in plans.items():
         by_world.setdefault(Plan.from_json(plan_json).world_size, []).append((name, cluster, plan_json))
+    weights_dir = tempfile.mkdtemp()
+    for name, (model, cluster) in USER.items():
+        path = write_weights(model, os.path.join(weights_dir, f"{model}.safetensors"))
+        by_world.setdefault(autopar.Cluster.load(cluster).world_size, []).append((name, cluster, path))
     results: dict[str, list[dict]] = {}
     for world, items in sorted(by_world.items()):
-        ranks = spawn_local(measure, world, items, timeout_s=600)
+        ranks = spawn_local(measure, world, items, timeout_s=900)
         for name, _, _ in items:
             results[name] = [r[name] for r in ranks]
+    for name in USER:  # the plan each user row's compile chose (every rank the same)
+        plans[name] = (USER[name][1], results[name][0]["plan"])
 
     rows = []
     for name, (_, plan_json) in plans.items():
