@@ -5,6 +5,7 @@
 2. pipeline, 2 ranks, 4 micro-batches, 1F1B and GPipe: autopar pp=2 vs torch.distributed.pipelining with
    the same layer split (samples/s ratio, target >= 1.0)
 3. one rank: autopar's Program vs plain eager training in the same process (overhead, target <= 5 %)
+5. the plan's self-check (compile's default): compile + 100 steps with check_plan on vs off (target <= 5 %)
 4. per-rank peak of live tensor bytes measured at the allocator (torch.profiler memory events, see
    runtime/memtrace.py) over compiling the program from autopar.plan on "1x2xcpu" plus MEMORY_STEPS steps,
    vs the plan's prediction (within 15 %); bench/memory.py does the same for every plan family
@@ -206,6 +207,29 @@ def one_rank() -> dict[str, list[float]]:
     return alternate({"autopar": lambda: prog.step(x, target=y), "eager": eager_step}, REPS_1RANK, 1)
 
 
+# ---- 5. the plan's self-check (runtime/plan_check.py) -------------------------------------------------------
+
+CHECK_STEPS, CHECK_REPS = 100, 3
+
+
+def plan_check_overhead() -> dict[str, list[float]]:
+    """Seconds of `autopar.compile` + CHECK_STEPS steps on one rank with the plan's self-check on (a profiler
+    memory window over building the program and the first steps) and off, alternated CHECK_REPS times."""
+    case = build()
+    x, y = case.example_inputs[0], case.example_target
+    plan = make_plan(case, dp=1, pp=1, m=1).to_json()
+    times: dict[str, list[float]] = {"check on": [], "check off": []}
+    for r in range(CHECK_REPS):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            model = build().model
+            t0 = time.perf_counter()
+            prog = autopar.compile(model, "1x1xcpu", (x,), y, case.loss_fn, adamw, plan=plan, check_plan=on)
+            for _ in range(CHECK_STEPS):
+                prog.step(x, target=y)
+            times["check on" if on else "check off"].append(time.perf_counter() - t0)
+    return times
+
+
 # ---- 4. memory -------------------------------------------------------------------------------------------
 
 
@@ -303,6 +327,7 @@ def main() -> None:
     # one thread in this process too, like each spawned rank; the idle core absorbs OS noise
     torch.set_num_threads(1)
     one = one_rank()
+    check = plan_check_overhead()
     torch.set_num_threads(threads)
 
     plan = autopar.plan(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
@@ -323,6 +348,14 @@ def main() -> None:
                  "best": 100 * (min(one["autopar"]) / min(one["eager"]) - 1),
                  "target": f"<= {TARGETS['overhead_pct']}%",
                  "met": "yes" if overhead <= TARGETS["overhead_pct"] else "NO"})
+    check_ratios = [100 * (a / b - 1) for a, b in zip(check["check on"], check["check off"], strict=True)]
+    check_pct = statistics.median(check_ratios)
+    rows.append({"comparison": f"plan self-check, compile + {CHECK_STEPS} steps, overhead %", "A": "check on",
+                 "B": "check off", "A_value": statistics.median(check["check on"]),
+                 "B_value": statistics.median(check["check off"]), "unit": "s", "ratio": check_pct,
+                 "IQR": spread(check_ratios), "best": 100 * (min(check["check on"]) / min(check["check off"]) - 1),
+                 "target": f"<= {TARGETS['overhead_pct']}%",
+                 "met": "yes" if check_pct <= TARGETS["overhead_pct"] else "NO"})
     predicted = plan.predicted["peak_memory_bytes"]
     for rank, r in enumerate(ranks):
         ratio = r["memory"]["peak_bytes"] / predicted[rank]
