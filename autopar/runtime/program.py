@@ -364,7 +364,7 @@ class Program:
             check = self.plan_check = PlanCheck(self.plan, self.rank, self.device)
             check.figures.not_measured = "the program was not built by autopar.compile"
         check.close()  # fewer steps than the window's: the verdict on what ran so far
-        return check.report(self.world_size, self._object_group)
+        return check.report(self.world_size, self._object_group if self.world_size > 1 else None)
 
     def to_rank_device(self, inputs: tuple, target: Any) -> tuple[tuple, Any]:
         """The step's inputs and target with those this rank's stages read moved to its device (the others

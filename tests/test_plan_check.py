@@ -1,0 +1,97 @@
+"""The plan checks itself (runtime/plan_check.py): each rank's measured peak memory against its prediction."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import autopar
+from autopar import models
+from autopar.runtime.launch import spawn_local
+
+from .runtime_cases import optimizer
+
+
+def _case() -> models.ModelCase:
+    return models.gpt(seed=0, batch=4, seq=16, vocab=128, hidden=64, layers=2, heads=4)
+
+
+def _plan(case: models.ModelCase, cluster: str, strategy: autopar.Strategy, scale: float = 1.0) -> str:
+    """The priced plan of `strategy`, its predicted peaks multiplied by `scale` (a memory model that is off)."""
+    plan = json.loads(autopar.estimate(case.model, cluster, strategy, case.example_inputs, case.example_target,
+                                       case.loss_fn, precision="fp32").plan.to_json())
+    peaks = plan["predicted"]["peak_memory_bytes"]
+    plan["predicted"]["peak_memory_bytes"] = {k: int(v * scale) for k, v in peaks.items()}
+    return json.dumps(plan)
+
+
+def _train(plan: str, cluster: str, steps: int = 4) -> autopar.Program:
+    case = _case()
+    prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn, optimizer,
+                           plan=plan, timeout_s=60)
+    for _ in range(steps):
+        prog.step(*case.example_inputs, target=case.example_target)
+    return prog
+
+
+def test_a_plan_that_holds_reports_its_figures() -> None:
+    case = _case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.PlanDriftWarning)
+        prog = _train(_plan(case, "1x1xcpu", autopar.Strategy()), "1x1xcpu")
+    report = prog.report()
+    (r,) = report.ranks
+    assert r.measured_peak_bytes is not None and 0.5 < r.ratio <= 1.15, r  # drift is the over-side only
+    assert len(r.step_seconds) == 4 and r.window_steps == 3 and r.measured_step_s > 0
+    assert report.drifted() == []
+    text = str(report)
+    assert "measured peak" in text and "DRIFT" not in text
+
+
+def test_drift_warns_naming_the_rank_figures_and_plan() -> None:
+    """A prediction half of what the rank holds: the warning names the rank, the figures and the plan; the
+    report marks it."""
+    case = _case()
+    with pytest.warns(autopar.PlanDriftWarning, match=r"rank 0 \(cpu\) peaked at .* MiB .*x its predicted peak "
+                                                      r".*its plan: stage 0 layers \[0, 4\)"):
+        prog = _train(_plan(case, "1x1xcpu", autopar.Strategy(), scale=0.5), "1x1xcpu")
+    report = prog.report()
+    assert report.drifted() == [0]
+    assert "DRIFT" in str(report)
+
+
+def test_check_off_measures_nothing() -> None:
+    case = _case()
+    prog = autopar.compile(case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                           optimizer, plan=_plan(case, "1x1xcpu", autopar.Strategy(), scale=0.5), check_plan=False)
+    prog.step(*case.example_inputs, target=case.example_target)
+    (r,) = prog.report().ranks
+    assert r.measured_peak_bytes is None and "not built by autopar.compile" in r.not_measured
+
+
+def _two_ranks(rank: int, world: int, plan: str) -> tuple[str, list[int], list[str]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        prog = _train(plan, "1x2xcpu")
+    report = prog.report()
+    drift = [str(w.message) for w in seen if issubclass(w.category, autopar.PlanDriftWarning)]
+    return str(report), report.drifted(), drift
+
+
+def test_report_gathers_every_rank_and_drift_is_an_error_in_ranks() -> None:
+    case = _case()
+    results = spawn_local(_two_ranks, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2)),
+                          timeout_s=120)
+    for text, drifted, drift in results:
+        assert drifted == [] and drift == []
+        assert text.count("\n0 ") + text.count("\n1 ") == 2  # both ranks' rows, on every rank
+    # the suite's filter makes drift an error; spawn_local gives the ranks the caller's filters
+    with pytest.raises(autopar.AutoparError, match="PlanDriftWarning"):
+        spawn_local(_train_expecting_error, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2),
+                                                      scale=0.5), timeout_s=120)
+
+
+def _train_expecting_error(rank: int, world: int, plan: str) -> None:
+    _train(plan, "1x2xcpu")
