@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,7 +223,13 @@ def compile(
     # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
     check_transfers(layout_of(plan, len(graph.layers)), flushless=bool(delay) and not flushless_problems(plan, sync))
     # the plan checks itself: this rank's peak memory over building the program and its first steps
-    check = PlanCheck(plan, rank, device).open() if check_plan else None
+    check = PlanCheck(plan, rank, device) if check_plan else None
+    if check is not None and delay and device.type != "cuda":
+        # delayed updates keep gradient reductions in flight across steps: with the profiler's memory window
+        # open over them a gloo rank crashed in garbage collection (SIGSEGV), so they are not measured on CPU
+        check.figures.not_measured = "asynchronous program on the CPU"
+    elif check is not None:
+        check.open()
     try:
         prog = program(
             model,
@@ -243,6 +250,8 @@ def compile(
             check.abandon()
         raise
     prog.plan_check = check
+    if check is not None:  # a program dropped before its window's last step still closes it (and its profiler)
+        weakref.finalize(prog, check.close)
     d = _dump_dir(dump_dir)
     if d is not None:
         prog.dump(str(d))

@@ -51,12 +51,12 @@ def test_a_plan_that_holds_reports_its_figures() -> None:
 
 
 def test_drift_warns_naming_the_rank_figures_and_plan() -> None:
-    """A prediction half of what the rank holds: the warning names the rank, the figures and the plan; the
+    """A prediction a fifth of what the rank holds: the warning names the rank, the figures and the plan; the
     report marks it."""
     case = _case()
     with pytest.warns(autopar.PlanDriftWarning, match=r"rank 0 \(cpu\) peaked at .* MiB .*x its predicted peak "
                                                       r".*its plan: stage 0 layers \[0, 4\)"):
-        prog = _train(_plan(case, "1x1xcpu", autopar.Strategy(), scale=0.5), "1x1xcpu")
+        prog = _train(_plan(case, "1x1xcpu", autopar.Strategy(), scale=0.2), "1x1xcpu")
     report = prog.report()
     assert report.drifted() == [0]
     assert "DRIFT" in str(report)
@@ -65,7 +65,7 @@ def test_drift_warns_naming_the_rank_figures_and_plan() -> None:
 def test_check_off_measures_nothing() -> None:
     case = _case()
     prog = autopar.compile(case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn,
-                           optimizer, plan=_plan(case, "1x1xcpu", autopar.Strategy(), scale=0.5), check_plan=False)
+                           optimizer, plan=_plan(case, "1x1xcpu", autopar.Strategy(), scale=0.2), check_plan=False)
     prog.step(*case.example_inputs, target=case.example_target)
     (r,) = prog.report().ranks
     assert r.measured_peak_bytes is None and "not built by autopar.compile" in r.not_measured
@@ -90,7 +90,7 @@ def test_report_gathers_every_rank_and_drift_is_an_error_in_ranks() -> None:
     # the suite's filter makes drift an error; spawn_local gives the ranks the caller's filters
     with pytest.raises(autopar.AutoparError, match="PlanDriftWarning"):
         spawn_local(_train_expecting_error, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2),
-                                                      scale=0.5), timeout_s=120)
+                                                      scale=0.2), timeout_s=120)
 
 
 def _train_expecting_error(rank: int, world: int, plan: str) -> None:

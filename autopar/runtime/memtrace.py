@@ -44,6 +44,9 @@ KINDS = (("Optimizer.step", "optimizer step"), ("Optimizer.zero_grad", "optimize
 UNSEEN_FREE = "free seen by address reuse"
 UNTRACED = "no op (storage resize_)"  # e.g. ZeRO-3's gathers refill freed storages outside any op
 MAX_TIMELINE = 2000  # points kept in `MemoryTrace.timeline`
+# closers of the profiler windows open in this process that give way to a new one (plan_check.py's): the
+# profiler is one per process, so this is the process's own state, not a channel between passes
+OPEN_WINDOWS: set[Callable[[], None]] = set()
 
 
 @dataclass
@@ -113,6 +116,8 @@ def track_memory(device: torch.device | str = "cpu") -> Iterator[MemoryTrace]:
         with _cuda_window(name, trace):
             yield trace
         return
+    for close in list(OPEN_WINDOWS):  # torch's profiler does not nest: an open plan-check window ends first
+        close()
     # no with_stack: Python frames cost 2-4x the time, and with them the tree no longer links an
     # allocation to the record_function labels around it (phases and the optimizer step are lost)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -11,7 +11,8 @@ the first `steps` training steps:
   (a user's, or a benchmark's own window) the CPU window is not opened: torch's profiler does not nest.
 
 The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`: a rank whose peak exceeds its
-prediction by more than `tolerance` (15 %), or its device's capacity, gets a `PlanDriftWarning` naming the rank,
+prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the capacity of a device the plan said it
+fits on, gets a `PlanDriftWarning` naming the rank,
 the figures and the plan options of its stages. Step times are wall seconds per `step()` call (the loss read at
 its end waits for the device), against `predicted["step_time_s"]`, for the report only: a cost model's time on
 a shared host is not a promise the way memory is.
@@ -32,9 +33,12 @@ from typing import Any
 import torch
 
 from ..errors import PlanDriftWarning
-from .memtrace import MemoryTrace, track_memory
+from .memtrace import OPEN_WINDOWS, MemoryTrace, track_memory
 
 TOLERANCE = 0.15
+# bytes a rank allocates whatever the plan (captured constants, index and scalar tensors, the loss): on a model
+# whose whole plan is a few MiB they are a large fraction that no per-tensor price rounds to
+FIXED_BYTES = 2**20
 STEPS = 3  # steps inside the memory window: the optimizer's state exists from the first step's end
 
 
@@ -76,10 +80,11 @@ class RankFigures:
         if m is None:
             return ""
         problems = []
-        if self.predicted_peak_bytes and m > (1 + tolerance) * self.predicted_peak_bytes:
-            problems.append(f"{m / self.predicted_peak_bytes:.2f}x its predicted peak")
-        if self.capacity_bytes and m > self.capacity_bytes:
-            problems.append(f"over the device's capacity of {_mib(self.capacity_bytes)}")
+        p, cap = self.predicted_peak_bytes, self.capacity_bytes
+        if p and m > (1 + tolerance) * p + FIXED_BYTES:
+            problems.append(f"{m / p:.2f}x its predicted peak")
+        if cap and m > cap and p <= cap:  # a plan priced over capacity was already refused or warned about
+            problems.append(f"over the device's capacity of {_mib(cap)}")
         return " and ".join(problems)
 
 
@@ -170,12 +175,16 @@ class PlanCheck:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             self.figures.not_measured = "no CUDA"
             return self
-        self._window = contextlib.ExitStack()
-        self._trace = self._window.enter_context(track_memory(self.device))
+        trace = contextlib.ExitStack()
+        self._trace = trace.enter_context(track_memory(self.device))  # ends an earlier program's window first
+        self._window = trace
+        if self.device.type != "cuda":
+            OPEN_WINDOWS.add(self.close)
         return self
 
     def abandon(self) -> None:
         """Close the window without a verdict (the program was not built)."""
+        OPEN_WINDOWS.discard(self.close)
         if self._window is not None:
             self._window.close()
             self._window = None
@@ -194,7 +203,10 @@ class PlanCheck:
             self.close()
 
     def close(self) -> None:
-        """End the window, record its peak and warn when it drifted from the plan."""
+        """End the window, record its peak and warn when it drifted from the plan: after `steps` steps, at
+        `report()`, when the program is garbage-collected, or when another window opens (the profiler does
+        not nest: a second program's compile, a benchmark's own `track_memory`)."""
+        OPEN_WINDOWS.discard(self.close)
         if self._window is None:
             return
         self._window.close()
