@@ -1,7 +1,8 @@
 """Built-in accelerator catalog: datasheet figures (dense, no sparsity).
 
 Sources: ../shared/reference/devices.md where it lists the device, else the vendor datasheet.
-Memory is taken as GiB (what the driver reports for "80 GB" parts is ~80 GiB).
+Memory is taken as GiB (what the driver reports for "80 GB" parts is ~80 GiB), and is what a process can
+allocate: less than the datasheet where ECC takes part of a GDDR board's memory (T4).
 Bandwidths are per device and per direction, in GB/s (1e9 bytes/s).
 
 `tflops_fp16` and `tflops_bf16` are the FP16 and BF16 tensor-core peaks with fp32 accumulate (what
@@ -47,7 +48,11 @@ CATALOG: dict[str, dict] = {
                       memory_bandwidth_GBps=900, intra_node=_nvlink(150, "NVLink2"), host_link=PCIE3),
     "V100-32GB": dict(tflops_fp32=15.7, tflops_tf32=15.7, tflops_fp16=125.0, tflops_bf16=None, memory_GiB=32,
                       memory_bandwidth_GBps=900, intra_node=_nvlink(150, "NVLink2"), host_link=PCIE3),
-    "T4": dict(tflops_fp32=8.1, tflops_tf32=8.1, tflops_fp16=65.0, tflops_bf16=None, memory_GiB=16,
+    # 16 GB of GDDR6 (datasheet, devices.md), but T4 boards ship with ECC enabled (NVIDIA T4 product brief),
+    # and on GDDR boards ECC takes 6.25% of the DRAM for the check bits (CUDA C++ Best Practices Guide):
+    # 16 x 0.9375 = 15.0 GiB (a T4 with ECC on reports 15079 MiB in nvidia-smi and 15843721216 bytes in
+    # deviceQuery: the ~0.25 GiB beyond is the driver's own reservation, which no entry here counts).
+    "T4": dict(tflops_fp32=8.1, tflops_tf32=8.1, tflops_fp16=65.0, tflops_bf16=None, memory_GiB=15.0,
                memory_bandwidth_GBps=320, intra_node=PCIE3, host_link=PCIE3),
     "A10": dict(tflops_fp32=31.2, tflops_tf32=62.5, tflops_fp16=125.0, tflops_bf16=125.0, memory_GiB=24,
                 memory_bandwidth_GBps=600, intra_node=PCIE4, host_link=PCIE4),

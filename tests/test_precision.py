@@ -275,3 +275,50 @@ def test_compile_precision_contradicting_the_plan_is_refused() -> None:
     with pytest.raises(PlanError, match="precision='fp16'.*plan computes in 'bf16'"):
         autopar.compile(c.model, "1x1xA100-80GB", c.example_inputs, c.example_target, c.loss_fn, plan=plan,
                         precision="fp16")
+
+
+# ---- autocast's weight copies ----------------------------------------------------------------------------
+
+
+def _autocast_copied(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, int]:
+    """Parameters torch.autocast copies to bf16 in one forward (its casts are aten._to_copy of the parameter),
+    by name -> elements, from the dispatcher: what runtime/precision.py's autocast makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = {p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()}
+    copied: dict[str, int] = {}
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+                name = names.get(args[0].untyped_storage().data_ptr())
+                if name is not None and out.dtype == torch.bfloat16:
+                    copied[name] = args[0].numel()
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+        model(*inputs)
+    return copied
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_autocast_copies_priced_are_the_weights_autocast_casts(tied: bool) -> None:
+    """The planner charges autocast's 2-byte copy only for the weights torch.autocast really casts (those read
+    by linear / matmul / conv): not the embedding tables (an embedding lookup is on neither autocast list) nor
+    the layer norms' weights. With tied embeddings the table is cast where the logits' linear reads it."""
+    from autopar.api import cost_model
+    from autopar.solver.pricing_model import Option
+    from autopar.solver.stage_memory import stage_memory
+
+    c = models.gpt(vocab=512, hidden=64, layers=2, seq=32, tie_embeddings=tied)
+    copied = _autocast_copied(c.model, *c.example_inputs)
+    assert "wpe.weight" not in copied and not any("ln" in n for n in copied)
+    assert ("wte.weight" in copied) == tied  # the tied table only through lm_head's linear
+    cm = cost_model(c.model, "1x1xA100-80GB", c.example_inputs, c.example_target, c.loss_fn, precision="bf16")
+    base = cm.base(0, cm.L, "A100-80GB", cm.B, (0,))
+    assert base.cast_params == sum(copied.values())
+    assert base.params - base.cast_params >= c.model.wpe.weight.numel() + (0 if tied else c.model.wte.weight.numel())
+    # per micro-batch in flight the stage holds 2 bytes for each of them, on top of the saved activations
+    mem = stage_memory(cm, base, Option(0, False, ()), 1, 1)
+    assert mem.act - base.act == pytest.approx(2 * sum(copied.values()))

@@ -196,9 +196,33 @@ def _dropping(n: fx.Node) -> bool:
     return _label(n) == "dropout" and bind(n)["p"] > 0 and bind(n)["train"] is not False
 
 
+# ops whose backward needs their (floating) inputs, so autograd saves them: a softmax output they read is
+# kept for the backward whether or not the softmax is fused
+_SAVING_MATMULS = {"aten.matmul.default", "aten.bmm.default", "aten.mm.default", "aten.linear.default",
+                   "aten.einsum.default", "aten.baddbmm.default"}
+
+
+def _softmax_kept_anyway(nodes: list[fx.Node]) -> fx.Node | None:
+    """A softmax of the region whose output a matmul outside it reads (attention's probabilities @ V). The
+    matmul saves that output for its backward; torch's softmax saves only its output too, so eager keeps one
+    copy. The fused region saves its inputs (kernels.RegionFunction) and recomputes the softmax from them:
+    the pre-softmax scores (seq x seq per head) would be kept besides the probabilities, for the same bytes
+    moved (torch's softmax is one kernel each way already)."""
+    members = set(nodes)
+    for n in nodes:
+        if _label(n) == "softmax" and str(n.target) in ("aten.softmax.int", "aten._softmax.default",
+                                                        "aten._safe_softmax.default"):
+            if any(u not in members and str(u.target) in _SAVING_MATMULS for u in n.users):
+                return n
+    return None
+
+
 def _not_worth(nodes: list[fx.Node]) -> str | None:
     compute = [n for n in nodes if n.target is not operator.getitem and _label(n) != "identity"]
     labels = {_label(n) for n in compute}
+    if (sm := _softmax_kept_anyway(compute)) is not None:
+        return (f"{sm.name} feeds a matmul, which saves its output: fused, the region would also keep its "
+                f"inputs for the backward (twice the bytes torch keeps, for the same bytes moved)")
     if len(compute) > 1 or labels & {"norm", "softmax", "cross_entropy"} or any(map(_dropping, compute)):
         return None
     if not compute:

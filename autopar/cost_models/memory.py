@@ -92,6 +92,16 @@ RUNTIME_RESERVE_KINDS = ("gpu",)
 AUTOCAST_FP32_OPS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "cross_entropy_loss",
                                "nll_loss", "nll_loss_nd", "nll_loss2d"})
 FP32_BYTES = 4
+# aten ops torch.autocast runs in the lower precision (PyTorch AMP docs, "CUDA Ops that can autocast to
+# float16"; the CPU bf16 list has the same matmul and convolution ops): the only ones that make the 2-byte copy
+# of a weight they read (`cast_copy`). An embedding lookup is on neither list: its table stays fp32 and is
+# never copied (checked with torch.autocast("cpu", torch.bfloat16): the output is float32 and no 2-byte copy
+# of the table is saved), nor are a norm's weights (fp32 list) or weights other ops read.
+AUTOCAST_LOWP_OPS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "chain_matmul",
+    "multi_dot", "einsum", "prelu", "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_tbc",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "cudnn_convolution", "_scaled_mm",
+})
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,34 @@ def runtime_reserve_bytes(kind: str, communicators: int, name: str | None = None
 def _op(target: str) -> str:
     parts = target.split(".")
     return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def autocast_cast_params(graph: TrainingGraph) -> dict[str, tuple[int, frozenset[int]]]:
+    """Parameters autocast makes a low-precision copy of: placeholder (tied duplicates resolved to the
+    parameter they share) -> (elements, the layers whose ops on `AUTOCAST_LOWP_OPS` read it, directly or
+    through views, e.g. a transpose). A stage copies each such weight once per forward, whichever of its
+    layers read it; embedding tables (read by `embedding` only) and norm weights are absent."""
+    out: dict[str, tuple[int, set[int]]] = {}
+
+    def root(name: str) -> str:
+        seen = 0
+        while name in graph.nodes and graph.nodes[name].is_view and graph.nodes[name].args and seen < 64:
+            name, seen = graph.nodes[name].args[0], seen + 1
+        return name
+
+    for node in graph.nodes.values():
+        if node.layer < 0 or _op(node.target) not in AUTOCAST_LOWP_OPS:
+            continue
+        for a in node.args:
+            info = graph.params.get(root(a)) if isinstance(a, str) else None
+            if info is None or info.is_buffer:
+                continue
+            key = info.tied_to or info.node
+            base = graph.params.get(key, info)
+            if base.is_buffer:
+                continue
+            out.setdefault(key, (base.meta.numel, set()))[1].add(node.layer)
+    return {k: (n, frozenset(us)) for k, (n, us) in out.items()}
 
 
 def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[float], list[float]]:

@@ -226,7 +226,9 @@ def adjust_base(cm: Any, a: int, e: int, dtype: str, n: int, tp: int, base: Any)
     return replace(base, fwd=fwd, bwd=bwd, recompute=rc, act=max(act, 0.0), act_recompute=act_rc,
                    params=int(params), max_layer_params=int(max(biggest, 1)), tp_extra=extra, tp_max_layer=tp_max,
                    moe_layers=count, moe_bytes=a2a_bytes / count if count else 0.0, expert_params=held,
-                   expert_stacked=stacked)
+                   expert_stacked=stacked,
+                   # expert weights are matmul weights: those this rank does not hold are not cast here either
+                   cast_params=max(0.0, base.cast_params - (base.params - params)))
 
 
 def ep_group(cm: Any, tp_group: tuple[int, ...], dp_group: tuple[int, ...]) -> tuple[int, ...]:

@@ -22,7 +22,13 @@ from typing import NamedTuple, TypeVar
 from ..checks import check_memory_reserve
 from ..cluster import Cluster
 from ..cost_models.compute import ComputeModel, kernel_flops
-from ..cost_models.memory import activation_corrections, optimizer_name, runtime_reserve_bytes, state_bytes_per_param
+from ..cost_models.memory import (
+    activation_corrections,
+    autocast_cast_params,
+    optimizer_name,
+    runtime_reserve_bytes,
+    state_bytes_per_param,
+)
 from ..cost_models.overhead import stage_host_seconds
 from ..errors import PlanError
 from ..graph import TrainingGraph
@@ -77,7 +83,11 @@ class StageBase:
     expert_params: float = 0.0  # of `params`, the expert parameters this device holds
     expert_stacked: float = 0.0  # of those, the ones in stacked (E, ...) tensors, which ZeRO leaves whole
     multi_layer: float = 0.0  # of `params`, those read by several layers (tied embeddings): kept whole-step
-    block_params: float = 0.0  # of `params`, those of the range's repeated blocks
+    # of `params`, those autocast copies to 2 bytes in mixed precision (read by a matmul / linear / conv:
+    # cost_models/memory.py `autocast_cast_params`; not embedding tables, not norm weights), and of those the
+    # ones of the range's repeated blocks (what recomputing them re-casts)
+    cast_params: float = 0.0
+    block_params: float = 0.0
     bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
     host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
     # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
@@ -180,6 +190,16 @@ class CostModel(CommPricing):
             self.own_params[owner] += info.meta.numel
             if used - {owner}:
                 self.shared.append((info.meta.numel, owner, frozenset(used)))
+        # autocast's 2-byte weight copies: per layer, the elements of weights only that layer casts; weights
+        # several layers cast (a tied embedding read by the logits' matmul, ...) once per stage reading them
+        cast = autocast_cast_params(g)
+        self.cast_own = [0] * L
+        self.cast_shared: list[tuple[int, frozenset[int]]] = []
+        for numel, layers in cast.values():
+            if len(layers) == 1:
+                self.cast_own[next(iter(layers))] += numel
+            else:
+                self.cast_shared.append((numel, layers))
         inputs = sum(g.input_meta[n].nbytes for n in g.inputs[:1])
         # fp32-kept saved tensors under autocast and backward transients (cost_models/memory.py)
         fp32_saved, self.bwd_transient = activation_corrections(g, self.precision)
@@ -302,7 +322,7 @@ class CostModel(CommPricing):
                 act_rc += self.in_bytes[i] * frac
                 work = max(work, saved)
                 parts.append((c.fwd + c.fwd_comm + stage_host_seconds(self, i, i + 1, dtype).recompute, saved,
-                              self.in_bytes[i] * frac, float(self.own_params[i])))
+                              self.in_bytes[i] * frac, float(self.cast_own[i])))
             else:
                 act_rc += saved
             transient = max(transient, self.bwd_transient[i] * frac / t)
@@ -310,10 +330,12 @@ class CostModel(CommPricing):
         f, b, rc = f + host.fwd, b + host.bwd, rc + host.recompute
         params, biggest = self.range_params(a, e)
         multi = float(sum(n for n, _, us in self.shared if any(a <= u < e for u in us)))
-        blocks = float(sum(self.own_params[i] for i in range(a, e) if self.is_block[i]))
+        blocks = float(sum(self.cast_own[i] for i in range(a, e) if self.is_block[i]))
+        cast = float(sum(self.cast_own[a:e]) + sum(n for n, us in self.cast_shared if any(a <= u < e for u in us)))
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
-                         extra, tp_max, multi_layer=multi, block_params=blocks, bwd_transient=transient,
+                         extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
+                         bwd_transient=transient,
                          host_step=host.step, block_parts=tuple(parts))
         return experts.adjust_base(self, a, e, dtype, n, t, base)
 

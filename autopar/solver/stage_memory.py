@@ -28,9 +28,11 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              full activations F of the blocks kept whole: the first k are rebuilt in the backward after it
              has freed those (`recomputed`), so work = max(0, W - F) (W with every block recomputed);
              with activations offloaded only one micro-batch stays on the device;
-             mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x N per
-             micro-batch, the recomputed blocks' only while one is recomputed); ops autocast runs in fp32
-             (softmax, log-softmax / cross-entropy) keep what they save in 4 bytes (cost_models/memory.py)
+             mixed precision adds autocast's low-precision weight copies (`StateBytes.cast_copy` x the N
+             that ops on autocast's lower-precision list read, `StageBase.cast_params`: not embedding
+             tables, not norm weights; per micro-batch, the recomputed blocks' only while one is
+             recomputed); ops autocast runs in fp32 (softmax, log-softmax / cross-entropy) keep what they
+             save in 4 bytes (cost_models/memory.py)
     work     + `StageBase.bwd_transient`: the two fp32 gradient buffers the backward of the stage's largest
              such op holds next to its saved tensor (the loss's d/d log-probs and d/d logits: 8 bytes per
              logit), live once, while one micro-batch goes through it; under per-layer ZeRO-2/3 it
@@ -83,7 +85,7 @@ def recomputed_blocks(base: StageBase, recompute: bool | int) -> int:
 def recomputed(base: StageBase, recompute: bool | int) -> tuple[float, float, float, float]:
     """What recomputing a stage's first k blocks (`recompute`: True = all, False = none, or k; clamped to
     the stage's blocks) costs and saves: (seconds its backward adds, activation bytes kept per micro-batch,
-    the recompute workspace, the recomputed blocks' parameters). The workspace is one rebuilt block's
+    the recompute workspace, the recomputed blocks' parameters autocast casts). The workspace is one rebuilt block's
     activations (the largest of the k) less the activations of the blocks kept whole, which that
     micro-batch's backward frees before it reaches the first k (module docstring). k = all gives `StageBase.recompute`,
     `act_recompute`, `act_work`, `block_params` exactly; so does any k > 0 on a stage with expert-parallel MoE
@@ -135,10 +137,13 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
     # gradients above never coexist
     work += max(0.0, base.bwd_transient - in_flight_grads)
-    cast = cm.state.cast_copy  # autocast keeps a low-precision copy of each weight for the backward
-    if cast:
-        act += cast * (N - recomputed_params / tp)
-        work += cast * (P if recomputed_params else 0.0)
+    # autocast keeps a low-precision copy of each weight a matmul / linear / conv reads for the backward;
+    # embedding tables and norm weights are never cast (`StageBase.cast_params`)
+    cast = cm.state.cast_copy
+    if cast and base.params:
+        share = min(1.0, base.cast_params / base.params)
+        act += cast * max(0.0, N * share - recomputed_params / tp)
+        work += cast * (P * share if recomputed_params else 0.0)
     # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
     # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
     sync = 0.0
