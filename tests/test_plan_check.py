@@ -90,7 +90,7 @@ def test_report_gathers_every_rank_and_drift_is_an_error_in_ranks() -> None:
     # the suite's filter makes drift an error; spawn_local gives the ranks the caller's filters
     with pytest.raises(autopar.AutoparError, match="PlanDriftWarning"):
         spawn_local(_train_expecting_error, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2),
-                                                      scale=0.2), timeout_s=120)
+                                                      scale=0.01), timeout_s=120)
 
 
 def _train_expecting_error(rank: int, world: int, plan: str) -> None:

@@ -179,16 +179,22 @@ class PlanCheck:
         self._trace = trace.enter_context(track_memory(self.device))  # ends an earlier program's window first
         self._window = trace
         if self.device.type != "cuda":
-            OPEN_WINDOWS.add(self.close)
+            OPEN_WINDOWS.add(self.give_way)
         return self
 
     def abandon(self) -> None:
         """Close the window without a verdict (the program was not built)."""
-        OPEN_WINDOWS.discard(self.close)
+        OPEN_WINDOWS.discard(self.give_way)
         if self._window is not None:
             self._window.close()
             self._window = None
             self.figures.not_measured = "the program was not built"
+
+    def give_way(self) -> None:
+        """End the window early for another profiler window: its figures are kept, without a verdict (the
+        other window's owner measures what it wants; the steps after are not in this one)."""
+        self.close(warn=False)
+        self.figures.not_measured = self.figures.not_measured or ""
 
     def step_started(self) -> None:
         self._step_start = time.perf_counter()
@@ -202,11 +208,11 @@ class PlanCheck:
         if self._window is not None and len(self.figures.step_seconds) >= self.steps:
             self.close()
 
-    def close(self) -> None:
+    def close(self, warn: bool = True) -> None:
         """End the window, record its peak and warn when it drifted from the plan: after `steps` steps, at
         `report()`, when the program is garbage-collected, or when another window opens (the profiler does
         not nest: a second program's compile, a benchmark's own `track_memory`)."""
-        OPEN_WINDOWS.discard(self.close)
+        OPEN_WINDOWS.discard(self.give_way)
         if self._window is None:
             return
         self._window.close()
@@ -216,7 +222,7 @@ class PlanCheck:
         self.figures.measured_peak_bytes = int(self._trace.peak_bytes)
         self.figures.peak_in = self._trace.peak_label
         why = self.figures.drift(self.tolerance)
-        if why:
+        if why and warn:
             f = self.figures
             warnings.warn(PlanDriftWarning(
                 f"rank {f.rank} ({f.device}) peaked at {_mib(f.measured_peak_bytes or 0)} of live tensors over "
