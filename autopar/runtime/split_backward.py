@@ -102,7 +102,42 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None
         torch.autograd.backward(outputs, grads)
         return PendingWeights(params)
     _, groups = stage_backward_input(outputs, grads, inputs, iter(params))
-    return PendingWeights(params, groups=groups)
+    return PendingWeights(params, groups=_merged(groups))
+
+
+def _merged(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch's groups made disjoint: groups that share a parameter or a join node become one.
+
+    `get_param_groups` merges a parameter's group into the existing group of each join node it reaches, one
+    after the other, and leaves the earlier ones in place: a parameter whose branch joins the input-gradient
+    graph at nodes of two groups (Qwen2's attention: one parameter's branch reaching what two others reach)
+    ends up in both, and W would run the shared part of the graph twice ("Trying to backward through the
+    graph a second time"; or count those gradients twice). Each join node's saved gradient is the same in
+    every group that lists it (B's hook saw one gradient per node)."""
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = i = parent[parent[i]]
+        return i
+
+    owner: dict[Any, int] = {}
+    for i, group in enumerate(groups):
+        for key in (*group["params"], *group["intermediates"]):
+            j = owner.setdefault(key, i)
+            parent[root(i)] = root(j)
+    if len({root(i) for i in range(len(groups))}) == len(groups):
+        return groups
+    out: dict[int, dict[str, Any]] = {}
+    for i, group in enumerate(groups):
+        merged = out.setdefault(root(i), {"params": set(), "intermediates": [], "grads": []})
+        merged["params"] |= set(group["params"])
+        saved = group.get("grads") or [None] * len(group["intermediates"])
+        for node, g in zip(group["intermediates"], saved, strict=True):
+            if node not in merged["intermediates"]:
+                merged["intermediates"].append(node)
+                merged["grads"].append(g)
+    return list(out.values())
 
 
 def backward_weight(pending: PendingWeights) -> None:
@@ -123,7 +158,7 @@ def _weights_of(group: dict[str, Any], by_node: dict[Any, torch.Tensor]) -> None
     """One parameter group's W: from its join nodes' saved gradients down to its parameters' .grad."""
     edges, grads = [], []
     for saved, node in zip(group["grads"], group["intermediates"], strict=True):
-        for i, g in enumerate(saved):
+        for i, g in enumerate(saved or ()):
             if g is not None:
                 edges.append(GradientEdge(node, i))
                 grads.append(g)
