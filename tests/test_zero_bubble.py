@@ -225,6 +225,37 @@ def test_split_backward_merges_groups_that_share_a_parameter() -> None:
         assert torch.equal(p.grad, w)
 
 
+class _BiasTwice(torch.nn.Module):
+    """One bias added below and above a linear layer (T5's relative position bias, added in every layer): the
+    bias joins the input-gradient graph at two nodes, one below the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.bias * 2
+        return self.lin(x + b) + b
+
+
+def test_split_backward_runs_nested_joins_whole_in_b() -> None:
+    torch.manual_seed(0)
+    m = _BiasTwice()
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    torch.autograd.backward([m(x)], [g])
+    want = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    x2 = x.detach().clone().requires_grad_(True)
+    pending = backward_input([m(x2)], [g], [x2], list(m.parameters()))
+    # W from the upper join would run lin's backward again, after lin's own W freed it
+    assert pending.mode == "whole"
+    backward_weight(pending)
+    assert torch.equal(x2.grad, x.grad)
+    for p, w in zip(m.parameters(), want, strict=True):
+        assert torch.equal(p.grad, w)
+
+
 # ---- the runtime ----------------------------------------------------------------------------------------
 
 GPT = ("gpt", {"layers": 4, "batch": 8})
