@@ -19,10 +19,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf_models import hf_bert, hf_gpt2, hf_llama, hf_mixtral
+from .hf_models import (
+    hf_bert,
+    hf_bloom,
+    hf_convnext,
+    hf_falcon,
+    hf_gpt2,
+    hf_gpt_neox,
+    hf_gptj,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_qwen2,
+    hf_qwen2_moe,
+    hf_t5,
+    hf_vit,
+)
 
 __all__ = ["ModelCase", "CASES", "loss_of", "building", "lm_loss", "GPTConfig", "GPT", "Llama", "gpt_config",
-           "mlp", "cnn", "gpt", "llama", "moe_gpt", "gnn", "hf_gpt2", "hf_llama", "hf_mixtral", "hf_bert"]
+           "mlp", "cnn", "gpt", "llama", "moe_gpt", "gnn", "hf_gpt2", "hf_llama", "hf_mixtral", "hf_bert",
+           "hf_qwen2", "hf_mistral", "hf_bloom", "hf_gpt_neox", "hf_gptj", "hf_falcon", "hf_qwen2_moe", "hf_t5",
+           "hf_vit", "hf_convnext"]
 
 
 @dataclass
@@ -496,4 +513,8 @@ def gnn(nodes: int = 64, edges: int = 256, features: int = 16, hidden: int = 32,
 CASES: dict[str, Callable[..., ModelCase]] = {
     "mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "moe_gpt": moe_gpt, "gnn": gnn,
     "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_mixtral": hf_mixtral, "hf_bert": hf_bert,
+    # issue 22: architectures people bring (tests/test_hf_architectures.py)
+    "hf_qwen2": hf_qwen2, "hf_mistral": hf_mistral, "hf_bloom": hf_bloom, "hf_gpt_neox": hf_gpt_neox,
+    "hf_gptj": hf_gptj, "hf_falcon": hf_falcon, "hf_qwen2_moe": hf_qwen2_moe, "hf_t5": hf_t5, "hf_vit": hf_vit,
+    "hf_convnext": hf_convnext,
 }

@@ -199,6 +199,63 @@ def test_split_backward_computes_input_grads_in_b_and_weight_grads_in_w() -> Non
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(first.parameters(), m.parameters(), strict=True))
 
 
+class _SharedBranches(torch.nn.Module):
+    """c's branch joins the input-gradient graph where a's and b's do: torch's grouping listed a and c twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (self.a + self.c) + x * (self.b + self.c)
+
+
+def test_split_backward_merges_groups_that_share_a_parameter() -> None:
+    torch.manual_seed(0)
+    m = _SharedBranches()
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    torch.autograd.backward([m(x)], [g])
+    want = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    x2 = x.detach().clone().requires_grad_(True)
+    pending = backward_input([m(x2)], [g], [x2], list(m.parameters()))
+    assert len(pending.groups) == 1  # one group: each parameter and join node in exactly one
+    backward_weight(pending)  # raised "Trying to backward through the graph a second time"
+    for p, w in zip(m.parameters(), want, strict=True):
+        assert torch.equal(p.grad, w)
+
+
+class _BiasTwice(torch.nn.Module):
+    """One bias added below and above a linear layer (T5's relative position bias, added in every layer): the
+    bias joins the input-gradient graph at two nodes, one below the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.bias * 2
+        return self.lin(x + b) + b
+
+
+def test_split_backward_runs_nested_joins_whole_in_b() -> None:
+    torch.manual_seed(0)
+    m = _BiasTwice()
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    torch.autograd.backward([m(x)], [g])
+    want = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    x2 = x.detach().clone().requires_grad_(True)
+    pending = backward_input([m(x2)], [g], [x2], list(m.parameters()))
+    # W from the upper join would run lin's backward again, after lin's own W freed it
+    assert pending.mode == "whole"
+    backward_weight(pending)
+    assert torch.equal(x2.grad, x.grad)
+    for p, w in zip(m.parameters(), want, strict=True):
+        assert torch.equal(p.grad, w)
+
+
 # ---- the runtime ----------------------------------------------------------------------------------------
 
 GPT = ("gpt", {"layers": 4, "batch": 8})

@@ -15,7 +15,8 @@ When the split does not apply the whole backward runs in one of the two, which g
 in W when no stage input needs a gradient (the first stage: nothing to send upstream), in B when some
 parameter's gradient does not flow only through the input-gradient graph: its branch never joins it, or
 also reaches a stage output that does not depend on the stage's inputs (W starts from the join nodes, so
-that part of the gradient would be lost; torch's own split has this gap).
+that part of the gradient would be lost; torch's own split has this gap), or it joins it at two nodes one
+below the other (W would re-run the input-gradient graph between them: `_nested_joins`).
 
 Recomputed blocks (`torch.utils.checkpoint`, non-reentrant: layered.py, and whole-stage checkpoints)
 recompute their forward once per backward call that unpacks their saved tensors. B is one call and
@@ -70,6 +71,7 @@ def _splits(outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: lis
     reverse = construct_reverse_graph(list(roots))
     ins = [fn for x in inputs if (fn := _get_grad_fn_or_grad_acc(x)) is not None]
     fed, _ = reverse_closure(ins, set(), reverse)  # the nodes whose gradient reaches an input
+    join_sets = []
     for p in params:
         fn = _get_grad_fn_or_grad_acc(p)
         if fn is None or (fn not in reverse and fn not in roots):
@@ -77,7 +79,34 @@ def _splits(outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: lis
         branch, joins = reverse_closure([fn], fed, reverse)
         if not joins or branch & roots:
             return False
-    return True
+        join_sets.append(joins)
+    return not _nested_joins(join_sets, fed)
+
+
+def _nested_joins(join_sets: list[set[Any]], fed: set[Any]) -> bool:
+    """Whether a W would run part of the input-gradient graph: a group (parameters whose join sets overlap,
+    as W groups them) joins it at two nodes one of which is below the other there (T5's relative position
+    bias, computed once and added to every layer's scores). W's backward from the upper node would go down
+    the input-gradient graph to the lower one: B's work again, through nodes an earlier W call has already
+    freed ("Trying to backward through the graph a second time")."""
+    groups: list[set[Any]] = []
+    for joins in join_sets:
+        overlapping = [g for g in groups if g & joins]
+        merged = set(joins).union(*overlapping)
+        groups = [g for g in groups if not g & joins] + [merged]
+    for group in groups:
+        if len(group) < 2:
+            continue
+        seen, stack = set(), [f for j in group for f, _ in j.next_functions if f is not None]
+        while stack:  # down the input-gradient graph from the group's join nodes
+            node = stack.pop()
+            if node in group:
+                return True
+            if node in seen or node not in fed:
+                continue
+            seen.add(node)
+            stack.extend(f for f, _ in node.next_functions if f is not None)
+    return False
 
 
 def _shared_recompute(groups: list[dict[str, Any]]) -> contextlib.AbstractContextManager:
@@ -102,7 +131,42 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None
         torch.autograd.backward(outputs, grads)
         return PendingWeights(params)
     _, groups = stage_backward_input(outputs, grads, inputs, iter(params))
-    return PendingWeights(params, groups=groups)
+    return PendingWeights(params, groups=_merged(groups))
+
+
+def _merged(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch's groups made disjoint: groups that share a parameter or a join node become one.
+
+    `get_param_groups` merges a parameter's group into the existing group of each join node it reaches, one
+    after the other, and leaves the earlier ones in place: a parameter whose branch joins the input-gradient
+    graph at nodes of two groups (Qwen2's attention: one parameter's branch reaching what two others reach)
+    ends up in both, and W would run the shared part of the graph twice ("Trying to backward through the
+    graph a second time"; or count those gradients twice). Each join node's saved gradient is the same in
+    every group that lists it (B's hook saw one gradient per node)."""
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = i = parent[parent[i]]
+        return i
+
+    owner: dict[Any, int] = {}
+    for i, group in enumerate(groups):
+        for key in (*group["params"], *group["intermediates"]):
+            j = owner.setdefault(key, i)
+            parent[root(i)] = root(j)
+    if len({root(i) for i in range(len(groups))}) == len(groups):
+        return groups
+    out: dict[int, dict[str, Any]] = {}
+    for i, group in enumerate(groups):
+        merged = out.setdefault(root(i), {"params": set(), "intermediates": [], "grads": []})
+        merged["params"] |= set(group["params"])
+        saved = group.get("grads") or [None] * len(group["intermediates"])
+        for node, g in zip(group["intermediates"], saved, strict=True):
+            if node not in merged["intermediates"]:
+                merged["intermediates"].append(node)
+                merged["grads"].append(g)
+    return list(out.values())
 
 
 def backward_weight(pending: PendingWeights) -> None:
@@ -123,7 +187,7 @@ def _weights_of(group: dict[str, Any], by_node: dict[Any, torch.Tensor]) -> None
     """One parameter group's W: from its join nodes' saved gradients down to its parameters' .grad."""
     edges, grads = [], []
     for saved, node in zip(group["grads"], group["intermediates"], strict=True):
-        for i, g in enumerate(saved):
+        for i, g in enumerate(saved or ()):
             if g is not None:
                 edges.append(GradientEdge(node, i))
                 grads.append(g)

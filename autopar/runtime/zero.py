@@ -365,6 +365,8 @@ class ZeroRuntime:
                 p.grad.copy_(full)  # into the gradient's own storage: no second copy of it
             else:
                 p.grad = full.clone()
+        if not self.tp and not any(self.state[n].streamed for n in names):  # nothing kept a view of it
+            _release(flat)
 
     def step(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer step on owned parameters, owners broadcast the update (ZeRO-1/2), then free what is
@@ -453,10 +455,10 @@ class ZeroRuntime:
         work, owner, names, flat, group = pending
         if work is not None:
             wait(work, f"parameter broadcast from owner rank {owner[0]}", owner[0], self.timeout_s, group, flat.device)
-        if owner == self.my_group:
-            return
-        with torch.no_grad():
-            self._unpack_broadcast(names, flat)
+        if owner != self.my_group:
+            with torch.no_grad():
+                self._unpack_broadcast(names, flat)  # copied into the parameters
+        _release(flat)
 
     def _unpack_broadcast(self, names: list[str], flat: torch.Tensor) -> None:
         """Write a received bucket into its parameters (freed ZeRO-3 storage is allocated again first).
@@ -582,3 +584,12 @@ class ZeroRuntime:
             if parts:
                 lines.append(f"#   {name}: {', '.join(parts)}")
         return lines
+
+
+def _release(flat: torch.Tensor) -> None:
+    """Free a finished collective's flat bucket now, on this thread. Dropping the last Python reference is not
+    enough: the gloo Work keeps the tensor until gloo's worker thread lets go of the Work, after `wait`
+    returns, so the bytes came back later, on a thread torch.profiler does not follow (memtrace then counts
+    the bucket live until its address is handed out again: one extra bucket at some ranks' peaks, in some runs
+    and not others)."""
+    flat.untyped_storage().resize_(0)

@@ -1,0 +1,157 @@
+"""Models people bring (issue 22): ten transformers architectures beyond GPT-2, Llama, Mixtral and BERT, built
+from tiny configs (autopar/hf_models.py), each planned by `autopar.plan` for a mixed cluster and trained on 4
+gloo processes with that plan.
+
+Architectures: grouped-query attention (Qwen2), sliding-window attention (Mistral), ALiBi (Bloom), parallel
+attention (GPT-NeoX, GPT-J, Falcon's new decoder), routed plus shared experts (Qwen2-MoE), an encoder-decoder
+(T5, `forward(ids)` with `decoder_input_ids=ids`), a vision transformer (ViT) and a convnet (ConvNeXt).
+
+The cluster: two large, fast CPU-like devices and two small ones at half the speed, none able to hold a whole
+replica's training state (sized from the plan of one device that holds everything), so autopar must split
+the work. Plans are made here with `autopar.plan` (nothing hand-written); one spawn of 4 ranks then, for each
+architecture in turn, runs `autopar.compile(plan=...)` and 3 steps under `track_memory`. Checks per
+architecture: every step's loss and every final parameter equal single-process training (rtol 1e-4, atol
+1e-5); the plan splits the work (several stages or replicas, the ranks' shares differ); each rank's measured
+peak of live tensor bytes over compile + steps is within 15% of `plan.predicted["peak_memory_bytes"][rank]`
+(ConvNeXt misses it: strict xfail, reason in MEMORY_XFAIL).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+import autopar
+from autopar import models
+from autopar.cluster import device_spec
+from autopar.plan import Plan
+from autopar.runtime.launch import spawn_local
+from autopar.runtime.memtrace import track_memory
+from autopar.runtime.program import Program
+
+from .runtime_cases import STEPS, assert_matches_reference, optimizer, work_of
+
+# name -> model kwargs (tiny: hidden 16-64, 2 layers, vocab 128, seq 16)
+ARCHS: dict[str, dict[str, Any]] = {
+    "hf_qwen2": dict(batch=4),
+    "hf_mistral": dict(batch=4),
+    "hf_bloom": dict(batch=4),
+    "hf_gpt_neox": dict(batch=4),
+    "hf_gptj": dict(batch=4),
+    "hf_falcon": dict(batch=4),
+    "hf_qwen2_moe": dict(batch=4),
+    "hf_t5": dict(batch=4),
+    "hf_vit": dict(batch=4),
+    "hf_convnext": dict(batch=4),
+}
+# device memory as a fraction of one device's predicted peak holding the whole model's training
+BIG, SMALL = 0.7, 0.45
+TOL = 0.15  # measured peak / predicted peak, every rank
+# architectures whose measured peak misses TOL on some rank: name -> reason (with the measured ratios)
+MEMORY_XFAIL: dict[str, str] = {
+    "hf_convnext": "measured 3.2x (ranks 0-1) and 5.3x (ranks 2-3) the predicted peak: the backward of each 7x7 "
+                   "depthwise convolution on a channels-last input (ConvNeXt's residual add after the permuted "
+                   "LayerNorm/MLP makes the next block's input channels-last) allocates a transient of "
+                   "~256 x C x 49 x 4 bytes inside aten::convolution_backward (0.8 MiB at C=16, 1.6 MiB at C=32, "
+                   "independent of batch and image size; 70 KB on a contiguous input), which "
+                   "cost_models/memory.py does not price",
+}
+
+
+def build(name: str, device: str = "cpu") -> models.ModelCase:
+    return models.CASES[name](seed=0, device=device, **ARCHS[name])
+
+
+def mixed_cluster(whole_bytes: int) -> dict:
+    """Two CPU-like devices of BIG x `whole_bytes` and two of SMALL x at half the compute rate."""
+    gib = 2**30
+    base = device_spec("cpu").to_dict()
+    big = {"name": "cpu-big", "based_on": "cpu", "memory_GiB": BIG * whole_bytes / gib}
+    small = {"name": "cpu-small", "based_on": "cpu", "memory_GiB": SMALL * whole_bytes / gib,
+             "tflops_fp32": base["tflops_fp32"] / 2}
+    return {"nodes": [{"device": big, "devices_per_node": 2}, {"device": small, "devices_per_node": 2}]}
+
+
+def make_plan(name: str) -> tuple[dict, str]:
+    case = build(name)
+    args = (case.example_inputs, case.example_target, case.loss_fn)
+    graph = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    whole = autopar.estimate(case.model, "1x1xcpu", autopar.Strategy(), *args, optimizer="adamw",
+                             precision="fp32", captured=graph).plan.predicted["peak_memory_bytes"][0]
+    cluster = mixed_cluster(whole)
+    plan = autopar.plan(case.model, cluster, *args, optimizer="adamw", precision="fp32", time_limit_s=30,
+                        captured=graph)
+    return cluster, plan.to_json()
+
+
+def worker(rank: int, world: int, items: list[tuple[str, dict, str]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, cluster, plan_json in items:
+        case = build(name)
+        gc.collect()
+        try:
+            with track_memory() as trace:
+                prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target,
+                                       case.loss_fn, optimizer, plan=plan_json, precision="fp32", timeout_s=120,
+                                       fallback=False)
+                losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
+        except Exception as e:
+            raise RuntimeError(f"{name} on rank {rank}: {type(e).__name__}: {e}") from e
+        assert isinstance(prog, Program), type(prog)
+        out[name] = {"losses": losses, "final": prog.state_dict()["model"], "work": work_of(prog),
+                     "trace": trace.summary(top=12)}
+        del prog, trace
+        gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, tuple[dict, str]], list[dict]]:
+    plans = {name: make_plan(name) for name in ARCHS}
+    items = [(name, cluster, plan_json) for name, (cluster, plan_json) in plans.items()]
+    return plans, spawn_local(worker, 4, items, timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_trains_like_one_process(runs: tuple, name: str) -> None:
+    _, results = runs
+    ref_losses, ref_final = models.train_reference(build(name), optimizer, STEPS)
+    for rank, res in enumerate(results):
+        assert_matches_reference(res[name]["losses"], res[name]["final"], ref_losses, ref_final,
+                                 f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_plan_splits_the_work(runs: tuple, name: str) -> None:
+    plans, results = runs
+    plan = Plan.from_json(plans[name][1])
+    assert plan.world_size == 4
+    assert len(plan.pipelines) > 1 or len(plan.pipelines[0].stages) > 1, plan.explain()
+    works = [res[name]["work"] for res in results]
+    # no rank trains the whole batch through every parameter the ranks hold together
+    union = set().union(*(w["params"] for w in works))
+    for rank, w in enumerate(works):
+        whole_batch = w["batch"] == (0, plan.global_batch)
+        assert not (whole_batch and set(w["params"]) == union), (
+            f"{name} rank {rank} does everything: batch {w['batch']}, layers {w['layers']}")
+
+
+def _memory_cases() -> list[Any]:
+    def marks(name: str) -> list[Any]:
+        if name in MEMORY_XFAIL:
+            return [pytest.mark.xfail(strict=True, reason=MEMORY_XFAIL[name])]
+        return []
+    return [pytest.param(name, marks=marks(name)) for name in ARCHS]
+
+
+@pytest.mark.parametrize("name", _memory_cases())
+def test_measured_peak_memory_matches_plan(runs: tuple, name: str) -> None:
+    plans, results = runs
+    predicted = Plan.from_json(plans[name][1]).predicted["peak_memory_bytes"]
+    ratios = {rank: res[name]["trace"]["peak_bytes"] / predicted[rank] for rank, res in enumerate(results)}
+    missed = {rank: r for rank, r in ratios.items() if abs(r - 1) > TOL}
+    assert not missed, (f"{name}: measured/predicted peak {ratios}; at the peak: "
+                        + "; ".join(f"rank {rank}: {results[rank][name]['trace']['at_peak']}, unseen frees "
+                                    f"{results[rank][name]['trace']['unseen_free_bytes']}" for rank in missed))
