@@ -54,6 +54,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -581,6 +582,20 @@ def section_calibrate(ctx: Context) -> dict:
 
 def _train_measured(ctx: Context, case: models.ModelCase, cluster: dict, plan: Any, steps: int,
                     cap_bytes: int | None = None) -> dict:
+    """`_train_measured_once`, with the plan's own drift warnings (autopar.PlanDriftWarning) recorded as
+    findings (`plan_drift`) rather than raised: this script reports figures."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", autopar.PlanDriftWarning)
+        f = _train_measured_once(ctx, case, cluster, plan, steps, cap_bytes)
+    f["plan_drift"] = [str(w.message) for w in seen if issubclass(w.category, autopar.PlanDriftWarning)]
+    for w in seen:
+        if not issubclass(w.category, autopar.PlanDriftWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return f
+
+
+def _train_measured_once(ctx: Context, case: models.ModelCase, cluster: dict, plan: Any, steps: int,
+                         cap_bytes: int | None = None) -> dict:
     """Compile under `plan`, free the model's own copy, (cap the GPU,) run 1 warm-up + `steps` measured steps:
     median step seconds and peak allocated bytes against the plan. Out of memory ends the run as a finding."""
     prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,

@@ -194,7 +194,6 @@ class PlanCheck:
         """End the window early for another profiler window: its figures are kept, without a verdict (the
         other window's owner measures what it wants; the steps after are not in this one)."""
         self.close(warn=False)
-        self.figures.not_measured = self.figures.not_measured or ""
 
     def step_started(self) -> None:
         self._step_start = time.perf_counter()
