@@ -25,8 +25,13 @@ class LossWrapper(nn.Module):
         return self.loss_fn(self.model(*inputs), target)
 
 
+# trained on 4 ranks by tests/test_hf_architectures.py
+HF_ARCHITECTURES = ["hf_qwen2", "hf_mistral", "hf_bloom", "hf_gpt_neox", "hf_gptj", "hf_falcon", "hf_qwen2_moe",
+                    "hf_t5", "hf_vit", "hf_convnext"]
+
+
 def test_case_registry():
-    assert sorted(CASES) == sorted(OWN + HF_NAMES)
+    assert sorted(CASES) == sorted(OWN + HF_NAMES + HF_ARCHITECTURES)
 
 
 @pytest.mark.parametrize("name", OWN + HF)

@@ -15,7 +15,7 @@ import autopar
 from autopar import InfeasibleError, Plan, Strategy
 from autopar.api import cost_model
 from autopar.cli import main
-from autopar.cost_models.memory import state_bytes_per_param
+from autopar.cost_models.memory import autocast_cast_params, state_bytes_per_param
 from autopar.graph import TrainingGraph
 from autopar.models import gpt, gpt_config, mlp
 from autopar.plan import Pipeline, Stage
@@ -81,6 +81,11 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
     for name, layers in users.items():
         if name in numel:
             owned[min(layers)] += numel[name]
+    # autocast copies only the weights its low-precision ops (matmul, linear, conv) read
+    cast = autocast_cast_params(graph)
+    cast_owned = [0] * len(graph.layers)
+    for num, layers in cast.values():
+        cast_owned[min(layers)] += num
     inputs = graph.input_meta[graph.inputs[0]].nbytes
     # softmax / log_softmax / cross_entropy run in fp32 under autocast (PyTorch AMP docs): what they keep of
     # their own is 4-byte (annotate priced 2 in mixed precision), and their backward returns fp32 gradients
@@ -145,15 +150,19 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     static += n * o / (D if z >= 1 else 1)
                 static += 2 * big * w * (zm == 3) + big * g * (zm >= 2)
                 layers = graph.layers[a:e]
+                n_all = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls))
+                n_cast = sum(num for num, ls in cast.values() if any(a <= x < e for x in ls))
+                share = min(1.0, n_cast / n_all) if n_all else 0.0
                 recomputed = st.recompute and any(x.kind == "block" for x in layers)
                 if recomputed:
                     act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
                               if x.kind == "block" else saved[x.index] for x in layers)
-                    works.append(max(saved[x.index] for x in layers if x.kind == "block") + sb.cast_copy * big
-                                 + transient)
-                    act += sb.cast_copy * (n - sum(owned[x.index] for x in layers if x.kind == "block") / t)
+                    works.append(max(saved[x.index] for x in layers if x.kind == "block")
+                                 + sb.cast_copy * big * share + transient)
+                    act += sb.cast_copy * max(0.0, n * share - sum(cast_owned[x.index] for x in layers
+                                                                   if x.kind == "block") / t)
                 else:
-                    act = sum(saved.values()) + sb.cast_copy * n
+                    act = sum(saved.values()) + sb.cast_copy * n * share
                     works.append(transient)
                 acts.append(act * (1 if "activations" in off else inflight[r]))
                 if D > 1 and not bucketed:
