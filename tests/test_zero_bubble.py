@@ -4,6 +4,7 @@ runtime, which trains exactly like one process and like 1F1B (fp32, 3 AdamW step
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -210,15 +211,22 @@ class _SharedBranches(torch.nn.Module):
         return x * (self.a + self.c) + x * (self.b + self.c)
 
 
-def test_split_backward_merges_groups_that_share_a_parameter() -> None:
+def _plain_then_b(m: torch.nn.Module) -> tuple[Any, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One plain backward of `m` (its parameter gradients kept), then B of the split on a fresh copy of the
+    input: (what B left for W, the plain input, the split's input, the plain parameter gradients)."""
     torch.manual_seed(0)
-    m = _SharedBranches()
     x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
     torch.autograd.backward([m(x)], [g])
     want = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     x2 = x.detach().clone().requires_grad_(True)
-    pending = backward_input([m(x2)], [g], [x2], list(m.parameters()))
+    return backward_input([m(x2)], [g], [x2], list(m.parameters())), x, x2, want
+
+
+def test_split_backward_merges_groups_that_share_a_parameter() -> None:
+    torch.manual_seed(0)
+    m = _SharedBranches()
+    pending, _, _, want = _plain_then_b(m)
     assert len(pending.groups) == 1  # one group: each parameter and join node in exactly one
     backward_weight(pending)  # raised "Trying to backward through the graph a second time"
     for p, w in zip(m.parameters(), want, strict=True):
@@ -242,12 +250,7 @@ class _BiasTwice(torch.nn.Module):
 def test_split_backward_runs_nested_joins_whole_in_b() -> None:
     torch.manual_seed(0)
     m = _BiasTwice()
-    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
-    torch.autograd.backward([m(x)], [g])
-    want = [p.grad.clone() for p in m.parameters()]
-    m.zero_grad()
-    x2 = x.detach().clone().requires_grad_(True)
-    pending = backward_input([m(x2)], [g], [x2], list(m.parameters()))
+    pending, x, x2, want = _plain_then_b(m)
     # W from the upper join would run lin's backward again, after lin's own W freed it
     assert pending.mode == "whole"
     backward_weight(pending)
