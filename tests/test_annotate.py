@@ -81,7 +81,8 @@ def test_mixed_precision_state_is_16_bytes_per_param() -> None:
     assert state["weights"] + state["grads"] + state["optimizer"] == 16 * n + 4 * len(g.params)
 
 
-def _real_saved_bytes(case: models.ModelCase) -> int:
+def real_saved_bytes(case: models.ModelCase) -> int:
+    """Bytes of the unique storages autograd saves for one forward of `case`, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in case.model.parameters()}
     seen: dict[int, int] = {}
 
@@ -106,7 +107,7 @@ def test_saved_activation_bytes_within_10_percent_of_a_real_run(name: str, kwarg
         pytest.importorskip("transformers")
     case = models.CASES[name](**kwargs)
     g = _annotated(case)
-    real = _real_saved_bytes(case)
+    real = real_saved_bytes(case)
     assert real > 0
     assert g.saved_activation_bytes() == pytest.approx(real, rel=0.10)
 

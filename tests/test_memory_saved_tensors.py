@@ -20,6 +20,7 @@ import autopar
 from autopar import models
 from autopar.codegen.fusion import find_regions
 
+from .test_annotate import real_saved_bytes
 from .test_kernels import capture
 
 SEQ, HIDDEN, HEADS = 256, 128, 16  # the issue's GPT at seq 2048, hidden 1024, 16 heads, scaled by 1/8
@@ -35,19 +36,7 @@ def _case(layers: int, device: str) -> models.ModelCase:
 
 def _torch_saved_bytes(layers: int) -> int:
     """Bytes of the unique storages autograd saves for the backward, parameters excluded."""
-    case = _case(layers, "cpu")
-    params = {p.untyped_storage().data_ptr() for p in case.model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        case.loss_fn(case.model(*case.example_inputs), case.example_target)
-    return sum(seen.values())
+    return real_saved_bytes(_case(layers, "cpu"))
 
 
 def _priced_peak(layers: int) -> tuple[float, int]:
