@@ -95,3 +95,15 @@ def test_report_gathers_every_rank_and_drift_is_an_error_in_ranks() -> None:
 
 def _train_expecting_error(rank: int, world: int, plan: str) -> None:
     _train(plan, "1x2xcpu")
+
+
+def test_a_second_program_is_measured_after_the_first_gives_way() -> None:
+    """A program compiled while an earlier one's window is still open (fewer steps than the window's): the
+    earlier window ends with what it saw, and the new program is measured."""
+    case = _case()
+    plan = _plan(case, "1x1xcpu", autopar.Strategy())
+    first = _train(plan, "1x1xcpu", steps=1)
+    second = _train(plan, "1x1xcpu", steps=3)
+    (a,), (b,) = first.report().ranks, second.report().ranks
+    assert a.measured_peak_bytes is not None and a.window_steps == 1
+    assert b.measured_peak_bytes is not None and not b.not_measured and b.window_steps == 3

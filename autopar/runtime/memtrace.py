@@ -106,6 +106,12 @@ def device_name(device: torch.device | str) -> str:
     return str(d)
 
 
+def end_open_windows() -> None:
+    """End the profiler windows that give way to a new one (OPEN_WINDOWS)."""
+    for close in list(OPEN_WINDOWS):
+        close()
+
+
 @contextlib.contextmanager
 def track_memory(device: torch.device | str = "cpu") -> Iterator[MemoryTrace]:
     """Measure live tensor bytes of the block on `device` (that device's allocations only); the yielded trace
@@ -116,8 +122,7 @@ def track_memory(device: torch.device | str = "cpu") -> Iterator[MemoryTrace]:
         with _cuda_window(name, trace):
             yield trace
         return
-    for close in list(OPEN_WINDOWS):  # torch's profiler does not nest: an open plan-check window ends first
-        close()
+    end_open_windows()  # torch's profiler does not nest: an open plan-check window ends first
     # no with_stack: Python frames cost 2-4x the time, and with them the tree no longer links an
     # allocation to the record_function labels around it (phases and the optimizer step are lost)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import PlanDriftWarning
-from .memtrace import OPEN_WINDOWS, MemoryTrace, track_memory
+from .memtrace import OPEN_WINDOWS, MemoryTrace, end_open_windows, track_memory
 
 TOLERANCE = 0.15
 # bytes a rank allocates whatever the plan (captured constants, index and scalar tensors, the loss): on a model
@@ -169,6 +169,7 @@ class PlanCheck:
         self._step_start: float | None = None
 
     def open(self) -> PlanCheck:
+        end_open_windows()  # an earlier program's window gives way; only a foreign profiler stops this one
         if self.device.type != "cuda" and torch.autograd._profiler_enabled():
             self.figures.not_measured = "another profiler was running"
             return self
@@ -176,7 +177,7 @@ class PlanCheck:
             self.figures.not_measured = "no CUDA"
             return self
         trace = contextlib.ExitStack()
-        self._trace = trace.enter_context(track_memory(self.device))  # ends an earlier program's window first
+        self._trace = trace.enter_context(track_memory(self.device))
         self._window = trace
         if self.device.type != "cuda":
             OPEN_WINDOWS.add(self.give_way)
