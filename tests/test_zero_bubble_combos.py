@@ -78,7 +78,7 @@ def test_a_parameter_that_also_feeds_an_output_directly_gets_its_whole_gradient(
 
 
 class _Counted(torch.nn.Module):
-    """Two linears (the first applied `uses` times), counting its forward runs."""
+    """Two linears (the first applied on `uses` parallel branches, summed), counting its forward runs."""
 
     def __init__(self, uses: int) -> None:
         super().__init__()
@@ -86,16 +86,15 @@ class _Counted(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        for _ in range(self.uses):
-            x = torch.relu(self.a(x))
+        x = sum(torch.relu(self.a(x * (i + 1))) for i in range(self.uses))
         return self.b(x)
 
 
 @pytest.mark.parametrize("uses", [1, 2])
 def test_w_of_a_recomputed_block_recomputes_it_once_and_gets_a_plain_backwards_gradients(uses: int) -> None:
     """A checkpointed block: forward once in F, recomputed once in B and once in W (not once per parameter
-    group: it has 2); with a weight used twice (one group joining the input-gradient graph at two nodes) W
-    falls back to one recompute per group, and the gradients are still a plain backward's, bit for bit."""
+    group: it has 2); with a weight used on two parallel branches (one group joining the input-gradient graph
+    at two nodes, neither below the other) W falls back to one recompute per group, and the gradients are still a plain backward's, bit for bit."""
     torch.manual_seed(0)
     block = _Counted(uses)
     twin = copy.deepcopy(block)
