@@ -71,22 +71,28 @@ def test_check_off_measures_nothing() -> None:
     assert r.measured_peak_bytes is None and "not built by autopar.compile" in r.not_measured
 
 
-def _two_ranks(rank: int, world: int, plan: str) -> tuple[str, list[int], list[str]]:
+def _two_ranks(rank: int, world: int, plan: str) -> tuple[str, list[int], list[str], list[list]]:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        prog = _train(plan, "1x2xcpu")
+        prog = _train(plan, "1x2xcpu", steps=5)
     report = prog.report()
     drift = [str(w.message) for w in seen if issubclass(w.category, autopar.PlanDriftWarning)]
-    return str(report), report.drifted(), drift
+    stages = [[(t.stage, t.predicted_compute_s, t.measured_compute_s) for t in r.stage_times] for r in report.ranks]
+    return str(report), report.drifted(), drift, stages
 
 
 def test_report_gathers_every_rank_and_drift_is_an_error_in_ranks() -> None:
     case = _case()
     results = spawn_local(_two_ranks, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2)),
                           timeout_s=120)
-    for text, drifted, drift in results:
+    for text, drifted, drift, stages in results:
         assert drifted == [] and drift == []
-        assert text.count("\n0 ") + text.count("\n1 ") == 2  # both ranks' rows, on every rank
+        # both ranks' rows, on every rank: one in the memory table, one per stage in the stage table
+        assert text.count("\n0 ") == 2 and text.count("\n1 ") == 2, text
+        assert "predicted compute" in text
+        # each rank computes its own stage; measured over the 2 steps after the memory window
+        assert [[t[0] for t in r] for r in stages] == [["stage 0"], ["stage 1"]]
+        assert all(p > 0 and m > 0 for r in stages for _, p, m in r), stages
     # the suite's filter makes drift an error; spawn_local gives the ranks the caller's filters
     with pytest.raises(autopar.AutoparError, match="PlanDriftWarning"):
         spawn_local(_train_expecting_error, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2),

@@ -211,13 +211,13 @@ class FlushlessProgram(AsyncProgram):
                 n_p = len(st.params)
                 run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
                     if self.tp else st.gm  # tensor parallelism: as Program._run runs a stage
-                with self.timer.compute(), self.amp.forward():
+                with self.timer.compute(s), self.amp.forward():
                     if pipe.stages[s].recompute and s not in self._layered:
                         fl.outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                     else:
                         fl.outputs[key] = run(*vals)
             elif a.kind == "B":
-                self._backward(st, key, sizes[j] / self.layout.global_batch)
+                self._backward(st, key, sizes[j] / self.layout.global_batch, s)
             elif a.kind == "ALLREDUCE":
                 for n, leaf in fl.leaves.pop(r).items():  # the wave's gradient, launched as AsyncProgram does
                     self.params[n].grad = leaf.grad
@@ -229,9 +229,9 @@ class FlushlessProgram(AsyncProgram):
                 self._apply(self._pending.popleft())
         fl.sends = [x for x in fl.sends if not x[0].is_completed()]
 
-    def _backward(self, st: Any, key: tuple[int, int], weight: float) -> None:
+    def _backward(self, st: Any, key: tuple[int, int], weight: float, stage: int) -> None:
         fl = self._flight
-        with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
+        with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(stage):
             if st.is_last:  # the loss is counted once per tensor-parallel group (as Program._run does)
                 loss = fl.outputs.pop(key)
                 if self.position.tp_index == 0:  # on the device: no host read per micro-batch

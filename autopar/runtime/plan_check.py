@@ -14,8 +14,10 @@ The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`: 
 prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the capacity of a device the plan said it
 fits on, gets a `PlanDriftWarning` naming the rank,
 the figures and the plan options of its stages. Step times are wall seconds per `step()` call (the loss read at
-its end waits for the device), against `predicted["step_time_s"]`, for the report only: a cost model's time on
-a shared host is not a promise the way memory is.
+its end waits for the device), against `predicted["step_time_s"]`, and each stage's forward + backward compute
+seconds per step (the program's StageTimer, runtime/straggler.py: CUDA events on a GPU) against the stage's
+`predicted["compute_s"]`; times are for the report only: a cost model's time on a shared host is not a promise
+the way memory is.
 
 `Program.report()` gathers every rank's figures (a collective: call it on every rank) and returns a
 `RunReport`, printed as a table by `str()`.
@@ -43,6 +45,15 @@ STEPS = 3  # steps inside the memory window: the optimizer's state exists from t
 
 
 @dataclass
+class StageFigures:
+    """One stage a rank computes: its predicted and measured forward + backward compute seconds per step."""
+
+    stage: str  # "stage 1" or "replica 0 stage 1"
+    predicted_compute_s: float | None  # the plan's `compute_s` of the stage (None: the plan has none)
+    measured_compute_s: float | None  # median over the timed steps (StageTimer; None: no step ran)
+
+
+@dataclass
 class RankFigures:
     """One rank's predicted and measured figures."""
 
@@ -57,6 +68,7 @@ class RankFigures:
     window_steps: int = 0  # steps run while the memory window was open (the profiler slows them on the CPU)
     not_measured: str = ""  # why the memory was not measured
     peak_in: str = ""  # the allocation that reached the peak (CPU only)
+    stage_times: list[StageFigures] = field(default_factory=list)  # filled by `Program.report()`
 
     @property
     def ratio(self) -> float | None:
@@ -117,7 +129,17 @@ class RunReport:
                          f"{step * 1e3:.3g} ms" if step is not None else "n/a",
                          "DRIFT: " + r.drift(self.tolerance) if r.drift(self.tolerance) else ""])
         n = max((len(r.timed_steps) for r in self.ranks), default=0)
-        return render_table(rows, right={3, 4, 5, 6, 7}) + (
+        stage_rows = [["rank", "stage", "predicted compute", "measured compute", "measured/predicted"]]
+        for r in self.ranks:
+            for t in r.stage_times:
+                p, m = t.predicted_compute_s, t.measured_compute_s
+                stage_rows.append([str(r.rank), t.stage, f"{p * 1e3:.3g} ms" if p is not None else "n/a",
+                                   f"{m * 1e3:.3g} ms" if m is not None else "n/a",
+                                   f"{m / p:.2f}" if p and m is not None else ""])
+        stages = ("\n" + render_table(stage_rows, right={2, 3, 4})
+                  + "\n(compute: forward + backward seconds of the stage per step, median over the timed steps; "
+                    "waits for transfers and collectives excluded)") if len(stage_rows) > 1 else ""
+        return render_table(rows, right={3, 4, 5, 6, 7}) + stages + (
             f"\n(peak: live tensor bytes over compile and the first steps, at the allocator; step: median wall "
             f"time of {n} step(s); drift: measured peak over {1 + self.tolerance:.2f}x the prediction or over "
             f"the device's capacity)")
@@ -147,6 +169,23 @@ def stage_options(plan: Any, rank: int) -> list[str]:
             where = f"replica {p_idx} " if len(plan.pipelines) > 1 else ""
             out.append(f"{where}stage {s_idx} layers [{st.layers[0]}, {st.layers[1]})"
                        + (": " + ", ".join(opts) if opts else ""))
+    return out
+
+
+def stage_times(plan: Any, pipeline: int, rank: int, stage_steps: list[dict[Any, float]]
+                ) -> list[StageFigures]:
+    """Predicted vs measured compute of each stage of `plan.pipelines[pipeline]` that `rank` computes, from
+    `stage_steps` (StageTimer.stage_steps: the steps to take the median of, seconds by stage index)."""
+    pipe = plan.pipelines[pipeline]
+    where = f"replica {pipeline} " if len(plan.pipelines) > 1 else ""
+    out = []
+    for s_idx, st in enumerate(pipe.stages):
+        if rank not in st.devices:
+            continue
+        predicted = st.predicted.get("compute_s") if st.predicted else None
+        measured = statistics.median(step.get(s_idx, 0.0) for step in stage_steps) if stage_steps else None
+        out.append(StageFigures(f"{where}stage {s_idx}", float(predicted) if predicted is not None else None,
+                                measured))
     return out
 
 
@@ -244,4 +283,5 @@ class PlanCheck:
         return RunReport(sorted(gathered, key=lambda r: r.rank), self.tolerance)
 
 
-__all__ = ["PlanCheck", "PlanDriftWarning", "RankFigures", "RunReport", "STEPS", "TOLERANCE", "stage_options"]
+__all__ = ["PlanCheck", "PlanDriftWarning", "RankFigures", "RunReport", "STEPS", "StageFigures", "TOLERANCE",
+           "stage_options", "stage_times"]

@@ -50,7 +50,7 @@ from .elastic import naming_lost_ranks, start_heartbeat
 from .expert_parallel import expert_groups, expert_runtime
 from .grad_sync import BucketedGradSync, first_use_order, plain_data_parallel
 from .layered import NoHooks, layer_calls, layered, node_layers
-from .plan_check import PlanCheck, RunReport
+from .plan_check import PlanCheck, RunReport, stage_times
 from .precision import PrecisionPolicy
 from .split_backward import PendingWeights, backward_input, backward_weight
 from .straggler import StageTimer, StragglerReport
@@ -364,6 +364,13 @@ class Program:
             check = self.plan_check = PlanCheck(self.plan, self.rank, self.device)
             check.figures.not_measured = "the program was not built by autopar.compile"
         check.close()  # fewer steps than the window's: the verdict on what ran so far
+        if self.position is not None:
+            recorded = self.timer.stage_steps
+            # the steps after the memory window (the profiler slows those inside it on the CPU), else all
+            timed = self.step_count - check.figures.window_steps
+            after = recorded[max(0, len(recorded) - timed):] if timed > 0 else []
+            check.figures.stage_times = stage_times(self.plan, self.pipeline.index, self.rank,
+                                                    after or recorded)
         return check.report(self.world_size, self._object_group if self.world_size > 1 else None)
 
     def to_rank_device(self, inputs: tuple, target: Any) -> tuple[tuple, Any]:
@@ -472,7 +479,7 @@ class Program:
                 if self.layers is not None:
                     self.layers.begin(action, memory)
                 with offload_activations(train and "activations" in pipe.stages[s].offload), \
-                        self.timer.compute() if train else contextlib.nullcontext(), self.amp.forward():
+                        self.timer.compute(s) if train else contextlib.nullcontext(), self.amp.forward():
                     if train and pipe.stages[s].recompute and s not in self._layered:  # layered: per block
                         out = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
                     else:
@@ -491,7 +498,7 @@ class Program:
                     self.grad_sync.final = i == last_b
                 if self.layers is not None:  # per-layer memory actions: REDUCE as each layer's backward ends
                     self.layers.begin(action, memory)
-                with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
+                with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(s):
                     if st.is_last:
                         loss = outputs.pop(key)
                         if pos.tp_index == 0:
@@ -513,7 +520,7 @@ class Program:
             elif kind == "W":  # zero-bubble W: the weight gradients its B left
                 if self.grad_sync is not None:  # the buckets launch during the last W
                     self.grad_sync.final = i == last_b
-                with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute():
+                with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(s):
                     backward_weight(pending.pop(key))
         for work, peer, _keep in sends:
             wait(work, "send" + what, peer, self.timeout_s)

@@ -63,23 +63,27 @@ def emulated_slowdown(rank: int) -> float:
 
 
 class StageTimer:
-    """Compute seconds of this rank's forward and backward actions, per step.
+    """Compute seconds of this rank's forward and backward actions, per step and per stage.
 
     On CUDA the host only launches kernels, so host clocks would time the launches: each compute section
     records a pair of timing events on the current stream instead, and a step's seconds are read from them
     when `steps` is asked for (one wait for the newest event then, none inside a step). Elsewhere (and
     while emulating a slowdown, which sleeps for real time) `time.perf_counter` times the section.
     `device`: where the rank computes (default: CUDA when it is in use in this process); `event`: the timing
-    event type (`torch.cuda.Event`)."""
+    event type (`torch.cuda.Event`). `compute(stage)` charges the section to that stage of the rank's
+    pipeline (`stage_steps`: the seconds of each step by stage, what `Program.report()` sets against the
+    plan's per-stage `compute_s`)."""
 
     def __init__(self, rank: int, history: int = 64, device: torch.device | str | None = None,
                  event: Callable[..., Any] | None = None) -> None:
         self.slowdown = emulated_slowdown(rank)
         self.device = torch.device(device) if device is not None else None
         self.event = event
-        self.current = 0.0
-        self._pairs: list[tuple[Any, Any]] = []  # this step's CUDA sections, read later
-        self._steps: deque[float | tuple[float, list[tuple[Any, Any]]]] = deque(maxlen=history)
+        self.current: dict[int | None, float] = {}  # this step's host-timed seconds by stage
+        self._pairs: list[tuple[int | None, Any, Any]] = []  # this step's CUDA sections, read later
+        # each step: host-timed seconds by stage, and the CUDA sections not read yet
+        self._steps: deque[tuple[dict[int | None, float], list[tuple[int | None, Any, Any]]]] = \
+            deque(maxlen=history)
 
     def _on_cuda(self) -> bool:
         if self.slowdown > 1.0:
@@ -89,14 +93,14 @@ class StageTimer:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
+    def compute(self, stage: int | None = None) -> Iterator[None]:
         if self._on_cuda():
             make = self.event or torch.cuda.Event
             start, end = make(enable_timing=True), make(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._pairs.append((start, end))
+            self._pairs.append((stage, start, end))
             return
         start_s = time.perf_counter()
         yield
@@ -104,23 +108,30 @@ class StageTimer:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the emulated device is as slow as its kernels' real time
             time.sleep((time.perf_counter() - start_s) * (self.slowdown - 1.0))
-        self.current += time.perf_counter() - start_s
+        self.current[stage] = self.current.get(stage, 0.0) + time.perf_counter() - start_s
 
     def end_step(self) -> None:
-        self._steps.append((self.current, self._pairs) if self._pairs else self.current)
-        self.current, self._pairs = 0.0, []
+        self._steps.append((self.current, self._pairs))
+        self.current, self._pairs = {}, []
+
+    @property
+    def stage_steps(self) -> list[dict[int | None, float]]:
+        """Compute seconds of the recent steps by stage (reading the CUDA events waits for the newest one)."""
+        pending = [pairs for _, pairs in self._steps if pairs]
+        if pending:
+            pending[-1][-1][2].synchronize()  # a stream's events complete in order: the newest is last
+        out = []
+        for by_stage, pairs in self._steps:
+            for stage, a, b in pairs:
+                by_stage[stage] = by_stage.get(stage, 0.0) + a.elapsed_time(b) / 1e3
+            pairs.clear()
+            out.append(dict(by_stage))
+        return out
 
     @property
     def steps(self) -> deque[float]:
-        """Compute seconds of the recent steps (reading the CUDA events waits for the newest one)."""
-        pending = [s for s in self._steps if isinstance(s, tuple)]
-        if pending:
-            pending[-1][1][-1][1].synchronize()  # a stream's events complete in order: the newest is last
-        out: deque[float] = deque(maxlen=self._steps.maxlen)
-        for s in self._steps:
-            out.append(s if not isinstance(s, tuple) else s[0] + sum(a.elapsed_time(b) for a, b in s[1]) / 1e3)
-        self._steps = deque(out, maxlen=self._steps.maxlen)
-        return out
+        """Compute seconds of the recent steps, all stages together."""
+        return deque((sum(s.values()) for s in self.stage_steps), maxlen=self._steps.maxlen)
 
 
 # ---- the report -------------------------------------------------------------------------------------------
