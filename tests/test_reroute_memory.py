@@ -144,3 +144,27 @@ def test_copy_that_does_not_fit_is_not_taken() -> None:
         assert on["wrapped"] == "ReroutingProgram" and on["block"]["fits"] is False
         assert "does not fit" in on["why_not"] and "device 0 (smallcpu)" in on["why_not"]
         assert abs(on["peak"] - res[False]["peak"]) <= 0.05 * on["block"]["copy_bytes"][str(rank)], rank
+
+
+def _checked(rank: int, world: int) -> dict[str, Any]:
+    """Worker: re-routing on and the plan's own check measuring (compile + its 3 steps, no window of ours)."""
+    import autopar
+
+    case = _case(1)
+    prog = autopar.compile(case.model, f"1x{world}xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                           optimizer, plan=autopar.Strategy(dp=world), reroute=True, timeout_s=60)
+    for _ in range(3):
+        prog.step(*case.example_inputs, target=case.example_target)
+    (mine,) = [r for r in prog.report().ranks if r.rank == rank]
+    return {"figures": mine, "block": prog.plan.predicted["reroute"], "step_peak": prog.plan.predicted[
+        "peak_memory_bytes"][rank]}
+
+
+def test_plan_check_expects_the_copy() -> None:
+    """The program's self-check compares with the peak priced with the copy (the suite makes drift an error in
+    the ranks: a check expecting the step's peak alone fails this run)."""
+    for rank, res in enumerate(spawn_local(_checked, WORLD, timeout_s=240)):
+        f, block = res["figures"], res["block"]
+        assert f.predicted_peak_bytes == block["peak_memory_bytes"][str(rank)] > res["step_peak"]
+        assert f.measured_peak_bytes is not None and not f.drift(), f
+        assert "re-routing's pre-step copy" in f.stages

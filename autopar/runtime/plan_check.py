@@ -235,6 +235,12 @@ class PlanCheck:
         other window's owner measures what it wants; the steps after are not in this one)."""
         self.close(warn=False)
 
+    def predict(self, peak_bytes: int, what: str) -> None:
+        """A wrapper of the program holds `what` too (re-routing's pre-step copy): its priced peak, which
+        includes it, is the one to compare with."""
+        self.figures.predicted_peak_bytes = int(peak_bytes)
+        self.figures.stages.append(what)
+
     def step_started(self) -> None:
         self._step_start = time.perf_counter()
 

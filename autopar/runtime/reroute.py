@@ -358,6 +358,10 @@ class ReroutingProgram:
                       f"autopar.compiler.train).", file=sys.stderr, flush=True)
         if self.why_not is None:
             watch_aborts(root_store(), f"autopar/reroute/{len(self.events)}/abort")
+            peaks = (predicted.get("reroute") or {}).get("peak_memory_bytes") or {}
+            check = getattr(self.program, "plan_check", None)
+            if check is not None and str(self.program.rank) in peaks:  # each step's copy is in the window
+                check.predict(peaks[str(self.program.rank)], "re-routing's pre-step copy")
 
     @staticmethod
     def _why_not(plan: Plan, world: int) -> str | None:
