@@ -15,6 +15,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.plan import Pipeline, Plan, Stage
 from autopar.runtime.launch import spawn_local
 from autopar.solver.pricing import model_summary, price
+from autopar.solver.pricing_model import Option
 
 from .runtime_cases import (
     assert_ranks_match_reference,
@@ -79,3 +80,19 @@ def test_mixed_tp_plan_is_priced_with_the_runtime_sync() -> None:
     assert fast.predicted["sync_s"] >= reps + 2 * inner
     assert slow.predicted["sync_s"] >= reps
     assert pr["step_time_s"] >= max(s.predicted["compute_s"] for p in priced.plan.pipelines for s in p.stages)
+
+
+def test_one_tp_degree_is_priced_with_the_runtime_sync_too() -> None:
+    """dp 2 x tp 2 (one degree everywhere): runtime/zero.py syncs those gradients the same way, whole tensors
+    among the groups' first ranks (not one all-reduce of shards per tp rank), and the price says so."""
+    cm = cm_for("1x4xA100-80GB", layers=4, batch=8)
+    L = cm.L
+    pipes = [Pipeline(4, 2, 2, [Stage([0, L], [0, 1])]), Pipeline(4, 2, 2, [Stage([0, L], [2, 3])])]
+    plan = Plan(cm.B, cm.precision, cm.optimizer, "1f1b", 1, cm.cluster.to_dict(), model_summary(cm.graph), pipes,
+                {}, cm.reserve)
+    stage = price(cm, plan).plan.pipelines[0].stages[0]
+    base = cm.base(0, L, "A100-80GB", 2, (0, 1))
+    whole = cm.stage_times(base, Option(), "A100-80GB", (0, 1), (0, 2), mixed_tp=True).sync
+    shards = cm.options_times(base, [Option()], "A100-80GB", (0, 1), (0, 2))[0].sync
+    assert stage.tp == 2 and stage.predicted["sync_s"] == pytest.approx(whole)
+    assert shards == pytest.approx(whole)  # one degree or several: the same runtime path, the same price

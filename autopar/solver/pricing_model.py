@@ -377,9 +377,12 @@ class CostModel(CommPricing):
         t, D = len(tp_group), len(dp_group)
         N = base.params / t + base.tp_extra
         key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
-        hit = self._memo.get(key) if not mixed_tp else self._mixed_tp_sync(base, tp_group, dp_group)
+        # tensor-parallel replicas (mixed degrees or not) sync as runtime/zero.py does: whole tensors among the
+        # groups' first ranks (`_mixed_tp_sync`)
+        whole = mixed_tp or (t > 1 and D > 1)
+        hit = self._memo.get(key) if not whole else self._mixed_tp_sync(base, tp_group, dp_group)
         if hit is None:
-            # the stage's t data-parallel groups (one per tp rank) sync at once: they share the nodes' NICs
+            # the stage's data-parallel group syncs its shards (t = 1)
             hit = self._memo[key] = (self.collective("all_gather", N * w, dp_group, t),
                                      self.collective("reduce_scatter", N * g, dp_group, t),
                                      self.collective("all_reduce", N * g, dp_group, t))
@@ -433,10 +436,11 @@ class CostModel(CommPricing):
 
     def _mixed_tp_sync(self, base: StageBase, tp_group: tuple[int, ...], dp_group: tuple[int, ...]
                        ) -> tuple[float, float, float]:
-        """(all-gather, reduce-scatter, all-reduce) seconds of a stage whose data-parallel peers differ in
-        tensor-parallel degree: runtime/zero.py reduces whole tensors (all of the stage's parameters, E)
-        among the groups' first ranks, once (not t groups at once), and a tp group first gathers its shards
-        (all-gather of E g over it) and then broadcasts the result to its ranks (as much again)."""
+        """(all-gather, reduce-scatter, all-reduce) seconds of a stage whose data-parallel peers are
+        tensor-parallel groups (of one degree or several): runtime/zero.py reduces whole tensors (all of the
+        stage's parameters, E) among the groups' first ranks, once (not t groups at once), and a tp group
+        first gathers its shards (all-gather of E g over it) and then broadcasts the result to its ranks (as
+        much again)."""
         w, g = self.state.weights, self.state.grads
         E = float(base.params)
 
