@@ -181,6 +181,8 @@ class Program:
                         if value is None:
                             continue  # another rank's expert: the stage gets a placeholder
                         self.params[name] = nn.Parameter(value)
+                        if self.tp is not None:
+                            self.tp.keep_grad_placement(self.params[name])
                 for name in st.buffers:
                     if name not in self.buffers:
                         self.buffers[name] = self._weights.constant(st.constants[name]) \

@@ -283,6 +283,24 @@ class TPStage:
             self.mesh, [self.placement(param)]
         )
 
+    @staticmethod
+    def keep_grad_placement(param: nn.Parameter) -> None:
+        """Keep `param`'s gradient laid out as the parameter is. DTensor's backward may produce a weight's
+        gradient in another placement than the weight's: a fused QKV projection whose output the interpreter
+        gathers gets a Replicate (full-size) gradient for its Shard(1) weight, which `.grad` would then hold
+        on every rank (tp x the priced gradient bytes). After each accumulation the gradient is redistributed
+        to the parameter's placement: from Replicate that is a local slice, no communication, and the values
+        are the same."""
+        if not isinstance(param, DTensor):
+            return
+
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
+        param.register_post_accumulate_grad_hook(hook)
+
     def interpret(self, gm: nn.Module, args: tuple) -> Any:
         """Run one layer's program of a layered stage (runtime/layered.py) on DTensor values, as `run` runs a
         whole stage: the same sharding, fallbacks and relayouts per node."""
