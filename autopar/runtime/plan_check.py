@@ -10,10 +10,13 @@ the first `steps` training steps:
   open (compile and the first steps only; bench/runtime.py measures it). When a profiler is already running
   (a user's, or a benchmark's own window) the CPU window is not opened: torch's profiler does not nest.
 
-The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`: a rank whose peak exceeds its
-prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the capacity of a device the plan said it
-fits on, gets a `PlanDriftWarning` naming the rank,
-the figures and the plan options of its stages. Step times are wall seconds per `step()` call (the loss read at
+The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`, plus, on a rank computing on
+the CPU, `predicted["host_overlap_bytes"][rank]`: what the device offloads to the host is then in the same
+allocator (an accelerator's stages on a machine without CUDA, the gloo stand-in, measures its offloaded
+optimizer's host copies with its device tensors; solver/pricing_plan.py `rank_shared` prices how they overlap).
+A rank whose peak exceeds its prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the
+capacity of a device the plan said it fits on, gets a `PlanDriftWarning` naming the rank, the figures and the
+plan options of its stages. Step times are wall seconds per `step()` call (the loss read at
 its end waits for the device), against `predicted["step_time_s"]`, for the report only: a cost model's time on
 a shared host is not a promise the way memory is.
 
@@ -88,6 +91,11 @@ class RankFigures:
         return " and ".join(problems)
 
 
+def _of(per_device: dict, rank: int) -> int:
+    """`rank`'s entry of a predicted per-device figure (int keys, or str ones from JSON), 0 without one."""
+    return int(per_device.get(rank, per_device.get(str(rank), 0)) or 0)
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
 
@@ -160,9 +168,11 @@ class PlanCheck:
         predicted = plan.predicted or {}
         peaks = predicted.get("peak_memory_bytes") or {}
         caps = predicted.get("memory_capacity_bytes") or {}
+        peak = _of(peaks, rank)
+        if peak and self.device.type == "cpu":  # the host's share is in this allocator too
+            peak += _of(predicted.get("host_overlap_bytes") or {}, rank)
         self.figures = RankFigures(
-            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank),
-            int(peaks.get(rank, peaks.get(str(rank), 0)) or 0), int(caps.get(rank, caps.get(str(rank), 0)) or 0),
+            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank), peak, _of(caps, rank),
             None, float(predicted.get("step_time_s") or 0.0))
         self._window: contextlib.ExitStack | None = None
         self._trace: MemoryTrace | None = None
