@@ -120,9 +120,11 @@ class Plan:
     cluster: dict  # Cluster.to_dict()
     model: dict  # name, num_layers (coarse chain), params, layer_names
     pipelines: list[Pipeline]
-    # step_time_s, samples_per_s, tflops_per_device, mfu, peak_memory_bytes and memory_capacity_bytes
-    # (device index -> bytes); fits and memory_problems (why not); the step's idle time per device, as
-    # fractions of it averaged over devices: bubble_fraction (the pipeline bubble: waiting for other
+    # step_time_s, samples_per_s, tflops_per_device, mfu, peak_memory_bytes, memory_capacity_bytes and
+    # host_overlap_bytes (device index -> bytes: what a rank computing the device on the CPU holds beyond its
+    # peak, its host share being in the same allocator; solver/pricing_plan.py `rank_shared`); fits and
+    # memory_problems (why not); the step's idle time per device, as fractions of it averaged over devices:
+    # bubble_fraction (the pipeline bubble: waiting for other
     # stages while the pipeline computes), exposed_sync_fraction (its gradient sync and optimizer step
     # after the last backward), replica_wait_fraction (waiting for slower replicas)
     predicted: dict[str, Any] = field(default_factory=dict)
@@ -145,7 +147,7 @@ class Plan:
             pipelines = [Pipeline(p["batch_share"], p["microbatch_size"], p["num_microbatches"],
                                   [Stage(**s) for s in p["stages"]]) for p in d["pipelines"]]
             predicted = dict(d.get("predicted", {}))
-            for key in ("peak_memory_bytes", "memory_capacity_bytes", "idle_devices"):
+            for key in ("peak_memory_bytes", "memory_capacity_bytes", "host_overlap_bytes", "idle_devices"):
                 if key in predicted:  # JSON object keys are strings; device indices are ints
                     predicted[key] = {int(k): v for k, v in predicted[key].items()}
             return Plan(d["global_batch"], d["precision"], d["optimizer"], d["schedule"], d["chunks"],

@@ -76,6 +76,14 @@ SYNC_BUCKET_BYTES = 64 << 20
 
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "momentum": 4, "adam": 8, "adamw": 8, "adagrad": 4,
                          "rmsprop": 4}
+# fp32 buffers of one parameter's size that torch's single-tensor optimizer step holds at once, for the
+# parameter it updates: the path torch takes for CPU tensors (`torch.optim.optimizer._default_to_fused_or_foreach`
+# picks foreach / fused kernels for CUDA-like devices only), so the step of an offloaded optimizer, which runs
+# over host copies (runtime/zero.py). Adam/AdamW: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`
+# (the root and the quotient; the moments update in place); Adagrad `state_sum.sqrt().add_(eps)` and RMSprop
+# `square_avg.sqrt()` one; SGD (no weight decay, no Nesterov) updates in place (torch 2.x, default arguments)
+OPTIMIZER_STEP_BUFFERS = {"sgd": 0, "sgd_momentum": 0, "momentum": 0, "adam": 2, "adamw": 2, "adagrad": 1,
+                          "rmsprop": 1}
 
 
 # what a CUDA training process holds on its GPU besides tensors (module docstring, sources there)

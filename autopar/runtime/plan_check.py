@@ -10,12 +10,15 @@ the first `steps` training steps:
   open (compile and the first steps only; bench/runtime.py measures it). When a profiler is already running
   (a user's, or a benchmark's own window) the CPU window is not opened: torch's profiler does not nest.
 
-The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`: a rank whose peak exceeds its
-prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the capacity of a device the plan said it
-fits on, gets a `PlanDriftWarning` naming the rank,
-the figures and the plan options of its stages. Step times are wall seconds per `step()` call (the loss read at
-its end waits for the device), against `predicted["step_time_s"]`, and each stage's forward + backward compute
-seconds per step (the program's StageTimer, runtime/straggler.py: CUDA events on a GPU) against the stage's
+The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`, plus, on a rank computing on
+the CPU, `predicted["host_overlap_bytes"][rank]`: what the device offloads to the host is then in the same
+allocator (an accelerator's stages on a machine without CUDA, the gloo stand-in, measures its offloaded
+optimizer's host copies with its device tensors; solver/pricing_plan.py `rank_shared` prices how they overlap).
+A rank whose peak exceeds its prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the
+capacity of a device the plan said it fits on, gets a `PlanDriftWarning` naming the rank, the figures and the
+plan options of its stages. Step times are wall seconds per `step()` call (the loss read at its end waits for
+the device), against `predicted["step_time_s"]`, and each stage's forward + backward compute seconds per step
+(the program's StageTimer, runtime/straggler.py: CUDA events on a GPU) against the stage's
 `predicted["compute_s"]`; times are for the report only: a cost model's time on a shared host is not a promise
 the way memory is.
 
@@ -98,6 +101,11 @@ class RankFigures:
         if cap and m > cap and p <= cap:  # a plan priced over capacity was already refused or warned about
             problems.append(f"over the device's capacity of {_mib(cap)}")
         return " and ".join(problems)
+
+
+def _of(per_device: dict, rank: int) -> int:
+    """`rank`'s entry of a predicted per-device figure (int keys, or str ones from JSON), 0 without one."""
+    return int(per_device.get(rank, per_device.get(str(rank), 0)) or 0)
 
 
 def _mib(b: float) -> str:
@@ -199,9 +207,13 @@ class PlanCheck:
         predicted = plan.predicted or {}
         peaks = predicted.get("peak_memory_bytes") or {}
         caps = predicted.get("memory_capacity_bytes") or {}
+        peak = _of(peaks, rank)
+        # the host's share is in this allocator too
+        self._overlap = _of(predicted.get("host_overlap_bytes") or {}, rank) if self.device.type == "cpu" else 0
+        if peak:
+            peak += self._overlap
         self.figures = RankFigures(
-            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank),
-            int(peaks.get(rank, peaks.get(str(rank), 0)) or 0), int(caps.get(rank, caps.get(str(rank), 0)) or 0),
+            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank), peak, _of(caps, rank),
             None, float(predicted.get("step_time_s") or 0.0))
         self._window: contextlib.ExitStack | None = None
         self._trace: MemoryTrace | None = None
@@ -238,7 +250,7 @@ class PlanCheck:
     def predict(self, peak_bytes: int, what: str) -> None:
         """A wrapper of the program holds `what` too (re-routing's pre-step copy): its priced peak, which
         includes it, is the one to compare with."""
-        self.figures.predicted_peak_bytes = int(peak_bytes)
+        self.figures.predicted_peak_bytes = int(peak_bytes) + self._overlap
         self.figures.stages.append(what)
 
     def step_started(self) -> None:

@@ -81,7 +81,13 @@ A node's host memory (`Node.host_memory`, cluster file `host_memory_GiB`, defaul
 the sum over its devices: it fits when that is at most (1 - memory_reserve) of it (`price`). The search
 gives each device an even share of its node's usable host memory (`CostModel.host_budget`), which is
 sufficient for the node. On unified-memory devices (Jetson boards, the `cpu` device: the host's memory is
-theirs) what a device offloads also counts in its own peak: offloading there saves nothing.
+theirs) what a device offloads also counts in its own peak: offloading there saves nothing. The `cpu` device's
+peak is that of its one allocator as the runtime fills it (`rank_shared`: the offloaded optimizer's gradient
+copies exist from its step on, when the device's gradients and activations are gone, and its CPU optimizer adds
+its buffers); a Jetson computes on CUDA, whose caching allocator keeps the blocks the step frees, so there the
+device peak and the host bytes add up. `predicted["host_overlap_bytes"]` is, per device, what a rank computing
+it on the CPU holds beyond its peak (`rank_shared` less the peak: an accelerator's stages on a machine without
+CUDA hold their host share in the same allocator; runtime/plan_check.py adds it).
 
 Where it is: this module prices a whole plan (`price` -> `Priced`, `price_strategy` for `autopar.estimate`,
 `stage_option`, `model_summary`). The formulas above are computed by `CostModel` in pricing_model.py (with
@@ -128,6 +134,7 @@ from .pricing_plan import (
     rank_host,
     rank_peak,
     rank_peak_ordered,
+    rank_shared,
     tied_sync,
 )
 from .stage_memory import StageMemory, bucketed_gradients, recomputed, runtime_note
@@ -221,6 +228,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
     pipes: list[Pipeline] = []
     peak: dict[int, int] = {}
     host: dict[int, float] = {}  # device -> host bytes it fills
+    overlap: dict[int, int] = {}  # device -> what its host share adds in one CPU allocator
     problems: list[str] = []
     bound = 0.0
     dp_groups = [tuple(p.stages[j].devices[0] for p in plan.pipelines if j < len(p.stages))
@@ -261,12 +269,17 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
             need = rank_peak_ordered(mems[r::ranks], order.actions[r], ranks, plan.schedule in SPLIT_SCHEDULES) \
                 if order is not None else rank_peak(mems[r::ranks], inflight[r])
             on_host = rank_host(mems[r::ranks], inflight[r])
+            one = rank_shared(mems[r::ranks], inflight[r], need)  # device and host share in one CPU allocator
             for d in pipe.stages[r].devices:
                 host[d] = on_host
-                shared = on_host if cm.unified(d) else 0.0
-                peak[d] = math.ceil(need + shared)
-                if need + shared > cm.usable(d, comms.get(d)):
-                    problems.append(memory_problem(cm, d, i, r, need + shared, mems[r::ranks], inflight[r], shared,
+                # on unified devices what they offload stays in their memory: the cpu device's allocator holds
+                # it as `rank_shared` walks it; an edge board computes on CUDA, whose caching allocator keeps
+                # the blocks the step frees, so the two add up
+                total = (one if cm.host_allocator(d) else need + on_host) if cm.unified(d) else need
+                peak[d] = math.ceil(total)
+                overlap[d] = math.ceil(one) - peak[d]
+                if total > cm.usable(d, comms.get(d)):
+                    problems.append(memory_problem(cm, d, i, r, total, mems[r::ranks], inflight[r], total - need,
                                                    comms.get(d)) + runtime_note(cm, d, comms.get(d)))
         bound = max(bound, lower_bound(vals, sizes, ranks, plan.schedule in SPLIT_SCHEDULES))
         pipes.append(replace(pipe, stages=stages))
@@ -293,6 +306,9 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
         "replica_wait_fraction": sum(idle[2]) / len(idle[2]) / step,
         "fits": not problems, "memory_problems": list(problems),
         "peak_memory_bytes": dict(sorted(peak.items())),
+        # per device: what a rank computing it on the CPU holds beyond its peak, its host share being in the
+        # same allocator (`rank_shared`; 0 on the cpu device, whose peak includes it; runtime/plan_check.py)
+        "host_overlap_bytes": dict(sorted(overlap.items())),
         "memory_capacity_bytes": {d: devices[d].spec.memory for d in sorted(peak)},
         # per node (cluster order): bytes its devices offload to host memory, and its host memory
         "host_memory_bytes": [math.ceil(x) for x in node_host],

@@ -90,6 +90,7 @@ class StageBase:
     block_params: float = 0.0
     bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
     host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
+    max_param: float = 0.0  # elements of the range's largest parameter tensor (an offloaded step's buffers)
     # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
     # saved activation bytes per micro-batch, its input's bytes, its parameters), for selective recompute
     block_parts: tuple[tuple[float, float, float, float], ...] = ()
@@ -178,6 +179,7 @@ class CostModel(CommPricing):
                 if a in g.params:
                     users.setdefault(a, set()).add(node.layer)
         self.own_params = [0] * L
+        self.own_max = [0] * L  # the largest parameter tensor a layer owns
         self.shared: list[tuple[int, int, frozenset[int]]] = []  # (numel, owner layer, user layers)
         for name, info in g.params.items():
             if info.tied_to:  # a second placeholder of a tied parameter: its users use the original
@@ -188,6 +190,7 @@ class CostModel(CommPricing):
             used = users.get(name, set())
             owner = min(used | {max(info.layer, 0)})
             self.own_params[owner] += info.meta.numel
+            self.own_max[owner] = max(self.own_max[owner], info.meta.numel)
             if used - {owner}:
                 self.shared.append((info.meta.numel, owner, frozenset(used)))
         # autocast's 2-byte weight copies: per layer, the elements of weights only that layer casts; weights
@@ -243,6 +246,10 @@ class CostModel(CommPricing):
         extra = sum(n for n, owner, us in self.shared if not a <= owner < e and any(a <= u < e for u in us))
         return sum(own) + extra, max(own)
 
+    def range_max_param(self, a: int, e: int) -> int:
+        """Elements of the largest parameter tensor a stage holding layers [a, e) stores (shared ones included)."""
+        return max([*self.own_max[a:e], *(n for n, _, us in self.shared if any(a <= u < e for u in us))])
+
     def peak_inflight(self, schedule: str, ranks: int, microbatches: int, chunks: int) -> dict[int, int]:
         """`schedule.peak_inflight` of the generated schedule (memoised: replicas share it)."""
         key = ("inflight", schedule, ranks, microbatches, chunks)
@@ -282,6 +289,10 @@ class CostModel(CommPricing):
     def unified(self, device: int) -> bool:
         """Whether the device's memory is its host's (what it offloads stays in its own memory)."""
         return self.cluster.devices[device].spec.kind in UNIFIED_KINDS
+
+    def host_allocator(self, device: int) -> bool:
+        """Whether the device computes in its host's memory through the CPU allocator (the `cpu` device kind)."""
+        return self.cluster.devices[device].spec.kind == "cpu"
 
     # ---- compute ------------------------------------------------------------------------------
     def layer_compute(self, layer: int, dtype: str, n: int, tp: int) -> tuple[float, float]:
@@ -336,7 +347,8 @@ class CostModel(CommPricing):
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
                          bwd_transient=transient,
-                         host_step=host.step, block_parts=tuple(parts))
+                         host_step=host.step, max_param=float(self.range_max_param(a, e)),
+                         block_parts=tuple(parts))
         return experts.adjust_base(self, a, e, dtype, n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:

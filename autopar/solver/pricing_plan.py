@@ -170,6 +170,19 @@ def rank_host(mems: list[StageMemory], inflight: int) -> float:
     return sum(m.host for m in mems) + inflight * max(m.host_act for m in mems)
 
 
+def rank_shared(mems: list[StageMemory], inflight: int, need: float) -> float:
+    """Peak bytes of one CPU allocator holding both the device's tensors (`need`: its peak, `rank_peak`) and
+    what it keeps on the host (`rank_host`): the `cpu` device's, whose memory is the host's, and that of a rank
+    computing an accelerator's stages on the CPU (no CUDA: the gloo stand-in; runtime/plan_check.py). Through
+    the schedule the host holds all of its share but the gradient copies the offloaded optimizer's step makes;
+    in that step the device's activations are gone, its gradients leave for the host as they are copied, and
+    the CPU optimizer adds its buffers (`StageMemory.host_step`, `step_freed`, `host_work`)."""
+    on_host = rank_host(mems, inflight)
+    schedule = need + on_host - sum(m.host_step for m in mems)
+    step = sum(m.static - m.step_freed + m.host for m in mems) + max(m.host_work for m in mems)
+    return max(schedule, step)
+
+
 def memory_problem(cm: CostModel, device: int, pipeline: int, rank: int, need: float,
                     mems: list[StageMemory], inflight: int, host: float = 0.0, communicators: int | None = None
                     ) -> str:

@@ -47,11 +47,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cost_models.memory import SYNC_BUCKET_BYTES
+from ..cost_models.memory import OPTIMIZER_STEP_BUFFERS, SYNC_BUCKET_BYTES
 from ..plan import Plan
 from ..report import fmt_bytes
 from . import experts
-from .pricing_plan import offload_host_bytes
+from .pricing_plan import HOST_GRAD_BYTES, HOST_MASTER_BYTES, offload_host_bytes
 
 if TYPE_CHECKING:
     from .pricing_model import CostModel, Option, StageBase
@@ -68,6 +68,14 @@ class StageMemory:
     # the flat bucket a gradient reduction or parameter broadcast packs after the schedule, when the
     # activations are gone: the peak is static + max(activation term, sync)
     sync: float = 0.0
+    # the offloaded optimizer's step (runtime/zero.py `ZeroRuntime.step`), for one memory holding both the
+    # device's tensors and its host share (`pricing_plan.rank_shared`): of `host`, the fp32 gradient copies it
+    # makes (on the host from the step on only), the device gradient bytes of `static` it drops as it copies
+    # them, and what it adds on top: its CPU optimizer's buffers while it updates a parameter
+    # (OPTIMIZER_STEP_BUFFERS; at least the one gradient copied while the device's still exists)
+    host_step: float = 0.0
+    step_freed: float = 0.0
+    host_work: float = 0.0
 
     def peak(self, inflight: int) -> float:
         act = (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
@@ -132,6 +140,17 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     # N' owned parameters, as the optimizer step's `local` in stage_times
     owned = N / dp + (experts.zero_extra(cm, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
     host = offload_host_bytes(cm.optimizer, w, N, owned, z, opt.offload)
+    host_step = step_freed = host_work = 0.0
+    if "optimizer" in opt.offload:
+        # the step copies each owned gradient to the host and drops the device's (streamed parameters'
+        # are on the host already: only the tied ones are copied then), then updates the host copies
+        # one parameter at a time
+        host_step = min(whole, owned) * HOST_GRAD_BYTES if streamed else owned * HOST_GRAD_BYTES
+        step_freed = whole * g if streamed else N * g / (dp if zm >= 2 else 1) + (
+            whole * g * (1 - 1 / dp) if zm >= 2 and dp > 1 else 0.0)
+        # (at least one: each gradient's host copy exists before the device's is dropped)
+        host_work = max(1, OPTIMIZER_STEP_BUFFERS[cm.optimizer]) * HOST_MASTER_BYTES * min(base.max_param / tp,
+                                                                                     owned)
     off_act = "activations" in opt.offload
     _, act, work, recomputed_params = recomputed(base, opt.recompute)
     # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
@@ -152,7 +171,8 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
         red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
         bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
         sync = max(red, bcast)
-    return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync)
+    return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync, host_step, step_freed,
+                       host_work)
 
 
 def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
