@@ -225,8 +225,11 @@ def compile(
     # the plan checks itself: this rank's peak memory over building the program and its first steps
     check = PlanCheck(plan, rank, device) if check_plan else None
     if check is not None and delay and device.type != "cuda":
-        # delayed updates keep gradient reductions in flight across steps: with the profiler's memory window
-        # open over them a gloo rank crashed in garbage collection (SIGSEGV), so they are not measured on CPU
+        # delayed updates keep gradient reductions in flight across steps, so gloo's threads free tensors while
+        # the window's profiler stops: torch's profiler takes memory reports from other threads during its
+        # teardown unguarded (pytorch/pytorch#136304, #195636), and a rank died in garbage collection with
+        # "free(): invalid next size" (tests/test_flushless.py, measured). Not measured on the CPU; on CUDA
+        # the check reads the allocator's counters, no profiler.
         check.figures.not_measured = "asynchronous program on the CPU"
     elif check is not None:
         check.open()
