@@ -94,7 +94,8 @@ class _Counted(torch.nn.Module):
 def test_w_of_a_recomputed_block_recomputes_it_once_and_gets_a_plain_backwards_gradients(uses: int) -> None:
     """A checkpointed block: forward once in F, recomputed once in B and once in W (not once per parameter
     group: it has 2); with a weight used on two parallel branches (one group joining the input-gradient graph
-    at two nodes, neither below the other) W falls back to one recompute per group, and the gradients are still a plain backward's, bit for bit."""
+    at two nodes, neither below the other) W falls back to one recompute per group, and the gradients are
+    still a plain backward's, bit for bit."""
     torch.manual_seed(0)
     block = _Counted(uses)
     twin = copy.deepcopy(block)
