@@ -62,6 +62,9 @@ class OpNode:
     bytes_bwd: float = 0.0
     saved: list[str] = field(default_factory=list)  # storage roots this node keeps alive for backward
     saved_internal_bytes: int = 0  # saved tensors that are neither inputs nor outputs (masks, stats)
+    # device kind -> bytes its backward allocates besides autograd's tensors, once per call and independent of
+    # the batch (a CPU convolution's weight gradient in oneDNN's layout: cost_models/conv_workspace.py)
+    bwd_workspace: dict[str, int] = field(default_factory=dict)
     kernels_fwd: list[Kernel] = field(default_factory=list)
     kernels_bwd: list[Kernel] = field(default_factory=list)
     time_fwd: dict[str, float] = field(default_factory=dict)  # device type -> seconds

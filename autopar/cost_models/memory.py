@@ -29,6 +29,17 @@ Two corrections to those 2 bytes and one transient (`activation_corrections`, pe
   (codegen/fusion_rules.py: it saves its input and recomputes, e.g. the fused cross-entropy keeps the
   logits), nothing of its own is kept and its backward returns one fp32 buffer: `1 x 4 x numel`.
 
+One more transient, on CPUs only (`backward_workspace`, per layer, per device kind): a convolution's backward
+on an x86 CPU writes its weight gradient into a buffer in oneDNN's blocked layout before PyTorch copies it
+into the dense gradient, each group's channels padded to the vector block (16 fp32 on AVX-512, 8 on AVX2):
+256 times the weights for a depthwise convolution on a channels-last input (ConvNeXt's 7 x 7 convolutions:
+256 x C x 49 x 4 bytes), with PyTorch's channels-last copies beside it. Its bytes depend on the layer's
+shapes, strides (which the capture records, so a channels-last input is known) and the host's vector ISA,
+not on the batch: annotate fills `OpNode.bwd_workspace` (formula, sources and what is not priced:
+cost_models/conv_workspace.py), and it is added to `StageMemory.work` per device, not per sample, through
+`StageBase.bwd_workspace`. In mixed precision the CPU runs other (bf16) kernels whose buffers are not
+modelled: 0 there. CUDA (cuDNN's workspace) is not priced: not known here.
+
 Device memory outside the tensors (`runtime_reserve_bytes`, CUDA devices only: catalog boards of kind
 "gpu"; CPU ranks and the unified-memory edge boards are not charged, nor a custom device with a name of its
 own, e.g. a scaled-down test device or a board described by its usable memory): what every training
@@ -219,3 +230,16 @@ def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[f
         buffers = 2 if own or node.saved_internal_bytes else 1  # fused: it keeps its input and recomputes
         transient[node.layer] = max(transient[node.layer], buffers * FP32_BYTES * numel)
     return extra, transient
+
+
+def backward_workspace(graph: TrainingGraph, precision: str, kind: str) -> list[float]:
+    """Per layer of an annotated graph: the largest `OpNode.bwd_workspace` of its nodes on a device of `kind`,
+    bytes per device whatever the batch (module docstring); the ops' backwards run one at a time. fp32/tf32
+    only: the buffers priced are those of the fp32 kernels (cost_models/conv_workspace.py)."""
+    out = [0.0] * len(graph.layers)
+    if precision not in ("fp32", "tf32"):
+        return out
+    for node in graph.nodes.values():
+        if node.layer >= 0 and node.bwd_workspace.get(kind):
+            out[node.layer] = max(out[node.layer], float(node.bwd_workspace[kind]))
+    return out

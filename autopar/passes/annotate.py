@@ -21,6 +21,14 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..cluster import Cluster
 from ..cost_models.compute import ComputeModel, classify, kernel_flops
+from ..cost_models.conv_workspace import (
+    CPU_KIND,
+    ConvGeometry,
+    contiguous_channels_last,
+    local_isa,
+    strides_like_channels_last,
+    weight_grad_transient,
+)
 from ..graph import Kernel, Layer, OpNode, TrainingGraph
 from .fusion_pricing import apply_overrides, check_mode, fused_overrides, fusing_types
 
@@ -220,6 +228,7 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
         roots[name] = name
         root_bytes[name] = graph.input_meta[name].nbytes
     new_nodes: dict[str, OpNode] = {}
+    isa = local_isa()  # the "cpu" device kind is this host (cost_models/host.py)
     for name, node in graph.nodes.items():
         fxn = fx_nodes.get(name)
         tensor_arg_names = (
@@ -277,6 +286,7 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
             bytes_bwd=sum(k.nbytes for k in kb),
             saved=sorted(set(saved)),
             saved_internal_bytes=int(cost.saved_internal_bytes * scale),
+            bwd_workspace=_bwd_workspace(fxn, grad, isa),
         )
     device_types = cluster.device_types() if cluster is not None else []
     models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in device_types} if cluster else {}
@@ -298,6 +308,56 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
     layers = _layer_totals(graph, new_nodes, roots, root_bytes, scale)
     return replace(graph, nodes=new_nodes, layers=layers, device_types=device_types, dtype=precision,
                    kernels=kernels, fused_types=fusing)
+
+
+_CONV_TARGETS = (aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return (int(v[0]), int(v[-1]))
+
+
+def conv_geometry(fxn: torch.fx.Node, grad: dict[str, bool]) -> ConvGeometry | None:
+    """What a convolution node's backward computes its weight gradient over, from the captured tensors'
+    shapes and strides (cost_models/conv_workspace.py); None when that does not apply: not a 2-D fp32
+    convolution, transposed, or no weight gradient."""
+    if fxn.target not in _CONV_TARGETS:
+        return None
+    schema = fxn.target._schema
+    vals = {a.name: v for a, v in zip(schema.arguments, fxn.args, strict=False)}
+    vals.update(fxn.kwargs)
+    for a in schema.arguments:
+        if a.name not in vals and a.has_default_value():
+            vals[a.name] = a.default_value
+    x_node, w_node, b_node = vals.get("input"), vals.get("weight"), vals.get("bias")
+    if not isinstance(x_node, torch.fx.Node) or not isinstance(w_node, torch.fx.Node) or vals.get("transposed"):
+        return None
+    x, w = x_node.meta.get("val"), w_node.meta.get("val")
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or x.dim() != 4 or w.dim() != 4:
+        return None
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or not grad.get(w_node.name, False):
+        return None
+    xs, ws = tuple(int(n) for n in x.shape), tuple(int(n) for n in w.shape)
+    kernel, dilation = (ws[2], ws[3]), _pair(vals.get("dilation", 1))
+    padding = vals.get("padding", 0)
+    if isinstance(padding, str):  # "valid": none; "same": torch pads d (k - 1) / 2 a side
+        padding = [0, 0] if padding == "valid" else [d * (k - 1) // 2 for d, k in zip(dilation, kernel, strict=True)]
+    shape_x, stride_x = xs, tuple(int(n) for n in x.stride())
+    shape_w, stride_w = ws, tuple(int(n) for n in w.stride())
+    return ConvGeometry(
+        in_channels=xs[1], out_channels=ws[0], groups=int(vals.get("groups", 1)), kernel=kernel,
+        input_hw=(xs[2], xs[3]), stride=_pair(vals.get("stride", 1)), padding=_pair(padding), dilation=dilation,
+        bias=isinstance(b_node, torch.fx.Node) and grad.get(b_node.name, False),
+        channels_last=strides_like_channels_last(shape_x, stride_x) or strides_like_channels_last(shape_w, stride_w),
+        weight_channels_last=contiguous_channels_last(shape_w, stride_w))
+
+
+def _bwd_workspace(fxn: torch.fx.Node | None, grad: dict[str, bool], isa: str | None) -> dict[str, int]:
+    """`OpNode.bwd_workspace` of a node: on the "cpu" kind, a convolution's weight-gradient transient."""
+    geo = conv_geometry(fxn, grad) if fxn is not None else None
+    nbytes = weight_grad_transient(geo, isa) if geo is not None else 0
+    return {CPU_KIND: nbytes} if nbytes else {}
 
 
 def _layer_totals(

@@ -25,6 +25,7 @@ from ..cost_models.compute import ComputeModel, kernel_flops
 from ..cost_models.memory import (
     activation_corrections,
     autocast_cast_params,
+    backward_workspace,
     optimizer_name,
     runtime_reserve_bytes,
     state_bytes_per_param,
@@ -89,6 +90,9 @@ class StageBase:
     cast_params: float = 0.0
     block_params: float = 0.0
     bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
+    # per device, whatever the micro-batch: the largest buffer an op's backward allocates besides autograd's
+    # tensors on the stage's device kind (a CPU convolution's weight gradient in oneDNN's layout)
+    bwd_workspace: float = 0.0
     host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
     max_param: float = 0.0  # elements of the range's largest parameter tensor (an offloaded step's buffers)
     # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
@@ -145,6 +149,7 @@ class CostModel(CommPricing):
         self._memo: dict[tuple, object] = {}  # every memoised price, by a key naming what it depends on (`memoised`)
         self._sigs: dict[tuple, int] = {}
         self._sig_of_group: dict[tuple[int, ...], int] = {}
+        self._kinds_of_group: dict[tuple[int, ...], tuple[str, ...]] = {}
         self.intra_op, self.intra_op_time_limit_s = intra_op, intra_op_time_limit_s
         self._pricers: dict[tuple, LayerPricer | None] = {}
         self.expert_parallel: experts.ExpertParallel = experts.ExpertParallel.of(graph)
@@ -206,6 +211,9 @@ class CostModel(CommPricing):
         inputs = sum(g.input_meta[n].nbytes for n in g.inputs[:1])
         # fp32-kept saved tensors under autocast and backward transients (cost_models/memory.py)
         fp32_saved, self.bwd_transient = activation_corrections(g, self.precision)
+        # batch-independent backward buffers, per device kind (cost_models/memory.py `backward_workspace`)
+        self.bwd_workspace = {kind: backward_workspace(g, self.precision, kind)
+                              for kind in sorted({spec.kind for spec in self.specs.values()})}
         self.saved = [float(layer.saved_bytes) + x for layer, x in zip(g.layers, fp32_saved, strict=True)]
         self.boundary = [float(layer.boundary_bytes) for layer in g.layers]
         self.in_bytes = [float(inputs)] + self.boundary[:-1]
@@ -307,8 +315,15 @@ class CostModel(CommPricing):
                                      sum(c * op_time(k, f * scale, b * scale) for (k, f, b), c in bwd))
         return hit  # type: ignore[return-value]
 
+    def device_kinds(self, group: tuple[int, ...]) -> tuple[str, ...]:
+        """The device kinds (`DeviceSpec.kind`) among a group's devices, sorted (memoised)."""
+        hit = self._kinds_of_group.get(group)
+        if hit is None:
+            hit = self._kinds_of_group[group] = tuple(sorted({self.cluster.devices[d].spec.kind for d in group}))
+        return hit
+
     def base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
-        key = ("b", self.range_key(a, e), dtype, n, self.group_sig(tp_group))
+        key = ("b", self.range_key(a, e), dtype, n, self.group_sig(tp_group), self.device_kinds(tp_group))
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = self._base(a, e, dtype, n, tp_group)
@@ -316,7 +331,8 @@ class CostModel(CommPricing):
 
     def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
         t, frac = len(tp_group), n / self.B
-        f = b = fc = bc = rc = act = act_rc = work = transient = 0.0
+        f = b = fc = bc = rc = act = act_rc = work = transient = workspace = 0.0
+        workspaces = [self.bwd_workspace[k] for k in self.device_kinds(tp_group)]
         extra = tp_max = 0.0
         ilp = t > 1 and any(self.is_block[a:e])
         parts = []
@@ -337,6 +353,7 @@ class CostModel(CommPricing):
             else:
                 act_rc += saved
             transient = max(transient, self.bwd_transient[i] * frac / t)
+            workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
         host = stage_host_seconds(self, a, e, dtype)  # host/framework time (cost_models/overhead.py)
         f, b, rc = f + host.fwd, b + host.bwd, rc + host.recompute
         params, biggest = self.range_params(a, e)
@@ -346,7 +363,7 @@ class CostModel(CommPricing):
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
-                         bwd_transient=transient,
+                         bwd_transient=transient, bwd_workspace=workspace,
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
                          block_parts=tuple(parts))
         return experts.adjust_base(self, a, e, dtype, n, t, base)

@@ -37,6 +37,10 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              such op holds next to its saved tensor (the loss's d/d log-probs and d/d logits: 8 bytes per
              logit), live once, while one micro-batch goes through it; under per-layer ZeRO-2/3 it
              comes before the first gradient, so only what exceeds the in-flight gradient buffer counts
+             or, when larger, `StageBase.bwd_workspace`: the largest buffer one op's backward allocates
+             beside autograd's tensors on the stage's device kind, per device whatever the micro-batch (a CPU
+             convolution's weight gradient in oneDNN's padded layout: cost_models/conv_workspace.py); the two
+             belong to different ops and never coexist, and the in-flight gradients do not reduce this one
 
 The device's capacity is what its tensors may fill: `CostModel.usable` takes the runtime's own device
 memory (CUDA context, cuBLAS workspace, NCCL buffers; cost_models/memory.py) off it on GPUs.
@@ -154,8 +158,9 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     off_act = "activations" in opt.offload
     _, act, work, recomputed_params = recomputed(base, opt.recompute)
     # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
-    # gradients above never coexist
-    work += max(0.0, base.bwd_transient - in_flight_grads)
+    # gradients above never coexist. An op's backward buffer (a CPU convolution's weight gradient in
+    # oneDNN's layout) comes later, with those gradients, and never with the loss's transient: one op at a time
+    work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace)
     # autocast keeps a low-precision copy of each weight a matmul / linear / conv reads for the backward;
     # embedding tables and norm weights are never cast (`StageBase.cast_params`)
     cast = cm.state.cast_copy
