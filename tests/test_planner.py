@@ -136,7 +136,8 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     for x in range(a, e):
                         if graph.layers[x].kind == "block":
                             res = pricer.cost(x, pipe.microbatch_size)
-                            shares[x] = res.param_bytes_per_device / graph.layers[x].param_bytes
+                            shares[x] = res.param_bytes_per_device / graph.layers[x].param_bytes \
+                                if graph.layers[x].param_bytes else 1 / t
                             saved[x] = res.activation_bytes_per_device
                     n += sum(owned[x] * (q - 1 / t) for x, q in shares.items())
                     big = max(owned[x] * shares.get(x, 1 / t) for x in range(a, e))
@@ -165,6 +166,18 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     act = sum(saved.values()) + sb.cast_copy * n * share
                     works.append(transient)
                 acts.append(act * (1 if "activations" in off else inflight[r]))
+                if "optimizer" not in off:
+                    # the device's optimizer step after the schedule: torch's single-tensor AdamW on the CPU
+                    # (a root and a quotient of the tensor it updates), foreach elsewhere (a root of every
+                    # tensor it updates at once)
+                    mine = n / (D if z >= 1 else 1)
+                    largest = max((numel[p] for p, ls in users.items() if p in numel
+                                   and any(a <= x < e for x in ls)), default=0) / t
+                    per = {"adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}.get(plan.optimizer, 0)
+                    if cluster is None or cluster.devices[st.devices[0]].spec.kind == "cpu":
+                        syncs.append(per * 4 * min(largest, mine))
+                    else:
+                        syncs.append((per > 0) * 4 * mine)
                 if D > 1 and not bucketed:
                     reduced_after = not (zm >= 2 and per_layer[j] and not (z == 3 and "params" in off))
                     red = min(64 << 20, n * g / (D if z >= 2 else 1)) if reduced_after else 0.0

@@ -95,6 +95,22 @@ OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "momentum": 4, "adam": 8, 
 # `square_avg.sqrt()` one; SGD (no weight decay, no Nesterov) updates in place (torch 2.x, default arguments)
 OPTIMIZER_STEP_BUFFERS = {"sgd": 0, "sgd_momentum": 0, "momentum": 0, "adam": 2, "adamw": 2, "adagrad": 1,
                           "rmsprop": 1}
+# fp32 buffers of *every* parameter it updates that torch's foreach optimizer step (its default on CUDA)
+# holds at once, one list op over the whole group: Adam/AdamW `exp_avg_sq_sqrt = torch._foreach_sqrt(...)`
+# (then divided and added to in place), Adagrad `std = torch._foreach_sqrt(state_sums)`, RMSprop
+# `avg = torch._foreach_sqrt(square_avgs)`; SGD's momentum buffers update in place (torch 2.x
+# `_multi_tensor_*`, default arguments; read from the code, not measured: no GPU here)
+FOREACH_STEP_BUFFERS = {"sgd": 0, "sgd_momentum": 0, "momentum": 0, "adam": 1, "adamw": 1, "adagrad": 1,
+                        "rmsprop": 1}
+
+
+def optimizer_step_bytes(optimizer: str, kind: str, owned: float, largest: float) -> float:
+    """Bytes the optimizer step allocates on top of the state while it updates `owned` parameter elements
+    on a device of `kind` (the largest tensor `largest` elements): one tensor at a time on the CPU (torch's
+    single-tensor path there), every tensor at once elsewhere (foreach)."""
+    if kind == "cpu":
+        return OPTIMIZER_STEP_BUFFERS.get(optimizer, 0) * 4.0 * min(largest, owned)
+    return FOREACH_STEP_BUFFERS.get(optimizer, 0) * 4.0 * owned
 
 
 # what a CUDA training process holds on its GPU besides tensors (module docstring, sources there)

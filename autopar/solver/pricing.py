@@ -262,7 +262,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
         sizes = pipe.microbatch_sizes()
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
         if bucketed:
-            mems = [replace(m, sync=0.0) for m in mems]
+            mems = [replace(m, sync=m.step) for m in mems]  # no reduction buckets: the step's own buffers
         ordered = plan.chunks > 1 and not any(m.offload_act for m in mems)
         order = cached_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks) if ordered else None
         for r in range(ranks):

@@ -93,6 +93,7 @@ class StageBase:
     # per device, whatever the micro-batch: the largest buffer an op's backward allocates besides autograd's
     # tensors on the stage's device kind (a CPU convolution's weight gradient in oneDNN's layout)
     bwd_workspace: float = 0.0
+    device_kind: str = ""  # the kind of the range's devices (`DeviceSpec.kind`; a tp group is of one kind)
     host_step: float = 0.0  # host seconds of the optimizer step over the range's tensors (cost_models/overhead.py)
     max_param: float = 0.0  # elements of the range's largest parameter tensor (an offloaded step's buffers)
     # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
@@ -364,6 +365,7 @@ class CostModel(CommPricing):
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
                          bwd_transient=transient, bwd_workspace=workspace,
+                         device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
                          block_parts=tuple(parts))
         return experts.adjust_base(self, a, e, dtype, n, t, base)

@@ -20,7 +20,10 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
     sync     after the schedule, when the activations are gone (peak = static + max(act terms, sync)): one
              flat bucket (<= SYNC_BUCKET_BYTES) of the gradients reduced there (N g under ZeRO-0/1, N g / D
              under whole-step ZeRO-2/3, none where they were reduced per layer) or of an owner's updated
-             values broadcast (N w / D, ZeRO-1/2 and whole-step ZeRO-3); none for DDP-style bucketed plans
+             values broadcast (N w / D, ZeRO-1/2 and whole-step ZeRO-3); none for DDP-style bucketed plans;
+             or, when larger, what the optimizer step on the device allocates beside its state
+             (cost_models/memory.py `optimizer_step_bytes`: 2 fp32 buffers of the largest owned tensor for
+             AdamW on the CPU, one of all N' owned elements with CUDA's foreach step)
     act      per micro-batch: saved activations x n / B / t; with recompute (k of the stage's blocks, its
              first k: `recomputed`; True = all) only each recomputed block's input (n / B of the previous
              layer's boundary) is kept for it, the other blocks keep their full activations, plus `work` =
@@ -51,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cost_models.memory import OPTIMIZER_STEP_BUFFERS, SYNC_BUCKET_BYTES
+from ..cost_models.memory import OPTIMIZER_STEP_BUFFERS, SYNC_BUCKET_BYTES, optimizer_step_bytes
 from ..plan import Plan
 from ..report import fmt_bytes
 from . import experts
@@ -80,6 +83,9 @@ class StageMemory:
     host_step: float = 0.0
     step_freed: float = 0.0
     host_work: float = 0.0
+    # of `sync`: what the device's own optimizer step allocates beside its state (it comes after the
+    # reductions; a DDP-style bucketed plan, whose reductions pack nothing, keeps this part)
+    step: float = 0.0
 
     def peak(self, inflight: int) -> float:
         act = (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
@@ -176,8 +182,10 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
         red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
         bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
         sync = max(red, bcast)
-    return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, sync, host_step, step_freed,
-                       host_work)
+    step = 0.0 if "optimizer" in opt.offload else \
+        optimizer_step_bytes(cm.optimizer, base.device_kind, owned, base.max_param / tp)
+    return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, max(sync, step), host_step,
+                       step_freed, host_work, step)
 
 
 def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
