@@ -52,6 +52,13 @@ def hetero_cluster() -> dict:
     return {"nodes": [{"device": big, "devices_per_node": 1}, {"device": small, "devices_per_node": 1}]}
 
 
+def slow_nodes(mib: int) -> dict:
+    """Four CPU-like devices of `mib` MiB, each in its own node, the nodes on a 1 Gb/s network."""
+    dev = {"name": f"cpu-{mib}MiB", "based_on": "cpu", "memory_GiB": mib / 1024}
+    return {"nodes": [{"device": dev, "devices_per_node": 1, "count": 4}],
+            "network": {"bandwidth_GBps": 0.125, "latency_us": 50}}
+
+
 def small_cluster() -> dict:
     """Four CPU-like devices of 56 MiB each: no single one holds the model's training state."""
     dev = {"name": "cpu-56MiB", "based_on": "cpu", "memory_GiB": 56 / 1024}
@@ -98,6 +105,10 @@ USER: dict[str, tuple[str, Any]] = {
     "user: hf_gpt2 meta+weights, 4x40MiB": ("hf_gpt2_big", {"nodes": [{"device": {
         "name": "cpu-40MiB", "based_on": "cpu", "memory_GiB": 40 / 1024}, "devices_per_node": 4}]}),
     "user: hf_llama gqa meta+weights, 4x56MiB": ("hf_llama_gqa", small_cluster()),
+    # one device per node on 1 Gb/s: tensor parallelism across nodes is slow, so the plan is a pipeline that
+    # fits 48 MiB thanks to recompute (56 MiB: zero-bubble ZB-H1, whose W keeps tensors until it runs)
+    "user: hf_gpt2 meta+weights, 4 nodes x48MiB, 1 Gb/s": ("hf_gpt2_big", slow_nodes(48)),
+    "user: hf_gpt2 meta+weights, 4 nodes x56MiB, 1 Gb/s": ("hf_gpt2_big", slow_nodes(56)),
 }
 # model kwargs beyond CFG, per model name
 MODEL_KWARGS = {"hf_llama_gqa": dict(layers=8, heads=8, kv_heads=2, vocab=4096),
