@@ -146,8 +146,10 @@ def test_unified_memory_offload_stays_in_the_device() -> None:
         plain = price_strategy(cm, Strategy()).predicted["peak_memory_bytes"][0]
         off = price_strategy(cm, Strategy(offload=("optimizer",))).predicted["peak_memory_bytes"][0]
         assert (off > plain) == grows
-        if grows:  # optimizer state (8 B) leaves the device's share and 16 B come back as host copies
-            assert off - plain == pytest.approx(P * (ADAMW_HOST - 8), abs=2)
+        if grows:  # optimizer state (8 B) leaves the device's share and 16 B come back as host copies; the
+            # device's foreach AdamW step buffer (4 B per parameter, after the schedule) leaves too where it,
+            # not the activations, set the peak
+            assert P * (ADAMW_HOST - 8 - 4) - 2 <= off - plain <= P * (ADAMW_HOST - 8) + 2
 
 
 # ---- search -------------------------------------------------------------------------------------------
@@ -155,11 +157,14 @@ def test_unified_memory_offload_stays_in_the_device() -> None:
 
 def _offload_only_device() -> tuple[dict, int]:
     """A custom device on which the small GPT fits only with its optimizer offloaded: usable memory =
-    parameters x 12 B + activations (no offload needs 16 B per parameter, offloading the optimizer 8)."""
+    parameters x 12 B + the after-state term (no offload needs 16 B per parameter, offloading the optimizer 8;
+    the term is the larger of the activations and the device's foreach AdamW step buffer, 4 B per parameter)."""
     P = _params(_small())
     roomy = price_strategy(_cm("1x1xA100-80GB"), Strategy()).predicted["peak_memory_bytes"][0]
     acts = roomy - P * 16
-    assert 0 < acts < P * 4  # recompute and micro-batching cannot save the 4 B per parameter
+    # recompute and micro-batching cannot save the 4 B per parameter: without offload the state and the step
+    # buffer alone (20 B) exceed 12 B + acts while acts < 8 B per parameter
+    assert P * 4 <= acts < P * 8
     gib = (P * 12 + acts) / 0.9 / GiB
     return {"name": "snug", "based_on": "A100-80GB", "memory_GiB": gib}, P
 
