@@ -68,6 +68,8 @@ def test_uneven_shares_are_spread_in_proportion() -> None:
     assert [p.stages[0].devices for p in new.pipelines] == [[0], [1]]
     assert proportional(10, [1.0, 1.0, 2.0]) == [3, 2, 5]  # 2.5 : 2.5 : 5, the spare sample to the first
     assert proportional(7, [0.1, 5.0]) == [1, 6]  # 0.14 : 6.86, but every pipeline keeps one sample
+    # an interleaved plan's pipeline keeps one sample per stage group (shed_plan's minimum)
+    assert proportional(8, [0.1, 5.0], [2, 2]) == [2, 6]
 
 
 @pytest.mark.parametrize("spec, lost, says", [

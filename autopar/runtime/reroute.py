@@ -110,20 +110,22 @@ PriceCopy = Callable[[Plan], dict]
 # ---- plan rewrites ------------------------------------------------------------------------------------------
 
 
-def proportional(total: int, weights: list[float]) -> list[int]:
-    """`total` split in proportion to `weights` (largest remainders, ties to the first), every part >= 1."""
-    if not weights or total < len(weights) or any(w <= 0 for w in weights):
+def proportional(total: int, weights: list[float], minimum: list[int] | None = None) -> list[int]:
+    """`total` split in proportion to `weights` (largest remainders, ties to the first), every part at least
+    its `minimum` (default 1: a pipeline kept in the plan runs at least one sample)."""
+    low = minimum or [1] * len(weights)
+    if not weights or total < sum(low) or any(w <= 0 for w in weights):
         raise PlanError(f"cannot split {total} samples over {len(weights)} pipelines with weights {weights}: "
-                        f"every pipeline needs at least one sample and a positive weight.")
+                        f"each pipeline needs at least {low} samples and a positive weight.")
     exact = [total * w / sum(weights) for w in weights]
     parts = [math.floor(x) for x in exact]
     order = sorted(range(len(weights)), key=lambda i: (parts[i] - exact[i], i))
     for i in order[:total - sum(parts)]:
         parts[i] += 1
     for i in range(len(parts)):
-        if parts[i] == 0:  # a pipeline kept in the plan runs at least one sample
+        while parts[i] < low[i]:  # from the part furthest above its own minimum
             parts[i] += 1
-            parts[max(range(len(parts)), key=lambda j: (parts[j], -j))] -= 1
+            parts[max(range(len(parts)), key=lambda j: (parts[j] - low[j], -j))] -= 1
     return parts
 
 
@@ -142,7 +144,9 @@ def with_shares(plan: Plan, shares: dict[int, int], devices: list[int] | None = 
         m = max(1, math.ceil(share / max(1, p.microbatch_size)))
         if plan.chunks > 1:  # interleaved schedules run whole rounds of micro-batches
             m = math.ceil(m / groups) * groups
-            if m > share:
+            if m > share:  # fewer, larger micro-batches: the whole rounds that fit the share
+                m = share // groups * groups
+            if m == 0:
                 raise PlanError(f"pipeline {i} would get {share} samples, fewer than its {groups} stage groups "
                                 f"need under {plan.schedule}.")
         stages = [replace(st, devices=[index[d] for d in st.devices] if index else list(st.devices),

@@ -236,7 +236,9 @@ def shed_plan(plan: Plan | None, rep: StragglerReport) -> Plan | None:
         if slowest <= 0:
             return None
         speeds.append(p.batch_share / slowest)
-    shares = proportional(plan.global_batch, speeds)
+    # an interleaved schedule runs whole rounds: each pipeline at least one sample per stage group
+    low = [len(p.stages) // plan.chunks if plan.chunks > 1 else 1 for p in plan.pipelines]
+    shares = proportional(plan.global_batch, speeds, low)
     if shares == [p.batch_share for p in plan.pipelines]:
         return None
     return simulated(with_shares(plan, dict(enumerate(shares))), plan)
