@@ -226,3 +226,30 @@ def test_straggler_sheds_microbatches_and_still_matches_single_process() -> None
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     sys.exit(_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]),
                      *map(int, sys.argv[7:8])))
+
+
+def test_a_shed_that_cannot_run_whole_rounds_is_left_to_a_re_plan() -> None:
+    """Shedding keeps each pipeline's micro-batch size (its stage times are re-used): under interleaved 1F1B a
+    share whose micro-batches do not make whole rounds of its stage groups is no shed plan (None: the
+    adaptive program re-plans), never a plan with other micro-batches priced with the old times."""
+    from autopar.errors import PlanError
+    from autopar.runtime.reroute import with_shares
+    from autopar.runtime.straggler import RankTiming, StragglerReport, shed_plan
+
+    plan = _plan(4, {"dp": 2, "pp": 2, "chunks": 2, "schedule": "interleaved_1f1b", "m": 4})
+    assert plan.chunks == 2 and [p.microbatch_size for p in plan.pipelines] == [1, 1]
+    slow_ranks = {d for st in plan.pipelines[1].stages for d in st.devices}
+
+    def report(slow: float) -> StragglerReport:
+        return StragglerReport([RankTiming(r, "cpu", slow if r in slow_ranks else 1.0, None, None, None)
+                                for r in range(4)], 3, 1.5)
+
+    # 5 samples of 1: 5 micro-batches, not whole rounds of the 2 stage groups
+    with pytest.raises(PlanError, match="stage groups"):
+        with_shares(plan, {0: 5, 1: 3})
+    assert shed_plan(plan, report(5 / 3)) is None  # speeds 4 : 2.4 -> shares 5 : 3
+    shed = shed_plan(plan, report(2.0))  # speeds 4 : 2 -> shares 5.33 : 2.67 -> 5 : 3 again
+    assert shed is None
+    shed = shed_plan(plan, report(3.0))  # 6 : 2: whole rounds, the old micro-batch size
+    assert shed is not None and [p.batch_share for p in shed.pipelines] == [6, 2]
+    assert all(p.microbatch_size == 1 and p.num_microbatches % 2 == 0 for p in shed.pipelines)

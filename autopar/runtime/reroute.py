@@ -144,9 +144,7 @@ def with_shares(plan: Plan, shares: dict[int, int], devices: list[int] | None = 
         m = max(1, math.ceil(share / max(1, p.microbatch_size)))
         if plan.chunks > 1:  # interleaved schedules run whole rounds of micro-batches
             m = math.ceil(m / groups) * groups
-            if m > share:  # fewer, larger micro-batches: the whole rounds that fit the share
-                m = share // groups * groups
-            if m == 0:
+            if m > share:
                 raise PlanError(f"pipeline {i} would get {share} samples, fewer than its {groups} stage groups "
                                 f"need under {plan.schedule}.")
         stages = [replace(st, devices=[index[d] for d in st.devices] if index else list(st.devices),

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..cluster import Cluster
-from ..errors import AutoparError
+from ..errors import AutoparError, PlanError
 from ..plan import Plan
 from .dist import wait
 from .reroute import proportional, simulated, with_shares
@@ -226,7 +226,9 @@ def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> Stra
 def shed_plan(plan: Plan | None, rep: StragglerReport) -> Plan | None:
     """`plan` with every pipeline's batch share in proportion to its measured speed (share / the compute
     seconds per step of its slowest rank), the same global batch; its step re-simulated from the old stage
-    times. None when there is nothing to shed to (one pipeline, experts, graph programs) or nothing changes."""
+    times (same micro-batch size). None when there is nothing to shed to (one pipeline, experts, graph
+    programs), nothing changes, or a share cannot run whole rounds of the old micro-batch size under an
+    interleaved schedule (the caller re-plans instead)."""
     if plan is None or len(plan.pipelines) < 2 or plan.experts or plan.graph:
         return None
     measured = {t.rank: t.measured_s for t in rep.ranks}
@@ -241,7 +243,11 @@ def shed_plan(plan: Plan | None, rep: StragglerReport) -> Plan | None:
     shares = proportional(plan.global_batch, speeds, low)
     if shares == [p.batch_share for p in plan.pipelines]:
         return None
-    return simulated(with_shares(plan, dict(enumerate(shares))), plan)
+    try:
+        shed = with_shares(plan, dict(enumerate(shares)))
+    except PlanError:  # with_shares' only refusal here: an interleaved share too small for whole rounds
+        return None
+    return simulated(shed, plan)
 
 
 
