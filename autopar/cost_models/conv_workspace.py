@@ -45,9 +45,9 @@ makes the next block's input channels-last.
 Where it exists: the "cpu" device kind, i.e. this host (cost_models/host.py `cpu_spec`): an x86 CPU with
 oneDNN available and enabled in torch, fp32 tensors, 2-D convolutions that are not transposed. `local_isa`
 reads the CPU's vector extensions (cpuinfo, through torch) capped by oneDNN's own ONEDNN_MAX_CPU_ISA
-(DNNL_MAX_CPU_ISA), which oneDNN reads when it starts. On CUDA, cuDNN writes the gradient in place and its
-On CUDA the convolution runs cuDNN, whose workspace is another thing and not known here: nothing is priced
-there, nor on edge boards or ARM CPUs (oneDNN with ACL).
+(DNNL_MAX_CPU_ISA), which oneDNN reads when it starts. On CUDA the convolution runs cuDNN, whose workspace
+is another thing and not known here: nothing is priced there, nor on edge boards or ARM CPUs (oneDNN with
+ACL).
 
 Not priced (measured with torch.profiler on an AVX-512 host, 1 thread): the scratchpads of other primitives
 and of the backward-data half, a few KB to ~37 KB for the brgemm backward-data kernels, and the gemm path's

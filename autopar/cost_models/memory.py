@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from ..catalog import CATALOG
 from ..errors import PlanError
 from ..graph import TrainingGraph
+from .conv_workspace import CPU_KIND
 
 # bytes one ZeRO / gradient-sync collective packs into a flat buffer at a time (runtime/zero.py's buckets):
 # the transient on top of the training state while gradients are reduced and updated values broadcast
@@ -108,7 +109,7 @@ def optimizer_step_bytes(optimizer: str, kind: str, owned: float, largest: float
     """Bytes the optimizer step allocates on top of the state while it updates `owned` parameter elements
     on a device of `kind` (the largest tensor `largest` elements): one tensor at a time on the CPU (torch's
     single-tensor path there), every tensor at once elsewhere (foreach)."""
-    if kind == "cpu":
+    if kind == CPU_KIND:
         return OPTIMIZER_STEP_BUFFERS.get(optimizer, 0) * 4.0 * min(largest, owned)
     return FOREACH_STEP_BUFFERS.get(optimizer, 0) * 4.0 * owned
 

@@ -22,6 +22,7 @@ from typing import NamedTuple, TypeVar
 from ..checks import check_memory_reserve
 from ..cluster import Cluster
 from ..cost_models.compute import ComputeModel, kernel_flops
+from ..cost_models.conv_workspace import CPU_KIND
 from ..cost_models.memory import (
     activation_corrections,
     autocast_cast_params,
@@ -301,7 +302,7 @@ class CostModel(CommPricing):
 
     def host_allocator(self, device: int) -> bool:
         """Whether the device computes in its host's memory through the CPU allocator (the `cpu` device kind)."""
-        return self.cluster.devices[device].spec.kind == "cpu"
+        return self.cluster.devices[device].spec.kind == CPU_KIND
 
     # ---- compute ------------------------------------------------------------------------------
     def layer_compute(self, layer: int, dtype: str, n: int, tp: int) -> tuple[float, float]:

@@ -54,7 +54,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cost_models.memory import OPTIMIZER_STEP_BUFFERS, SYNC_BUCKET_BYTES, optimizer_step_bytes
+from ..cost_models.conv_workspace import CPU_KIND
+from ..cost_models.memory import SYNC_BUCKET_BYTES, optimizer_step_bytes
 from ..plan import Plan
 from ..report import fmt_bytes
 from . import experts
@@ -159,8 +160,8 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
         step_freed = whole * g if streamed else N * g / (dp if zm >= 2 else 1) + (
             whole * g * (1 - 1 / dp) if zm >= 2 and dp > 1 else 0.0)
         # (at least one: each gradient's host copy exists before the device's is dropped)
-        host_work = max(1, OPTIMIZER_STEP_BUFFERS[cm.optimizer]) * HOST_MASTER_BYTES * min(base.max_param / tp,
-                                                                                     owned)
+        largest = min(base.max_param / tp, owned)
+        host_work = max(optimizer_step_bytes(cm.optimizer, CPU_KIND, owned, largest), HOST_MASTER_BYTES * largest)
     off_act = "activations" in opt.offload
     _, act, work, recomputed_params = recomputed(base, opt.recompute)
     # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
