@@ -43,6 +43,33 @@ def reference(name: str, kwargs: dict, steps: int = STEPS) -> tuple[list[float],
     return models.train_reference(build(name, **kwargs), optimizer, steps)
 
 
+def conditioning(name: str, kwargs: dict, micro: tuple[int, ...] = (1, 4), steps: int = STEPS) -> float:
+    """How far fp32 noise alone moves the case's trained state, in units of the comparison's tolerance: the
+    largest, over parameters and over single-process fp32 runs that accumulate the batch in `micro` equal
+    micro-batches, of |fp32 - fp64| / (ATOL + RTOL |fp64|). A case near 1 cannot tell a parallel program's
+    bug from the reduction order (Adam turns rounding in near-zero gradients into lr-sized steps, and some
+    models amplify those); parallel comparisons want it well below 1."""
+
+    def train(dtype: torch.dtype, k: int) -> dict[str, torch.Tensor]:
+        case = build(name, **kwargs)
+        case.model.to(dtype)
+        inputs = [x.to(dtype) if x.is_floating_point() else x for x in case.example_inputs]
+        target = case.example_target
+        opt = optimizer(list(case.model.parameters()))
+        n = inputs[0].shape[0] // k
+        for _ in range(steps):
+            for i in range(k):
+                part = slice(i * n, (i + 1) * n)
+                (models.loss_of(case, *(x[part] for x in inputs), target=target[part]) / k).backward()
+            opt.step()
+            opt.zero_grad()
+        return {key: v.detach().double() for key, v in case.model.state_dict().items()}
+
+    exact = train(torch.float64, 1)
+    return max(((train(torch.float32, k)[key] - v).abs() / (ATOL + RTOL * v.abs())).max().item()
+               for k in micro for key, v in exact.items())
+
+
 def plan_for(graph: Any, world: int, spec: dict) -> Plan:
     """The Plan a test spec describes, as `autopar.plan` would write it (no predictions): Megatron rank order
     from `plan_from_strategy` (dp, tp, pp, layer_split, batch_split, zero, recompute, chunks, offload,
