@@ -14,6 +14,9 @@ from .errors import (
     KernelFallbackWarning,
     PlanDriftWarning,
     PlanError,
+    PlanFallbackWarning,
+    PrecisionChangeWarning,
+    UnpricedOpWarning,
 )
 from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
@@ -43,6 +46,9 @@ __all__ = [
     "KernelError",
     "KernelFallbackWarning",
     "PlanDriftWarning",
+    "PlanFallbackWarning",
+    "PrecisionChangeWarning",
+    "UnpricedOpWarning",
     "BatchStatisticsWarning",
     "AsyncUpdateWarning",
 ]

@@ -25,6 +25,7 @@ from .runtime.precision import check_precision, unsupported
 from .solver.async_memory import async_memory
 from .solver.objective import check_objective, score
 from .solver.pricing import CostModel, price, price_strategy
+from .solver.pricing_plan import check_compress
 from .solver.search import search
 
 
@@ -66,10 +67,11 @@ def resolve_precision(cluster: Cluster, precision: str | None) -> str:
 def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
                example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
                precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto", *,
-               captured: TrainingGraph | None = None) -> CostModel:
+               captured: TrainingGraph | None = None, compress: str | None = None) -> CostModel:
     """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use).
     `captured`: the model's capture at this batch when the caller has it (`autopar.compile` passes its own,
-    so a model is captured once per compile)."""
+    so a model is captured once per compile). `compress`: the wire dtype stage sends may be rounded to
+    (`plan`'s), None for never."""
     check_memory_reserve(memory_reserve)
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
@@ -77,7 +79,7 @@ def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, ex
     if captured is None:
         captured = capture(model, tuple(inputs), loss_fn, example_target)
     graph = annotate(captured, cluster, precision=precision, kernels=kernels)
-    return CostModel(graph, cluster, precision, optimizer, memory_reserve)
+    return CostModel(graph, cluster, precision, optimizer, memory_reserve, compress=compress)
 
 
 def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
@@ -85,7 +87,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
          time_limit_s: float = 60, precision: str | None = None, *, memory_reserve: float = 0.1,
          progress: Callable[[int, int, float | None], None] | None = None, kernels: str = "auto",
          graph_options: dict | None = None, captured: TrainingGraph | None = None, sync: str = "sync",
-         staleness: int | None = None, objective: str = "time", budget_per_hour: float | None = None) -> Plan:
+         staleness: int | None = None, objective: str = "time", budget_per_hour: float | None = None,
+         compress: str | None = None) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
@@ -112,12 +115,18 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     every device priced (PlanError otherwise) and are passed to the search (solver/objective.py `score`);
     InfeasibleError when the plan returned costs more than the budget. A plan that leaves devices out says
     why in `predicted["idle_devices"]`.
+
+    `compress="bf16"` (or "fp16") allows activations and gradients sent between pipeline stages to be rounded
+    to that dtype on the wire; the planner then compresses the slow links (<= 10 Gb/s) of fp32/tf32 plans where
+    it shortens the predicted step. The default None never does: the sends keep the plan's dtypes, so the
+    math is the plan's.
     """
     from .graphs.planner import graph_kind
 
     check_seconds("time_limit_s", time_limit_s)
     check_memory_reserve(memory_reserve)
     delay_of(sync, staleness)
+    check_compress(compress)
     check_objective(objective, budget_per_hour, Cluster.load(cluster))
     if graph_kind(model, example_inputs) is not None:
         from .graphs.entry import plan_workload
@@ -127,7 +136,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
                              memory_reserve=memory_reserve, options=graph_options)
     start = time.perf_counter()
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels, captured=captured)
+                    memory_reserve, kernels, captured=captured, compress=compress)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
                     budget_per_hour=budget_per_hour)

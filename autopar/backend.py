@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import PlanError, close_matches
+from .errors import PlanError, PlanFallbackWarning, close_matches
 from .passes.fusion_pricing import check_mode
 from .runtime.dist import all_reduce, broadcast
 
@@ -275,6 +276,8 @@ def _plan_for_group(gm: fx.GraphModule, example_inputs: list[Any], opts: dict,
     shares = f"batch slices {sizes} (weights b_r / {sum(sizes)})"
     if plan is None:
         record.parallel = f"parallel: data parallel over {world} ranks, {shares}: planning failed ({why})"
+        _warn_fallback(f"planning graph {record.index} failed ({why}); it trains data parallel over {world} "
+                       f"ranks, {shares}")
         return None
     record.plan = plan
     kind = bd.plan_kind(plan, world)
@@ -288,6 +291,8 @@ def _plan_for_group(gm: fx.GraphModule, example_inputs: list[Any], opts: dict,
         except Exception as e:
             record.parallel = (head + f"tensor parallel over {world} ranks could not be built "
                                f"({type(e).__name__}: {str(e)[:200]}); ran data parallel, {shares}")
+            _warn_fallback(f"graph {record.index}: the tensor-parallel plan could not be built ({type(e).__name__}: "
+                           f"{str(e)[:200]}); it trains data parallel over {world} ranks, {shares}")
             return None
         record.parallel = (head + f"tensor parallel over {world} ranks, DTensor-sharded parameters "
                            f"{sorted(runner.placements)} (input indices), every rank runs every slice; {shares}; "
@@ -303,6 +308,11 @@ def _plan_for_group(gm: fx.GraphModule, example_inputs: list[Any], opts: dict,
                        + (f"; not applied by the backend: {', '.join(ignored)} (the optimizer is the user's)"
                           if ignored else ""))
     return None
+
+
+def _warn_fallback(what: str) -> None:
+    warnings.warn(PlanFallbackWarning(f"autopar backend: {what}. The math is unchanged (data parallelism trains "
+                                      f"like one device); the speed and memory are not the plan's."), stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------- backend

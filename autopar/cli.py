@@ -76,7 +76,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                   optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
-                  memory_reserve=args.memory_reserve, progress=progress)
+                  memory_reserve=args.memory_reserve, progress=progress,
+                  compress=args.compress)
     print(("\n" if tty else "") + f"planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(result.explain())
     if args.json:
@@ -234,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--optimizer", default="adamw")
     s.add_argument("--memory-reserve", type=number(low=0, high=1, high_open=True), default=0.1,
                    help="fraction of each device's memory kept free (default 0.1)")
+    s.add_argument("--compress", default=None, choices=["bf16", "fp16"],
+                   help="allow stage sends on slow links to be rounded to this dtype (default: never)")
     s.set_defaults(func=cmd_plan)
     s = sub.add_parser("run", help="start one process per device of the cluster running a script "
                                    "(independent processes that survive a lost one; torchrun with --max-restarts)",

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checks import check_seconds
 from .cluster import Cluster
-from .errors import AutoparError, CaptureError, PlanError
+from .errors import AutoparError, CaptureError, PlanError, PrecisionChangeWarning
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
@@ -36,9 +36,21 @@ from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_device
 from .runtime.fallback import ReplicatedProgram
 from .runtime.flushless import async_program, flushless_problems  # 2BW's flushless schedule where it runs
 from .runtime.plan_check import PlanCheck
+from .runtime.precision import precision_change
 from .runtime.program import OptimizerFactory, Program
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
+
+
+def warn_precision_change(model: nn.Module, cluster: Cluster, precision: str) -> None:
+    """PrecisionChangeWarning when the precision autopar chose computes differently from the model's dtype."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    change = precision_change(dtype, cluster, precision)
+    if change:
+        warnings.warn(PrecisionChangeWarning(
+            f"autopar chose precision={precision!r} for cluster {cluster.name!r} (autopar.default_precision), so "
+            f"the model ({str(dtype).removeprefix('torch.')} parameters) computes differently from its own dtype: "
+            f"{change}. Pass precision='fp32' to keep its math."), stacklevel=3)
 
 
 def compile(
@@ -63,6 +75,7 @@ def compile(
     staleness: int | None = None,
     reroute: bool | None = None,
     check_plan: bool = True,
+    compress: str | None = None,
 ) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -111,13 +124,19 @@ def compile(
     `autopar.PlanDriftWarning` when it exceeds the plan's prediction by more than 15 % or the device's
     capacity; `prog.report()` (every rank) gathers and prints predicted vs measured peaks and step times
     (runtime/plan_check.py).
+
+    `compress` ("bf16" / "fp16"; default None: never) lets the planner round the activations and gradients
+    sent between pipeline stages on slow links to that dtype (`autopar.plan(..., compress=)`); a given plan's
+    `Stage.compress` is trained as written.
     """
     from .api import estimate, price_async
     from .api import plan as make_plan
     from .plan import Plan, Strategy
+    from .solver.pricing_plan import check_compress
 
     check_seconds("time_limit_s", time_limit_s)
     check_seconds("timeout_s", timeout_s)
+    check_compress(compress)
     delay = delay_of(sync, staleness)  # a bad mode or staleness fails before any collective
     if delay and adapt:
         raise PlanError(f"sync={sync!r} with adapt=: re-planning around stragglers is for synchronous programs; "
@@ -177,7 +196,7 @@ def compile(
             try:
                 made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
                         else make_plan(model, cluster, time_limit_s=time_limit_s, sync=sync, staleness=staleness,
-                                       **args))
+                                       compress=compress, **args))
                 box[0] = made.to_json()
             except Exception as e:
                 failed = e
@@ -205,6 +224,8 @@ def compile(
         raise PlanError(f"compile(precision={precision!r}) but the plan computes in {plan.precision!r}: drop "
                         f"precision= to train as the plan says, or plan again with autopar.plan(..., "
                         f"precision={precision!r}).")
+    if rank == 0 and planned and precision is None:
+        warn_precision_change(model, cluster, plan.precision)
     chose = (plan.predicted.get("async") or {}) if planned and delay else {}
     if chose.get("sync") == "sync":
         if rank == 0:

@@ -36,6 +36,25 @@ class KernelFallbackWarning(RuntimeWarning):
     the error, and the kernel report (`Program.dump`) records it."""
 
 
+class UnpricedOpWarning(UserWarning):
+    """The cost model could not measure an op of the captured graph (no meta kernel, or no FLOP formula at
+    its arguments) and priced it by its bytes instead: 0 FLOPs, one read of its inputs and one write of its
+    output, and, when it needs a gradient, its tensor inputs saved for backward. The message names each such
+    op and the price used; the plan's time (and, less likely, memory) for it may be off."""
+
+
+class PrecisionChangeWarning(UserWarning):
+    """autopar chose a precision (`autopar.default_precision`: bf16/fp16 autocast on GPU clusters) that computes
+    differently from the model's own dtype; the message names what each device type computes in and how to
+    keep the model's math (precision="fp32")."""
+
+
+class PlanFallbackWarning(UserWarning):
+    """What the planner chose could not be used and the program runs something simpler instead (the
+    torch.compile backend's data parallelism when planning or building the tensor-parallel graph failed);
+    the message gives the reason."""
+
+
 class PlanDriftWarning(UserWarning):
     """A rank's measured peak memory exceeded its plan's prediction by more than 15 % or its device's capacity
     (runtime/plan_check.py): the memory model priced the plan wrong. The message names the rank, the figures

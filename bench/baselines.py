@@ -158,7 +158,7 @@ def megatron_grid(cm: CostModel) -> tuple[Estimate | None, Strategy | None, int,
         wire = compressed(cm, est.plan) if est is not None and st.pp > 1 else None
         if wire is not None:
             p = price(cm, wire)
-            tries.append((Estimate(p.plan, p.fits, p.problems), replace(st, compress="bf16")))
+            tries.append((Estimate(p.plan, p.fits, p.problems), replace(st, compress=cm.compress)))
         for e, s in tries:
             priced += e is not None
             fit += e is not None and e.fits

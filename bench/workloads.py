@@ -60,7 +60,7 @@ def edge_measured(steps: int = 5) -> list[dict[str, Any]]:
     args = (case.model, EDGE_PAIR)
     kwargs = {"example_inputs": case.example_inputs, "example_target": case.example_target,
               "loss_fn": case.loss_fn, "precision": "fp32"}
-    ours = autopar.plan(*args, time_limit_s=30, **kwargs)
+    ours = autopar.plan(*args, time_limit_s=30, compress="bf16", **kwargs)  # the Wi-Fi plan may compress
     dp = autopar.estimate(*args, autopar.Strategy(dp=2), **kwargs)
     plans = {"autopar": ours.to_json(), "dp2": dp.plan.to_json()}
     torch.set_num_threads(1)

@@ -170,6 +170,26 @@ def _group_cases(rank: int, world: int, dump: str) -> dict[str, tuple]:
                        {**options, "dump_dir": f"{dump}/{name}"})
         out[name] = ([x * sizes[rank] / sum(sizes) for x in losses],
                      {k: v.detach().clone() for k, v in model.named_parameters()})
+    import warnings
+
+    import autopar.backend_dist as bd
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no plan for this graph (test)")
+
+    torch._dynamo.reset()
+    case, batches = gpt_batches()
+    model = case.model if rank == 0 else models.gpt(hidden=64, seed=1).model
+    planner, bd.make_plan = bd.make_plan, fail
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = train(model, _slices(batches, rank, [2, 2]), case.loss_fn,
+                           {"cluster": "1x2xcpu", "dump_dir": f"{dump}/failed"})
+    finally:
+        bd.make_plan = planner
+    out["failed"] = ([x / 2 for x in losses], {k: v.detach().clone() for k, v in model.named_parameters()},
+                     [str(w.message) for w in caught if issubclass(w.category, autopar.PlanFallbackWarning)])
     torch._dynamo.reset()
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randn(8, 32)
@@ -200,6 +220,10 @@ def test_process_group_plans_and_trains_like_eager(tmp_path: Path) -> None:
     results = spawn_local(_group_cases, 2, str(tmp_path), timeout_s=400)
     case, batches = gpt_batches()
     want = train(case.model, batches, case.loss_fn, compiled=False)
+    _check_group_run(results, "failed", case.model, want)  # planning failed: data parallel, same math, and said
+    for r in results:
+        assert r["failed"][2] and "no plan for this graph (test)" in r["failed"][2][0], r["failed"][2]
+        assert "trains data parallel over 2 ranks" in r["failed"][2][0]
     for name in ("planned", "tp", "uneven"):
         _check_group_run(results, name, case.model, want)
         plans = [Plan.from_json((tmp_path / name / f"rank{r}" / "graph_0" / "plan.json").read_text())

@@ -28,8 +28,9 @@ def bert_base():
     return models.hf_bert(**BERT_BASE, batch=32, device="meta")
 
 
-def _cm(mc, cluster, precision="fp32"):
-    return cost_model(mc.model, cluster, mc.example_inputs, mc.example_target, mc.loss_fn, precision=precision)
+def _cm(mc, cluster, precision="fp32", compress="bf16"):
+    return cost_model(mc.model, cluster, mc.example_inputs, mc.example_target, mc.loss_fn, precision=precision,
+                      compress=compress)
 
 
 def _without_compression(plan):
@@ -74,6 +75,25 @@ def test_fast_link_and_mixed_precision_do_not_compress(bert_base):
     for cluster, precision in ((FAST, "fp32"), (WIFI, "bf16")):
         plan = search(_cm(bert_base, cluster, precision), time_limit_s=60)
         assert not any(s.compress for p in plan.pipelines for s in p.stages), (cluster, precision)
+
+
+def test_slow_links_stay_uncompressed_unless_the_user_allows_it(bert_base):
+    """Compression rounds what the stages exchange: the default plan never chooses it, however slow the link."""
+    plan = search(_cm(bert_base, WIFI, compress=None), time_limit_s=60)
+    assert any(len(p.stages) > 1 for p in plan.pipelines)  # pipelined over the slow links, as with compression
+    assert not any(s.compress for p in plan.pipelines for s in p.stages)
+
+
+def test_plan_and_compile_take_compress_and_refuse_a_bad_dtype():
+    import inspect
+
+    for entry in (autopar.plan, autopar.compile):
+        assert inspect.signature(entry).parameters["compress"].default is None
+    mc = models.hf_bert(batch=8, seq=64, hidden=64, layers=4, device="meta")
+    with pytest.raises(PlanError, match="compress='int8'"):
+        autopar.plan(mc.model, WIFI, mc.example_inputs, mc.example_target, mc.loss_fn, compress="int8")
+    with pytest.raises(PlanError, match="compress='int8'"):
+        autopar.compile(mc.model, "1xcpu", mc.example_inputs, mc.example_target, mc.loss_fn, compress="int8")
 
 
 def test_estimate_compressed_sends_shrink_by_the_byte_ratio():

@@ -31,7 +31,6 @@ from .runtime_cases import (
     assert_ranks_match_reference,
     assert_work_split,
     build,
-    run_cases,
 )
 
 # ---- the IR -------------------------------------------------------------------------------------------
@@ -283,15 +282,77 @@ CASES_2 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results_4() -> list:
-    return spawn_local(run_cases, 4, CASES_4, timeout_s=300)
+def run_watching_w(rank: int, world: int, cases: list) -> tuple[list, list[dict[str, int]]]:
+    """`run_cases`, also counting per case where this rank's parameter gradients accumulate: inside the
+    executor's W (`backward_weight`) or elsewhere (B, or a plain backward)."""
+    import autopar.runtime.program as program
+
+    from .runtime_cases import STEPS, compile_case, work_of
+
+    in_w = [False]
+    real = program.backward_weight
+
+    def watched(pending: Any) -> None:
+        in_w[0] = True
+        try:
+            real(pending)
+        finally:
+            in_w[0] = False
+
+    program.backward_weight = watched
+    out, counts = [], []
+    try:
+        for name, kwargs, spec in cases:
+            case, prog = compile_case(name, kwargs, spec, rank, world)
+            count = {"W": 0, "elsewhere": 0}
+            for p in prog.params.values():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, count=count: count.update(W=count["W"] + in_w[0],
+                                                             elsewhere=count["elsewhere"] + (not in_w[0])))
+            losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
+            out.append((losses, prog.state_dict()["model"], work_of(prog)))
+            counts.append(count)
+    finally:
+        program.backward_weight = real
+    return out, counts
 
 
 @pytest.fixture(scope="module")
-def results_2() -> list:
+def watched_4() -> list:
+    return spawn_local(run_watching_w, 4, CASES_4, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def results_4(watched_4: list) -> list:
+    return [r[0] for r in watched_4]
+
+
+@pytest.fixture(scope="module")
+def watched_2() -> list:
     pytest.importorskip("transformers")
-    return spawn_local(run_cases, 2, CASES_2, timeout_s=300)
+    return spawn_local(run_watching_w, 2, CASES_2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def results_2(watched_2: list) -> list:
+    return [r[0] for r in watched_2]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_zb_h1_accumulates_the_weight_gradients_in_w(ranks: int, request: pytest.FixtureRequest) -> None:
+    """The split is real: under zb_h1 every rank's parameter gradients accumulate in its W actions (so B
+    leaves them for later), under 1F1B never; a zb_h1 that ran the whole backward in B would still train
+    right, and only this notices."""
+    watched = request.getfixturevalue(f"watched_{ranks}")
+    cases = CASES_4 if ranks == 4 else CASES_2
+    for index, (_, _, spec) in enumerate(cases):
+        for rank, (_, counts) in enumerate(watched):
+            c = counts[index]
+            if spec["schedule"] == "zb_h1":
+                assert c["W"] > 0 and c["W"] >= 3 * c["elsewhere"], (spec, rank, c)
+            else:
+                assert c["W"] == 0 and c["elsewhere"] > 0, (spec, rank, c)
 
 
 def _check(results: list, cases: list, index: int) -> None:

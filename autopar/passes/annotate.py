@@ -112,8 +112,8 @@ def _spec(x: Any, grad: dict[str, bool]) -> Any:
         return ("V", repr(val))
     if isinstance(x, (list, tuple)):
         return tuple(_spec(v, grad) for v in x)
-    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return repr(x)
+    if isinstance(x, torch.device):  # measured on meta, whatever device the op names
+        return ("D",)
     return x
 
 
@@ -124,6 +124,8 @@ def _materialize(spec: Any) -> Any:
         return t.requires_grad_(rg) if rg and dtype.is_floating_point else t
     if isinstance(spec, tuple) and spec and spec[0] == "V":
         raise _Unmeasurable
+    if spec == ("D",):
+        return torch.device("meta")
     if isinstance(spec, tuple):
         return tuple(_materialize(s) for s in spec)
     return spec
@@ -192,11 +194,29 @@ def _kernel_time(model: ComputeModel, k: Kernel) -> float:
     return model.op_time(k.kind, kernel_flops(k), k.nbytes)
 
 
-def _fallback_cost(node: OpNode, arg_bytes: float) -> _NodeCost:
+def _fallback_cost(node: OpNode, arg_bytes: float, n_tensor_args: int) -> _NodeCost:
+    """The price of an op `_measure` cannot measure: its bytes, no FLOPs; with a gradient, its inputs kept
+    for backward (the most a node's own saved tensors can hold, so memory is not under-priced)."""
     kind = classify(node.target)
     nbytes = 0.0 if kind == "view" else arg_bytes + node.out_bytes
     k = Kernel(node.target, kind, 0.0, nbytes)
-    return _NodeCost((k,), (k, k) if node.requires_grad else (), (), (), 0)
+    saved = tuple(range(n_tensor_args)) if node.requires_grad and kind != "view" else ()
+    return _NodeCost((k,), (k, k) if node.requires_grad else (), saved, (), 0)
+
+
+def _warn_unpriced(unpriced: dict[str, list[tuple[str, float]]]) -> None:
+    if not unpriced:
+        return
+    import warnings
+
+    from ..errors import UnpricedOpWarning
+
+    ops = "; ".join(f"{target} ({len(v)} node(s), e.g. {v[0][0]}: 0 FLOPs, {v[0][1] / 2**20:.3g} MiB moved)"
+                    for target, v in sorted(unpriced.items()))
+    warnings.warn(UnpricedOpWarning(
+        f"the cost model could not measure {sum(map(len, unpriced.values()))} op node(s) and priced them by "
+        f"their bytes (no FLOPs; inputs saved for backward where they need a gradient): {ops}. The plan's "
+        f"time for them may be low; report the op to autopar to have it priced."), stacklevel=3)
 
 
 def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: str = "fp32",
@@ -229,6 +249,7 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
         root_bytes[name] = graph.input_meta[name].nbytes
     new_nodes: dict[str, OpNode] = {}
     isa = local_isa()  # the "cpu" device kind is this host (cost_models/host.py)
+    unpriced: dict[str, list[tuple[str, float]]] = {}  # op target -> (node, bytes priced) of the unmeasured
     for name, node in graph.nodes.items():
         fxn = fx_nodes.get(name)
         tensor_arg_names = (
@@ -265,9 +286,10 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
             arg_specs = tuple(_hashable(_spec(a, grad)) for a in fxn.args)
             kwarg_specs = tuple(sorted((k, _hashable(_spec(v, grad))) for k, v in fxn.kwargs.items()))
             cost = _measure(fxn.target, arg_specs, kwarg_specs)
-        except Exception:  # an op with no meta kernel: price it by its bytes, note it, keep going
+        except Exception:  # an op with no meta kernel: price it by its bytes, say so, keep going
             arg_bytes = sum(new_nodes[a].out_bytes for a in node.args if a in new_nodes)
-            cost = _fallback_cost(node, arg_bytes)
+            cost = _fallback_cost(node, arg_bytes, len(tensor_arg_names))
+            unpriced.setdefault(str(node.target), []).append((name, cost.kernels_fwd[0].nbytes * scale))
         saved = [
             roots.get(tensor_arg_names[i], tensor_arg_names[i])
             for i in cost.saved_args
@@ -288,6 +310,7 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
             saved_internal_bytes=int(cost.saved_internal_bytes * scale),
             bwd_workspace=_bwd_workspace(fxn, grad, isa),
         )
+    _warn_unpriced(unpriced)
     device_types = cluster.device_types() if cluster is not None else []
     models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in device_types} if cluster else {}
     fusing = fusing_types(cluster, kernels)

@@ -62,6 +62,24 @@ def unsupported(cluster: Any, precision: str) -> list[str]:
     return [t for t in cluster.device_types() if "bf16" not in cluster.spec(t).peak_flops]
 
 
+def precision_change(model_dtype: torch.dtype, cluster: Any, precision: str) -> str | None:
+    """What computing in `precision` changes, per device type of `cluster`, for a model whose parameters are
+    `model_dtype`; None when nothing does (fp32, tf32 where no device has TF32 tensor cores, a model already
+    in a 16-bit dtype)."""
+    if model_dtype != torch.float32:
+        return None
+    changes = {}
+    for t in cluster.device_types():
+        flops = cluster.spec(t).peak_flops
+        if precision in ("bf16", "fp16"):
+            scaling = ", dynamic loss scaling" if precision == "fp16" else ""
+            changes[t] = (f"{precision} autocast (matmuls, convolutions and attention in {precision}; fp32 weights, "
+                          f"optimizer state and gradient reduction{scaling})")
+        elif precision == "tf32" and cluster.spec(t).kind != "cpu" and flops["tf32"] > flops["fp32"]:
+            changes[t] = "TF32 matmuls and convolutions (inputs rounded to a 10-bit mantissa)"
+    return "; ".join(f"{t}: {what}" for t, what in changes.items()) or None
+
+
 def check_precision(cluster: Any, precision: str) -> None:
     """PlanError naming the devices of `cluster` that cannot run `precision`, and what they can run."""
     lacking = unsupported(cluster, precision)
@@ -184,4 +202,5 @@ class PrecisionPolicy:
         return not found_inf
 
 
-__all__ = ["AUTOCAST_DTYPES", "PRECISIONS", "LossScaler", "PrecisionPolicy", "check_precision", "unsupported"]
+__all__ = ["AUTOCAST_DTYPES", "PRECISIONS", "LossScaler", "PrecisionPolicy", "check_precision", "precision_change",
+           "unsupported"]

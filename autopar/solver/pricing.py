@@ -43,9 +43,11 @@ the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
            (`Stage.compress`): 2-byte elements on the wire plus a cast on each end (read + write of the
            elements at the device's memory bandwidth)
 
-Compressed sends (`CostModel.compress_choice`): a stage boundary is sent in COMPRESS_DTYPE (bf16, fp32's
-exponent range, so gradients neither overflow nor flush to zero; relative rounding error <= 2^-9 per
-element and transfer) when (1) the plan trains in fp32/tf32 (in bf16/fp16 mixed precision the activations
+Compressed sends (`CostModel.compress_choice`): only when the user allows them (`plan(..., compress="bf16")`,
+`CostModel.compress`: compression rounds what the stages exchange, so it is never chosen unasked), a stage
+boundary is sent in that dtype (bf16: fp32's exponent range, so gradients neither overflow nor flush to zero;
+relative rounding error <= 2^-9 per element and transfer; fp16: 2^-11, a narrower range) when (1) the plan
+trains in fp32/tf32 (in bf16/fp16 mixed precision the activations
 already travel in 2 bytes), (2) the link is slow (<= 10 Gb/s, SLOW_LINK_BYTES_PER_S: on faster links the
 saving is too small to be worth the numerical change) and (3) the cast-inclusive send is faster. The search
 plans every eligible boundary compressed (the simulated step only grows with a send time) and
@@ -123,7 +125,6 @@ from .pricing_comm import boundary_copies
 from .pricing_model import HOST_UPDATE_BANDWIDTH, CostModel, Option, StageBase, StageTimes, inflight_closed_form
 from .pricing_plan import (
     ACT_BYTES,
-    COMPRESS_DTYPE,
     SLOW_LINK_BYTES_PER_S,
     WIRE_BYTES,
     check_plan,
@@ -333,7 +334,7 @@ def price_strategy(cm: CostModel, strategy: Strategy) -> Estimate:
 
 # what callers read here (the cost model's types, pricing_model.py; the wire constants, tests/test_edge.py; the
 # plan-level pieces, pricing_plan.py), besides what this module defines
-__all__ = ["ACT_BYTES", "COMPRESS_DTYPE", "HOST_UPDATE_BANDWIDTH", "SLOW_LINK_BYTES_PER_S", "WIRE_BYTES", "CostModel",
+__all__ = ["ACT_BYTES", "HOST_UPDATE_BANDWIDTH", "SLOW_LINK_BYTES_PER_S", "WIRE_BYTES", "CostModel",
            "Option", "Priced", "StageBase", "StageMemory", "StageTimes", "inflight_closed_form", "lower_bound",
            "model_summary", "price", "price_strategy", "rank_host", "rank_peak", "stage_option", "tied_sync",
            "tp_layer_cost"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
-from .pricing_plan import ACT_BYTES, COMPRESS_DTYPE, SLOW_LINK_BYTES_PER_S, WIRE_BYTES
+from .pricing_plan import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES
 
 
 class CommPricing:
@@ -68,13 +68,13 @@ class CommPricing:
 
     def compress_choice(self, nbytes: float, src: int, dst: int) -> str | None:
         """The wire dtype for a stage boundary under the planner's rule (pricing.py's docstring, "Compressed
-        sends"): COMPRESS_DTYPE when the plan trains in fp32/tf32, the link is slow and the send gets
-        faster; else None."""
-        if (src == dst or self.precision not in ("fp32", "tf32")
+        sends"): the dtype the user allows (`self.compress`) when the plan trains in fp32/tf32, the link is slow
+        and the send gets faster; else None (always None unless the user allowed compression)."""
+        if (self.compress is None or src == dst or self.precision not in ("fp32", "tf32")
                 or self.cluster.link(src, dst).bandwidth > SLOW_LINK_BYTES_PER_S):
             return None
-        faster = self.send_time(nbytes, src, dst, COMPRESS_DTYPE) < self.send_time(nbytes, src, dst)
-        return COMPRESS_DTYPE if faster else None
+        faster = self.send_time(nbytes, src, dst, self.compress) < self.send_time(nbytes, src, dst)
+        return self.compress if faster else None
 
     def boundary_send(self, nbytes: float, src: int, dst: int) -> float:
         """Send seconds of a stage boundary as the search plans it (compressed where `compress_choice` says)."""

@@ -42,6 +42,7 @@ from ..schedule import peak_inflight
 from . import experts
 from .intra_op_pricing import LayerPricer, tp_layer_cost
 from .pricing_comm import CommPricing
+from .pricing_plan import check_compress
 from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memory
 
 T = TypeVar("T")
@@ -135,11 +136,15 @@ class CostModel(CommPricing):
 
     def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
-                 intra_op_time_limit_s: float = 2.0) -> None:
+                 intra_op_time_limit_s: float = 2.0, *, compress: str | None = None) -> None:
         check_memory_reserve(memory_reserve)
+        check_compress(compress)
         if not graph.layers:
             raise PlanError("the graph has no layers; annotate it first.")
         self.graph, self.cluster, self.precision = graph, cluster, precision
+        self.compress = compress
+        """The wire dtype the user allows stage sends to be compressed to (`plan(..., compress=)`), or None:
+        compression rounds activations and gradients, so the planner never chooses it unasked."""
         self.optimizer = optimizer_name(optimizer)
         self.state = state_bytes_per_param(self.optimizer, precision)
         self.reserve = memory_reserve

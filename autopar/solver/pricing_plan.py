@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
 ACT_BYTES = PRECISIONS  # bytes of an activation element per precision
 WIRE_BYTES = {"bf16": 2, "fp16": 2}  # the wire dtypes a stage boundary may be compressed to
-COMPRESS_DTYPE = "bf16"  # fp32's exponent range: gradients sent back cannot overflow or flush to zero
+
+
+def check_compress(compress: str | None) -> str | None:
+    """`compress` (the wire dtype a plan may send stage boundaries in) unchanged when valid, else PlanError."""
+    if compress is not None and compress not in WIRE_BYTES:
+        raise PlanError(f"compress={compress!r}: choose one of {sorted(WIRE_BYTES)} (stage sends rounded to that "
+                        f"dtype where it pays) or None (the default: sends keep the plan's dtypes).")
+    return compress
+
+
 SLOW_LINK_BYTES_PER_S = 1.25e9  # 10 Gb/s: links at most this fast count as slow for compression
 # Host bytes per owned parameter with the optimizer offloaded, besides its moments: the fp32 copy the
 # optimizer updates and the fp32 copy of its gradient (runtime/zero.py, ZeroRuntime.step)

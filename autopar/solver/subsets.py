@@ -57,7 +57,7 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
     best, best_score, last_error = None, math.inf, None
     for keep in subsets:
         sub = cm if len(keep) == cm.cluster.world_size else CostModel(
-            cm.graph, cm.cluster.subset(keep), cm.precision, cm.optimizer, cm.reserve)
+            cm.graph, cm.cluster.subset(keep), cm.precision, cm.optimizer, cm.reserve, compress=cm.compress)
         try:
             plan = run(sub, share)
         except InfeasibleError as e:
