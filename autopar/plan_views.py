@@ -96,14 +96,27 @@ def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
     return out
 
 
-def compute_description(precision: str, device: str = "") -> str:
-    """What a device computes in under a plan's precision (what runtime/precision.py runs)."""
+def compute_description(precision: str, device: str = "", tf32: bool | None = None) -> str:
+    """What a device computes in under a plan's precision (what runtime/precision.py runs); `tf32`: whether
+    the device has TF32 tensor cores (None: unknown, assumed where it is not a CPU)."""
     if precision in ("bf16", "fp16"):
         scaled = ", dynamic loss scaling" if precision == "fp16" else ""
         return f"{precision} autocast, fp32 master weights / optimizer state / gradient reduction{scaled}"
     if precision == "tf32":
-        return "fp32 (no TF32 on CPUs)" if device == "cpu" else "fp32 storage, TF32 matmuls and convolutions"
+        if device == "cpu":
+            return "fp32 (no TF32 on CPUs)"
+        if tf32 is False:
+            return "fp32 (no TF32 tensor cores: matmuls and convolutions in fp32)"
+        return "fp32 storage, TF32 matmuls and convolutions"
     return f"{precision} throughout"
+
+
+def _has_tf32(plan: Plan, device_type: str) -> bool:
+    """Whether `device_type` of the plan's cluster has TF32 tensor cores (a TF32 peak above its fp32 one)."""
+    from .cluster import Cluster
+
+    spec = Cluster.load(plan.cluster).spec(device_type)
+    return spec.kind != "cpu" and spec.peak_flops["tf32"] > spec.peak_flops["fp32"]
 
 
 def _reroute_line(block: dict | None) -> list[str]:
@@ -141,7 +154,7 @@ def explain(plan: Plan) -> str:
         f"global batch {plan.global_batch}, {plan.precision}, optimizer {plan.optimizer}, schedule {sched}, "
         f"{n_dp} data-parallel "
         f"pipeline(s)",
-        "compute: " + "; ".join(f"{t}: {compute_description(plan.precision, t)}"
+        "compute: " + "; ".join(f"{t}: {compute_description(plan.precision, t, _has_tf32(plan, t))}"
                                 for t in dict.fromkeys(names.values())),
     ]
     if "step_time_s" in pr:

@@ -116,7 +116,7 @@ def test_a_candidate_that_does_not_fit_when_priced_is_dropped_and_said(monkeypat
     import dataclasses
     import importlib
 
-    search_mod = importlib.import_module("autopar.solver.search")  # the module (autopar.solver.search is the function)
+    search_mod = importlib.import_module("autopar.solver.search")  # the module
 
     real, calls = search_mod.price, []
 

@@ -69,3 +69,29 @@ def test_an_unmeasurable_op_is_named_with_the_price_used(monkeypatch: pytest.Mon
     addmm = [n for n in out.nodes.values() if "linear" in str(n.target)]
     assert addmm and all(n.flops_fwd == 0 for n in addmm)
     assert all(n.saved for n in addmm if n.requires_grad)  # its inputs kept for backward: memory not under-priced
+
+
+def test_explain_says_fp32_where_a_device_has_no_tf32() -> None:
+    case = models.gpt(layers=2, device="meta")
+    args = (case.example_inputs, case.example_target, case.loss_fn)
+    for cluster, want in (("1x2xV100-16GB", "V100-16GB: fp32 (no TF32 tensor cores"),
+                          ("1x2xA100-80GB", "A100-80GB: fp32 storage, TF32 matmuls")):
+        est = autopar.estimate(case.model, cluster, autopar.Strategy(dp=2), *args, precision="tf32")
+        assert want in est.plan.explain(), est.plan.explain()
+
+
+def test_batch_statistics_warning_names_the_layers_by_kind() -> None:
+    from autopar.passes.batch_stats import warn_if_batch_split
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    with pytest.warns(autopar.BatchStatisticsWarning, match=r"1 \(BatchNorm2d\), 4 \(BatchNorm2d\)"):
+        warn_if_batch_split(model, 2, 8, "the plan")
+
+
+def test_the_search_module_is_not_hidden_by_its_function() -> None:
+    import types
+
+    import autopar.solver
+
+    assert isinstance(autopar.solver.search, types.ModuleType)
+    assert callable(autopar.solver.search.search)

@@ -41,9 +41,12 @@ def warn_if_batch_split(model: nn.Module, pieces: int, batch: int, how: str) -> 
     names = batch_statistics_modules(model)
     if not names or pieces <= 1:
         return []
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    labels = [f"{name} ({type(model if name == type(model).__name__ else model.get_submodule(name)).__name__})"
+              for name in names]  # a Sequential's children are named "1", "4": say what they are
+    shown = ", ".join(labels[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     warnings.warn(
-        f"{how} splits the global batch into {pieces} pieces, and {shown} normalize(s) with batch statistics: "
+        f"{how} splits the global batch into {pieces} pieces, and the module(s) {shown} normalize with batch "
+        f"statistics: "
         f"each piece uses its own mean and variance (and updates the running statistics from it), so training "
         f"differs from one device's. For single-device math, train with plan=autopar.Strategy(dp=1, pp=1, "
         f"microbatch_size={batch}), or use GroupNorm/LayerNorm in the model; to accept per-piece statistics, silence "
