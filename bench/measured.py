@@ -191,9 +191,10 @@ class Pricer:
             ak = (key, tuple(c.device_types()), precision)
             if ak not in self.annotated:
                 self.annotated[ak] = annotate(self.graphs[key], c, precision=precision)
-            # the measured runs used Megatron-LM's tensor parallelism: price that sharding, not the ILP's
+            # the measured runs used Megatron-LM's tensor parallelism: price that sharding, not the ILP's, and
+            # its data-parallel sync of each tp rank's own shard (autopar's runtime syncs whole tensors)
             self.cost_models[ck] = CostModel(self.annotated[ak], c, precision, OPTIMIZER,
-                                             MEMORY_RESERVE, intra_op=False)
+                                             MEMORY_RESERVE, intra_op=False, tp_dp_sync="shards")
         return self.cost_models[ck]
 
     def estimate(self, key: tuple, cluster: dict, strategy: Strategy, precision: str) -> Estimate:

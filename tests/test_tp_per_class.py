@@ -96,3 +96,21 @@ def test_one_tp_degree_is_priced_with_the_runtime_sync_too() -> None:
     shards = cm.options_times(base, [Option()], "A100-80GB", (0, 1), (0, 2))[0].sync
     assert stage.tp == 2 and stage.predicted["sync_s"] == pytest.approx(whole)
     assert shards == pytest.approx(whole)  # one degree or several: the same runtime path, the same price
+
+
+def test_megatron_shard_sync_is_priced_only_when_asked() -> None:
+    """bench/measured.py prices Megatron-LM runs, whose tp ranks each all-reduce their own shard with the same
+    shard of every replica: `tp_dp_sync="shards"` prices that (less than the whole-tensor sync autopar runs);
+    autopar's own plans keep "whole"."""
+    from autopar.errors import PlanError
+    from autopar.solver.pricing import CostModel
+
+    cm = cm_for("1x4xA100-80GB", layers=4, batch=8)
+    megatron = CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, tp_dp_sync="shards")
+    sync = {}
+    for name, c in (("whole", cm), ("shards", megatron)):
+        base = c.base(0, c.L, "A100-80GB", 2, (0, 1))
+        sync[name] = c.options_times(base, [Option()], "A100-80GB", (0, 1), (0, 2))[0].sync
+    assert cm.tp_dp_sync == "whole" and 0 < sync["shards"] < sync["whole"]
+    with pytest.raises(PlanError, match="tp_dp_sync='halves'"):
+        CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, tp_dp_sync="halves")

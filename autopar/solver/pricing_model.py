@@ -47,6 +47,8 @@ from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memo
 
 T = TypeVar("T")
 
+TP_DP_SYNCS = ("whole", "shards")  # `CostModel.tp_dp_sync`
+
 # Host memory bandwidth (bytes/s) one device's offloaded optimizer step gets: a server's ~200 GB/s of DRAM
 # bandwidth shared by 8 GPUs; an edge board's CPU cores reach about as much of their LPDDR.
 HOST_UPDATE_BANDWIDTH = 25e9
@@ -136,13 +138,21 @@ class CostModel(CommPricing):
 
     def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
-                 intra_op_time_limit_s: float = 2.0, *, compress: str | None = None) -> None:
+                 intra_op_time_limit_s: float = 2.0, *, compress: str | None = None,
+                 tp_dp_sync: str = "whole") -> None:
         check_memory_reserve(memory_reserve)
         check_compress(compress)
+        if tp_dp_sync not in TP_DP_SYNCS:
+            raise PlanError(f"tp_dp_sync={tp_dp_sync!r}: choose one of {sorted(TP_DP_SYNCS)}.")
         if not graph.layers:
             raise PlanError("the graph has no layers; annotate it first.")
         self.graph, self.cluster, self.precision = graph, cluster, precision
         self.compress = compress
+        self.tp_dp_sync = tp_dp_sync
+        """How data-parallel replicas of a tensor-parallel stage (one degree) sync: "whole" as autopar's runtime
+        does (runtime/zero.py: whole tensors among the groups' first ranks, then a broadcast in each group), or
+        "shards" as Megatron-LM does (each tp rank all-reduces its own shard with the same shard of every
+        replica): for pricing runs of other systems (bench/measured.py), not autopar's plans."""
         """The wire dtype the user allows stage sends to be compressed to (`plan(..., compress=)`), or None:
         compression rounds activations and gradients, so the planner never chooses it unasked."""
         self.optimizer = optimizer_name(optimizer)
@@ -416,7 +426,7 @@ class CostModel(CommPricing):
         key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
         # tensor-parallel replicas (mixed degrees or not) sync as runtime/zero.py does: whole tensors among the
         # groups' first ranks (`_mixed_tp_sync`)
-        whole = mixed_tp or (t > 1 and D > 1)
+        whole = mixed_tp or (t > 1 and D > 1 and self.tp_dp_sync == "whole")
         hit = self._memo.get(key) if not whole else self._mixed_tp_sync(base, tp_group, dp_group)
         if hit is None:
             # the stage's data-parallel group syncs its shards (t = 1)
