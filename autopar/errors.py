@@ -39,8 +39,8 @@ class KernelFallbackWarning(RuntimeWarning):
 class UnpricedOpWarning(UserWarning):
     """The cost model could not measure an op of the captured graph (no meta kernel, or no FLOP formula at
     its arguments) and priced it by its bytes instead: 0 FLOPs, one read of its inputs and one write of its
-    output, and, when it needs a gradient, its tensor inputs saved for backward. The message names each such
-    op and the price used; the plan's time (and, less likely, memory) for it may be off."""
+    output, nothing saved for backward. The message names each such op and the price used; the plan's time
+    (and memory, if the op saves tensors) for it may be low."""
 
 
 class PrecisionChangeWarning(UserWarning):
@@ -53,6 +53,13 @@ class PlanFallbackWarning(UserWarning):
     """What the planner chose could not be used and the program runs something simpler instead (the
     torch.compile backend's data parallelism when planning or building the tensor-parallel graph failed);
     the message gives the reason."""
+
+
+class FusedKernelWarning(UserWarning):
+    """Generated Triton kernels replace fused regions of the program (kernels="auto" on CUDA, or "triton"); they
+    compute what the torch ops compute, but round differently: the message says how (evaluation order, fp32
+    intermediates under autocast, dropout masks from the kernel's own generator) and that kernels="torch"
+    keeps torch's ops."""
 
 
 class PlanDriftWarning(UserWarning):

@@ -71,7 +71,8 @@ def test_data_parallel_batch_norm_warns_and_the_math_differs() -> None:
     results = spawn_local(run_dp2, 2, timeout_s=180)
     ref_losses, _ = _reference()
     said = results[0][2]
-    assert len(said) == 1 and "1, 4" in said[0] and "2 pieces" in said[0] and "GroupNorm" in said[0], said
+    assert len(said) == 1 and "1 (BatchNorm2d), 4 (BatchNorm2d)" in said[0], said
+    assert "2 pieces" in said[0] and "GroupNorm" in said[0], said
     assert "microbatch_size=8" in said[0]
     assert results[1][2] == []  # one warning per job, from rank 0
     # the warning is not a false alarm: the per-replica statistics change the losses

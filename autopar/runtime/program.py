@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..codegen.split import StageProgram, split_stages
-from ..errors import PlanError
+from ..errors import FusedKernelWarning, PlanError
 from ..graph import TrainingGraph
 from ..lowering import PipelineLayout, RankProgram, lower
 from ..passes.capture import LossFn, capture
@@ -191,6 +192,7 @@ class Program:
         self.layers = self._layer_hooks()
         for (s, size), st in self._stages.items():
             self._with_kernels(st, s, size)
+        self._say_how_kernels_round()
         self.grad_sync = self._bucketed_sync()
         self.optimizer = self.zero.build_optimizer(lambda params: make_optimizer(optimizer, params))
         if world_size > 1:
@@ -307,6 +309,22 @@ class Program:
         for call in layer_calls(st.gm):
             call.inner, report = apply_kernels(call.inner, self.kernels)
             reports.append(report)
+
+    def _say_how_kernels_round(self) -> None:
+        """FusedKernelWarning (rank 0, once per program) when generated kernels will run in place of torch ops."""
+        fused = [r for reports in self.kernel_reports.values() for rep in reports for r in rep.fused]
+        if not fused or self.rank != 0 or not (self.kernels == "triton" or self.device.type == "cuda"):
+            return
+        how = ["another evaluation order and fused multiply-adds (fp32 results within rounding of torch's)"]
+        if self.plan.precision in ("bf16", "fp16"):
+            how.append(f"intermediates kept in fp32 inside a region, where torch's {self.plan.precision} autocast "
+                       f"rounds each op's output")
+        if any("dropout" in op for r in fused for op in r.ops):
+            how.append("dropout masks drawn by the kernel's own generator, not torch's")
+        warnings.warn(FusedKernelWarning(
+            f"{len(fused)} fused region(s) run as generated Triton kernels (kernels={self.kernels!r}) and round "
+            f"differently from the torch ops they replace: {'; '.join(how)}. kernels='torch' runs torch's ops."),
+            stacklevel=3)
 
     def _slice(self, x: Any, start: int, size: int) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.layout.global_batch:
