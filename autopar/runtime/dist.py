@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import math
@@ -96,15 +97,43 @@ def _poll(work: dist.Work, what: str, timeout_s: float) -> None:
     while not work.is_completed():
         now = time.monotonic()
         if now - start > timeout_s:
+            _abandon(work, start + timeout_s)
             raise PeerLostError(f"{what} timed out after {timeout_s:.0f} s.")
         if now - checked > 0.02:
             checked = now
             if store.check([key]):
                 err = PeerLostError(f"{what} abandoned: the survivors of a lost rank re-route around it.")
                 err.lost_ranks = json.loads(store.get(key))  # type: ignore[attr-defined]
+                _abandon(work, start + timeout_s)
                 raise err
         time.sleep(nap)
         nap = min(2 * nap, 1e-3)
+
+
+# Collectives `_poll` gave up on, each with the time by which gloo's own timeout ends it. Such a collective
+# stays in its group's worker thread until that timeout or until its peer's process exits; one that ends
+# while this interpreter exits runs torch's exit-time teardown concurrently (a profiler callback on a
+# destroyed kineto, seen as SIGSEGV in 3 of 7 re-routed tp jobs; pytorch#190489's GIL abort likewise), so
+# the process waits for them before it finalizes (`drain_abandoned`, at exit and in elastic.shutdown).
+_abandoned: list[tuple[dist.Work, float]] = []
+
+
+def _abandon(work: dist.Work, ends_by: float) -> None:
+    if not _abandoned:
+        atexit.register(drain_abandoned)
+    _abandoned.append((work, ends_by + _ABANDONED_SLACK_S))
+
+
+_ABANDONED_SLACK_S = 2.0  # a collective's timeout counts from when its worker thread starts it
+
+
+def drain_abandoned() -> None:
+    """Wait until every collective a re-route abandoned has ended (it fails when its peer leaves or gloo's
+    timeout passes), at most until that timeout, so that none ends during the interpreter's exit."""
+    while _abandoned:
+        work, ends_by = _abandoned.pop()
+        while not work.is_completed() and time.monotonic() < ends_by:
+            time.sleep(0.01)
 
 
 # Backends whose Work.wait() makes the current stream wait for the operation instead of the host thread.

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from ..errors import PlanError
 from .devices import init_process_group
-from .dist import PeerLostError, ensure_initialized
+from .dist import PeerLostError, drain_abandoned, ensure_initialized
 
 HEARTBEAT_S = 0.2
 LOST_AFTER_S = 1.0  # a rank whose counter does not move for this long is dead (5 missed beats)
@@ -114,6 +114,7 @@ def shutdown() -> None:
     """Leave the process group cleanly: the heartbeat thread stops before the group (and its store) is
     destroyed, since it may be inside a store call."""
     stop_heartbeat()
+    drain_abandoned()
     if dist.is_available() and dist.is_initialized():
         # A gloo worker thread frees a finished collective's tensors itself and takes the GIL to do so; one still
         # waiting for it when the interpreter finalizes aborts the process ("terminate called without an active
