@@ -234,13 +234,13 @@ class PlanCheck:
             OPEN_WINDOWS.add(self.give_way)
         return self
 
-    def abandon(self) -> None:
-        """Close the window without a verdict (the program was not built)."""
+    def abandon(self, why: str = "the program was not built") -> None:
+        """Close the window without a verdict: what it held is not the plan's to answer for (`why`)."""
         OPEN_WINDOWS.discard(self.give_way)
         if self._window is not None:
             self._window.close()
             self._window = None
-            self.figures.not_measured = "the program was not built"
+            self.figures.not_measured = why
 
     def give_way(self) -> None:
         """End the window early for another profiler window: its figures are kept, without a verdict (the

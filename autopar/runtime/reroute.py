@@ -401,6 +401,9 @@ class ReroutingProgram:
         old = self.program
         store = root_store()
         gen = len(self.events)
+        check = getattr(old, "plan_check", None)
+        if check is not None:  # it would go on to measure the failed step and the re-route, which no plan prices
+            check.abandon(f"a rank was lost in step {snap.step + 1}, within the window")
         announce_abort(lost)  # wakes the survivors blocked in a collective with this rank (dist.wait)
         dist.destroy_process_group()
         # survivors may still detect the loss at different times (one blocked where nothing wakes it times
