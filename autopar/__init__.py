@@ -17,6 +17,7 @@ from .errors import (
     PlanError,
     PlanFallbackWarning,
     PrecisionChangeWarning,
+    RandomnessWarning,
     UnpricedOpWarning,
 )
 from .passes.batch_stats import BatchStatisticsWarning
@@ -49,6 +50,7 @@ __all__ = [
     "PlanDriftWarning",
     "PlanFallbackWarning",
     "FusedKernelWarning",
+    "RandomnessWarning",
     "PrecisionChangeWarning",
     "UnpricedOpWarning",
     "BatchStatisticsWarning",

@@ -76,6 +76,7 @@ def compile(
     reroute: bool | None = None,
     check_plan: bool = True,
     compress: str | None = None,
+    seed: int = 0,
 ) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -128,6 +129,11 @@ def compile(
     `compress` ("bf16" / "fp16"; default None: never) lets the planner round the activations and gradients
     sent between pipeline stages on slow links to that dtype (`autopar.plan(..., compress=)`); a given plan's
     `Stage.compress` is trained as written.
+
+    `seed` (default 0) keys the random ops of the captured model (dropout, bernoulli, rand...): each draws
+    from a counter-based stream keyed by (seed, step, the op, the sample's index in the global batch, the
+    element), so every plan draws the same masks for a sample and trains like the one-device program
+    `compile(model, "1x1xcpu", ..., seed=seed)` (passes/randomness.py; torch's generator does not enter).
     """
     from .api import estimate, price_async
     from .api import plan as make_plan
@@ -268,6 +274,7 @@ def compile(
             kernels=kernels,
             weights=weights,
             graph=graph,
+            seed=seed,
         )
     except BaseException:
         if check is not None:
@@ -286,7 +293,7 @@ def compile(
             analyze(model, cluster, capture_inputs, capture_target, loss_fn, plan.precision, d, kernels)
     # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)
     rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights, graph,
-                             (capture_inputs, capture_target))
+                             (capture_inputs, capture_target), seed=seed)
     prog = rebuilder.wrap(prog, reroute)
     if adapt:
         rebuild = lambda c: compile(
@@ -303,6 +310,7 @@ def compile(
             precision=precision,
             weights=weights,
             reroute=reroute,
+            seed=seed,
         )
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
         return AdaptiveProgram(prog, rebuild, cluster, policy,
@@ -326,10 +334,12 @@ class _Rebuilder:
     graph: Any
     capture_args: tuple
     cost_models: dict = field(default_factory=dict)
+    seed: int = 0
 
     def build(self, plan: Any, rank: int, world: int) -> Program:
         return Program(self.model, plan, self.inputs, self.target, self.loss_fn, self.optimizer, rank, world,
-                       timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=self.graph)
+                       timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=self.graph,
+                       seed=self.seed)
 
     def cost_model(self, plan: Any) -> Any:
         """The planner's cost model for `plan`'s cluster (one per cluster: a loss prices and copies on one)."""

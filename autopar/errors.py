@@ -58,8 +58,13 @@ class PlanFallbackWarning(UserWarning):
 class FusedKernelWarning(UserWarning):
     """Generated Triton kernels replace fused regions of the program (kernels="auto" on CUDA, or "triton"); they
     compute what the torch ops compute, but round differently: the message says how (evaluation order, fp32
-    intermediates under autocast, dropout masks from the kernel's own generator) and that kernels="torch"
-    keeps torch's ops."""
+    intermediates under autocast; dropout is never fused, its masks are autopar's keyed ones) and that
+    kernels="torch" keeps torch's ops."""
+
+
+class RandomnessWarning(UserWarning):
+    """A random op of the model draws from torch's generator, not autopar's plan-invariant keyed stream
+    (passes/randomness.py): its values depend on the plan."""
 
 
 class PlanDriftWarning(UserWarning):

@@ -1,7 +1,8 @@
 """Hugging Face model cases, built from small configs (never downloaded).
 
 ``transformers`` is imported lazily so autopar works without it. Models return their ``ModelOutput``;
-the loss takes ``.logits``. All dropout is off so that sharded runs can match a single-device run, and
+the loss takes ``.logits``. Dropout is off unless a builder's `dropout=` asks for it (autopar keys its masks
+so that every plan draws the same ones: passes/randomness.py), and
 the implementations are chosen so ``torch.export.export(..., strict=False)`` traces them on cpu and meta:
 SDPA attention, and for Mixtral the ``batched_mm`` experts kernel (the default "eager" one loops over
 ``nonzero()`` of the routing mask, a data-dependent shape that cannot be traced on meta tensors).
@@ -31,11 +32,14 @@ def _case(model_cls: Any, config: Any, batch: int, seq: int, vocab: int, device:
 
 
 def hf_gpt2(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, layers: int = 2,
-            heads: int = 4, *, device: str | torch.device = "cpu", seed: int = 0) -> ModelCase:
+            heads: int = 4, *, device: str | torch.device = "cpu", seed: int = 0,
+            dropout: float = 0.0) -> ModelCase:
+    """GPT2LMHeadModel; `dropout` is its residual, embedding and attention dropout (autopar keys the masks:
+    passes/randomness.py)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
                         bos_token_id=vocab - 1, eos_token_id=vocab - 1,
                         attn_implementation=ATTN_IMPLEMENTATION)
     return _case(GPT2LMHeadModel, config, batch, seq, vocab, device, seed, "hf_gpt2")
@@ -43,15 +47,16 @@ def hf_gpt2(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, l
 
 def hf_llama(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, layers: int = 2,
              heads: int = 4, ffn: int | None = None, kv_heads: int | None = None, *,
-             device: str | torch.device = "cpu", seed: int = 0) -> ModelCase:
-    """transformers' LlamaForCausalLM; `kv_heads` < `heads` is grouped-query attention."""
+             device: str | torch.device = "cpu", seed: int = 0, dropout: float = 0.0) -> ModelCase:
+    """transformers' LlamaForCausalLM; `kv_heads` < `heads` is grouped-query attention; `dropout` its
+    attention dropout (Llama has no other)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn or 4 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads or heads,
                          max_position_embeddings=seq, use_cache=False, bos_token_id=1, eos_token_id=2,
-                         attn_implementation=ATTN_IMPLEMENTATION)
+                         attention_dropout=dropout, attn_implementation=ATTN_IMPLEMENTATION)
     return _case(LlamaForCausalLM, config, batch, seq, vocab, device, seed, "hf_llama")
 
 

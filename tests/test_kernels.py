@@ -112,22 +112,18 @@ def test_cross_entropy_matches_eager(reduction: str) -> None:
     check(fn, [(40, 37), (40,)], {"cross_entropy"}, ints={1: (37, (40,))})
 
 
-def test_dropout_kernel_is_consistent_between_forward_and_backward() -> None:
-    p = 0.25
-    gm = capture(lambda x: F.dropout(x, p, True) * 2 + x, torch.randn(64, 40))
+def test_a_drawing_dropout_is_left_to_torch() -> None:
+    """Dropout that draws is not fused: it runs as autopar's keyed draw (passes/randomness.py), whose masks do
+    not depend on the plan; the region around it still fuses, and pricing follows the same rule."""
+    gm = capture(lambda x: F.gelu(F.dropout(x * 2, 0.25, True)) + x, torch.randn(64, 40))
     fused, report = apply_kernels(gm, "triton")
-    assert [r.kind for r in report.fused] == ["dropout"]
-    x = torch.randn(64, 40, requires_grad=True)
+    assert all("dropout" not in op for r in report.fused for op in r.ops), report.text()
+    assert report.fused, report.text()  # the elementwise ops on either side still fuse
+    x = torch.randn(64, 40)
     torch.manual_seed(5)
     (y,) = fused(x)
-    assert_no_fallback(report)
-    keep = (y - x).detach() != 0
-    assert 0.68 < keep.float().mean().item() < 0.82
-    torch.testing.assert_close((y - x)[keep], (2 * x / (1 - p))[keep])
-    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
-    torch.testing.assert_close(g, 1 + 2 * keep.float() / (1 - p))  # backward regenerates the same mask
     torch.manual_seed(5)
-    torch.testing.assert_close(fused(x)[0], y)  # the mask comes from torch's RNG: seeding reproduces it
+    torch.testing.assert_close(y, F.gelu(F.dropout(x * 2, 0.25, True)) + x)  # torch's own dropout ran
 
 
 def test_op_without_kernel_stays_in_torch() -> None:
@@ -247,18 +243,3 @@ def test_kernel_failing_with_triton_forced_is_an_error(monkeypatch: pytest.Monke
     fused, _ = apply_kernels(gm, "triton")
     with pytest.raises(autopar.KernelError, match=f"{which} kernel failed on first use.*simulated Triton"):
         grads_of(fused, xs)
-
-
-def test_dropout_region_under_activation_checkpointing() -> None:
-    """Recomputation replays torch's RNG, so the recomputed forward draws the same mask."""
-    gm = capture(lambda x, w: F.dropout(F.gelu(x * w), 0.5, True) * 3, torch.randn(32, 24), torch.randn(24))
-    fused, report = apply_kernels(gm, "triton")
-    x, w = torch.randn(32, 24, requires_grad=True), torch.randn(24, requires_grad=True)
-    grads = []
-    for ckpt in (False, True):
-        torch.manual_seed(3)
-        (y,) = torch.utils.checkpoint.checkpoint(fused, x, w, use_reentrant=False) if ckpt else fused(x, w)
-        grads.append(torch.autograd.grad(y.sum(), (x, w)))
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b)
-    assert_no_fallback(report)

@@ -151,7 +151,10 @@ rule("_to_copy.default", label="identity", check=_to_copy_check)(
 
 # ---------------------------------------------------------------------------------------------- dropout
 # the mask is regenerated from (seed, element index) in the backward kernel instead of being saved
-_p_check = lambda n, a: "dropout with p >= 1" if a["p"] >= 1 else None
+# A drawing dropout is not fused: it runs as autopar's keyed draw in torch (passes/randomness.py), whose masks
+# do not depend on the plan; pricing (fusion_pricing) and the runtime share this rule.
+_p_check = lambda n, a: "dropout draws plan-invariant keyed masks in torch (passes/randomness.py)" if (
+    a["p"] > 0 and a["train"] is not False) else None
 
 
 @rule("native_dropout.default", label="dropout", check=_p_check)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
+from ..passes.randomness import Draws, draws, remembering
 from ..schedule_nccl import TRANSFER_KINDS, batch_transfers
 from ..schedule_waves import WaveAction, call_of_wave, steady_wave_time, wave_calls
 from .asynchronous import AsyncProgram, Wave, plan_problems
@@ -211,9 +212,11 @@ class FlushlessProgram(AsyncProgram):
                 n_p = len(st.params)
                 run = (lambda *v, gm=st.gm, n_p=n_p: self.tp.run(gm, list(v[:n_p]), list(v[n_p:]))) \
                     if self.tp else st.gm  # tensor parallelism: as Program._run runs a stage
-                with self.timer.compute(s), self.amp.forward():
+                with self.timer.compute(s), self.amp.forward(), \
+                        draws(Draws(self.seed, self._base + r, start, sizes[j])):  # wave r's masks
                     if pipe.stages[s].recompute and s not in self._layered:
-                        fl.outputs[key] = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
+                        fl.outputs[key] = torch.utils.checkpoint.checkpoint(remembering(run), *vals,
+                                                                            use_reentrant=False)
                     else:
                         fl.outputs[key] = run(*vals)
             elif a.kind == "B":

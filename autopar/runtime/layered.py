@@ -24,6 +24,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from ..passes.randomness import remembering
+
 Runner = Callable[[nn.Module, tuple], Any]
 
 
@@ -87,7 +89,7 @@ class _LayerCall(nn.Module):
         self.hooks.before_forward(self.layer)
         call = self.inner if self.run is None else (lambda *a: self.run(self.inner, a))  # type: ignore[misc]
         if self.checkpointed and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(remembering(call), *args, use_reentrant=False)
         else:
             out = call(*args)
         self.hooks.after_forward(self.layer)

@@ -32,6 +32,7 @@ from ..errors import FusedKernelWarning, PlanError
 from ..graph import TrainingGraph
 from ..lowering import PipelineLayout, RankProgram, lower
 from ..passes.capture import LossFn, capture
+from ..passes.randomness import Draws, draws, keyed_randomness, remembering
 from ..schedule import MEMORY_OF, Action
 from ..schedule_nccl import TRANSFER_KINDS
 from .devices import CommDevices, check_one_device_kind, move_to, plan_rank_device
@@ -105,12 +106,14 @@ class Program:
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, kernels: str = "auto",
                  weights: WeightsArg = None, graph: TrainingGraph | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, seed: int = 0) -> None:
         """`plan`: an `autopar.Plan` (what `autopar.plan`, `estimate` or `plan_from_strategy` return).
         `graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
         caller has it (compile does), so the model is not captured again for it. `device`: where this rank
-        computes (default: the plan's device of `rank`, devices.py's rule; the device audit passes meta)."""
+        computes (default: the plan's device of `rank`, devices.py's rule; the device audit passes meta).
+        `seed`: what the random ops' keyed stream starts from (passes/randomness.py), the same on every rank."""
         self.plan = plan
+        self.seed = seed
         self.kernels = kernels
         self.kernel_reports: dict[tuple[int, int], Any] = {}
         self.rank, self.world_size = rank, world_size
@@ -290,6 +293,9 @@ class Program:
         for st in programs:
             st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
             st.node_layers = layer_of  # type: ignore[attr-defined]
+            st.gm = keyed_randomness(st.gm)  # plan-invariant masks (passes/randomness.py)
+            if st.eval_gm is not None:
+                st.eval_gm = keyed_randomness(st.eval_gm)
         return programs
 
     def _with_kernels(self, st: StageProgram, stage: int, size: int) -> None:
@@ -319,8 +325,6 @@ class Program:
         if self.plan.precision in ("bf16", "fp16"):
             how.append(f"intermediates kept in fp32 inside a region, where torch's {self.plan.precision} autocast "
                        f"rounds each op's output")
-        if any("dropout" in op for r in fused for op in r.ops):
-            how.append("dropout masks drawn by the kernel's own generator, not torch's")
         warnings.warn(FusedKernelWarning(
             f"{len(fused)} fused region(s) run as generated Triton kernels (kernels={self.kernels!r}) and round "
             f"differently from the torch ops they replace: {'; '.join(how)}. kernels='torch' runs torch's ops."),
@@ -499,9 +503,10 @@ class Program:
                 if self.layers is not None:
                     self.layers.begin(action, memory)
                 with offload_activations(train and "activations" in pipe.stages[s].offload), \
-                        self.timer.compute(s) if train else contextlib.nullcontext(), self.amp.forward():
+                        self.timer.compute(s) if train else contextlib.nullcontext(), self.amp.forward(), \
+                        draws(Draws(self.seed, self.step_count, starts[m], sizes[m])):
                     if train and pipe.stages[s].recompute and s not in self._layered:  # layered: per block
-                        out = torch.utils.checkpoint.checkpoint(run, *vals, use_reentrant=False)
+                        out = torch.utils.checkpoint.checkpoint(remembering(run), *vals, use_reentrant=False)
                     else:
                         out = run(*vals)
                 if self.layers is not None:
