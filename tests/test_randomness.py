@@ -162,3 +162,24 @@ def test_attention_dropout_is_priced_as_the_math_it_runs() -> None:
     probs = 2 * 4 * 16 * 16  # elements of the attention probabilities
     assert drop.saved_internal_bytes >= flash.saved_internal_bytes + probs * (4 + 1), \
         (drop.saved_internal_bytes, flash.saved_internal_bytes)  # fp32 probabilities and their bool mask
+
+
+def test_feature_dropout_and_the_factories_are_split_invariant_too() -> None:
+    from autopar.passes.randomness import keyed_bernoulli, keyed_feature_dropout, keyed_rand_like
+
+    x = torch.ones(6, 4, 3, 3)
+    with draws(Draws(1, 0, 0, 6)):
+        whole = [keyed_feature_dropout(x, 0.5, True, 2), keyed_bernoulli(x * 0.5, None, 3),
+                 keyed_rand_like(x, 4, normal=True)]
+    with draws(Draws(1, 0, 0, 2)):
+        head = [keyed_feature_dropout(x[:2], 0.5, True, 2), keyed_bernoulli(x[:2] * 0.5, None, 3),
+                keyed_rand_like(x[:2], 4, normal=True)]
+    with draws(Draws(1, 0, 2, 4)):
+        tail = [keyed_feature_dropout(x[2:], 0.5, True, 2), keyed_bernoulli(x[2:] * 0.5, None, 3),
+                keyed_rand_like(x[2:], 4, normal=True)]
+    for w, h, t in zip(whole, head, tail, strict=True):
+        assert torch.equal(torch.cat([h, t]), w)
+    drop = whole[0]
+    assert torch.equal(drop.amax((2, 3)), drop.amin((2, 3)))  # one draw per (sample, channel)
+    z = whole[2]
+    assert abs(z.mean().item()) < 0.3 and 0.7 < z.std().item() < 1.3

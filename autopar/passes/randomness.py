@@ -48,7 +48,9 @@ aten = torch.ops.aten
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**31: a product with a 32-bit value stays below 2**63 in int64
-_CHUNK = 1 << 16  # elements hashed at once: the draw's scratch stays a few hundred KiB whatever the tensor
+# elements hashed at once: the draw's int64 scratch stays ~2 MiB on a CPU (~32 MiB on an accelerator), whatever
+# the tensor (not priced: within the memory reserve)
+_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -117,13 +119,16 @@ def _uniform_block(key: int, stream: int, global_shape: tuple[int, ...], local_s
     total = math.prod(global_shape)
     n = d.samples if d.samples and global_shape and global_shape[0] % d.samples == 0 else 0
     per = total // n if n else max(total, 1)
-    keys = torch.tensor([_mix_int(base ^ ((d.first + i) & _M32)) for i in range(n)] if n
-                        else [_mix_int(base ^ _M32)], dtype=torch.int64, device=device)
+    # made on the device (no host-to-device copy, which would sync the host on CUDA)
+    keys = _mix_(torch.arange(d.first, d.first + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
+                 .bitwise_xor_(base)) if n else None
+    batch_free = _mix_int(base ^ _M32)
     whole = tuple(local_shape) == tuple(global_shape)
     gstrides = [math.prod(global_shape[i + 1:]) for i in range(len(global_shape))]
     count = math.prod(local_shape)
     out = torch.empty(count, dtype=torch.float32, device=device)
-    chunk = max(count, 1) if device.type == "meta" else _CHUNK  # meta (pricing): the same kernels, whole
+    # meta (pricing): the same kernels on the whole tensor; CUDA: larger chunks, fewer launches
+    chunk = max(count, 1) if device.type == "meta" else _CHUNK if device.type == "cpu" else _CHUNK << 4
     for lo in range(0, count, chunk):
         flat = torch.arange(lo, min(lo + chunk, count), dtype=torch.int64, device=device)
         if not whole:  # the local block's element -> its index in the global tensor
@@ -133,7 +138,7 @@ def _uniform_block(key: int, stream: int, global_shape: tuple[int, ...], local_s
                 rem = rem // local_shape[dim]
         sample = flat // per
         h = _mix_(flat.sub_(sample * per).bitwise_and_(_M32).bitwise_xor_(0x9E3779B9))
-        h.bitwise_xor_(keys[sample if n else torch.zeros_like(sample)])
+        h.bitwise_xor_(keys[sample] if keys is not None else batch_free)
         out[lo:lo + flat.numel()] = (_mix_(h) >> 8).to(torch.float32) * (2.0 ** -24)
     return out.view(local_shape)
 
