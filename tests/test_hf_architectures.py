@@ -13,7 +13,7 @@ architecture in turn, runs `autopar.compile(plan=...)` and 3 steps under `track_
 architecture: every step's loss and every final parameter equal single-process training (rtol 1e-4, atol
 1e-5); the plan splits the work (several stages or replicas, the ranks' shares differ); each rank's measured
 peak of live tensor bytes over compile + steps is within 15% of `plan.predicted["peak_memory_bytes"][rank]`
-(an architecture that missed it would be a strict xfail with its reason in MEMORY_XFAIL; none does).
+(an architecture that misses it is a strict xfail with its reason in MEMORY_XFAIL: ConvNeXt on AVX2 hosts).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pytest
 import autopar
 from autopar import models
 from autopar.cluster import device_spec
+from autopar.cost_models.conv_workspace import local_isa
 from autopar.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import track_memory
@@ -57,6 +58,11 @@ BIG, SMALL = 0.7, 0.45
 TOL = 0.15  # measured peak / predicted peak, every rank
 # architectures whose measured peak misses TOL on some rank: name -> reason (with the measured ratios)
 MEMORY_XFAIL: dict[str, str] = {}
+if local_isa() != "avx512_core":
+    # measured on an AMD EPYC AVX2 host (2026-12-03), the same on a5f695a and after: ranks at 0.70, 0.70, 0.82
+    # and 0.82 of their prediction (over-priced, so it fits; within 15 % on the AVX-512 hosts it was fitted on)
+    MEMORY_XFAIL["hf_convnext"] = ("ConvNeXt is over-priced by 1.2-1.4x on AVX2 hosts (measured 0.70-0.82 of "
+                                   "the plan): cause not found yet")
 
 
 def build(name: str, device: str = "cpu") -> models.ModelCase:

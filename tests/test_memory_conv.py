@@ -147,7 +147,8 @@ def test_annotate_reads_the_memory_format_from_the_captured_strides() -> None:
     second = geometry(16, 16, 7, 16, 1, 8, channels_last=True)  # the residual add's is channels-last
     want = [{CPU_KIND: weight_grad_transient(c, ISA)} for c in (stem, first, second)]
     assert [n.bwd_workspace for n in convs] == want
-    assert convs[2].bwd_workspace[CPU_KIND] > 200 * convs[1].bwd_workspace[CPU_KIND]
+    # channels-last pads each group's weights to a block x block tile: 16 x 16 on AVX-512, 8 x 8 on AVX2
+    assert convs[2].bwd_workspace[CPU_KIND] > (200 if ISA == "avx512_core" else 50) * convs[1].bwd_workspace[CPU_KIND]
 
 
 @pytest.mark.parametrize("device", ["cpu", "T4"])
