@@ -390,7 +390,10 @@ def test_gpt3_175b_on_1024_a100_completes() -> None:
     c = gpt(device="meta", batch=1536, **gpt_config("gpt3-175b"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no time-limit warning: the search completes (its time: bench/planner.py)
-        plan = autopar.plan(c.model, "128x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn)
+        # the wall-clock guard well above the search (8.6 s on an AVX-512 host, 73 s on a slow AVX2 one): the
+        # test is that it completes, not how fast
+        plan = autopar.plan(c.model, "128x8xA100-80GB", c.example_inputs, c.example_target, c.loss_fn,
+                            time_limit_s=300)
     assert plan.predicted["mfu"] > 0.3 and plan.world_size == 1024
 
 
