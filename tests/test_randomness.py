@@ -183,3 +183,28 @@ def test_feature_dropout_and_the_factories_are_split_invariant_too() -> None:
     assert torch.equal(drop.amax((2, 3)), drop.amin((2, 3)))  # one draw per (sample, channel)
     z = whole[2]
     assert abs(z.mean().item()) < 0.3 and 0.7 < z.std().item() < 1.3
+
+
+def _compiled_with_dropout(rank: int, world: int, cluster: str) -> tuple[list[float], dict, list[str]]:
+    """The user's path: autopar.compile with the plan it chooses, the self-check on, seed 7."""
+    import autopar
+    from autopar import hf_models
+    from autopar.errors import PlanDriftWarning
+
+    case = hf_models.hf_gpt2(batch=8, seq=16, layers=2, dropout=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                               lambda p: torch.optim.AdamW(p, lr=1e-3, eps=1e-6), precision="fp32", seed=7)
+        losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
+    drift = [str(w.message) for w in caught if issubclass(w.category, PlanDriftWarning)]
+    return losses, prog.state_dict()["model"], drift
+
+
+def test_the_compiled_plan_autopar_chooses_trains_like_its_one_device_compile() -> None:
+    pytest.importorskip("transformers")
+    ref_losses, ref_params, _ = _compiled_with_dropout(0, 1, "1x1xcpu")
+    results = spawn_local(_compiled_with_dropout, 2, "1x2xcpu", timeout_s=300)
+    for rank, (losses, params, drift) in enumerate(results):
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")
+        assert not drift, drift  # the keyed draws stay within the plan's memory
