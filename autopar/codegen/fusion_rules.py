@@ -150,7 +150,6 @@ rule("_to_copy.default", label="identity", check=_to_copy_check)(
 
 
 # ---------------------------------------------------------------------------------------------- dropout
-# the mask is regenerated from (seed, element index) in the backward kernel instead of being saved
 # A drawing dropout is not fused: it runs as autopar's keyed draw in torch (passes/randomness.py), whose masks
 # do not depend on the plan; pricing (fusion_pricing) and the runtime share this rule.
 _p_check = lambda n, a: "dropout draws plan-invariant keyed masks in torch (passes/randomness.py)" if (

@@ -7,7 +7,7 @@ sees the same masks whatever the plan: how the batch is split between data-paral
 unevenly) and into micro-batches, which stage or rank runs the op, whether its block is recomputed (the
 recomputation draws the same values: `remembering`), and tensor parallelism (a shard draws its slice of
 the full tensor's values, a replicated tensor the same values on every rank). Any plan then trains
-exactly like autopar's one-device program of the same model and seed (`autopar.compile(model, "1xcpu",
+exactly like autopar's one-device program of the same model and seed (`autopar.compile(model, "1x1xcpu",
 ..., seed=)`).
 
 The sample is read off the op's leading dimension: when its size is a multiple of the micro-batch's n
@@ -119,10 +119,11 @@ def _uniform_block(key: int, stream: int, global_shape: tuple[int, ...], local_s
     total = math.prod(global_shape)
     n = d.samples if d.samples and global_shape and global_shape[0] % d.samples == 0 else 0
     per = total // n if n else max(total, 1)
-    # made on the device (no host-to-device copy, which would sync the host on CUDA)
+    # one key per sample (a batch-free tensor: one for all), made on the device: no host-to-device copy,
+    # which would sync the host on CUDA
     keys = _mix_(torch.arange(d.first, d.first + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
-                 .bitwise_xor_(base)) if n else None
-    batch_free = _mix_int(base ^ _M32)
+                 .bitwise_xor_(base)) if n else torch.full((1,), _mix_int(base ^ _M32), dtype=torch.int64,
+                                                           device=device)
     whole = tuple(local_shape) == tuple(global_shape)
     gstrides = [math.prod(global_shape[i + 1:]) for i in range(len(global_shape))]
     count = math.prod(local_shape)
@@ -138,7 +139,7 @@ def _uniform_block(key: int, stream: int, global_shape: tuple[int, ...], local_s
                 rem = rem // local_shape[dim]
         sample = flat // per
         h = _mix_(flat.sub_(sample * per).bitwise_and_(_M32).bitwise_xor_(0x9E3779B9))
-        h.bitwise_xor_(keys[sample] if keys is not None else batch_free)
+        h.bitwise_xor_(keys[sample])
         out[lo:lo + flat.numel()] = (_mix_(h) >> 8).to(torch.float32) * (2.0 ** -24)
     return out.view(local_shape)
 
@@ -230,8 +231,8 @@ def _normal(u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos((2 * math.pi) * u2)
 
 
-def keyed_rand_like(x: torch.Tensor, key: int, normal: bool = False, dtype: torch.dtype | None = None,
-                    **_: Any) -> torch.Tensor:
+def keyed_rand_like(x: torch.Tensor, key: int, normal: bool = False, dtype: torch.dtype | None = None
+                    ) -> torch.Tensor:
     """aten.rand_like / randn_like, keyed."""
     u = uniform_like(x, key)
     v = _normal(u, uniform_like(x, key, 1)) if normal else u
@@ -239,7 +240,7 @@ def keyed_rand_like(x: torch.Tensor, key: int, normal: bool = False, dtype: torc
 
 
 def keyed_rand(size: list[int], key: int, normal: bool = False, dtype: torch.dtype | None = None,
-               device: torch.device | None = None, **_: Any) -> torch.Tensor:
+               device: torch.device | None = None) -> torch.Tensor:
     """aten.rand / randn, keyed (the factory's device as captured: the runtime retargets captured devices)."""
     shape = tuple(int(s) for s in size)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -272,9 +273,13 @@ def keyed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     return probs @ v
 
 
-def _attention_dropout(args: tuple, kwargs: dict) -> float:
-    p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-    return float(p or 0.0)
+def _dropout_p(target: Any, args: tuple, kwargs: dict) -> float | None:
+    """The call's dropout_p argument (None: the op has none)."""
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return None
+    i = names.index("dropout_p")
+    return float((args[i] if len(args) > i else kwargs.get("dropout_p", 0.0)) or 0.0)
 
 
 def keyed_call(target: Any, args: tuple, kwargs: dict, key: int) -> tuple[Callable[..., Any], tuple, dict] | None:
@@ -296,7 +301,7 @@ def keyed_call(target: Any, args: tuple, kwargs: dict, key: int) -> tuple[Callab
     if t in (aten.rand.default, aten.randn.default):
         return keyed_rand, (a[0], key, t is aten.randn.default), {"dtype": kw.get("dtype"),
                                                                     "device": kw.get("device")}
-    if t is aten.scaled_dot_product_attention.default and _attention_dropout(a, kw) > 0:
+    if t is aten.scaled_dot_product_attention.default and _dropout_p(t, a, kw):
         names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         extra = dict(zip(names, a[3:], strict=False))
         return keyed_attention, a[:3], {**extra, **kw, "key": key}
@@ -307,11 +312,8 @@ def _random(target: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a call draws from torch's generator (an op with a dropout_p argument only when it is > 0)."""
     if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
         return False
-    names = [a.name for a in target._schema.arguments]
-    if "dropout_p" in names:
-        i = names.index("dropout_p")
-        return bool(args[i] if len(args) > i else kwargs.get("dropout_p", 0.0))
-    return True
+    p = _dropout_p(target, args, kwargs)
+    return p is None or p > 0
 
 
 def keyed_randomness(gm: fx.GraphModule) -> fx.GraphModule:
@@ -339,14 +341,5 @@ def keyed_randomness(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def has_randomness(gm: fx.GraphModule) -> bool:
-    """Whether `gm` draws anything (keyed or not)."""
-    keyed = {keyed_dropout, keyed_native_dropout, keyed_feature_dropout, keyed_bernoulli, keyed_rand_like,
-             keyed_rand, keyed_attention}
-    return any(n.op == "call_function" and (n.target in keyed or _random(n.target, n.args, n.kwargs)
-                                            or keyed_call(n.target, n.args, n.kwargs, 0) is not None)
-               for n in gm.graph.nodes)
-
-
-__all__ = ["Draws", "draws", "has_randomness", "keyed_attention", "keyed_call", "keyed_dropout",
+__all__ = ["Draws", "draws", "keyed_attention", "keyed_call", "keyed_dropout",
            "keyed_randomness", "op_key", "remembering", "uniform_like"]

@@ -113,18 +113,17 @@ def _poll(work: dist.Work, what: str, timeout_s: float) -> None:
 # Collectives `_poll` gave up on, each with the time by which gloo's own timeout ends it. Such a collective
 # stays in its group's worker thread until that timeout or until its peer's process exits; one that ends
 # while this interpreter exits runs torch's exit-time teardown concurrently (a profiler callback on a
-# destroyed kineto, seen as SIGSEGV in 3 of 7 re-routed tp jobs; pytorch#190489's GIL abort likewise), so
-# the process waits for them before it finalizes (`drain_abandoned`, at exit and in elastic.shutdown).
+# destroyed kineto, seen as SIGSEGV in 4 of 15 runs of the tp re-route test; pytorch#190489's GIL abort
+# likewise), so the process waits for them before it finalizes (`drain_abandoned`, at exit and in
+# elastic.shutdown).
 _abandoned: list[tuple[dist.Work, float]] = []
+_ABANDONED_SLACK_S = 2.0  # a collective's timeout counts from when its worker thread starts it
 
 
 def _abandon(work: dist.Work, ends_by: float) -> None:
     if not _abandoned:
         atexit.register(drain_abandoned)
     _abandoned.append((work, ends_by + _ABANDONED_SLACK_S))
-
-
-_ABANDONED_SLACK_S = 2.0  # a collective's timeout counts from when its worker thread starts it
 
 
 def drain_abandoned() -> None:
