@@ -4,7 +4,7 @@ attention: no seq x seq scores), not the math formulation, wherever the layouts 
 On CUDA meshes the captured op stays: DTensor (torch 2.13) shards flash, memory-efficient and cuDNN attention
 over heads. On CPU DTensor has no rule for the CPU flash kernel, so each rank runs it on its own heads (or
 batch rows); other layouts fall back to the math formulation. Two gloo ranks check the CPU path's numerics
-and that the fused kernel is what ran.
+and that the fused kernel is what ran; attention with dropout (its keyed math formulation) runs per shard too.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.passes.randomness import keyed_attention
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.tensor_parallel import FUSED_ATTENTION, substitutions
 
@@ -50,6 +51,7 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 def _attention(rank: int, world: int) -> list[Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import implicit_replication
 
     mesh = init_device_mesh("cpu", (world,))
     sdpa = substitutions(mesh.device_type)[SDPA]
@@ -73,6 +75,20 @@ def _attention(rank: int, world: int) -> list[Any]:
         err = max([(y.full_tensor() - ref).abs().max().item()]
                   + [(d.grad.full_tensor() - t.grad).abs().max().item() for d, t in zip(dts, leaves, strict=True)])
         out.append((name, err, sorted(mode.seen), [str(p) for p in y.placements]))
+    keyed = substitutions(mesh.device_type)[keyed_attention]
+    for name, placements in (("keyed heads", [Shard(1)]), ("keyed batch", [Shard(0)])):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = keyed_attention(*leaves, dropout_p=0.25, is_causal=True, key=7)  # one device, the whole mask
+        ref.sum().backward()
+        dts = [DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, placements)
+               .detach().requires_grad_() for t in (q, k, v)]
+        mode = _Ops()
+        with implicit_replication(), mode:  # as the interpreter runs it (TPStage.run)
+            y = keyed(*dts, dropout_p=0.25, is_causal=True, key=7)
+        y.full_tensor().sum().backward()
+        err = max([(y.full_tensor() - ref).abs().max().item()]
+                  + [(d.grad.full_tensor() - t.grad).abs().max().item() for d, t in zip(dts, leaves, strict=True)])
+        out.append((name, err, sorted(mode.seen), [str(p) for p in y.placements]))
     return out
 
 
@@ -89,3 +105,10 @@ def test_cpu_tp_attention_runs_the_fused_kernel_per_shard() -> None:
             assert got == placements
         # a per-head mask cannot be cut to a rank's heads here: the math formulation (still correct)
         assert "_safe_softmax" in by["head mask"][1]
+        # attention with dropout (passes/randomness.py) runs on each rank's own heads or batch rows too, each
+        # drawing its block of the whole mask (on DTensors its causal masking fails: a plain mask beside
+        # DTensor scores)
+        for name, placements in (("keyed heads", ["S(1)"]), ("keyed batch", ["S(0)"])):
+            err, seen, got = by[name]
+            assert not {"all_gather_into_tensor", "all_reduce"} & set(seen), f"{name}: ran {seen}"
+            assert got == placements

@@ -186,9 +186,12 @@ class _Masked(torch.autograd.Function):
         return g.mul(keep).mul_(ctx.scale), None, None
 
 
-def _dropped(x: torch.Tensor, p: float, key: int, mask_shape: tuple[int, ...] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    local, shape, offsets, layout = _block_of(x)
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets) of a plain tensor that is one block
+
+
+def _dropped(x: torch.Tensor, p: float, key: int, mask_shape: tuple[int, ...] | None = None,
+             block: Block | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    local, shape, offsets, layout = _block_of(x) if block is None else (x, *block, None)
     if mask_shape is None:
         keep = _uniform_block(key, 0, shape, tuple(local.shape), offsets, local.device) >= p
     else:  # one draw per (sample, channel), broadcast over the rest (feature dropout): drawn whole
@@ -251,9 +254,11 @@ def keyed_rand(size: list[int], key: int, normal: bool = False, dtype: torch.dty
 
 def keyed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                    enable_gqa: bool = False, *, key: int = 0) -> torch.Tensor:
+                    enable_gqa: bool = False, *, key: int = 0, block: Block | None = None) -> torch.Tensor:
     """aten.scaled_dot_product_attention with its dropout keyed: the math formulation (torch's math
-    backend's order: scores, mask, softmax, dropout, @ V)."""
+    backend's order: scores, mask, softmax, dropout, @ V). `block`: the plain tensors are one block of the
+    whole attention's (a tensor-parallel rank's heads or batch rows), the probabilities' (global shape,
+    offsets), so the rank draws its slice of the whole attention's mask."""
     e = q.shape[-1]
     s = 1.0 / math.sqrt(e) if scale is None else scale
     if enable_gqa and k.shape[-3] != q.shape[-3]:
@@ -269,7 +274,7 @@ def keyed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
             else scores + attn_mask
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
-        probs = _dropped(probs, dropout_p, key)[0]
+        probs = _dropped(probs, dropout_p, key, block=block)[0]
     return probs @ v
 
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
 from ..graph import TrainingGraph
+from ..passes.randomness import keyed_attention
 from ..passes.tp_patterns import attention_cores, attention_projection, megatron_placements, users, weight_of
 from .vocab_parallel import vocab_parallel_embedding, vocab_parallel_loss
 
@@ -155,6 +156,25 @@ def _sdpa_per_shard(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return DTensor.from_local(out, q.device_mesh, [p], run_check=False)
 
 
+def _keyed_attention_per_shard(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False, *, key=0):
+    # Attention with dropout (passes/randomness.py) shard by shard, as fused attention above: on DTensors its
+    # math formulation fails where it masks (a causal mask is a plain tensor beside DTensor scores: "got mixed
+    # torch.Tensor and DTensor"), and per shard its ops run without DTensor's dispatch. The rank draws its
+    # block of the whole probabilities' mask.
+    p = _shard_local_layout(q, k, v, attn_mask)
+    if p is None:
+        return keyed_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key=key)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(q.shape, q.device_mesh, q.placements)
+    probs = (*q.shape[:-1], k.shape[-2])
+    mask = attn_mask.to_local() if isinstance(attn_mask, DTensor) else attn_mask
+    out = keyed_attention(q.to_local(), k.to_local(), v.to_local(), mask, dropout_p, is_causal, scale, enable_gqa,
+                          key=key, block=(probs, (*offsets[:2], 0, 0)))
+    return DTensor.from_local(out, q.device_mesh, [p], run_check=False)
+
+
 # The fused kernels scaled_dot_product_attention dispatches to on each device type (forward, backward).
 FUSED_ATTENTION: dict[str, tuple[Any, ...]] = {
     "cuda": (
@@ -181,15 +201,17 @@ def dtensor_has_rule(op: Any) -> bool:
 def substitutions(device_type: str) -> dict[Any, Any]:
     """The ops a TP stage on a mesh of `device_type` runs in place of the captured ones.
 
-    Attention keeps the captured op where DTensor shards every fused kernel it can dispatch to there (CUDA
-    in torch 2.13: flash, memory-efficient and cuDNN attention over heads); elsewhere (the CPU flash
-    kernel has no rule) it runs the fused kernel per shard, or the math formulation where layouts differ.
+    Attention with dropout (passes/randomness.py) runs per shard on every device type. Attention without
+    keeps the captured op where DTensor shards every fused kernel it can dispatch to there (CUDA in torch
+    2.13: flash, memory-efficient and cuDNN attention over heads); elsewhere (the CPU flash kernel has no
+    rule) it runs the fused kernel per shard, or the math formulation where layouts differ.
     Shards and their gradients can have other strides than the captured global tensors: reshape where the
     capture said view (same values, copies only when a view is impossible).
     """
     table: dict[Any, Any] = {
         aten.view.default: aten.reshape.default,
         aten._unsafe_view.default: aten.reshape.default,
+        keyed_attention: _keyed_attention_per_shard,  # attention with dropout, every device type
     }
     fused = FUSED_ATTENTION.get(device_type)
     if not fused or not all(dtensor_has_rule(op) for op in fused):
