@@ -224,3 +224,62 @@ def test_ilp_sharding_trains_like_one_process(trained: tuple[list, list], index:
                 want[int(placement[6:-1])] //= 2
             assert list(shapes[k]) == want, (k, placement)
     assert ref_losses[-1] < ref_losses[0]
+
+
+def _column_parallel(rank: int, world: int) -> list[dict]:
+    """A column-parallel addmm (Conv1D weight (in, out) sharded on out) reading a feature-sharded activation,
+    as the interpreter runs it, plain and inside a recomputed block's checkpoint; 2 micro-batches."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.utils.checkpoint import checkpoint
+
+    from autopar.runtime.tensor_parallel import _column_parallel_input
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(6, 8, generator=g) for _ in range(2)]
+    w0, b0 = torch.randn(8, 4, generator=g), torch.randn(4, generator=g)
+    out = []
+    for recompute in (False, True):
+        w = torch.nn.Parameter(DTensor.from_local(w0.clone(), mesh, [Replicate()]).redistribute(mesh, [Shard(1)]))
+        b = torch.nn.Parameter(DTensor.from_local(b0.clone(), mesh, [Replicate()]).redistribute(mesh, [Shard(0)]))
+        saved: list[tuple[int, ...]] = []
+
+        def run(x: DTensor, w: DTensor = w, b: DTensor = b) -> DTensor:
+            args, saving = _column_parallel_input(torch.ops.aten.addmm.default, (b, x, w))
+            with saving:
+                return torch.ops.aten.addmm.default(*args).tanh()
+
+        grad_placements = []
+        w.register_hook(lambda grad, seen=grad_placements: seen.append(str(grad.placements[0])) or grad)
+        for x in xs:
+            xd = DTensor.from_local(x.clone(), mesh, [Replicate()]).redistribute(mesh, [Shard(1)]).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t, saved=saved: saved.append(tuple(getattr(t, "_local_tensor", t).shape)) or t,
+                    lambda t: t):
+                y = checkpoint(run, xd, use_reentrant=False) if recompute else run(xd)
+            y.full_tensor().pow(2).sum().backward()
+        out.append({"w": w.grad.full_tensor(), "b": b.grad.full_tensor(), "saved": saved,
+                    "grad_placements": grad_placements, "w_grad_placement": str(w.grad.placements[0])})
+    return out
+
+
+def test_a_column_parallel_linear_saves_its_input_shard_and_keeps_its_weights_gradient_layout() -> None:
+    """The op saves the activation's shard (what the ILP prices) and gathers it again in the backward; its
+    weight gradient comes out Shard(1), as the weight (DTensor alone made it Shard(0), redistributed every
+    micro-batch). Same gradients as one process, with and without a recomputed block around it."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(6, 8, generator=g) for _ in range(2)]
+    w = torch.randn(8, 4, generator=g).requires_grad_()
+    b = torch.randn(4, generator=g).requires_grad_()
+    for x in xs:
+        torch.addmm(b, x, w).tanh().pow(2).sum().backward()
+    for rank_results in spawn_local(_column_parallel, 2, timeout_s=120):
+        for r in rank_results:
+            torch.testing.assert_close(r["w"], w.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(r["b"], b.grad, rtol=1e-5, atol=1e-6)
+            assert r["grad_placements"] == ["S(1)", "S(1)"], r["grad_placements"]
+            assert (6, 8) not in r["saved"] and (6, 4) in r["saved"], r["saved"]  # the shard, never the gather

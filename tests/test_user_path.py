@@ -7,6 +7,10 @@ parameter equal single-process training (rtol 1e-4, atol 1e-5); the plan splits 
 peak of live tensor bytes over compile + steps (torch.profiler memory events) is within 15 % of the plan's
 prediction and under the device's capacity. The plan's own check is on too, and the suite makes its drift
 warning an error in the ranks.
+
+The same path with dropout 0.1 (residual, embedding and attention dropout): the plan compile picks then
+differs (column-parallel output projections, attention replicated as its math formulation), the reference
+is autopar's one-device program of the model and seed (passes/randomness.py: eager torch draws other masks).
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ TOL = 0.15
 DEVICE_MIB = 40
 
 
-def build(device: str = "cpu") -> models.ModelCase:
-    return models.CASES["hf_gpt2"](**KW, seed=0, device=device)
+DROPOUTS = (0.0, 0.1)
+
+
+def build(device: str = "cpu", dropout: float = 0.0) -> models.ModelCase:
+    return models.CASES["hf_gpt2"](**KW, seed=0, device=device, dropout=dropout)
 
 
 def cluster() -> dict:
@@ -44,29 +51,40 @@ def cluster() -> dict:
     return {"nodes": [{"device": dev, "devices_per_node": 4}]}
 
 
-def worker(rank: int, world: int, weights: str, cluster: dict) -> dict[str, Any]:
-    case = build()
+def worker(rank: int, world: int, weights: str, cluster: dict, dropout: float) -> dict[str, Any]:
+    case = build(dropout=dropout)
     gc.collect()
     with track_memory() as trace:
-        prog = autopar.compile(build("meta").model, cluster, case.example_inputs, case.example_target, case.loss_fn,
-                               optimizer, weights=weights, precision="fp32", timeout_s=120, time_limit_s=30)
+        prog = autopar.compile(build("meta", dropout).model, cluster, case.example_inputs, case.example_target,
+                               case.loss_fn, optimizer, weights=weights, precision="fp32", timeout_s=120, time_limit_s=30)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
     return {"losses": losses, "final": prog.state_dict()["model"], "plan": prog.plan.to_json(),
             "work": work_of(prog), "peak": trace.peak_bytes, "trace": trace.summary(top=8)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+@pytest.fixture(scope="module", params=DROPOUTS, ids=[f"dropout{p:g}" for p in DROPOUTS])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict], float]:
     root = tmp_path_factory.mktemp("user")
     sd = build().model.state_dict()
     path = str(Path(root) / "model.safetensors")
     save_file({k: v.contiguous().clone() for k, v in sd.items() if k != "lm_head.weight"}, path)  # tied
     c = cluster()
-    return c, spawn_local(worker, 4, path, c, timeout_s=300)
+    return c, spawn_local(worker, 4, path, c, request.param, timeout_s=300), request.param
+
+
+def _one_device(dropout: float) -> tuple[list[float], dict]:
+    """autopar's one-device program of the model (its keyed draws; with dropout 0, eager torch's training)."""
+    if not dropout:
+        return models.train_reference(build(), optimizer, STEPS)
+    case = build(dropout=dropout)
+    prog = autopar.compile(case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                           optimizer, precision="fp32", timeout_s=120)
+    losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
+    return losses, prog.state_dict()["model"]
 
 
 def test_trains_like_one_process(runs: tuple) -> None:
-    ref_losses, ref_final = models.train_reference(build(), optimizer, STEPS)
+    ref_losses, ref_final = _one_device(runs[2])
     for rank, r in enumerate(runs[1]):
         assert_matches_reference(r["losses"], r["final"], ref_losses, ref_final, f"rank {rank}")
 

@@ -10,6 +10,7 @@ DTensor has no sharding rule for runs replicated on every rank of the group, and
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 from collections.abc import Mapping
@@ -243,6 +244,55 @@ def full_tensor(x: Any) -> Any:
     return _ContiguousGrad.apply(x.full_tensor()) if isinstance(x, DTensor) else x
 
 
+# linear-like ops: (index of the activation argument, of the weight, the weight's output-feature dim)
+_LINEAR_ARGS = {aten.linear.default: (0, 1, 0), aten.addmm.default: (1, 2, 1), aten.mm.default: (0, 1, 1)}
+
+
+def _storage(x: torch.Tensor) -> int:
+    return (x._local_tensor if isinstance(x, DTensor) else x).untyped_storage().data_ptr()
+
+
+@dataclass(frozen=True)
+class _Regather:
+    payload: Any  # the shard, as the surrounding hooks packed it
+
+
+def _column_parallel_input(target: Any, args: tuple) -> tuple[tuple, Any]:
+    """(args, saved-tensor hooks to run the op under) for a linear-like op whose weight is column-parallel
+    (sharded on its output features) reading a sharded activation: the activation is gathered before the op,
+    and the op saves the shard, gathered again in the backward (Megatron's sequence parallelism does the
+    same). The op saves what the intra-op ILP prices (the shard), and its weight gradient comes out in the
+    weight's own placement. Left to DTensor, the op gathered inside, autograd saved the shard as it came, and
+    the backward made a Shard(0) gradient for the Shard(1) weight, redistributed every micro-batch (an
+    all-to-all, which gloo runs as an all-gather of the whole gradient)."""
+    spec = _LINEAR_ARGS.get(target)
+    if spec is None or len(args) <= max(spec[:2]):
+        return args, contextlib.nullcontext()
+    xi, wi, out_dim = spec
+    x, w = args[xi], args[wi]
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor) and w.ndim == 2 and x.device_mesh.ndim == 1
+            and tuple(w.placements) == (Shard(out_dim),) and any(isinstance(p, Shard) for p in x.placements)):
+        return args, contextlib.nullcontext()
+    gathered = x.redistribute(x.device_mesh, [Replicate()])
+    key = _storage(gathered)
+    # hooks around (a recomputed block's checkpoint, activation offload) see the shard in the gather's place
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+
+    def pack(t: torch.Tensor) -> Any:
+        if isinstance(t, DTensor) and _storage(t) == key:
+            return _Regather(outer_pack(x.detach()))
+        return outer_pack(t)
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Regather):
+            shard = outer_unpack(saved.payload)
+            return shard.redistribute(shard.device_mesh, [Replicate()])
+        return outer_unpack(saved)
+
+    return (*args[:xi], gathered, *args[xi + 1:]), torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 class _TPInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, spec: TPSpec, replicated: set[str]) -> None:
         super().__init__(gm)
@@ -256,18 +306,9 @@ class _TPInterpreter(fx.Interpreter):
         target = self.substitute.get(n.target, n.target)
         if n.target is aten._assert_tensor_metadata.default and isinstance(args[0], DTensor):
             return None  # a capture-time check; gathering a sharded tensor just to assert it would cost
-        if n.name in self.replicated:
-            out = self._replicated(target, args, kwargs)
-        elif n.target in _VOCAB_PARALLEL and (vp := _VOCAB_PARALLEL[n.target](self.mesh, args, kwargs)) is not None:
-            out = vp
-        else:
-            try:
-                out = target(*args, **kwargs)
-            except (NotImplementedError, RuntimeError, AssertionError) as e:
-                if "DTensor" not in repr(e) and "sharding" not in str(e).lower() and "shard" not in str(e):
-                    raise
-                self.replicated.add(n.name)
-                out = self._replicated(target, args, kwargs)
+        args, saving = _column_parallel_input(n.target, args)
+        with saving:
+            out = self._call(n, target, args, kwargs)
         placement = self.spec.relayout.get(n.name)
         if placement is not None and isinstance(out, DTensor):
             out = out.redistribute(self.mesh, [placement])
@@ -275,6 +316,19 @@ class _TPInterpreter(fx.Interpreter):
             # redistributed gradients can come back with strides a later view cannot take
             out.register_hook(lambda g: g.contiguous())
         return out
+
+    def _call(self, n: fx.Node, target: Any, args: tuple, kwargs: dict) -> Any:
+        if n.name in self.replicated:
+            return self._replicated(target, args, kwargs)
+        if n.target in _VOCAB_PARALLEL and (vp := _VOCAB_PARALLEL[n.target](self.mesh, args, kwargs)) is not None:
+            return vp
+        try:
+            return target(*args, **kwargs)
+        except (NotImplementedError, RuntimeError, AssertionError) as e:
+            if "DTensor" not in repr(e) and "sharding" not in str(e).lower() and "shard" not in str(e):
+                raise
+            self.replicated.add(n.name)
+            return self._replicated(target, args, kwargs)
 
     def _replicated(self, target: Any, args: tuple, kwargs: dict) -> Any:
         args, kwargs = torch.utils._pytree.tree_map(full_tensor, (args, kwargs))
