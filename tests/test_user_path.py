@@ -56,7 +56,8 @@ def worker(rank: int, world: int, weights: str, cluster: dict, dropout: float) -
     gc.collect()
     with track_memory() as trace:
         prog = autopar.compile(build("meta", dropout).model, cluster, case.example_inputs, case.example_target,
-                               case.loss_fn, optimizer, weights=weights, precision="fp32", timeout_s=120, time_limit_s=30)
+                               case.loss_fn, optimizer, weights=weights, precision="fp32", timeout_s=120,
+                               time_limit_s=30)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
     return {"losses": losses, "final": prog.state_dict()["model"], "plan": prog.plan.to_json(),
             "work": work_of(prog), "peak": trace.peak_bytes, "trace": trace.summary(top=8)}
