@@ -155,6 +155,12 @@ def backend_for(cuda_available: bool, forced: str | None = None) -> str:
     return MIXED_BACKEND if cuda_available else "gloo"
 
 
+def gloo_forced() -> bool:
+    """Whether this process was launched to run on gloo whatever its devices (`AUTOPAR_BACKEND=gloo`, which
+    autopar's launchers set for CPU ranks and tests): the one place that reads the variable."""
+    return os.environ.get("AUTOPAR_BACKEND") == "gloo"
+
+
 def init_process_group(timeout_s: float, device: torch.device | None = None, *, store: dist.Store | None = None,
                        rank: int | None = None, world_size: int | None = None,
                        init: Callable[..., None] | None = None) -> str:
@@ -162,7 +168,7 @@ def init_process_group(timeout_s: float, device: torch.device | None = None, *, 
     exists): the CUDA device set first and given as `device_id`. Returns the backend. `init` stands in for
     `dist.init_process_group` in tests."""
     cuda = torch.cuda.is_available()
-    forced = "gloo" if os.environ.get("AUTOPAR_BACKEND") == "gloo" else None
+    forced = "gloo" if gloo_forced() else None
     backend = backend_for(cuda, forced)
     if device is None and cuda and forced is None:
         device = torch.device("cuda", local_rank())
@@ -232,7 +238,7 @@ def move_to(x: Any, device: torch.device) -> Any:
         if isinstance(t, torch.Tensor) and t.device != device else t, x)
 
 
-__all__ = ["DeviceMismatchError", "MIXED_BACKEND", "backend_for", "check_rank_gpu", "comm_device",
+__all__ = ["DeviceMismatchError", "MIXED_BACKEND", "backend_for", "check_rank_gpu", "comm_device", "gloo_forced",
            "CommDevices", "check_one_device_kind", "computes_on_cpu", "group_comm_device",
            "init_process_group", "launch_device", "local_rank", "move_to", "plan_rank_device",
            "rank_device", "set_local_device", "warn_device_order", "world_comm_device"]

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from .devices import init_process_group
+from .devices import gloo_forced, init_process_group
 from .dist import PeerLostError, drain_abandoned, ensure_initialized
 
 HEARTBEAT_S = 0.2
@@ -260,7 +260,7 @@ def _update(checkpoint_dir: str | os.PathLike, change: Callable[[dict], Any]) ->
 
 def device_usable() -> bool:
     """A quick health check of this worker's device (always true for CPU / gloo processes)."""
-    if not torch.cuda.is_available() or os.environ.get("AUTOPAR_BACKEND") == "gloo":
+    if not torch.cuda.is_available() or gloo_forced():
         return True
     try:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -41,10 +41,11 @@ import torch.distributed as dist
 
 from ..errors import PlanError
 from ..lowering import COMPRESS_DTYPES
+from ..passes.annotate import PRECISIONS as ELEMENT_BYTES
 from ..plan import compute_description
 from .dist import DEFAULT_TIMEOUT_S, on_comm_device, wait
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = tuple(ELEMENT_BYTES)  # the precisions annotate prices, in its order
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -80,7 +80,6 @@ from .devices import CommDevices
 from .dist import Groups, on_comm_device, wait
 from .tensor_parallel import TPStage
 
-OFFLOAD_KINDS = ("optimizer", "activations", "params")
 BUCKET_BYTES = SYNC_BUCKET_BYTES  # bounds the flat copy one collective makes (priced: `StageMemory.sync`)
 Group = tuple[int, ...]
 
