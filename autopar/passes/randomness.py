@@ -144,7 +144,7 @@ def _uniform_block(key: int, stream: int, global_shape: tuple[int, ...], local_s
     return out.view(local_shape)
 
 
-def _block_of(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], Any]:
+def block_of(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], Any]:
     """(local tensor, global shape, offsets of the local block, DTensor layout or None)."""
     from torch.distributed.tensor import DTensor
 
@@ -167,7 +167,7 @@ def _rewrap(local: torch.Tensor, layout: Any) -> torch.Tensor:
 
 def uniform_like(x: torch.Tensor, key: int, stream: int = 0) -> torch.Tensor:
     """Uniforms in [0, 1) shaped (and, for a DTensor, laid out) as `x`."""
-    local, shape, offsets, layout = _block_of(x)
+    local, shape, offsets, layout = block_of(x)
     return _rewrap(_uniform_block(key, stream, shape, tuple(local.shape), offsets, local.device), layout)
 
 
@@ -191,7 +191,7 @@ Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets) of a 
 
 def _dropped(x: torch.Tensor, p: float, key: int, mask_shape: tuple[int, ...] | None = None,
              block: Block | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    local, shape, offsets, layout = _block_of(x) if block is None else (x, *block, None)
+    local, shape, offsets, layout = block_of(x) if block is None else (x, *block, None)
     if mask_shape is None:
         keep = _uniform_block(key, 0, shape, tuple(local.shape), offsets, local.device) >= p
     else:  # one draw per (sample, channel), broadcast over the rest (feature dropout): drawn whole
@@ -346,5 +346,5 @@ def keyed_randomness(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-__all__ = ["Draws", "draws", "keyed_attention", "keyed_call", "keyed_dropout",
+__all__ = ["Draws", "block_of", "draws", "keyed_attention", "keyed_call", "keyed_dropout",
            "keyed_randomness", "op_key", "remembering", "uniform_like"]

@@ -57,16 +57,21 @@ def _base(target: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] == "aten" else target
 
 
+# linear-like ops: (index of the activation argument, of the weight, the weight's output-feature dim): linear's
+# weight is (out, in); addmm's and mm's mat2 a Conv1D-style weight (in, out)
+LINEAR_ARGS = {"aten.linear.default": (0, 1, 0), "aten.addmm.default": (1, 2, 1), "aten.mm.default": (0, 1, 1)}
+
+
 def weight_of(graph: TrainingGraph, node_name: str) -> tuple[str, int] | None:
     """(parameter placeholder, index of its output-feature dim) for a linear-like node with a weight param."""
     n = graph.nodes[node_name]
-    if n.target == "aten.linear.default" and len(n.args) >= 2 and n.args[1] in graph.params:
-        return n.args[1], 0  # weight (out, in)
-    if n.target in ("aten.addmm.default", "aten.mm.default"):
-        w = n.args[-1]
-        if w in graph.params and len(graph.params[w].meta.shape) == 2:
-            return w, 1  # Conv1D-style weight (in, out) used as mat2
-    return None
+    spec = LINEAR_ARGS.get(n.target)
+    if spec is None or len(n.args) <= spec[1] or n.args[spec[1]] not in graph.params:
+        return None
+    w = n.args[spec[1]]
+    if n.target != "aten.linear.default" and len(graph.params[w].meta.shape) != 2:
+        return None
+    return w, spec[2]
 
 
 def users(graph: TrainingGraph, names: Iterable[str]) -> dict[str, list[str]]:
@@ -86,9 +91,8 @@ def next_linear(graph: TrainingGraph, readers: dict[str, list[str]], start: str,
             if u in seen:
                 continue
             seen.add(u)
-            if weight_of(graph, u) and graph.nodes[u].args[
-                0 if graph.nodes[u].target != "aten.addmm.default" else 1
-            ] in ({cur} | seen | {start}):
+            if weight_of(graph, u) and graph.nodes[u].args[LINEAR_ARGS[graph.nodes[u].target][0]] \
+                    in ({cur} | seen | {start}):
                 return u
             if graph.nodes[u].target in through:
                 frontier.append(u)
@@ -271,6 +275,6 @@ def _vocab_parallel(graph: TrainingGraph, names: list[str], spec: Placements, do
             spec.params.setdefault(graph.canonical(bias), 0)
 
 
-__all__ = ["ELEMENTWISE_FOLLOW", "SDPA", "TO_LOSS", "VIEWS", "AttentionCore", "Placements", "attention_core",
-           "attention_cores", "attention_projection", "bias_of", "fused_qkv", "loss_heads", "megatron_placements",
-           "next_linear", "source_linear", "users", "weight_of"]
+__all__ = ["ELEMENTWISE_FOLLOW", "LINEAR_ARGS", "SDPA", "TO_LOSS", "VIEWS", "AttentionCore", "Placements",
+           "attention_core", "attention_cores", "attention_projection", "bias_of", "fused_qkv", "loss_heads",
+           "megatron_placements", "next_linear", "source_linear", "users", "weight_of"]

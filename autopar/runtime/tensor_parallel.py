@@ -25,8 +25,15 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
 from ..graph import TrainingGraph
-from ..passes.randomness import keyed_attention
-from ..passes.tp_patterns import attention_cores, attention_projection, megatron_placements, users, weight_of
+from ..passes.randomness import block_of, keyed_attention
+from ..passes.tp_patterns import (
+    LINEAR_ARGS,
+    attention_cores,
+    attention_projection,
+    megatron_placements,
+    users,
+    weight_of,
+)
 from .vocab_parallel import vocab_parallel_embedding, vocab_parallel_loss
 
 aten = torch.ops.aten
@@ -166,9 +173,7 @@ def _keyed_attention_per_shard(q, k, v, attn_mask=None, dropout_p=0.0, is_causal
     p = _shard_local_layout(q, k, v, attn_mask)
     if p is None:
         return keyed_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key=key)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offsets = compute_local_shape_and_global_offset(q.shape, q.device_mesh, q.placements)
+    offsets = block_of(q)[2]
     probs = (*q.shape[:-1], k.shape[-2])
     mask = attn_mask.to_local() if isinstance(attn_mask, DTensor) else attn_mask
     out = keyed_attention(q.to_local(), k.to_local(), v.to_local(), mask, dropout_p, is_causal, scale, enable_gqa,
@@ -244,10 +249,6 @@ def full_tensor(x: Any) -> Any:
     return _ContiguousGrad.apply(x.full_tensor()) if isinstance(x, DTensor) else x
 
 
-# linear-like ops: (index of the activation argument, of the weight, the weight's output-feature dim)
-_LINEAR_ARGS = {aten.linear.default: (0, 1, 0), aten.addmm.default: (1, 2, 1), aten.mm.default: (0, 1, 1)}
-
-
 def _storage(x: torch.Tensor) -> int:
     return (x._local_tensor if isinstance(x, DTensor) else x).untyped_storage().data_ptr()
 
@@ -265,7 +266,7 @@ def _column_parallel_input(target: Any, args: tuple) -> tuple[tuple, Any]:
     weight's own placement. Left to DTensor, the op gathered inside, autograd saved the shard as it came, and
     the backward made a Shard(0) gradient for the Shard(1) weight, redistributed every micro-batch (an
     all-to-all, which gloo runs as an all-gather of the whole gradient)."""
-    spec = _LINEAR_ARGS.get(target)
+    spec = LINEAR_ARGS.get(str(target))
     if spec is None or len(args) <= max(spec[:2]):
         return args, contextlib.nullcontext()
     xi, wi, out_dim = spec
