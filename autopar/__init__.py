@@ -2,7 +2,7 @@
 
 # `autopar.plan` is the function: importing .api loads the submodule autopar.plan first, and binding the
 # function afterwards shadows it (the submodule stays reachable as `from autopar.plan import ...`).
-from .api import analyze, default_precision, estimate, plan
+from .api import analyze, estimate, plan
 from .cluster import Cluster, DeviceSpec, Link
 from .compiler import compile  # noqa: A004 (autopar.compile, as users spell it)
 from .errors import (
@@ -23,6 +23,7 @@ from .errors import (
 from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
+from .precision import default_precision
 from .runtime.asynchronous import AsyncUpdateWarning
 from .runtime.weights import materialize
 

@@ -18,11 +18,11 @@ from .graph import TrainingGraph
 from .passes.annotate import annotate
 from .passes.capture import LossFn, capture
 from .plan import Estimate, Plan, Strategy
+from .precision import resolve_precision
 from .report import dump_dir as _dump_dir
 from .report import dump_graph
-from .runtime.asynchronous import choose_async, delay_of, force_async
-from .runtime.precision import check_precision, unsupported
 from .solver.async_memory import async_memory
+from .solver.asynchronous import choose_async, delay_of, force_async
 from .solver.objective import check_objective, score
 from .solver.pricing import CostModel, price, price_strategy
 from .solver.pricing_plan import check_compress
@@ -44,24 +44,6 @@ def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
                      kernels=kernels)
     dump_graph(graph, dump_dir)
     return graph
-
-
-def default_precision(cluster: Cluster) -> str:
-    """A precision every device of `cluster` computes in: fp32 on CPU-only clusters; else bf16 mixed precision
-    where every device has bf16 (tensor cores: NVIDIA Ampere or later, AMD CDNA2 or later), else fp16 mixed
-    precision with loss scaling (a cluster with a V100, T4, Turing board or Jetson Xavier, which have fp16
-    tensor cores but no bf16: catalog `tflops_bf16` None). Both mixed precisions keep fp32 master weights,
-    optimizer state and gradient reduction (runtime/precision.py)."""
-    if all(d.spec.kind == "cpu" for d in cluster.devices):
-        return "fp32"
-    return "fp16" if unsupported(cluster, "bf16") else "bf16"
-
-
-def resolve_precision(cluster: Cluster, precision: str | None) -> str:
-    """`precision`, or the cluster's default; PlanError when a device of the cluster cannot run it."""
-    precision = precision or default_precision(cluster)
-    check_precision(cluster, precision)
-    return precision
 
 
 def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),

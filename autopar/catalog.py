@@ -20,9 +20,73 @@ bf16 plan on them is refused (`DeviceSpec.flops`). Their FP16 figures:
   Tensor TFLOPs", full-rate FP32 accumulate).
 * Jetson Xavier NX: 48 Volta tensor cores x 64 FMA x 2 x 1.1 GHz = 6.76 TFLOP/s.
 AMD MI250X / MI300X matrix cores run FP16 and BF16 at the same rate (AMD CDNA2 / CDNA3 datasheets).
+
+`DeviceSpec` and `Link` are one entry's figures in SI units, as a cluster (cluster.py) and the cost models
+read them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Link:
+    """A one-direction link: bandwidth in bytes/s, latency in seconds."""
+
+    bandwidth: float
+    latency: float
+    kind: str = ""
+    measured: bool = False  # achieved figures (autopar probe), not a datasheet's
+
+    @property
+    def bandwidth_GBps(self) -> float:
+        return self.bandwidth / 1e9
+
+    def to_dict(self) -> dict:
+        d = {"bandwidth_GBps": self.bandwidth / 1e9, "latency_us": self.latency * 1e6, "kind": self.kind}
+        return {**d, "measured": True} if self.measured else d
+
+
+@dataclass(frozen=True, eq=True)
+class DeviceSpec:
+    """Datasheet figures of one device type. FLOP/s and bytes/s are SI units."""
+
+    name: str
+    peak_flops: dict[str, float]  # keys: fp32, tf32, bf16, fp16
+    memory: int  # bytes
+    memory_bandwidth: float  # bytes/s
+    intra_node: Link
+    host_link: Link
+    kind: str = "gpu"  # gpu | cpu | edge
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype ('fp32', 'tf32', 'bf16', 'fp16'). PlanError for bf16 on a device
+        without bf16 tensor cores (`tflops_bf16` None: Volta, Turing)."""
+        if dtype == "bf16" and "bf16" not in self.peak_flops:
+            raise PlanError(f"{self.name} cannot compute in bf16 (no bf16 tensor cores); train in fp16 "
+                            f"(precision='fp16', loss-scaled) or fp32 on it.")
+        return self.peak_flops.get(dtype, self.peak_flops["fp32"])
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "tflops_fp32": self.peak_flops["fp32"] / 1e12,
+            "tflops_tf32": self.peak_flops["tf32"] / 1e12,
+            "tflops_fp16": self.peak_flops["fp16"] / 1e12,
+            "tflops_bf16": self.peak_flops["bf16"] / 1e12 if "bf16" in self.peak_flops else None,
+            "memory_GiB": self.memory / GiB,
+            "memory_bandwidth_GBps": self.memory_bandwidth / 1e9,
+            "intra_node": self.intra_node.to_dict(),
+            "host_link": self.host_link.to_dict(),
+            "kind": self.kind,
+        }
+
+
 
 PCIE3 = {"bandwidth_GBps": 16.0, "latency_us": 5.0, "kind": "PCIe3"}
 PCIE4 = {"bandwidth_GBps": 32.0, "latency_us": 5.0, "kind": "PCIe4"}

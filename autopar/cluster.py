@@ -38,66 +38,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .catalog import ALIASES, CATALOG, DEFAULT_NETWORK, EDGE_NETWORK
+from .catalog import ALIASES, CATALOG, DEFAULT_NETWORK, EDGE_NETWORK, DeviceSpec, GiB, Link
 from .cluster_files import read_file as _read_file
 from .cluster_links import measured_links
-from .errors import ClusterError, PlanError, close_matches
+from .errors import ClusterError, close_matches
 from .host_memory import UNIFIED_KINDS, default_host_memory, total_ram
-
-GiB = 1024**3
-
-
-@dataclass(frozen=True)
-class Link:
-    """A one-direction link: bandwidth in bytes/s, latency in seconds."""
-
-    bandwidth: float
-    latency: float
-    kind: str = ""
-    measured: bool = False  # achieved figures (autopar probe), not a datasheet's
-
-    @property
-    def bandwidth_GBps(self) -> float:
-        return self.bandwidth / 1e9
-
-    def to_dict(self) -> dict:
-        d = {"bandwidth_GBps": self.bandwidth / 1e9, "latency_us": self.latency * 1e6, "kind": self.kind}
-        return {**d, "measured": True} if self.measured else d
-
-
-@dataclass(frozen=True, eq=True)
-class DeviceSpec:
-    """Datasheet figures of one device type. FLOP/s and bytes/s are SI units."""
-
-    name: str
-    peak_flops: dict[str, float]  # keys: fp32, tf32, bf16, fp16
-    memory: int  # bytes
-    memory_bandwidth: float  # bytes/s
-    intra_node: Link
-    host_link: Link
-    kind: str = "gpu"  # gpu | cpu | edge
-
-    def flops(self, dtype: str) -> float:
-        """Peak FLOP/s for a compute dtype ('fp32', 'tf32', 'bf16', 'fp16'). PlanError for bf16 on a device
-        without bf16 tensor cores (`tflops_bf16` None: Volta, Turing)."""
-        if dtype == "bf16" and "bf16" not in self.peak_flops:
-            raise PlanError(f"{self.name} cannot compute in bf16 (no bf16 tensor cores); train in fp16 "
-                            f"(precision='fp16', loss-scaled) or fp32 on it.")
-        return self.peak_flops.get(dtype, self.peak_flops["fp32"])
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "tflops_fp32": self.peak_flops["fp32"] / 1e12,
-            "tflops_tf32": self.peak_flops["tf32"] / 1e12,
-            "tflops_fp16": self.peak_flops["fp16"] / 1e12,
-            "tflops_bf16": self.peak_flops["bf16"] / 1e12 if "bf16" in self.peak_flops else None,
-            "memory_GiB": self.memory / GiB,
-            "memory_bandwidth_GBps": self.memory_bandwidth / 1e9,
-            "intra_node": self.intra_node.to_dict(),
-            "host_link": self.host_link.to_dict(),
-            "kind": self.kind,
-        }
 
 
 @dataclass(frozen=True)

@@ -27,19 +27,20 @@ from .errors import AutoparError, CaptureError, PlanError, PrecisionChangeWarnin
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
+from .precision import precision_change
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
-from .runtime.asynchronous import AsyncProgram, delay_of, warn_async
+from .runtime.asynchronous import AsyncProgram, warn_async
 from .runtime.devices import check_rank_gpu, launch_device, warn_device_order, world_comm_device
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
 from .runtime.fallback import ReplicatedProgram
-from .runtime.flushless import async_program, flushless_problems  # 2BW's flushless schedule where it runs
+from .runtime.flushless import async_program  # 2BW's flushless schedule where it runs
 from .runtime.plan_check import PlanCheck
-from .runtime.precision import precision_change
 from .runtime.program import OptimizerFactory, Program
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
+from .solver.asynchronous import delay_of, flushless_problems
 
 
 def warn_precision_change(model: nn.Module, cluster: Cluster, precision: str) -> None:

@@ -10,20 +10,17 @@ SDPA attention, and for Mixtral the ``batched_mm`` experts kernel (the default "
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .models import ModelCase
+from .model_case import ModelCase, building, lm_loss, token_batch
 
 ATTN_IMPLEMENTATION = "sdpa"
 
 
 def _case(model_cls: Any, config: Any, batch: int, seq: int, vocab: int, device: str | torch.device,
           seed: int, name: str) -> ModelCase:
-    from .models import ModelCase, building, lm_loss, token_batch
-
     with building(device, seed):
         model = model_cls(config)
         ids, target = token_batch(batch, seq, vocab)
@@ -205,8 +202,6 @@ def hf_t5(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, lay
     `Seq2SeqLogits`."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from .models import ModelCase, building, lm_loss, token_batch
-
     config = T5Config(vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=ffn or 2 * hidden,
                       num_layers=layers, num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0,
                       use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
@@ -220,8 +215,6 @@ def hf_t5(batch: int = 2, seq: int = 16, vocab: int = 128, hidden: int = 64, lay
 
 def _image_case(model_cls: Any, config: Any, batch: int, image: int, classes: int, device: str | torch.device,
                 seed: int, name: str) -> ModelCase:
-    from .models import ModelCase, building, lm_loss
-
     with building(device, seed):
         model = model_cls(config)
         pixels = torch.randn(batch, config.num_channels, image, image)

@@ -4,15 +4,15 @@ Every factory returns a :class:`ModelCase`. Factories take ``device`` (``"meta"`
 inputs without allocating or initialising data, so even GPT-3 175B shapes build instantly) and ``seed``.
 Repeated blocks always live in an ``nn.ModuleList`` so later passes can detect them.
 
-The Hugging Face clients live in :mod:`autopar.hf_models` and are re-exported here.
+The Hugging Face clients live in :mod:`autopar.hf_models`, the case type and the helpers both use in
+:mod:`autopar.model_case`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,69 +35,12 @@ from .hf_models import (
     hf_t5,
     hf_vit,
 )
+from .model_case import ModelCase, building, lm_loss, loss_of, token_batch, train_reference
 
-__all__ = ["ModelCase", "CASES", "loss_of", "building", "lm_loss", "GPTConfig", "GPT", "Llama", "gpt_config",
-           "mlp", "cnn", "gpt", "llama", "moe_gpt", "gnn", "hf_gpt2", "hf_llama", "hf_mixtral", "hf_bert",
-           "hf_qwen2", "hf_mistral", "hf_bloom", "hf_gpt_neox", "hf_gptj", "hf_falcon", "hf_qwen2_moe", "hf_t5",
-           "hf_vit", "hf_convnext"]
-
-
-@dataclass
-class ModelCase:
-    model: nn.Module
-    example_inputs: tuple
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    example_target: torch.Tensor | None
-    name: str
-    # Parameters that legitimately receive no gradient from the example loss (documented per case).
-    unused_params: tuple[str, ...] = field(default=())
-
-
-def loss_of(case: ModelCase, *inputs: Any, target: torch.Tensor | None = None) -> torch.Tensor:
-    """Scalar loss of ``case`` on ``inputs`` (default: its example inputs and target)."""
-    if not inputs:
-        inputs = case.example_inputs
-    out = case.model(*inputs)
-    if case.loss_fn is None:
-        return out.loss if hasattr(out, "loss") else out
-    return case.loss_fn(out, case.example_target if target is None else target)
-
-
-def train_reference(case: ModelCase, make_optimizer: Any, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain single-process training of ``case`` on its example batch: per-step losses and the final state,
-    the reference every parallel run is compared with."""
-    opt = make_optimizer(list(case.model.parameters()))
-    losses = []
-    for _ in range(steps):
-        loss = loss_of(case)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
-
-
-@contextmanager
-def building(device: str | torch.device, seed: int) -> Iterator[torch.device]:
-    """Build under ``device`` with the RNG seeded, leaving the caller's global RNG state untouched."""
-    dev = torch.device(device)
-    forked = [dev.index or 0] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked), dev:
-        torch.manual_seed(seed)
-        yield dev
-
-
-def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Token cross-entropy; accepts raw logits or a Hugging Face output carrying ``.logits``."""
-    logits = output.logits if hasattr(output, "logits") else output
-    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
-
-
-def token_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random next-token batch for the language-model cases (here and hf_models.py): `(ids, target)`, each
-    `(batch, seq)`, target the ids shifted by one."""
-    ids = torch.randint(0, vocab, (batch, seq + 1))
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+__all__ = ["ModelCase", "CASES", "loss_of", "train_reference", "building", "lm_loss", "token_batch", "GPTConfig",
+           "GPT", "Llama", "gpt_config", "mlp", "cnn", "gpt", "llama", "moe_gpt", "gnn", "hf_gpt2", "hf_llama",
+           "hf_mixtral", "hf_bert", "hf_qwen2", "hf_mistral", "hf_bloom", "hf_gpt_neox", "hf_gptj", "hf_falcon",
+           "hf_qwen2_moe", "hf_t5", "hf_vit", "hf_convnext"]
 
 
 # ---------------------------------------------------------------------------------------------- MLP

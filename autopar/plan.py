@@ -23,10 +23,10 @@ explained and simulated (`timeline`) without the model.
 
 This module holds the plan as data (`Stage`, `Pipeline`, `Plan`, `layerwise_stages`), how a plan's step is
 simulated from those times (`stage_times`, `simulate_pipeline`) and the hand-written configurations
-`autopar.estimate` prices (`Strategy`, `plan_from_strategy`, `Estimate`). Two parts live beside it and are
+`autopar.estimate` prices (`Strategy`, `plan_from_strategy`, `Estimate`). One part lives beside it and is
 re-exported here: plan_simulate.py, the simulation of one step from per-stage times (`simulate_stages`,
-`simulated_step_time`, `cached_schedule`, `wgrad_times`: the planner's hot path, which knows no `Plan`),
-and plan_views.py, how a plan is shown (`explain`, `timeline_trace`, `recompute_label`, `compute_description`).
+`simulated_step_time`, `cached_schedule`, `wgrad_times`: the planner's hot path, which knows no `Plan`).
+How a plan is shown (`explain`, `timeline_trace`) is views/plan.py, above this module.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import Any
 from .checks import check_number
 from .errors import PlanError
 from .plan_simulate import cached_schedule, simulate_stages, simulate_times, simulated_step_time, wgrad_times
-from .plan_views import compute_description, explain, recompute_label, timeline_trace
 from .report import dump_dir
 from .schedule import SCHEDULES
 from .simulate import SimResult
@@ -177,7 +176,9 @@ class Plan:
         return names
 
     def explain(self) -> str:
-        """A table of stages x device groups with the predicted time and memory of each."""
+        """A table of stages x device groups with the predicted time and memory of each (views/plan.py)."""
+        from .views.plan import explain  # the view above the plan: one of tests/test_layers.py's two upward imports
+
         return explain(self)
 
     def simulate(self) -> list[SimResult]:
@@ -198,6 +199,8 @@ class Plan:
         Written to `path` when given, and to timeline.json in the dump directory when AUTOPAR_DUMP is
         set. Process ids are the first device of each device group; returns the trace dict.
         """
+        from .views.plan import timeline_trace  # as explain()
+
         trace = timeline_trace(self)
         text = json.dumps(trace)
         if path is not None:
@@ -379,6 +382,6 @@ class Estimate:
 
 
 __all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule",
-           "compute_description", "even_split", "explain", "layerwise_stages", "plan_from_strategy",
-           "recompute_count", "recompute_label", "simulate_pipeline", "simulate_stages", "simulate_times",
-           "simulated_step_time", "stage_times", "timeline_trace", "wgrad_times"]
+           "even_split", "layerwise_stages", "plan_from_strategy",
+           "recompute_count", "simulate_pipeline", "simulate_stages", "simulate_times",
+           "simulated_step_time", "stage_times", "wgrad_times"]

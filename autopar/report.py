@@ -6,8 +6,10 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .graph import TrainingGraph
+if TYPE_CHECKING:
+    from .graph import TrainingGraph
 
 
 def fmt_count(x: float) -> str:

@@ -23,7 +23,7 @@ moves streamed gradients to the host) once its backward ends, ``FREE_B`` frees t
 action's memory actions are listed around it (GATHER_* before, FREE_F / REDUCE / FREE_B after) and run at
 its layer boundaries (runtime/zero_layers.py).
 
-Execution model (used by `validate` and by `autopar.simulate`): on each rank F/B and memory actions run in
+Execution model (used by schedule_check.validate and by `autopar.simulate`): on each rank F/B and memory actions run in
 list order on a compute stream (the planner prices gathers and reductions inside the stage's step time,
 not overlapped) and SEND/ALLREDUCE in list order on a comm stream; a RECV completes when its matching
 SEND does (transfers are eager, so a RECV holds no stream); an action waits for its data dependencies.
@@ -514,14 +514,6 @@ def format_key(k: Key) -> str:
 
 # ----------------------------------------------------------------------------------------------- checks
 
-def validate(schedule: Schedule) -> None:
-    """Raise PlanError naming the offending action if `schedule` is incomplete, misplaced or can deadlock
-    (schedule_check.py)."""
-    from .schedule_check import check_schedule
-
-    check_schedule(schedule)
-
-
 def splits_backward(schedule: Schedule) -> bool:
     """Whether the schedule splits the backward into B (input gradients) and W (weight gradients)."""
     return any(a.kind == "W" for acts in schedule.actions.values() for a in acts)
@@ -552,6 +544,6 @@ def compute_actions(schedule: Schedule, rank: int) -> list[Action]:
 __all__ = [
     "Action", "Schedule", "KINDS", "MEMORY_KINDS", "MEMORY_OF", "SCHEDULES", "SPLIT_SCHEDULES", "gpipe", "one_f_one_b",
     "interleaved_1f1b", "zb_h1", "memory_owner", "splits_backward",
-    "make_schedule", "validate", "peak_inflight", "compute_actions", "no_gc",
+    "make_schedule", "peak_inflight", "compute_actions", "no_gc",
     "Compiled", "compile_schedule", "execute", "dependencies",
 ]

@@ -1,4 +1,4 @@
-"""`schedule.validate`: a schedule's completeness, placement and order checks, then a deadlock-finding run."""
+"""`validate`: a schedule's completeness, placement and order checks, then a deadlock-finding run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .schedule import (
 )
 
 
-def check_schedule(schedule: Schedule) -> None:
+def validate(schedule: Schedule) -> None:
     """Raise PlanError naming the offending action if `schedule` is incomplete, misplaced or can deadlock."""
     S, M, s2r = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
     if S < 1 or M < 1:
@@ -105,4 +105,4 @@ def check_schedule(schedule: Schedule) -> None:
         execute(compile_schedule(schedule), lambda a: 1.0)
 
 
-__all__ = ["check_schedule"]
+__all__ = ["validate"]

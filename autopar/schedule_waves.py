@@ -27,7 +27,7 @@ With D = 1 a stage holds at most two weight versions at a time (`peak_versions`)
 computes on and the newest one (2BW's double-buffered weights).
 
 `validate` checks a wave schedule (its projection onto schedule.py's IR, with micro-batch c*m + j for
-micro-batch j of wave c, goes through `schedule.validate`; then the per-wave actions, the update rule and
+micro-batch j of wave c, goes through `schedule_check.validate`; then the per-wave actions, the update rule and
 the cut into one-wave calls the runtime makes, `step_cuts`); `simulate_waves` times one on the execution
 model of schedule.py, with UPDATE on the compute stream and ALLREDUCE on a sync stream (`compile_waves`).
 """
@@ -48,9 +48,9 @@ from .schedule import (
     execute,
     no_gc,
     one_f_one_b_orders,
-    validate,
     with_comms,
 )
+from .schedule_check import validate
 from .simulate import SimResult
 
 WAVE_KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "UPDATE")
@@ -265,7 +265,7 @@ def call_of_wave(templates: Sequence[Sequence[WaveAction]], r: int) -> list[Wave
 
 
 def validate_waves(schedule: WaveSchedule) -> None:
-    """Raise PlanError naming what is wrong: the projection (schedule.validate: completeness, placement,
+    """Raise PlanError naming what is wrong: the projection (schedule_check.validate: completeness, placement,
     transfers, order, deadlock), the per-wave ALLREDUCE/UPDATE, the update rule, that every call of the
     runtime (one wave) needs only actions of calls so far, and a deadlock-finding run with the updates."""
     validate(schedule.flat())

@@ -36,11 +36,12 @@ from autopar import Strategy, models
 from autopar.cluster import device_spec
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.runtime.asynchronous import AsyncProgram, predicted_wave
-from autopar.runtime.flushless import FlushlessProgram, flushless_problems
+from autopar.runtime.asynchronous import AsyncProgram
+from autopar.runtime.flushless import FlushlessProgram
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 from autopar.runtime.straggler import SLOWDOWN_ENV
+from autopar.solver.asynchronous import flushless_problems, predicted_wave
 
 CFG = dict(hidden=128, layers=2, seq=32, batch=16, vocab=64)
 SLOW = 2.0  # rank 1 emulates a device this many times slower

@@ -14,9 +14,10 @@ import torch
 import autopar
 from autopar import models
 from autopar.errors import PlanError
-from autopar.runtime.asynchronous import AsyncProgram, AsyncUpdateWarning, delay_of, plan_problems, predicted_wave
+from autopar.runtime.asynchronous import AsyncProgram, AsyncUpdateWarning
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.straggler import SLOWDOWN_ENV
+from autopar.solver.asynchronous import delay_of, plan_problems, predicted_wave
 from tests.runtime_cases import assert_matches_reference, build, optimizer, plan_for
 
 WAVES = 6  # more than D + 1 for every delay below, so late updates and the bound are exercised

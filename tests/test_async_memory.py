@@ -21,10 +21,11 @@ import autopar
 from autopar import Strategy
 from autopar.api import price_async
 from autopar.errors import PlanError
-from autopar.runtime.asynchronous import AsyncUpdateWarning, choose_async
+from autopar.runtime.asynchronous import AsyncUpdateWarning
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import phase, track_memory
 from autopar.solver.async_memory import AsyncMemory, async_memory
+from autopar.solver.asynchronous import choose_async
 from tests.runtime_cases import build
 from tests.test_async import WAVES
 
@@ -101,7 +102,7 @@ def test_pending_gradients_are_priced_per_device(plans: dict[str, tuple[str, str
 
     for name, (sync_json, async_json) in plans.items():
         _, sync, staleness = FAMILIES[name]
-        delay = autopar.runtime.asynchronous.delay_of(sync, staleness)
+        delay = autopar.solver.asynchronous.delay_of(sync, staleness)
         synchronous, plan = Plan.from_json(sync_json), Plan.from_json(async_json)
         a = plan.predicted["async"]
         assert a["sync"] == sync and a["staleness"] == delay and a["fits"]
@@ -179,7 +180,7 @@ def test_a_flushless_second_version_that_does_not_fit_is_refused_and_not_chosen(
     not 2bw's flushless schedule with its second weight version: the forced mode is a PlanError naming it,
     and the planner's rule does not choose 2bw there, whatever its predicted speed."""
     from autopar.api import cost_model
-    from autopar.runtime.asynchronous import force_async
+    from autopar.solver.asynchronous import force_async
 
     case = build(MLP[0], **MLP[1])
     args = (case.example_inputs, case.example_target, case.loss_fn)

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from autopar.runtime.asynchronous import delay_of
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import tensor_bytes
+from autopar.solver.asynchronous import delay_of
 from tests.runtime_cases import assert_matches_reference, assert_work_split, build, work_of
 from tests.test_async import WAVES, _compile, delayed_reference
 

@@ -14,7 +14,7 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.runtime.asynchronous import AsyncProgram
-from autopar.runtime.flushless import FlushlessProgram, async_program, flushless_problems, flushless_wave
+from autopar.runtime.flushless import FlushlessProgram, async_program
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import tensor_bytes
 from autopar.schedule import one_f_one_b
@@ -28,6 +28,7 @@ from autopar.schedule_waves import (
     validate_waves,
     waves_1f1b,
 )
+from autopar.solver.asynchronous import flushless_problems, flushless_wave
 from autopar.solver.flushless_memory import flushless_inflight, second_version_bytes
 from tests.runtime_cases import assert_matches_reference, assert_work_split, build, optimizer, plan_for, work_of
 from tests.test_async import delayed_reference

@@ -9,8 +9,8 @@ from torch import nn
 import autopar
 from autopar import models
 from autopar.cluster import device_spec
-from autopar.cost_models.compute import ComputeModel, Profile, default_curves
-from autopar.cost_models.gpu_profiles import GPU_FACTS, default_profile
+from autopar.cost_models.compute import ComputeModel, Profile, default_curves, default_profile
+from autopar.cost_models.gpu_profiles import GPU_FACTS
 from autopar.cost_models.overhead import CUDA_EAGER, host_overhead, layer_counts
 from autopar.passes.annotate import annotate
 from autopar.solver.pricing import CostModel, Option

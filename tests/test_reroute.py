@@ -41,7 +41,7 @@ def _plan(world: int, spec: dict) -> Any:
 
 
 def test_lost_pipeline_share_goes_to_the_peers_holding_its_layers() -> None:
-    from autopar.runtime.reroute import without
+    from autopar.solver.reshare import without
 
     plan = _plan(4, {"dp": 2, "pp": 2, "m": 2})  # Megatron order: pipeline 0 on devices 0, 2; pipeline 1 on 1, 3
     assert [[st.devices for st in p.stages] for p in plan.pipelines] == [[[0], [2]], [[1], [3]]]
@@ -59,7 +59,7 @@ def test_lost_pipeline_share_goes_to_the_peers_holding_its_layers() -> None:
 
 
 def test_uneven_shares_are_spread_in_proportion() -> None:
-    from autopar.runtime.reroute import proportional, without
+    from autopar.solver.reshare import proportional, without
 
     plan = _plan(3, {"dp": 3, "batch_split": [3, 3, 2]})
     new, _ = without(plan, {1})
@@ -81,7 +81,7 @@ def test_uneven_shares_are_spread_in_proportion() -> None:
     ({"dp": 2, "tp": 2}, {1, 2}, "no data-parallel peer"),
 ])
 def test_no_peer_holding_the_state_falls_back_to_restart(spec: dict, lost: set, says: str) -> None:
-    from autopar.runtime.reroute import without
+    from autopar.solver.reshare import without
 
     world = spec.get("dp", 1) * spec.get("pp", 1) * spec.get("tp", 1)
     new, why = without(_plan(world, spec), lost)
@@ -234,8 +234,8 @@ def test_a_shed_that_cannot_run_whole_rounds_is_left_to_a_re_plan() -> None:
     share whose micro-batches do not make whole rounds of its stage groups is no shed plan (None: the
     adaptive program re-plans), never a plan with other micro-batches priced with the old times."""
     from autopar.errors import PlanError
-    from autopar.runtime.reroute import with_shares
     from autopar.runtime.straggler import RankTiming, StragglerReport, shed_plan
+    from autopar.solver.reshare import with_shares
 
     plan = _plan(4, {"dp": 2, "pp": 2, "chunks": 2, "schedule": "interleaved_1f1b", "m": 4})
     assert plan.chunks == 2 and [p.microbatch_size for p in plan.pipelines] == [1, 1]

@@ -16,8 +16,8 @@ from autopar.schedule import (
     make_schedule,
     one_f_one_b,
     peak_inflight,
-    validate,
 )
+from autopar.schedule_check import validate
 
 CASES = [("gpipe", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \
         [("1f1b", p, m, 1) for p in (1, 2, 4, 5) for m in (1, 3, 8)] + \

@@ -13,7 +13,7 @@ import autopar
 from autopar import models
 from autopar.compiler import warn_precision_change
 from autopar.passes.annotate import annotate
-from autopar.runtime.precision import precision_change
+from autopar.precision import precision_change
 
 MIXED = autopar.Cluster.load("1x2xA100-80GB+1x2xV100-16GB")
 

@@ -20,8 +20,8 @@ from autopar.schedule import (
     make_schedule,
     peak_inflight,
     splits_backward,
-    validate,
 )
+from autopar.schedule_check import validate
 from autopar.simulate import simulate
 from autopar.solver.pricing import inflight_closed_form
 

@@ -460,7 +460,7 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
             peak2, bw2 = measure_cpu_peaks(torch, timer)
             peak, bw = max(peak, peak2), max(bw, bw2)
         peak = max([peak] + [f / (t - overhead) for _, f, _, t, _ in groups["matmul"] if t > 2 * overhead])
-    from ..cluster import DeviceSpec, Link
+    from ..catalog import DeviceSpec, Link
 
     probe_spec = spec or DeviceSpec("cpu", dict.fromkeys(("fp32", "tf32", "bf16", "fp16"), peak), 1, bw,
                                     Link(bw, 1e-6), Link(bw, 1e-6), kind="cpu")

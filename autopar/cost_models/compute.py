@@ -59,11 +59,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .gpu_profiles import default_profile, kind_peak
+from .gpu_profiles import GPU_FACTS, MEMEFF_SOURCE, gemm_half, has_tf32, kind_peak
+from .op_names import ELEMENTWISE_NAMES as _ELEMENTWISE_NAMES
+from .op_names import base_name
 from .overhead import HostOverhead, default_host, host_overhead
 
 if TYPE_CHECKING:
-    from ..cluster import DeviceSpec
+    from ..catalog import DeviceSpec
 
 OP_KINDS = ("matmul", "attention", "conv", "elementwise", "norm", "softmax", "reduction", "embedding", "gather",
             "view", "other")
@@ -143,29 +145,7 @@ _KIND_NAMES: dict[str, set[str]] = {
 }
 _NAME_TO_KIND = {n: k for k, names in _KIND_NAMES.items() for n in names}
 
-# Ops that touch every element once; anything with these prefixes too. Copies (clone, contiguous,
-# _to_copy, cat) move bytes like an elementwise op.
-_ELEMENTWISE_NAMES = set("""
-    add sub rsub mul div true_divide floor_divide remainder fmod neg abs sign relu relu6 gelu silu
-    sigmoid tanh exp exp2 expm1 log log1p log2 log10 pow sqrt rsqrt reciprocal square sin cos tan
-    erf erfc erfinv clamp clamp_min clamp_max clip where masked_fill dropout native_dropout
-    feature_dropout alpha_dropout copy clone _to_copy to contiguous fill zero zeros ones full
-    zeros_like ones_like full_like rand randn rand_like randn_like randint bernoulli uniform normal
-    arange linspace tril triu threshold hardtanh leaky_relu elu selu celu mish softplus softsign
-    hardswish hardsigmoid logsigmoid glu prelu _prelu_kernel addcmul addcdiv lerp maximum minimum
-    fmax fmin eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and
-    bitwise_or bitwise_not bitwise_xor isnan isinf isfinite nan_to_num cat concat concatenate stack
-    hstack vstack constant_pad_nd pad reflection_pad1d reflection_pad2d replication_pad1d
-    replication_pad2d upsample_nearest1d upsample_nearest2d upsample_bilinear2d upsample_bicubic2d
-    repeat repeat_interleave roll flip tile floor ceil round trunc frac lift_fresh_copy type_as bool
-    float half bfloat16 _foreach_add _foreach_mul _foreach_div _foreach_addcmul _foreach_addcdiv
-    _foreach_sqrt _foreach_lerp view_copy permute_copy transpose_copy expand_copy slice_copy
-    select_copy t_copy unsqueeze_copy squeeze_copy alias_copy detach_copy as_strided_copy split_copy
-    slice_scatter select_scatter diagonal_scatter as_strided_scatter masked_fill_ polar heaviside
-    hypot atan2 xlogy sgn angle logit sinh cosh asin acos atan asinh acosh atanh digamma lgamma
-    fill_diagonal new_zeros new_ones new_full scalar_tensor_copy _fused_dropout _masked_scale
-    native_dropout_backward rrelu
-""".split())
+# Elementwise ops' backward kernels (the forward ones: op_names.ELEMENTWISE_NAMES).
 _ELEMENTWISE_BACKWARD = set("""
     threshold_backward gelu_backward silu_backward sigmoid_backward tanh_backward hardtanh_backward
     leaky_relu_backward elu_backward softplus_backward mish_backward hardswish_backward
@@ -173,36 +153,10 @@ _ELEMENTWISE_BACKWARD = set("""
     _prelu_kernel_backward
 """.split())
 
-_STRIP = re.compile(r"^(?:torch\.ops\.)?(?:aten(?:::|\.))?")
-
-
-def _base_name(target: str) -> str:
-    """'aten.addmm.default' / 'aten::addmm' / 'torch.ops.aten.add_.Tensor' -> 'addmm' / 'add';
-    other dotted names ('torch.nn.functional.gelu', '<built-in function add>') -> the last part."""
-    raw = str(target).strip()
-    s = _STRIP.sub("", raw)
-    aten = s != raw
-    if s.startswith("<built-in function ") or s.startswith("<function "):
-        s = s.split(" ", 2)[-1].rstrip(">")
-        s = s.split(" at ")[0]
-    if "." in s:
-        s = s.split(".")[0] if aten else s.rsplit(".", 1)[-1]
-    s = s.lower()
-    if s.startswith("__") and s.endswith("__"):  # operator dunders: __add__, __getitem__
-        s = s.strip("_")
-        s = {"truediv": "div", "floordiv": "floor_divide", "matmul": "matmul"}.get(s, s)
-        s = s[1:] if s.startswith("i") and s[1:] in _ELEMENTWISE_NAMES else s  # __iadd__
-    if s.endswith("_") and not s.endswith("__") and s[:-1]:
-        s = s[:-1]  # in-place variant: add_ -> add
-    return s
-
-
-base_name = _base_name  # the public name (solver/intra_op_strategies.py, overhead.py)
-
 
 def classify(target: str) -> str:
     """The kind (one of OP_KINDS) of an aten op name like 'aten.mm.default' or a call target."""
-    name = _base_name(target)
+    name = base_name(target)
     kind = _NAME_TO_KIND.get(name)
     if kind:
         return kind
@@ -261,7 +215,7 @@ def kernel_flops(k: Any) -> float:
 def pointwise_flops(target: str, numel: int | float) -> float:
     """FLOPs to charge an elementwise or softmax op over `numel` elements (1 per element for add,
     more for transcendentals and softmax's exp): the scale their flop curves are calibrated on."""
-    name = _base_name(target)
+    name = base_name(target)
     per = POINTWISE_FLOPS_PER_ELEMENT.get(name)
     if per is None:
         per = POINTWISE_FLOPS_PER_ELEMENT.get(name.lstrip("_"), 1.0)
@@ -342,7 +296,7 @@ def load_profile(device_name: str) -> Profile | None:
 
 # Each memory-bound kind's share of a STREAM-like kernel's achieved bandwidth (GPU defaults above: norm,
 # softmax and reduction make two passes or reduce across threads; embedding gathers scattered rows; gather
-# and scatter-add collide on rows). gpu_profiles.py multiplies them with each device's STREAM fraction.
+# and scatter-add collide on rows). default_profile multiplies them with each device's STREAM fraction.
 KIND_BW_SHARE: dict[str, float] = {"elementwise": 1.0, "norm": 0.875, "softmax": 0.875, "reduction": 0.875,
                                    "embedding": 0.625, "gather": 0.375, "other": 0.625}
 
@@ -506,12 +460,38 @@ class ComputeModel:
                 f"bandwidth {self.bandwidth / 1e9:.3g} GB/s, overhead {self.overhead * 1e6:.3g} us")
 
 
-def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> Profile:
-    """Measure this machine's op efficiencies and save them; see `calibrate.calibrate`."""
-    from .calibrate import calibrate as _calibrate
+def default_profile(spec: DeviceSpec) -> Profile | None:
+    """The kernel-level default profile of a catalog GPU (None for other devices): per-precision GEMM
+    and attention curves (`flop_by_dtype`), STREAM-like bandwidth, each figure with its source, plus the
+    host-overhead figures of eager PyTorch on CUDA (overhead.py)."""
+    facts = GPU_FACTS.get(spec.name)
+    if facts is None or spec.kind != "gpu":
+        return None
+    clock, clock_src = facts.get("clock", (1.0, "full boost clock"))
+    curves, _ = default_curves("gpu")
+    stream, stream_src = facts["stream"]
+    for kind, c in curves.items():
+        c["bw"] = {**c["bw"], "eff_max": stream * KIND_BW_SHARE.get(kind, 1.0),
+                   "source": f"{stream_src}; times the kind's share (compute.KIND_BW_SHARE)"}
+    half = gemm_half(facts["sms"])
+    g16, g16_src = facts["g16"]
+    fp32, fp32_src = facts["fp32"]
+    tf32, tf32_src = facts.get("tf32", facts["fp32"]) if has_tf32(spec) else facts["fp32"]
+    gemm = {p: {"eff_max": e * clock, "half": half, "source": f"{src}; clock {clock:g} ({clock_src}); half: "
+                                                                 f"one wave of tiles on {facts['sms']} SMs"}
+            for p, (e, src) in {"bf16": (g16, g16_src), "fp16": (g16, g16_src), "tf32": (tf32, tf32_src),
+                                "fp32": (fp32, fp32_src)}.items()}
+    curves["matmul"]["flop_by_dtype"] = gemm
+    a16, a16_src = facts["attn16"]
+    a32 = (0.45, MEMEFF_SOURCE + "; 3xTF32 on sm80+") if has_tf32(spec) else (0.4, MEMEFF_SOURCE + "; SIMT fp32")
+    curves["attention"]["flop_by_dtype"] = {
+        p: {"eff_max": e * clock, "half_s": 5e-6, "source": f"{src}; clock {clock:g}"}
+        for p, (e, src) in {"bf16": (a16, a16_src), "fp16": (a16, a16_src), "tf32": a32, "fp32": a32}.items()}
+    host = default_host("gpu")
+    return Profile(device=spec.name, curves=curves, overhead_s=host.kernel_s, meta={
+        "source": f"kernel-level defaults for {spec.name} (cost_models/gpu_profiles.py)",
+        "framework": host.to_meta(), "dtype": "per-dtype"})
 
-    return _calibrate(device=device, quick=quick, save=save)
 
-
-__all__ = ["OP_KINDS", "ComputeModel", "Profile", "base_name", "calibrate", "classify", "default_curves",
+__all__ = ["OP_KINDS", "ComputeModel", "Profile", "base_name", "classify", "default_curves", "default_profile",
            "load_profile", "pointwise_flops", "profile_dir", "profile_path"]

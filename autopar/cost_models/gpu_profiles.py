@@ -34,8 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..cluster import DeviceSpec
-    from .compute import Profile
+    from ..catalog import DeviceSpec
 
 _MAMF = ("Stas Bekman, ml-engineering, 'Maximum Achievable Matmul FLOPS' table (mamf-finder.py, torch.mm "
          "bf16 best shape)")
@@ -51,7 +50,7 @@ _TF32 = ("estimate: TF32 mma moves 4-byte operands (twice fp16's bytes per FLOP 
 _FA2_A100 = ("FlashAttention-2 (Dao, 2023): fwd+bwd 50-70% of A100 peak, fwd up to 73%; 0.55 for "
              "head dim 64-128 training")
 _FA2_H100 = "FlashAttention-3 (Shah et al., 2024): FlashAttention-2 reaches ~35% of H100 peak"
-_MEMEFF = ("estimate: the memory-efficient (CUTLASS) SDPA kernel, which PyTorch runs where FlashAttention "
+MEMEFF_SOURCE = ("estimate: the memory-efficient (CUTLASS) SDPA kernel, which PyTorch runs where FlashAttention "
            "cannot (pre-Ampere, fp32), at ~35-45% of the peak it multiplies on")
 _POWER = ("estimate: 70-72 W board power holds sustained tensor/GEMM clocks well under the boost clock "
           "the peak assumes (T4: 1590 MHz boost, L4: 2040 MHz; NVIDIA datasheets)")
@@ -69,16 +68,16 @@ GPU_FACTS: dict[str, dict] = {
     "H200": dict(sms=132, g16=(0.80, _MAMF + ": H100 SXM (same GH100 chip and clocks)"), tf32=(0.7, _TF32),
                  fp32=(0.85, _SGEMM), stream=(0.9, _STREAM_HBM), attn16=(0.35, _FA2_H100)),
     "V100-16GB": dict(sms=80, g16=(0.75, "estimate: cuBLAS HGEMM on V100 ~90-100 of 125 TFLOP/s"),
-                      fp32=(0.9, _SGEMM), stream=(0.88, _STREAM_HBM), attn16=(0.35, _MEMEFF)),
+                      fp32=(0.9, _SGEMM), stream=(0.88, _STREAM_HBM), attn16=(0.35, MEMEFF_SOURCE)),
     "V100-32GB": dict(sms=80, g16=(0.75, "estimate: cuBLAS HGEMM on V100 ~90-100 of 125 TFLOP/s"),
-                      fp32=(0.9, _SGEMM), stream=(0.88, _STREAM_HBM), attn16=(0.35, _MEMEFF)),
+                      fp32=(0.9, _SGEMM), stream=(0.88, _STREAM_HBM), attn16=(0.35, MEMEFF_SOURCE)),
     "T4": dict(sms=40, g16=(0.75, "estimate: as V100 at full clock"), fp32=(0.9, _SGEMM),
-               stream=(0.8, _STREAM_GDDR), attn16=(0.35, _MEMEFF), clock=(0.65, _POWER)),
+               stream=(0.8, _STREAM_GDDR), attn16=(0.35, MEMEFF_SOURCE), clock=(0.65, _POWER)),
     "RTX-2080Ti": dict(sms=68, g16=(0.8, "estimate: fp32-accumulate HMMA runs at half rate, which cuBLAS "
                                           "nearly saturates"), fp32=(0.9, _SGEMM),
-                       stream=(0.85, _STREAM_GDDR), attn16=(0.35, _MEMEFF)),
+                       stream=(0.85, _STREAM_GDDR), attn16=(0.35, MEMEFF_SOURCE)),
     "TITAN-RTX": dict(sms=72, g16=(0.7, "estimate: full-rate fp32-accumulate HMMA, 280 W"), fp32=(0.9, _SGEMM),
-                      stream=(0.85, _STREAM_GDDR), attn16=(0.35, _MEMEFF)),
+                      stream=(0.85, _STREAM_GDDR), attn16=(0.35, MEMEFF_SOURCE)),
     "RTX-3090": dict(sms=82, g16=(0.8, "estimate: fp32-accumulate HMMA at half rate (GA102 whitepaper)"),
                      tf32=(0.75, _TF32), fp32=(0.65, _SGEMM_GA10X), stream=(0.85, _STREAM_GDDR),
                      attn16=(0.5, "estimate: FlashAttention-2 on sm86, a little under its A100 fraction")),
@@ -118,44 +117,8 @@ def kind_peak(spec: DeviceSpec, kind: str, dtype: str) -> float:
     return spec.flops(dtype)
 
 
-def _gemm_half(sms: int) -> float:
+def gemm_half(sms: int) -> float:
     return sms * 2.0 * 128 * 128 * 512  # one wave of 128x128 tiles, K = 512 (module docstring)
 
 
-def default_profile(spec: DeviceSpec) -> Profile | None:
-    """The kernel-level default profile of a catalog GPU (None for other devices): per-precision GEMM
-    and attention curves (`flop_by_dtype`), STREAM-like bandwidth, each figure with its source, plus the
-    host-overhead figures of eager PyTorch on CUDA (overhead.py)."""
-    facts = GPU_FACTS.get(spec.name)
-    if facts is None or spec.kind != "gpu":
-        return None
-    from .compute import KIND_BW_SHARE, Profile, default_curves
-    from .overhead import default_host
-
-    clock, clock_src = facts.get("clock", (1.0, "full boost clock"))
-    curves, _ = default_curves("gpu")
-    stream, stream_src = facts["stream"]
-    for kind, c in curves.items():
-        c["bw"] = {**c["bw"], "eff_max": stream * KIND_BW_SHARE.get(kind, 1.0),
-                   "source": f"{stream_src}; times the kind's share (compute.KIND_BW_SHARE)"}
-    half = _gemm_half(facts["sms"])
-    g16, g16_src = facts["g16"]
-    fp32, fp32_src = facts["fp32"]
-    tf32, tf32_src = facts.get("tf32", facts["fp32"]) if has_tf32(spec) else facts["fp32"]
-    gemm = {p: {"eff_max": e * clock, "half": half, "source": f"{src}; clock {clock:g} ({clock_src}); half: "
-                                                                 f"one wave of tiles on {facts['sms']} SMs"}
-            for p, (e, src) in {"bf16": (g16, g16_src), "fp16": (g16, g16_src), "tf32": (tf32, tf32_src),
-                                "fp32": (fp32, fp32_src)}.items()}
-    curves["matmul"]["flop_by_dtype"] = gemm
-    a16, a16_src = facts["attn16"]
-    a32 = (0.45, _MEMEFF + "; 3xTF32 on sm80+") if has_tf32(spec) else (0.4, _MEMEFF + "; SIMT fp32")
-    curves["attention"]["flop_by_dtype"] = {
-        p: {"eff_max": e * clock, "half_s": 5e-6, "source": f"{src}; clock {clock:g}"}
-        for p, (e, src) in {"bf16": (a16, a16_src), "fp16": (a16, a16_src), "tf32": a32, "fp32": a32}.items()}
-    host = default_host("gpu")
-    return Profile(device=spec.name, curves=curves, overhead_s=host.kernel_s, meta={
-        "source": f"kernel-level defaults for {spec.name} (cost_models/gpu_profiles.py)",
-        "framework": host.to_meta(), "dtype": "per-dtype"})
-
-
-__all__ = ["GPU_FACTS", "default_profile", "has_tf32", "kind_peak"]
+__all__ = ["GPU_FACTS", "MEMEFF_SOURCE", "gemm_half", "has_tf32", "kind_peak"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..cluster import DeviceSpec, GiB, Link
+from ..catalog import DeviceSpec, GiB, Link
 
 FAULT_THRESHOLD = 32 * 2**20  # glibc's largest mmap threshold: bigger blocks always come from mmap
 

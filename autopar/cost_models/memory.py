@@ -10,7 +10,7 @@ not use). Optimizer state on top: SGD with momentum 4 bytes per parameter (plain
 Besides the state, autocast makes a 2-byte copy of each weight a matmul / linear / convolution uses, once
 per stage forward, and the op keeps it for its backward: `cast_copy` = 2 bytes per such parameter per
 micro-batch in flight (0 in fp32/tf32); it is not part of `total`. Activations in mixed precision are
-priced at 2 bytes per element (passes/annotate.py PRECISIONS): autocast's matmul outputs are bf16/fp16,
+priced at 2 bytes per element (precision.py ELEMENT_BYTES): autocast's matmul outputs are bf16/fp16,
 but ops on its fp32 list (softmax, log-softmax, cross-entropy, norms on CUDA) and type promotion (a
 residual add of an fp32 stream) keep some activations in fp32, so the 2-byte figure is a lower bound
 there; stage transfers do travel in 2 bytes (runtime/precision.py).

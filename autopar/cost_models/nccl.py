@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..cluster import Link
+from ..catalog import Link
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 

@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from .op_names import base_name
+
 if TYPE_CHECKING:
     from ..graph import TrainingGraph
     from .compute import ComputeModel
@@ -159,12 +161,6 @@ class HostCounts:
     param_tensors: int = 0
 
 
-def _base_name(target: str) -> str:
-    from .compute import base_name as base
-
-    return base(target)
-
-
 def _is_getitem(target: str) -> bool:
     return "getitem" in str(target)
 
@@ -204,7 +200,7 @@ def layer_counts(graph: TrainingGraph) -> list[HostCounts]:
             active = now
             views[i] += int(node.is_view)
             # aten.linear is CompositeImplicitAutograd: autograd records its t and addmm, two nodes
-            nodes[i] += (2 if _base_name(node.target) == "linear" else 1) if node.requires_grad else 0
+            nodes[i] += (2 if base_name(node.target) == "linear" else 1) if node.requires_grad else 0
     for info in graph.params.values():
         if info.counts and 0 <= info.layer < len(graph.layers):
             tensors[info.layer] += 1

@@ -9,9 +9,9 @@ from __future__ import annotations
 from .data import IGNORE, GraphData, locality_order, random_graph
 from .models import GRAPH_CASES
 from .planner import graph_kind, plan_graph
-from .program import GraphProgram
+from .program import GraphProgram, TemporalProgram
 from .sampling import sampled_graph, seeds_for_step
-from .tgn import TGN, TemporalProgram, random_events
+from .tgn import TGN, random_events
 
 __all__ = ["GRAPH_CASES", "IGNORE", "TGN", "GraphData", "GraphProgram", "TemporalProgram", "graph_kind",
            "locality_order", "plan_graph", "random_events", "random_graph", "sampled_graph", "seeds_for_step"]

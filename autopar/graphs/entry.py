@@ -14,8 +14,8 @@ from ..plan import Plan
 from ..report import dump_dir as _dump_dir
 from ..runtime.program import OptimizerFactory
 from .planner import graph_kind, plan_graph
-from .program import GraphProgram
-from .tgn import TemporalProgram, plan_temporal
+from .program import GraphProgram, TemporalProgram
+from .tgn import plan_temporal
 
 
 def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple, example_target: Any,

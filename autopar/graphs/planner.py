@@ -15,7 +15,6 @@ from torch import nn
 from ..cluster import Cluster
 from ..errors import InfeasibleError, PlanError
 from ..plan import Pipeline, Plan, Stage
-from ..report import fmt_bytes, fmt_time, render_table
 from .cost import Candidate, GraphCostModel, GraphStats
 from .layers import message_passing_layers
 from .sampling import labelled_nodes
@@ -76,7 +75,7 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     the same seeds (sampling.py). Both modes are priced (`plan.graph["candidates"]`); only the requested one
     is considered.
     """
-    from ..api import resolve_precision
+    from ..precision import resolve_precision
 
     given = dict(options or {})
     opts = {**DEFAULTS, **given}
@@ -136,94 +135,5 @@ def to_plan(model: nn.Module, cluster: Cluster, cost: GraphCostModel, best: Cand
                 predicted, memory_reserve, graph=graph)
 
 
-def explain_graph(graph: dict) -> str:
-    """The graph section of Plan.explain(): mode, per-rank shares, and both modes' predictions."""
-    mode = graph.get("mode", "?")
-    if mode == "temporal_dp":
-        lines = [f"temporal graph: {graph.get('num_nodes', '?')} nodes; mode {mode}"]
-    else:
-        lines = [f"graph: {graph.get('num_nodes', '?')} nodes, {graph.get('num_edges', '?')} edges, "
-                 f"{graph.get('labelled', '?')} labelled; mode {mode}"]
-    if mode == "partition":
-        lines[0] += (f" (full-graph training, the model as written: each rank owns a {graph.get('order', 'bfs')}"
-                     f"-ordered node range, halo exchange before each of {graph.get('layers')} message-passing "
-                     f"layers)")
-    elif mode == "sampled_dp":
-        lines[0] += f" ({graph.get('batch_size')} seeds/step, fanout {graph.get('fanout')})"
-        lines.append(f"sampled mini-batch training with fanout {graph.get('fanout')}: a different estimator than "
-                     f"full-graph training (each step trains {graph.get('batch_size')} seeds, every node "
-                     f"aggregating at most {graph.get('fanout')} in-neighbours sampled per step with seed "
-                     f"{graph.get('seed')}); it equals one process training model(x, sampled_graph(...)) on the "
-                     f"same seeds, not full-graph training. Asked for with graph_options mode='sampled_dp'.")
-    elif mode == "temporal_dp":
-        lines[0] += f" ({graph.get('batch_size')} events/step split across ranks, node memory replicated)"
-    cand = graph.get("candidates", {})
-    chosen = cand.get(mode, {})
-    if "shares" in graph:
-        head = ["rank", graph.get("unit", "share"), "halo", "compute", "peak mem"]
-        rows = [head]
-        for r, share in enumerate(graph["shares"]):
-            halo = graph.get("halo", [])
-            rows.append([str(r), str(share), str(halo[r]) if r < len(halo) else "-",
-                         fmt_time(chosen.get("compute_s", [0.0] * (r + 1))[r]) if chosen else "-",
-                         fmt_bytes(chosen.get("peak_memory_bytes", [0] * (r + 1))[r]) if chosen else "-"])
-        lines.append(render_table(rows, right={1, 2, 3, 4}))
-    lines += idle_lines(graph.get("idle", []), graph.get("unit", "share"))
-    for m, c in cand.items():
-        status = "fits" if c.get("fits") else "does not fit: " + "; ".join(c.get("problems", []))
-        rate = f"{c['samples_per_s']:.4g} samples/s, {fmt_time(c['step_time_s'])}/step" if c.get("fits") else ""
-        tag = " (chosen)" if m == mode else (
-            " (not considered: a different algorithm than the one asked for; graph_options "
-            f"mode={m!r} asks for it)" if mode in MODES else "")
-        lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
-    return "\n".join(lines)
-
-
-def _count(n: int, unit: str) -> str:
-    return f"{n} {unit[:-1] if n == 1 and unit.endswith('s') else unit}"
-
-
-def idle_lines(idle: list[dict], unit: str) -> list[str]:
-    """One line per device type and reason for the devices the plan gives a zero share, in the cost model's
-    numbers (GraphCostModel._idle)."""
-    groups: dict[tuple, list[dict]] = {}
-    for i in idle:
-        groups.setdefault((i["type"], i["why"]), []).append(i)
-    lines = []
-    for (kind, why), members in groups.items():
-        ids = ", ".join(str(i["device"]) for i in members)
-        head = f"{kind} device{'s' if len(members) > 1 else ''} {ids} get{'' if len(members) > 1 else 's'} no {unit}"
-        i = members[0]
-        if why == "memory":
-            lines.append(f"{head}: not enough memory for a single one (holds at most {i['cap']})")
-        elif why == "too_small":
-            lines.append(f"{head}: there is too little work to split")
-        elif why == "no_gain":
-            lines.append(f"{head}: giving {'them' if len(members) > 1 else 'it'} work does not make the step "
-                         f"faster (device {i['device']} with {_count(i['share'], unit)}: {fmt_time(i['step_s'])}/step "
-                         f"against {fmt_time(i['chosen_step_s'])}): the step is bound by costs paid whatever the "
-                         f"share (kernel launches: {fmt_time(i['busiest_fixed_s'])} of device {i['busiest']}'s "
-                         f"{fmt_time(i['chosen_compute_s'])} compute) and by the exchanges every rank joins")
-        elif why == "balance":
-            lines.append(f"{head}: the balancer's per-rank time model (fixed + per item) left it out, though "
-                         f"giving device {i['device']} {_count(i['share'], unit)} prices "
-                         f"{fmt_time(i['step_s'])}/step against {fmt_time(i['chosen_step_s'])}")
-        else:
-            if i["own_compute_s"] >= i["chosen_compute_s"]:
-                cause = (f"its compute for them, {fmt_time(i['own_compute_s'])} (of which "
-                         f"{fmt_time(i['fixed_s'])} is paid whatever the share: kernel launches), exceeds the "
-                         f"{fmt_time(i['chosen_compute_s'])} the working ranks take")
-            elif i["comm_s"] > i["chosen_comm_s"]:
-                cause = (f"the halo exchange grows from {fmt_time(i['chosen_comm_s'])} to {fmt_time(i['comm_s'])}, "
-                         f"more than its compute saves ({fmt_time(i['chosen_compute_s'])} -> "
-                         f"{fmt_time(i['compute_s'])})")
-            else:
-                cause = f"the busiest rank's compute goes to {fmt_time(i['compute_s'])}"
-            lines.append(f"{head}: adding {'them' if len(members) > 1 else 'it'} makes the step slower (device "
-                         f"{i['device']} with {_count(i['share'], unit)}: {fmt_time(i['step_s'])}/step instead of "
-                         f"{fmt_time(i['chosen_step_s'])}; {cause})")
-    return lines
-
-
-__all__ = ["DEFAULTS", "MODES", "explain_graph", "graph_kind", "graph_stats", "idle_lines", "plan_graph",
+__all__ = ["DEFAULTS", "MODES", "graph_kind", "graph_stats", "plan_graph",
            "split_inputs", "to_plan"]

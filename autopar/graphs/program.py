@@ -14,7 +14,7 @@ dynamic loss scaling; fp32 plans compute in fp32.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from .data import check_graph_inputs
 from .layers import LocalGraph, local_layers, message_passing_layers
 from .partition import halo_exchange, partition_graph
 from .sampling import InEdges, build_minibatch, labelled_nodes, seeds_for_step
+
+if TYPE_CHECKING:
+    from .tgn import TGN
 
 
 def sync_replicas(model: nn.Module, world: int, timeout_s: float) -> None:
@@ -159,4 +162,35 @@ class GraphProgram(WholeModelState):
         return value
 
 
-__all__ = ["GraphProgram", "reduce_step", "sync_replicas", "train_step"]
+class TemporalProgram(WholeModelState):
+    """One rank's exact data-parallel TGN training: `step(src, dst, t, msg, eid)` on a global batch."""
+
+    def __init__(self, model: TGN, plan: Any, optimizer: str | OptimizerFactory, rank: int, world_size: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if (plan.graph or {}).get("mode") != "temporal_dp" or len(plan.graph["shares"]) != world_size:
+            raise PlanError("a TGN needs a temporal_dp plan with one event share per rank; plan for this cluster.")
+        self.model, self.plan, self.rank, self.world_size, self.timeout_s = model, plan, rank, world_size, timeout_s
+        self.shares, self.step_count = [int(s) for s in plan.graph["shares"]], 0
+        sync_replicas(model, world_size, timeout_s)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, self.params)
+        self.policy = PrecisionPolicy.of_plan(plan, model.memory.device, timeout_s)
+
+    def step(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor, eid: torch.Tensor,
+             target: Any = None) -> float:
+        """One optimizer step on a global batch of events; returns its mean loss."""
+        b = src.shape[0]
+        if b != sum(self.shares):
+            raise PlanError(f"the plan splits batches of {sum(self.shares)} events, got {b}: plan again.")
+        lo, n = sum(self.shares[:self.rank]), self.shares[self.rank]
+        part = [x[lo:lo + n] for x in (src, dst, t, msg, eid)]
+        with self.policy.forward():
+            loss = self.model(*part) if n else self.model(*[x[:1] for x in (src, dst, t, msg, eid)]) * 0.0
+        value = train_step(self.policy, self.params, self.optimizer, loss.float() * (n / b), self.world_size,
+                           self.timeout_s, "gradient all-reduce (TGN)")
+        self.model.commit(src, dst, t, msg)
+        self.step_count += 1
+        return value
+
+
+__all__ = ["GraphProgram", "TemporalProgram", "reduce_step", "sync_replicas", "train_step"]

@@ -1,4 +1,5 @@
-"""A memory-based temporal GNN (TGN-style node memory) and its exact data-parallel program.
+"""A memory-based temporal GNN (TGN-style node memory) and its exact data-parallel plan (`plan_temporal`; the
+program that runs it is graphs/program.py `TemporalProgram`).
 
 Model (Rossi et al. 2020, reduced to its memory module): every node has a memory vector. A batch of events
 (src, dst, t, msg) is trained as TGN does:
@@ -18,21 +19,18 @@ gradient all-reduce then sums exactly the single-process gradient, and every ran
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cluster import Cluster
-from ..errors import PlanError
 from ..models import ModelCase, building
-from ..runtime.dist import DEFAULT_TIMEOUT_S
-from ..runtime.fallback import WholeModelState
-from ..runtime.precision import PrecisionPolicy
-from ..runtime.program import OptimizerFactory, make_optimizer
-from .program import sync_replicas, train_step
 from .sampling import edge_scores
+
+if TYPE_CHECKING:
+    from ..runtime.program import OptimizerFactory
 
 
 class TGN(nn.Module):
@@ -150,11 +148,11 @@ def train_tgn_reference(model: TGN, events: dict[str, torch.Tensor], batch_size:
 def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tuple, optimizer: object = "adamw",
                   precision: str | None = None, *, memory_reserve: float = 0.1) -> Any:
     """Data-parallel plan for a TGN: events of a batch split by device speed, memory replicated."""
-    from ..api import resolve_precision
     from ..cost_models.comm import collective_time
     from ..cost_models.compute import ComputeModel
     from ..cost_models.memory import optimizer_name, state_bytes_per_param
     from ..plan import Pipeline, Plan, Stage
+    from ..precision import resolve_precision
     from .partition import balanced_shares
 
     cluster = Cluster.load(cluster)
@@ -196,36 +194,5 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
                 memory_reserve, graph=graph)
 
 
-class TemporalProgram(WholeModelState):
-    """One rank's exact data-parallel TGN training: `step(src, dst, t, msg, eid)` on a global batch."""
-
-    def __init__(self, model: TGN, plan: Any, optimizer: str | OptimizerFactory, rank: int, world_size: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if (plan.graph or {}).get("mode") != "temporal_dp" or len(plan.graph["shares"]) != world_size:
-            raise PlanError("a TGN needs a temporal_dp plan with one event share per rank; plan for this cluster.")
-        self.model, self.plan, self.rank, self.world_size, self.timeout_s = model, plan, rank, world_size, timeout_s
-        self.shares, self.step_count = [int(s) for s in plan.graph["shares"]], 0
-        sync_replicas(model, world_size, timeout_s)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(optimizer, self.params)
-        self.policy = PrecisionPolicy.of_plan(plan, model.memory.device, timeout_s)
-
-    def step(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor, eid: torch.Tensor,
-             target: Any = None) -> float:
-        """One optimizer step on a global batch of events; returns its mean loss."""
-        b = src.shape[0]
-        if b != sum(self.shares):
-            raise PlanError(f"the plan splits batches of {sum(self.shares)} events, got {b}: plan again.")
-        lo, n = sum(self.shares[:self.rank]), self.shares[self.rank]
-        part = [x[lo:lo + n] for x in (src, dst, t, msg, eid)]
-        with self.policy.forward():
-            loss = self.model(*part) if n else self.model(*[x[:1] for x in (src, dst, t, msg, eid)]) * 0.0
-        value = train_step(self.policy, self.params, self.optimizer, loss.float() * (n / b), self.world_size,
-                           self.timeout_s, "gradient all-reduce (TGN)")
-        self.model.commit(src, dst, t, msg)
-        self.step_count += 1
-        return value
-
-
-__all__ = ["TGN", "TemporalProgram", "event_batch", "plan_temporal", "random_events", "tgn_case",
+__all__ = ["TGN", "event_batch", "plan_temporal", "random_events", "tgn_case",
            "train_tgn_reference"]

@@ -30,10 +30,9 @@ from ..cost_models.conv_workspace import (
     weight_grad_transient,
 )
 from ..graph import Kernel, Layer, OpNode, TrainingGraph
+from ..precision import ELEMENT_BYTES, check_name
 from .fusion_pricing import apply_overrides, check_mode, fused_overrides, fusing_types
 from .randomness import keyed_call
-
-PRECISIONS = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
 aten = torch.ops.aten
 # flop_counter has no formula for the CPU flash-attention kernels; use its generic sdpa formulas (full score
@@ -236,15 +235,12 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
     the fused program; otherwise only the fusing types' times are.
     """
     check_mode(kernels)
-    if precision not in PRECISIONS:
-        from ..errors import PlanError
-
-        raise PlanError(f"unknown precision {precision!r}; choose one of {sorted(PRECISIONS)}.")
+    check_name(precision)
     ep = graph.gm
     fx_nodes = {n.name: n for n in ep.graph.nodes} if ep is not None else {}
     grad = {name: info.counts or bool(info.tied_to) for name, info in graph.params.items()}
     grad.update({n.name: n.requires_grad for n in graph.nodes.values()})
-    scale = PRECISIONS[precision] / 4
+    scale = ELEMENT_BYTES[precision] / 4
     roots: dict[str, str] = {}  # value name -> storage root name
     root_bytes: dict[str, int] = {}
     for name in graph.params:
@@ -450,4 +446,4 @@ def _is_float_root(root: str, nodes: dict[str, OpNode], graph: TrainingGraph) ->
     return t is not None and t.dtype.startswith(("float", "bfloat"))
 
 
-__all__ = ["annotate", "PRECISIONS", "tree_map"]
+__all__ = ["annotate", "tree_map"]

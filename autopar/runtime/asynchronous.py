@@ -66,10 +66,8 @@ step would have to skip a delayed update; use bf16, which needs no loss scale).
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,40 +75,16 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
+from ..solver.asynchronous import delay_of, flushless_problems, plan_problems, refusal
 from .dist import on_comm_device, wait
 from .elastic import naming_lost_ranks
 from .program import Program
 
-SYNC_MODES = ("sync", "2bw", "wsp")
 RULE = "W[c+1] = W[c] - opt(grad L_c(W[max(0, c-D)]))"
 
 
 class AsyncUpdateWarning(UserWarning):
     """Asynchronous training was asked for: the update rule is not synchronous SGD's (module docstring)."""
-
-
-def delay_of(sync: str, staleness: int | None) -> int:
-    """The update delay D of a sync mode (0: synchronous); PlanError on a bad mode or staleness."""
-    if sync not in SYNC_MODES:
-        raise PlanError(f"sync={sync!r}: choose one of {', '.join(map(repr, SYNC_MODES))} ('sync' trains "
-                        f"synchronously; '2bw' and 'wsp' apply delayed updates, autopar/runtime/asynchronous.py).")
-    if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)):
-        raise PlanError(f"staleness={staleness!r}: give a whole number of waves (>= 1), or None.")
-    if sync == "sync":
-        if staleness not in (None, 0):
-            raise PlanError(f"staleness={staleness} with sync='sync': synchronous training has no staleness; "
-                            f"pass sync='wsp' to train with a delay of {staleness} waves.")
-        return 0
-    if sync == "2bw":
-        if staleness not in (None, 1):
-            raise PlanError(f"sync='2bw' applies updates exactly one step late (staleness 1), got "
-                            f"staleness={staleness}; use sync='wsp', staleness={staleness} for a longer delay.")
-        return 1
-    d = 1 if staleness is None else staleness
-    if d < 1:
-        raise PlanError(f"sync='wsp' needs staleness >= 1 (waves a pipeline may run ahead), got {d}; "
-                        f"staleness 0 is synchronous training: sync='sync'.")
-    return d
 
 
 def warn_async(sync: str, delay: int, stacklevel: int = 3, plan: Any = None) -> None:
@@ -120,8 +94,6 @@ def warn_async(sync: str, delay: int, stacklevel: int = 3, plan: Any = None) -> 
         return
     runs = ""
     if plan is not None:
-        from .flushless import flushless_problems  # flushless.py imports this module
-
         why = flushless_problems(plan, sync) if sync == "2bw" else []
         runs = (" It runs on FlushlessProgram (2BW's flushless cross-wave 1F1B, runtime/flushless.py)."
                 if sync == "2bw" and not why else
@@ -174,7 +146,7 @@ class AsyncProgram(Program):
         if zero:
             problems.append(f"ZeRO level {zero[-1]}")
         if problems:
-            raise PlanError(_refusal(self.sync, problems))
+            raise PlanError(refusal(self.sync, problems))
 
     # ---- one wave -------------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
@@ -268,147 +240,4 @@ class AsyncProgram(Program):
         super().load_state_dict(sd)
 
 
-# ---- the planner's hook (autopar.plan(..., sync=...)) --------------------------------------------------
-
-
-def plan_problems(plan: Any) -> list[str]:
-    """What in `plan` delayed updates do not run in this version (empty: AsyncProgram runs it)."""
-    stages = [st for p in plan.pipelines for st in p.stages]
-    problems = []
-    if plan.experts:
-        problems.append("expert parallelism")
-    if any(st.zero > 1 for st in stages):
-        problems.append(f"ZeRO level {max(st.zero for st in stages)}")
-    if any(st.offload for st in stages):
-        problems.append("CPU offload")
-    if plan.precision == "fp16":
-        problems.append("fp16 loss scaling (a wave's gradient would be unscaled and inf-checked D updates after "
-                        "the scale it was computed with, which this version does not track; bf16 needs no loss "
-                        "scale: precision='bf16')")
-    return problems
-
-
-def _refusal(sync: str, problems: list[str]) -> str:
-    return (f"sync={sync!r} does not support {', '.join(problems)} in this version: delayed updates run with "
-            f"ZeRO 0 or 1, no offload, no expert parallelism and fp32/tf32/bf16 (any tensor-parallel degree, "
-            f"pipeline depth and data-parallel replicas). Use such a plan (e.g. autopar.Strategy(dp=2, pp=2, "
-            f"zero=1)) or sync='sync'.")
-
-
-def predicted_wave(plan: Any, delay: int, sync: str | None = None) -> float:
-    """The predicted seconds per wave of `plan` with updates `delay` waves late (a prediction from the plan's
-    simulated schedule): each pipeline's wave ends at its last forward or backward; the gradient sync and
-    optimizer step after it (the simulated tail) overlap the next `delay` waves, so the pipeline's wave takes
-    max(compute, tail / delay); the staleness bound keeps every pipeline at the slowest one's pace. Where
-    `sync` runs the flushless 2BW schedule (runtime/flushless.py), that schedule's steady wave instead."""
-    from .flushless import flushless_wave  # the hook: what runs for sync="2bw" when it runs the plan
-
-    flushless = flushless_wave(plan) if sync == "2bw" else None
-    if flushless is not None:
-        return flushless
-    waves = []
-    for r in plan.simulate():
-        compute_end = max((end for _, _, name, _, end in r.events if name[:2] in ("F ", "B ")), default=0.0)
-        waves.append(max(compute_end, (r.step_time - compute_end) / delay) if delay else r.step_time)
-    return max(waves)
-
-
-# (plan, delay, mode, flushless) -> solver.async_memory.AsyncMemory; flushless: the plan runs the flushless
-# 2BW schedule (runtime/flushless.py), whose second weight version and in-flight activations are priced
-MemoryPricer = Callable[[Any, int, str, bool], Any]
-
-
-def runs_flushless(plan: Any, sync: str) -> bool:
-    """Whether `compile` trains `plan` with `sync` on the flushless 2BW schedule (FlushlessProgram)."""
-    from .flushless import flushless_problems  # flushless.py imports this module
-
-    return not flushless_problems(plan, sync)
-
-
-def runtime_of(plan: Any, sync: str) -> str:
-    """The program class that trains `plan` with `sync`, by name (what `predicted["async"]["runtime"]` and
-    `explain()` say runs)."""
-    return "Program" if sync == "sync" else "FlushlessProgram" if runs_flushless(plan, sync) else "AsyncProgram"
-
-
-def _record(out: Any, asked: str, delay: int, step: float, sync_step: float, global_batch: int, reason: str,
-            mem: Any) -> Any:
-    """Write `out.predicted["async"]` (choose_async's docstring); where the asynchronous mode is the one that
-    runs (`delay` > 0), `predicted["peak_memory_bytes"]` becomes its peak with the pending wave gradients
-    (the synchronous figure kept as the block's "sync_peak_memory_bytes")."""
-    block = {"sync": asked if delay else "sync", "asked": asked, "staleness": delay, "step_time_s": step,
-             "sync_step_time_s": sync_step, "speedup": sync_step / step, "samples_per_s": global_batch / step,
-             "runtime": runtime_of(out, asked) if delay else "Program", "reason": reason,
-             "note": "a prediction from the simulated schedule, not a measurement"}
-    if mem is not None:  # per device; keys are device indices as strings, as JSON keeps them
-        block.update(delay_priced=mem.delay, fits=mem.fits, memory_problems=list(mem.problems),
-                     flushless_priced=mem.flushless,
-                     pending_gradient_bytes={str(d): b for d, b in mem.pending.items()},
-                     second_version_bytes={str(d): b for d, b in mem.versions.items()},
-                     peak_memory_bytes={str(d): b for d, b in mem.peak.items()})
-        if delay:
-            block["sync_peak_memory_bytes"] = {str(d): b for d, b in out.predicted.get("peak_memory_bytes", {}).items()}
-            out.predicted["peak_memory_bytes"] = dict(mem.peak)
-    out.predicted["async"] = block
-    return out
-
-
-def choose_async(plan: Any, sync: str, staleness: int | None, reprice: Any, memory: MemoryPricer | None = None
-                 ) -> Any:
-    """The plan for a user who allows `sync`: `plan` (the synchronous search's best) or, where delayed updates
-    do not run it (ZeRO 2/3, offload), the same layout at ZeRO <= 1 without offload, `reprice(plan)` returning
-    it priced (or None when it does not fit); the asynchronous variant is chosen only when its D pending wave
-    gradients fit on every device (`memory`, solver/async_memory.py, when given) and it is predicted faster
-    than `plan` synchronously. The chosen plan carries `predicted["async"]` = {"sync": the mode chosen
-    ("sync" when not), "asked", "staleness", "step_time_s", "sync_step_time_s" (the synchronous plan's),
-    "speedup", "samples_per_s", "runtime" (the program class that trains it: "Program", "AsyncProgram" or
-    "FlushlessProgram"), "reason"; with `memory`: "fits", "memory_problems", "flushless_priced",
-    "pending_gradient_bytes", "second_version_bytes" (the flushless schedule's; empty where it does not run)
-    and "peak_memory_bytes" per device of the asynchronous candidate, and, when it is chosen,
-    "sync_peak_memory_bytes" (the top-level figure is then the asynchronous one)}."""
-    delay = delay_of(sync, staleness)
-    sync_step = plan.predicted["step_time_s"]
-    candidate, reason = plan, ""
-    problems = plan_problems(plan)
-    if problems and all(p.startswith(("ZeRO", "CPU offload")) for p in problems):
-        variant = copy.deepcopy(plan)
-        for st in (st for p in variant.pipelines for st in p.stages):
-            st.zero, st.offload = min(st.zero, 1), []
-        candidate = reprice(variant)
-        reason = "" if candidate is not None else "the plan at ZeRO <= 1 without offload does not fit in memory"
-    elif problems:
-        candidate, reason = None, _refusal(sync, problems)
-    mem = (memory(candidate, delay, f"sync={sync!r}", runs_flushless(candidate, sync))
-           if candidate is not None and memory is not None else None)
-    step = predicted_wave(candidate, delay, sync) if candidate is not None else sync_step
-    if mem is not None and not mem.fits:
-        what = "pending wave gradients and second weight version" if mem.flushless else "pending wave gradients"
-        reason = f"its {what} do not fit: {mem.problems[0]}"
-    elif candidate is not None and step >= sync_step:
-        reason = "predicted no faster than synchronous training"
-    chosen = candidate is not None and step < sync_step and (mem is None or mem.fits)
-    out = candidate if chosen else plan
-    return _record(out, sync, delay if chosen else 0, step if chosen else sync_step, sync_step, plan.global_batch,
-                   reason, mem)
-
-
-def force_async(plan: Any, sync: str, staleness: int | None, memory: MemoryPricer) -> Any:
-    """`plan` to be trained with `sync` whatever the planner would choose (`compile(plan=..., sync=...)`): its
-    `predicted["async"]` for that mode and its peak with the pending wave gradients (`_record`); PlanError
-    naming each device that does not fit and its bytes."""
-    delay = delay_of(sync, staleness)
-    problems = plan_problems(plan)
-    if problems:
-        raise PlanError(_refusal(sync, problems))
-    mem = memory(plan, delay, f"sync={sync!r}", runs_flushless(plan, sync))
-    if not mem.fits:
-        raise PlanError(f"{' '.join(mem.problems)} Lower the staleness, shard the optimizer state (zero=1), use more "
-                        f"pipeline stages, or train synchronously (sync='sync').")
-    sync_step = plan.predicted.get("step_time_s")
-    step = predicted_wave(plan, delay, sync) if sync_step is not None else float("nan")
-    return _record(plan, sync, delay, step, sync_step if sync_step is not None else float("nan"), plan.global_batch,
-                   "forced (compile(sync=...) with a given plan)", mem)
-
-
-__all__ = ["AsyncProgram", "AsyncUpdateWarning", "RULE", "SYNC_MODES", "Wave", "choose_async", "delay_of",
-           "force_async", "plan_problems", "predicted_wave", "warn_async"]
+__all__ = ["AsyncProgram", "AsyncUpdateWarning", "RULE", "Wave", "warn_async"]

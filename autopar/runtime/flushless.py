@@ -48,8 +48,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 from ..errors import PlanError
 from ..passes.randomness import Draws, draws, remembering
 from ..schedule_nccl import TRANSFER_KINDS, batch_transfers
-from ..schedule_waves import WaveAction, call_of_wave, steady_wave_time, wave_calls
-from .asynchronous import AsyncProgram, Wave, plan_problems
+from ..schedule_waves import WaveAction, call_of_wave, wave_calls
+from ..solver.asynchronous import flushless_problems
+from .asynchronous import AsyncProgram, Wave
 from .dist import wait
 from .elastic import naming_lost_ranks
 from .program import PendingRecv
@@ -58,42 +59,9 @@ from .zero import local_tensor
 DELAY = 1  # 2BW's delay
 
 
-def flushless_problems(plan: Any, sync: str) -> list[str]:
-    """What in (plan, sync) the flushless runtime does not run (empty: FlushlessProgram runs it)."""
-    problems = [] if sync == "2bw" else [f"sync={sync!r} (the flushless schedule runs sync='2bw')"]
-    if plan.schedule != "1f1b":
-        problems.append(f"the {plan.schedule!r} schedule (flushless runs 1f1b)")
-    if any(len(p.stages) < 2 for p in plan.pipelines):
-        problems.append("a pipeline of one stage (nothing to overlap)")
-    return problems + plan_problems(plan)  # ZeRO 0/1 and any tensor-parallel degree run, as in AsyncProgram
-
-
 def async_program(plan: Any, sync: str) -> type[AsyncProgram]:
     """The program class that trains `plan` with `sync`: FlushlessProgram where it runs, else AsyncProgram."""
     return FlushlessProgram if not flushless_problems(plan, sync) else AsyncProgram
-
-
-def flushless_wave(plan: Any) -> float | None:
-    """Predicted seconds per wave of `plan` under the flushless schedule (a prediction: the steady state of
-    `schedule_waves.steady_wave_time` from the stages' predicted fwd/bwd (a micro-batch's mean over the
-    full and one-sample-smaller ones), send and gradient-sync seconds, the sync on the comm stream);
-    the slowest pipeline sets the pace. None where the flushless runtime does not run the plan."""
-    if flushless_problems(plan, "2bw"):
-        return None
-    waves = []
-    for pipe in plan.pipelines:
-        m, r = pipe.num_microbatches, pipe.batch_share % pipe.num_microbatches
-        full = m if r == 0 else r
-
-        def mean(st: Any, key: str, full: int = full, m: int = m) -> float:
-            p = st.predicted
-            return (full * p[key] + (m - full) * p.get(key.replace("_s", "_small_s"), p[key])) / m
-
-        st = pipe.stages
-        waves.append(steady_wave_time(len(st), m, [mean(s, "fwd_s") for s in st], [mean(s, "bwd_s") for s in st],
-                                      [s.predicted.get("send_s", 0.0) for s in st],
-                                      [s.predicted.get("sync_s", 0.0) for s in st]))
-    return max(waves)
 
 
 def _version_leaf(p: torch.Tensor) -> torch.Tensor:
@@ -284,4 +252,4 @@ class FlushlessProgram(AsyncProgram):
         return super().eval_step(*inputs)
 
 
-__all__ = ["FlushlessProgram", "async_program", "flushless_problems", "flushless_wave"]
+__all__ = ["FlushlessProgram", "async_program"]

@@ -41,54 +41,10 @@ import torch.distributed as dist
 
 from ..errors import PlanError
 from ..lowering import COMPRESS_DTYPES
-from ..passes.annotate import PRECISIONS as ELEMENT_BYTES
-from ..plan import compute_description
+from ..precision import check_name, compute_description
 from .dist import DEFAULT_TIMEOUT_S, on_comm_device, wait
 
-PRECISIONS = tuple(ELEMENT_BYTES)  # the precisions annotate prices, in its order
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _check_name(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise PlanError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
-
-
-def unsupported(cluster: Any, precision: str) -> list[str]:
-    """Device type names of `cluster` that cannot compute in `precision` (bf16 needs bf16 tensor cores:
-    a catalog `tflops_bf16` of None, e.g. V100, T4, Turing boards, means none)."""
-    _check_name(precision)
-    if precision != "bf16":
-        return []
-    return [t for t in cluster.device_types() if "bf16" not in cluster.spec(t).peak_flops]
-
-
-def precision_change(model_dtype: torch.dtype, cluster: Any, precision: str) -> str | None:
-    """What computing in `precision` changes, per device type of `cluster`, for a model whose parameters are
-    `model_dtype`; None when nothing does (fp32, tf32 where no device has TF32 tensor cores, a model already
-    in a 16-bit dtype)."""
-    if model_dtype != torch.float32:
-        return None
-    changes = {}
-    for t in cluster.device_types():
-        flops = cluster.spec(t).peak_flops
-        if precision in ("bf16", "fp16"):
-            scaling = ", dynamic loss scaling" if precision == "fp16" else ""
-            changes[t] = (f"{precision} autocast (matmuls, convolutions and attention in {precision}; fp32 weights, "
-                          f"optimizer state and gradient reduction{scaling})")
-        elif precision == "tf32" and cluster.spec(t).kind != "cpu" and flops["tf32"] > flops["fp32"]:
-            changes[t] = "TF32 matmuls and convolutions (inputs rounded to a 10-bit mantissa)"
-    return "; ".join(f"{t}: {what}" for t, what in changes.items()) or None
-
-
-def check_precision(cluster: Any, precision: str) -> None:
-    """PlanError naming the devices of `cluster` that cannot run `precision`, and what they can run."""
-    lacking = unsupported(cluster, precision)
-    if lacking:
-        ranks = [d.index for d in cluster.devices if d.spec.name in lacking]
-        raise PlanError(f"precision={precision!r}, but {', '.join(lacking)} (device(s) {ranks} of cluster "
-                        f"{cluster.name!r}) have no bf16 tensor cores; use precision='fp16' (mixed precision with "
-                        f"loss scaling, which every device of this cluster runs) or 'fp32'.")
 
 
 class LossScaler:
@@ -116,7 +72,7 @@ class PrecisionPolicy:
 
     def __init__(self, precision: str = "fp32", device: torch.device | str = "cpu",
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        _check_name(precision)
+        check_name(precision)
         self.precision = precision
         self.device = torch.device(device)
         self.dtype = AUTOCAST_DTYPES.get(precision)  # the autocast dtype; None: fp32 math
@@ -203,5 +159,4 @@ class PrecisionPolicy:
         return not found_inf
 
 
-__all__ = ["AUTOCAST_DTYPES", "PRECISIONS", "LossScaler", "PrecisionPolicy", "check_precision", "precision_change",
-           "unsupported"]
+__all__ = ["AUTOCAST_DTYPES", "LossScaler", "PrecisionPolicy"]

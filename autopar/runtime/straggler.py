@@ -39,8 +39,8 @@ import torch.distributed as dist
 from ..cluster import Cluster
 from ..errors import AutoparError, PlanError
 from ..plan import Plan
+from ..solver.reshare import proportional, simulated, with_shares
 from .dist import wait
-from .reroute import proportional, simulated, with_shares
 
 SLOWDOWN_ENV = "AUTOPAR_EMULATE_SLOWDOWN"
 

@@ -11,12 +11,12 @@ program (runtime/asynchronous.py, priced by solver/async_memory.py).
   m >= p - s; with fewer micro-batches per wave (m < p - s) the next wave's micro-batches join them and
   the count is p - s, not m (`flushless_inflight`).
 
-The caller decides whether the flushless schedule is what runs (runtime/flushless.py
-`flushless_problems`, through runtime/asynchronous.py `runs_flushless`; the solver does not import the
-runtime) and passes `async_memory(..., flushless=True)`, which adds `flushless_version_bytes` to each
-device's peak and uses `flushless_inflight` for the in-flight count (measured within 15%:
-tests/test_async_memory.py, bench/memory.py). ZeRO-1 keeps both versions on every replica (each holds the
-stage's full weights); under tensor parallelism each rank's versions are its local shards.
+The caller decides whether the flushless schedule is what runs (solver/asynchronous.py
+`flushless_problems`, through its `runs_flushless`) and passes `async_memory(..., flushless=True)`, which
+adds `flushless_version_bytes` to each device's peak and uses `flushless_inflight` for the in-flight
+count (measured within 15%: tests/test_async_memory.py, bench/memory.py). ZeRO-1 keeps both versions on
+every replica (each holds the stage's full weights); under tensor parallelism each rank's versions are its
+local shards.
 """
 
 from __future__ import annotations

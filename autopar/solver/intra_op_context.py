@@ -15,8 +15,8 @@ from ..cost_models.comm import collective_time
 from ..cost_models.compute import ComputeModel, kernel_flops
 from ..cost_models.memory import state_bytes_per_param
 from ..graph import Layer, OpNode, TensorMeta, TrainingGraph
-from ..passes.annotate import PRECISIONS
 from ..passes.tp_patterns import attention_cores
+from ..precision import ELEMENT_BYTES
 from .intra_op_problem import NodeStrategy
 from .intra_op_strategies import OpSpec, P, R, enumerate_strategies, op_spec
 
@@ -34,7 +34,7 @@ class Context:
         self.frac = frac  # micro-batch / captured batch: activations, FLOPs and their bytes scale by it
         self.cluster, self.group = cluster, tuple(group)
         self.model = ComputeModel(cluster.spec(device_type), dtype=graph.dtype)
-        self.scale = PRECISIONS.get(graph.dtype, 4) / 4
+        self.scale = ELEMENT_BYTES.get(graph.dtype, 4) / 4
         self.state = state_bytes_per_param("adamw", graph.dtype)
         self.fx = {n.name: n for n in graph.gm.graph.nodes} if graph.gm is not None else {}
         self.consumers: dict[str, list[str]] = {}

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from ..cost_models.memory import OPTIMIZER_STATE_BYTES
 from ..errors import PlanError
-from ..passes.annotate import PRECISIONS
 from ..plan import OFFLOAD_KINDS, Plan, recompute_count
+from ..precision import ELEMENT_BYTES
 from ..report import fmt_bytes
 from ..schedule import SCHEDULES
 from ..simulate import SimResult
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .pricing_model import CostModel
     from .stage_memory import StageMemory
 
-ACT_BYTES = PRECISIONS  # bytes of an activation element per precision
+ACT_BYTES = ELEMENT_BYTES  # bytes of an activation element per precision
 WIRE_BYTES = {"bf16": 2, "fp16": 2}  # the wire dtypes a stage boundary may be compressed to
 
 

@@ -107,11 +107,14 @@ limit.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .monotone import largest_true
 from .pricing import CostModel
-from .split import Choice, Slot, Split, Splitter, priced_surrogate
+from .surrogate import Choice, Slot, Split, priced_surrogate
+
+if TYPE_CHECKING:
+    from .split import Splitter
 
 NS = 1e9  # objective unit: nanoseconds
 KIB = 1024.0  # memory unit of the model: KiB

@@ -2,17 +2,18 @@
 
 Both read only what a `Plan` carries (its stages' predictions, the embedded cluster and model summary), so a
 plan read back from JSON shows the same. The plan itself, and how its step is simulated, are plan.py and
-plan_simulate.py.
+plan_simulate.py; `Plan.explain()` and `Plan.timeline()` are thin methods over this module.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .report import fmt_bytes, fmt_count, fmt_time, render_table
+from ..precision import compute_description
+from ..report import fmt_bytes, fmt_count, fmt_time, render_table
 
 if TYPE_CHECKING:
-    from .plan import Pipeline, Plan
+    from ..plan import Pipeline, Plan
 
 
 def recompute_label(recompute: bool | int) -> str:
@@ -96,24 +97,9 @@ def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
     return out
 
 
-def compute_description(precision: str, device: str = "", tf32: bool | None = None) -> str:
-    """What a device computes in under a plan's precision (what runtime/precision.py runs); `tf32`: whether
-    the device has TF32 tensor cores (None: unknown, assumed where it is not a CPU)."""
-    if precision in ("bf16", "fp16"):
-        scaled = ", dynamic loss scaling" if precision == "fp16" else ""
-        return f"{precision} autocast, fp32 master weights / optimizer state / gradient reduction{scaled}"
-    if precision == "tf32":
-        if device == "cpu":
-            return "fp32 (no TF32 on CPUs)"
-        if tf32 is False:
-            return "fp32 (no TF32 tensor cores: matmuls and convolutions in fp32)"
-        return "fp32 storage, TF32 matmuls and convolutions"
-    return f"{precision} throughout"
-
-
 def _has_tf32(plan: Plan, device_type: str) -> bool:
     """Whether `device_type` of the plan's cluster has TF32 tensor cores (a TF32 peak above its fp32 one)."""
-    from .cluster import Cluster
+    from ..cluster import Cluster
 
     spec = Cluster.load(plan.cluster).spec(device_type)
     return spec.kind != "cpu" and spec.peak_flops["tf32"] > spec.peak_flops["fp32"]
@@ -203,7 +189,7 @@ def explain(plan: Plan) -> str:
                      "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "
                      "element and transfer; fp16 2^-11 but overflows above 65504)")
     if plan.graph:
-        from .graphs.planner import explain_graph  # graph workloads: mode, node shares, halos, both modes
+        from .graph_plan import explain_graph  # graph workloads: mode, node shares, halos, both modes
 
         lines += ["", explain_graph(plan.graph)]
     return "\n".join(lines)
@@ -227,4 +213,4 @@ def timeline_trace(plan: Plan) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["MAX_PROBLEM_LINES", "compute_description", "explain", "ranges", "recompute_label", "timeline_trace"]
+__all__ = ["MAX_PROBLEM_LINES", "explain", "ranges", "recompute_label", "timeline_trace"]
