@@ -13,6 +13,7 @@ from torch import nn
 
 from .checks import check_memory_reserve, check_seconds
 from .cluster import Cluster
+from .cost_models.compute import Profile, check_profiles
 from .errors import InfeasibleError, PlanError
 from .graph import TrainingGraph
 from .passes.annotate import annotate
@@ -31,17 +32,19 @@ from .solver.search import search
 
 def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
             example_target: Any = None, loss_fn: LossFn | None = None, precision: str = "fp32",
-            dump_dir: str | os.PathLike | None = None, kernels: str = "auto") -> TrainingGraph:
+            dump_dir: str | os.PathLike | None = None, kernels: str = "auto", *,
+            profiles: dict[str, Profile] | None = None) -> TrainingGraph:
     """Capture `model` on one global batch and cost every node on every device type of `cluster`.
 
     Returns the annotated TrainingGraph; `graph.table()` prints it. With AUTOPAR_DUMP=<dir> (or
     `dump_dir=`) also writes graph.txt, graph.json and graph.dot there. `kernels` is the kernels mode the
     times are priced for (fused regions on the device types it fuses; recorded as `graph.kernels`).
+    `profiles`: as in `plan`.
     """
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
     graph = annotate(capture(model, example_inputs, loss_fn, example_target), cluster, precision=precision,
-                     kernels=kernels)
+                     kernels=kernels, profiles=check_profiles(profiles, cluster))
     dump_graph(graph, dump_dir)
     return graph
 
@@ -49,19 +52,21 @@ def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, examp
 def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
                example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
                precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto", *,
-               captured: TrainingGraph | None = None, compress: str | None = None) -> CostModel:
+               captured: TrainingGraph | None = None, compress: str | None = None,
+               profiles: dict[str, Profile] | None = None) -> CostModel:
     """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use).
     `captured`: the model's capture at this batch when the caller has it (`autopar.compile` passes its own,
     so a model is captured once per compile). `compress`: the wire dtype stage sends may be rounded to
-    (`plan`'s), None for never."""
+    (`plan`'s), None for never. `profiles`: as in `plan`."""
     check_memory_reserve(memory_reserve)
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if captured is None:
         captured = capture(model, tuple(inputs), loss_fn, example_target)
-    graph = annotate(captured, cluster, precision=precision, kernels=kernels)
-    return CostModel(graph, cluster, precision, optimizer, memory_reserve, compress=compress)
+    profiles = check_profiles(profiles, cluster)
+    graph = annotate(captured, cluster, precision=precision, kernels=kernels, profiles=profiles)
+    return CostModel(graph, cluster, precision, optimizer, memory_reserve, compress=compress, profiles=profiles)
 
 
 def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
@@ -70,7 +75,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
          progress: Callable[[int, int, float | None], None] | None = None, kernels: str = "auto",
          graph_options: dict | None = None, captured: TrainingGraph | None = None, sync: str = "sync",
          staleness: int | None = None, objective: str = "time", budget_per_hour: float | None = None,
-         compress: str | None = None) -> Plan:
+         compress: str | None = None, profiles: dict[str, Profile] | None = None) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
@@ -102,6 +107,10 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     to that dtype on the wire; the planner then compresses the slow links (<= 10 Gb/s) of fp32/tf32 plans where
     it shortens the predicted step. The default None never does: the sends keep the plan's dtypes, so the
     math is the plan's.
+
+    `profiles`: compute profiles by device type name (`autopar.cost_models.compute.Profile`, e.g.
+    `Profile.load(path)` of what `autopar calibrate` wrote), priced instead of the saved ones for those types;
+    the other types keep theirs. PlanError for a type the cluster does not have.
     """
     from .graphs.planner import graph_kind
 
@@ -115,10 +124,10 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
 
         precision = resolve_precision(Cluster.load(cluster), precision)
         return plan_workload(model, cluster, example_inputs, example_target, optimizer, precision,
-                             memory_reserve=memory_reserve, options=graph_options)
+                             memory_reserve=memory_reserve, options=graph_options, profiles=profiles)
     start = time.perf_counter()
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels, captured=captured, compress=compress)
+                    memory_reserve, kernels, captured=captured, compress=compress, profiles=profiles)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
                     budget_per_hour=budget_per_hour)
@@ -143,31 +152,33 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
 
 def price_async(plan: Plan, model: nn.Module, example_inputs: tuple = (), example_target: Any = None,
                 loss_fn: LossFn | None = None, optimizer: object = "adamw", *, sync: str, staleness: int | None = None,
-                kernels: str = "auto", captured: TrainingGraph | None = None) -> Plan:
+                kernels: str = "auto", captured: TrainingGraph | None = None,
+                profiles: dict[str, Profile] | None = None) -> Plan:
     """`plan` (priced) to be trained with `sync` ("2bw" | "wsp") whatever the planner would choose, as
     `compile(plan=..., sync=...)` trains it: `predicted["async"]` for that mode and `predicted["peak_memory_bytes"]`
     with its pending wave gradients (and, where sync="2bw" runs the flushless schedule, its second weight
-    version: solver/async_memory.py); PlanError naming each device that does not fit."""
+    version: solver/async_memory.py); PlanError naming each device that does not fit. `profiles`: as in `plan`."""
     cm = cost_model(model, plan.cluster, example_inputs, example_target, loss_fn, optimizer, plan.precision,
-                    plan.memory_reserve, kernels, captured=captured)
+                    plan.memory_reserve, kernels, captured=captured, profiles=profiles)
     return force_async(plan, sync, staleness, functools.partial(async_memory, cm))
 
 
 def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy,
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
              optimizer: object = "adamw", precision: str | None = None, *,
-             memory_reserve: float = 0.1, kernels: str = "auto", captured: TrainingGraph | None = None) -> Estimate:
+             memory_reserve: float = 0.1, kernels: str = "auto", captured: TrainingGraph | None = None,
+             profiles: dict[str, Profile] | None = None) -> Estimate:
     """Price a hand-written Strategy with the planner's cost model (Megatron rank order).
 
     A strategy that does not fit is priced anyway: `predicted["fits"]` is False, `predicted["memory_problems"]`
     says which devices overflow by how much, and `explain()` starts with DOES NOT FIT. `captured`: as in
-    `cost_model`."""
+    `cost_model`; `profiles`: as in `plan`."""
     if not isinstance(strategy, Strategy):
         raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)), got "
                         f"{type(strategy).__name__}.")
     check_memory_reserve(memory_reserve)
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels, captured=captured)
+                    memory_reserve, kernels, captured=captured, profiles=profiles)
     est = price_strategy(cm, strategy)
     est.plan.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
     return est

@@ -23,6 +23,7 @@ from torch import nn
 
 from .checks import check_seconds
 from .cluster import Cluster
+from .cost_models.compute import Profile
 from .errors import AutoparError, CaptureError, PlanError, PrecisionChangeWarning
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
@@ -78,6 +79,7 @@ def compile(
     check_plan: bool = True,
     compress: str | None = None,
     seed: int = 0,
+    profiles: dict[str, Profile] | None = None,
 ) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -135,6 +137,10 @@ def compile(
     from a counter-based stream keyed by (seed, step, the op, the sample's index in the global batch, the
     element), so every plan draws the same masks for a sample and trains like the one-device program
     `compile(model, "1x1xcpu", ..., seed=seed)` (passes/randomness.py; torch's generator does not enter).
+
+    `profiles` (device type name -> `autopar.cost_models.compute.Profile`) goes to the planner as
+    `autopar.plan(..., profiles=...)` does: those types are priced with these compute profiles instead of the
+    saved ones. A re-plan around stragglers (`adapt=`) passes the slowed types' scaled profiles the same way.
     """
     from .api import estimate, price_async
     from .api import plan as make_plan
@@ -199,7 +205,8 @@ def compile(
         if rank == 0:
             args = dict(example_inputs=capture_inputs, example_target=capture_target, loss_fn=loss_fn,
                         optimizer=optimizer if isinstance(optimizer, str) else "adamw",
-                        kernels=kernels, precision=precision, captured=graph)  # priced as the program will run
+                        kernels=kernels, precision=precision, captured=graph,  # priced as the program will run
+                        profiles=profiles)
             try:
                 made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
                         else make_plan(model, cluster, time_limit_s=time_limit_s, sync=sync, staleness=staleness,
@@ -243,7 +250,7 @@ def compile(
     if delay and not planned:  # a given layout: its pending wave gradients must fit (every rank: PlanError)
         plan = price_async(plan, model, capture_inputs, capture_target, loss_fn,
                            optimizer if isinstance(optimizer, str) else "adamw", sync=sync, staleness=staleness,
-                           kernels=kernels, captured=graph)
+                           kernels=kernels, captured=graph, profiles=profiles)
     if rank == 0:
         warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
         warn_async(sync, delay, plan=plan)  # names the runtime (flushless or not, and why)
@@ -297,7 +304,7 @@ def compile(
                              (capture_inputs, capture_target), seed=seed)
     prog = rebuilder.wrap(prog, reroute)
     if adapt:
-        rebuild = lambda c: compile(
+        rebuild = lambda c, scaled: compile(
             model,
             c,
             inputs,
@@ -312,10 +319,12 @@ def compile(
             weights=weights,
             reroute=reroute,
             seed=seed,
+            profiles=scaled,
         )
         policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
         return AdaptiveProgram(prog, rebuild, cluster, policy,
-                               reshare=lambda p: rebuilder.wrap(rebuilder.build(p, rank, world), reroute))
+                               reshare=lambda p: rebuilder.wrap(rebuilder.build(p, rank, world), reroute),
+                               profiles=dict(profiles or {}))
     return prog
 
 

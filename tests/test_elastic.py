@@ -300,7 +300,7 @@ def test_straggler_is_reported_and_replanned_around() -> None:
 
 def test_scaled_cluster_keeps_links_and_slows_one_device() -> None:
     from autopar.cluster import Cluster
-    from autopar.runtime.straggler import scaled_cluster
+    from autopar.solver.reshare import scaled_cluster
 
     base = Cluster.load("1x4xcpu")
     c = scaled_cluster(base, {1: 4.0, 2: 1.0})

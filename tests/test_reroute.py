@@ -197,7 +197,7 @@ def _shedding(rank: int, world: int, steps: int) -> tuple[list[float], dict, lis
     build = lambda plan: Program(case.model, plan, case.example_inputs, case.example_target, case.loss_fn,
                                  _optimizer, rank, world, timeout_s=30)
 
-    def no_replan(cluster: Any) -> Any:
+    def no_replan(cluster: Any, profiles: Any) -> Any:
         raise AssertionError("a 3x straggler under shed_below=5 must shed, not re-plan")
 
     prog = AdaptiveProgram(build(plan_for(g, world, {"dp": 2})), no_replan, None,
@@ -234,16 +234,14 @@ def test_a_shed_that_cannot_run_whole_rounds_is_left_to_a_re_plan() -> None:
     share whose micro-batches do not make whole rounds of its stage groups is no shed plan (None: the
     adaptive program re-plans), never a plan with other micro-batches priced with the old times."""
     from autopar.errors import PlanError
-    from autopar.runtime.straggler import RankTiming, StragglerReport, shed_plan
-    from autopar.solver.reshare import with_shares
+    from autopar.solver.reshare import shed_plan, with_shares
 
     plan = _plan(4, {"dp": 2, "pp": 2, "chunks": 2, "schedule": "interleaved_1f1b", "m": 4})
     assert plan.chunks == 2 and [p.microbatch_size for p in plan.pipelines] == [1, 1]
     slow_ranks = {d for st in plan.pipelines[1].stages for d in st.devices}
 
-    def report(slow: float) -> StragglerReport:
-        return StragglerReport([RankTiming(r, "cpu", slow if r in slow_ranks else 1.0, None, None, None)
-                                for r in range(4)], 3, 1.5)
+    def report(slow: float) -> dict[int, float]:  # rank -> measured compute seconds per step
+        return {r: slow if r in slow_ranks else 1.0 for r in range(4)}
 
     # 5 samples of 1: 5 micro-batches, not whole rounds of the 2 stage groups
     with pytest.raises(PlanError, match="stage groups"):

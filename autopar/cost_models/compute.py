@@ -281,6 +281,28 @@ def profile_path(device_name: str) -> Path:
     return profile_dir() / f"{safe}.json"
 
 
+def check_profiles(profiles: Any, cluster: Any) -> dict[str, Profile]:
+    """`profiles` (device type name -> Profile, or None) as a dict, checked against `cluster`'s device types:
+    PlanError naming what is wrong (not a mapping, not a Profile, a type the cluster does not have)."""
+    from ..errors import PlanError
+
+    if profiles is None:
+        return {}
+    if not isinstance(profiles, dict):
+        raise PlanError(f"profiles= must map device type names to autopar.cost_models.compute.Profile objects "
+                        f"(as `autopar calibrate` writes them; Profile.load(path) reads one), got "
+                        f"{type(profiles).__name__}.")
+    types = cluster.device_types()
+    for name, prof in profiles.items():
+        if name not in types:
+            raise PlanError(f"profiles= has a profile for {name!r}, which is not a device type of cluster "
+                            f"{cluster.name!r} (its types: {', '.join(types)}).")
+        if not isinstance(prof, Profile):
+            raise PlanError(f"profiles[{name!r}] is a {type(prof).__name__}, not a Profile (Profile.load(path) "
+                            f"reads a saved one).")
+    return dict(profiles)
+
+
 def load_profile(device_name: str) -> Profile | None:
     """The saved profile of a device type, or None when there is none (or it cannot be read)."""
     path = profile_path(device_name)
@@ -493,5 +515,5 @@ def default_profile(spec: DeviceSpec) -> Profile | None:
         "framework": host.to_meta(), "dtype": "per-dtype"})
 
 
-__all__ = ["OP_KINDS", "ComputeModel", "Profile", "base_name", "classify", "default_curves", "default_profile",
-           "load_profile", "pointwise_flops", "profile_dir", "profile_path"]
+__all__ = ["OP_KINDS", "ComputeModel", "Profile", "base_name", "check_profiles", "classify", "default_curves",
+           "default_profile", "load_profile", "pointwise_flops", "profile_dir", "profile_path"]

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time
-from ..cost_models.compute import ComputeModel
+from ..cost_models.compute import ComputeModel, check_profiles
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from .data import in_degree, locality_order
 from .layers import layer_kind, message_passing_layers
@@ -188,8 +188,9 @@ class GraphCostModel:
     """Prices partitioned and sampled data-parallel training of `model` on a graph for `cluster`."""
 
     def __init__(self, model: nn.Module, stats: GraphStats, cluster: Cluster, precision: str = "fp32",
-                 optimizer: object = "adamw", memory_reserve: float = 0.1) -> None:
+                 optimizer: object = "adamw", memory_reserve: float = 0.1, profiles: dict | None = None) -> None:
         self.shapes = model_shapes(model)
+        self.profiles = check_profiles(profiles, cluster)  # by device type, priced instead of the saved ones
         self.layers = sum(1 for s in self.shapes if s.kind != "dense")
         self.stats, self.cluster, self.precision, self.reserve = stats, cluster, precision, memory_reserve
         self.b = 2 if precision in ("bf16", "fp16") else 4
@@ -208,7 +209,7 @@ class GraphCostModel:
     def cm(self, d: int) -> ComputeModel:
         spec = self.cluster.devices[d].spec
         if spec.name not in self._cm:
-            self._cm[spec.name] = ComputeModel(spec, dtype=self.precision)
+            self._cm[spec.name] = ComputeModel(spec, self.profiles.get(spec.name), dtype=self.precision)
         return self._cm[spec.name]
 
     def usable(self, d: int) -> float:

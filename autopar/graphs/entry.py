@@ -20,15 +20,15 @@ from .tgn import plan_temporal
 
 def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple, example_target: Any,
                   optimizer: object, precision: str | None, *, memory_reserve: float = 0.1,
-                  options: dict | None = None) -> Plan:
-    """The plan of a graph workload (node-level GNN or temporal GNN)."""
+                  options: dict | None = None, profiles: dict | None = None) -> Plan:
+    """The plan of a graph workload (node-level GNN or temporal GNN); `profiles` as in `autopar.plan`."""
     kind = graph_kind(model, example_inputs)
     if kind == "temporal":
         result = plan_temporal(model, cluster, tuple(example_inputs), optimizer, precision,  # type: ignore[arg-type]
-                               memory_reserve=memory_reserve)
+                               memory_reserve=memory_reserve, profiles=profiles)
     else:
         result = plan_graph(model, cluster, tuple(example_inputs), example_target, optimizer, precision,
-                            memory_reserve=memory_reserve, options=options)
+                            memory_reserve=memory_reserve, options=options, profiles=profiles)
     d = _dump_dir()
     if d is not None:
         (d / "plan.json").write_text(result.to_json())

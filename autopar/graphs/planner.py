@@ -63,7 +63,7 @@ def graph_stats(x: torch.Tensor, edge_index: torch.Tensor, target: Any) -> Graph
 
 def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple = (),
                example_target: Any = None, optimizer: object = "adamw", precision: str | None = None, *,
-               memory_reserve: float = 0.1, options: dict | None = None) -> Plan:
+               memory_reserve: float = 0.1, options: dict | None = None, profiles: dict | None = None) -> Plan:
     """The plan of the training the user asked for, on the devices and shares the cost model prices fastest.
 
     `options` (graph_options): mode "partition" (default) trains on the full graph as the model is written:
@@ -90,7 +90,7 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     precision = resolve_precision(cluster, precision)
     x, edge_index = split_inputs(tuple(example_inputs))
     stats = graph_stats(x, edge_index, example_target)
-    cost = GraphCostModel(model, stats, cluster, precision, optimizer, memory_reserve)
+    cost = GraphCostModel(model, stats, cluster, precision, optimizer, memory_reserve, profiles)
     batch = int(opts["batch_size"] or min(stats.labelled, 1024 * cluster.world_size))
     cands = {"partition": cost.partition(), "sampled_dp": cost.sampled_dp(batch, int(opts["fanout"]))}
     best = cands[opts["mode"]]

@@ -146,10 +146,11 @@ def train_tgn_reference(model: TGN, events: dict[str, torch.Tensor], batch_size:
 
 
 def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tuple, optimizer: object = "adamw",
-                  precision: str | None = None, *, memory_reserve: float = 0.1) -> Any:
-    """Data-parallel plan for a TGN: events of a batch split by device speed, memory replicated."""
+                  precision: str | None = None, *, memory_reserve: float = 0.1, profiles: dict | None = None) -> Any:
+    """Data-parallel plan for a TGN: events of a batch split by device speed, memory replicated; `profiles` as
+    in `autopar.plan`."""
     from ..cost_models.comm import collective_time
-    from ..cost_models.compute import ComputeModel
+    from ..cost_models.compute import ComputeModel, check_profiles
     from ..cost_models.memory import optimizer_name, state_bytes_per_param
     from ..plan import Pipeline, Plan, Stage
     from ..precision import resolve_precision
@@ -157,13 +158,14 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
 
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
+    profiles = check_profiles(profiles, cluster)
     batch = int(example_inputs[0].shape[0])
     params = sum(p.numel() for p in model.parameters())
     per_event_flops = 6 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) * 3
     update_flops = 2 * 6 * model.gru.weight_ih.numel() * 3 * batch  # two ends of every pending event
     fixed, marginal = [], []
     for d in cluster.devices:
-        cm = ComputeModel(d.spec, dtype=precision)
+        cm = ComputeModel(d.spec, profiles.get(d.spec.name), dtype=precision)
         one = cm.op_time("matmul", per_event_flops * batch, 4 * per_event_flops * batch / 6, launches=12)
         two = cm.op_time("matmul", 2 * per_event_flops * batch, 8 * per_event_flops * batch / 6, launches=12)
         marginal.append(max((two - one) / batch, 1e-15))

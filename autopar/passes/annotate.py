@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..cluster import Cluster
-from ..cost_models.compute import ComputeModel, classify, kernel_flops
+from ..cost_models.compute import ComputeModel, Profile, classify, kernel_flops
 from ..cost_models.conv_workspace import (
     CPU_KIND,
     ConvGeometry,
@@ -224,7 +224,7 @@ def _warn_unpriced(unpriced: dict[str, list[tuple[str, float]]]) -> None:
 
 
 def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: str = "fp32",
-             kernels: str = "auto") -> TrainingGraph:
+             kernels: str = "auto", profiles: dict[str, Profile] | None = None) -> TrainingGraph:
     """Return a copy of `graph` with costs on every node and layer, priced for each device type of `cluster`.
 
     `precision` is the training compute dtype: "fp32" (also tf32) or mixed "bf16"/"fp16", which halves the
@@ -232,7 +232,8 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
     run with (`autopar.compile(kernels=...)`): on the device types where it fuses ("auto": CUDA types,
     "triton": all, "torch": none) each fusible region is priced as the one kernel it runs as
     (fusion_pricing.py). When every device type fuses, the nodes' kernels and saved tensors are those of
-    the fused program; otherwise only the fusing types' times are.
+    the fused program; otherwise only the fusing types' times are. `profiles`: compute profiles by device type
+    name, priced instead of the saved ones (`autopar calibrate`'s) for those types.
     """
     check_mode(kernels)
     check_name(precision)
@@ -313,7 +314,8 @@ def annotate(graph: TrainingGraph, cluster: Cluster | None = None, precision: st
         )
     _warn_unpriced(unpriced)
     device_types = cluster.device_types() if cluster is not None else []
-    models = {t: ComputeModel(cluster.spec(t), dtype=precision) for t in device_types} if cluster else {}
+    profiles = profiles or {}
+    models = {t: ComputeModel(cluster.spec(t), profiles.get(t), dtype=precision) for t in device_types}
     fusing = fusing_types(cluster, kernels)
     over = fused_overrides(ep, graph.layers, new_nodes, grad, roots, scale) if fusing else {}
     rewrite = bool(fusing) and set(fusing) == set(device_types)

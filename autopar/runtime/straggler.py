@@ -9,12 +9,13 @@ whose ratio stands out from the others: `relative` = ratio / median ratio, a str
 `autopar.compile(..., adapt=True)` returns an `AdaptiveProgram`: after a warm-up and a measurement
 window it checks the report and, when a rank straggles, plans again on a cluster in which that device
 is `relative` times slower (its own device type: FLOP/s and memory bandwidth divided by the factor, its
-per-kernel overhead multiplied by it through a compute profile), builds the new program and moves the
+per-kernel overhead multiplied by it through a compute profile passed to the planner as `profiles=`:
+solver/reshare.py `scaled_cluster`, `scaled_profiles`), builds the new program and moves the
 full training state into it (`state_dict` / `load_state_dict`), so training continues exactly.
 
 Smaller slowdowns (relative < `AdaptPolicy.shed_below`, default 3) on a plan with several pipelines are
 handled without re-planning the cluster: the slow rank's pipeline sheds micro-batches to its
-data-parallel peers (`shed_plan`: every pipeline's batch share in proportion to its measured speed,
+data-parallel peers (solver/reshare.py `shed_plan`: every pipeline's batch share in proportion to its measured speed,
 share / its slowest rank's compute seconds per step; the same global batch, micro-batch sizes kept, stages
 and devices unchanged), the program is rebuilt for that plan (compile's `reshare`) and the full state moved
 over, as for a re-plan, so training still equals single-process training. See reroute.py.
@@ -25,21 +26,19 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..cluster import Cluster
-from ..errors import AutoparError, PlanError
+from ..errors import AutoparError
 from ..plan import Plan
-from ..solver.reshare import proportional, simulated, with_shares
+from ..solver.reshare import scaled_cluster, scaled_profiles, shed_plan
 from .dist import wait
 
 SLOWDOWN_ENV = "AUTOPAR_EMULATE_SLOWDOWN"
@@ -220,113 +219,6 @@ def report(prog: Any, window: int | None = None, threshold: float = 1.5) -> Stra
     return StragglerReport(rows, len(recent), threshold)
 
 
-# ---- shedding micro-batches, re-planning around stragglers -------------------------------------------------
-
-
-def shed_plan(plan: Plan | None, rep: StragglerReport) -> Plan | None:
-    """`plan` with every pipeline's batch share in proportion to its measured speed (share / the compute
-    seconds per step of its slowest rank), the same global batch; its step re-simulated from the old stage
-    times (same micro-batch size). None when there is nothing to shed to (one pipeline, experts, graph
-    programs), nothing changes, or a share cannot run whole rounds of the old micro-batch size under an
-    interleaved schedule (the caller re-plans instead)."""
-    if plan is None or len(plan.pipelines) < 2 or plan.experts or plan.graph:
-        return None
-    measured = {t.rank: t.measured_s for t in rep.ranks}
-    speeds = []
-    for p in plan.pipelines:
-        slowest = max(measured.get(d, 0.0) for st in p.stages for d in st.devices)
-        if slowest <= 0:
-            return None
-        speeds.append(p.batch_share / slowest)
-    # an interleaved schedule runs whole rounds: each pipeline at least one sample per stage group
-    low = [len(p.stages) // plan.chunks if plan.chunks > 1 else 1 for p in plan.pipelines]
-    shares = proportional(plan.global_batch, speeds, low)
-    if shares == [p.batch_share for p in plan.pipelines]:
-        return None
-    try:
-        shed = with_shares(plan, dict(enumerate(shares)))
-    except PlanError:  # with_shares' only refusal here: an interleaved share too small for whole rounds
-        return None
-    return simulated(shed, plan)
-
-
-
-def scaled_cluster(cluster: Cluster, slowdown: dict[int, float]) -> Cluster:
-    """`cluster` with device i `slowdown[i]` times slower, as its own device type.
-
-    A cluster file gives each node one device type, so a node holding a scaled device is split into runs
-    of alike devices; on a single-node cluster the network between the pieces is set to the node's own
-    link so that communication is priced as before (with several nodes, traffic between the pieces of a
-    split node is priced at the network's speed: the planner then avoids tensor parallelism across it).
-    """
-    specs = []
-    for d in cluster.devices:
-        f = slowdown.get(d.index, 1.0)
-        if f <= 1.0:
-            specs.append(d.spec)
-            continue
-        specs.append(replace(d.spec, name=scaled_name(d.spec.name, f),
-                             peak_flops={k: v / f for k, v in d.spec.peak_flops.items()},
-                             memory_bandwidth=d.spec.memory_bandwidth / f))
-    groups: list[dict] = []
-    for node in cluster.nodes:
-        run: list[int] = []
-        for i in node.devices + (-1,):
-            if run and (i < 0 or specs[i] != specs[run[0]]):
-                groups.append({"device": specs[run[0]].to_dict(), "devices_per_node": len(run), "count": 1,
-                               "intra_node": node.intra_node.to_dict()})
-                run = []
-            if i >= 0:
-                run.append(i)
-    network = cluster.nodes[0].intra_node if len(cluster.nodes) == 1 else cluster.network
-    return Cluster.load({"name": f"{cluster.name}-measured", "nodes": groups, "network": network.to_dict()})
-
-
-def scaled_name(base: str, factor: float) -> str:
-    return f"{base}~{factor:.2g}x-slower"
-
-
-@contextlib.contextmanager
-def scaled_profiles(base: Cluster, slowdown: dict[int, float]) -> Iterator[None]:
-    """Compute profiles for the scaled device types of `scaled_cluster(base, slowdown)`, visible to the
-    planner while the block runs: the base type's profile (or its kind's defaults) with peak and
-    bandwidth divided and per-kernel overheads multiplied by the factor, so that small, overhead-bound
-    ops slow down too. Other types keep their profiles."""
-    from ..cost_models.compute import Profile, default_curves, load_profile, profile_path
-
-    old = os.environ.get("AUTOPAR_PROFILE_DIR")
-    with tempfile.TemporaryDirectory(prefix="autopar-profiles-") as tmp:
-        for name in base.device_types():
-            p = load_profile(name)
-            if p is not None:
-                (Path(tmp) / profile_path(name).name).write_text(p.to_json())
-        for i, f in slowdown.items():
-            if f <= 1.0:
-                continue
-            spec = base.devices[i].spec
-            prof = load_profile(spec.name)
-            if prof is None:
-                _, overhead = default_curves(spec.kind)
-                prof = Profile(device=spec.name, overhead_s=overhead)
-            curves = {k: {**c, "overhead_s": c["overhead_s"] * f} if "overhead_s" in c else c
-                      for k, c in prof.curves.items()}
-            scaled = replace(prof, device=scaled_name(spec.name, f), curves=curves,
-                             overhead_s=prof.overhead_s * f,
-                             peak_flops=prof.peak_flops / f if prof.peak_flops else None,
-                             memory_bandwidth=prof.memory_bandwidth / f if prof.memory_bandwidth else None,
-                             meta={**prof.meta, "scaled_from": spec.name, "slowdown": f})
-            os.environ["AUTOPAR_PROFILE_DIR"] = tmp
-            scaled.save(profile_path(scaled.device))
-        os.environ["AUTOPAR_PROFILE_DIR"] = tmp
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("AUTOPAR_PROFILE_DIR", None)
-            else:
-                os.environ["AUTOPAR_PROFILE_DIR"] = old
-
-
 @dataclass
 class AdaptPolicy:
     """When `AdaptiveProgram` measures and re-plans."""
@@ -344,7 +236,7 @@ class AdaptiveProgram:
     Program it wraps (`program`), whose attributes it forwards. Collective like `step()`."""
 
     program: Any
-    rebuild: Callable[[Cluster], Any]  # compiles a new Program for a cluster
+    rebuild: Callable[[Cluster, dict], Any]  # compiles a new Program for a cluster and its compute profiles
     cluster: Cluster
     policy: AdaptPolicy = field(default_factory=AdaptPolicy)
     slowdown: dict[int, float] = field(default_factory=dict)  # device -> factor applied so far
@@ -352,6 +244,8 @@ class AdaptiveProgram:
     replans: int = 0
     # builds a Program for a plan on the same devices (shed batch shares); None: stragglers are re-planned
     reshare: Callable[[Plan], Any] | None = None
+    # compute profiles by device type the job was planned with (`compile(profiles=)`), scaled for re-plans
+    profiles: dict = field(default_factory=dict)
     sheds: int = 0
     _since: int = 0
 
@@ -365,8 +259,8 @@ class AdaptiveProgram:
             self._since = p.warmup  # the next check measures a fresh window
             slow = rep.stragglers()
             worst = max((float(rep.ranks[r].relative) for r in slow), default=0.0)  # type: ignore[arg-type]
-            shed = shed_plan(self.program.plan, rep) if slow and self.reshare is not None \
-                and worst < p.shed_below else None
+            shed = shed_plan(self.program.plan, {t.rank: t.measured_s for t in rep.ranks}) \
+                if slow and self.reshare is not None and worst < p.shed_below else None
             if shed is not None:
                 self._move(lambda: self.reshare(shed))  # type: ignore[misc]
                 self.sheds += 1
@@ -379,8 +273,8 @@ class AdaptiveProgram:
 
     def _replan(self) -> None:
         cluster = scaled_cluster(self.cluster, self.slowdown)
-        with scaled_profiles(self.cluster, self.slowdown):
-            self._move(lambda: self.rebuild(cluster))
+        profiles = scaled_profiles(self.cluster, self.slowdown, self.profiles)
+        self._move(lambda: self.rebuild(cluster, profiles))
 
     def _move(self, build: Callable[[], Any]) -> None:
         """Continue on the program `build()` makes, with the full training state moved over."""
@@ -402,4 +296,4 @@ class AdaptiveProgram:
 
 
 __all__ = ["AdaptPolicy", "AdaptiveProgram", "RankTiming", "StageTimer", "StragglerReport",
-           "emulated_slowdown", "predicted_compute", "report", "scaled_cluster", "scaled_profiles", "shed_plan"]
+           "emulated_slowdown", "predicted_compute", "report"]

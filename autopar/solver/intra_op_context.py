@@ -12,7 +12,7 @@ from collections.abc import Container, Sequence
 
 from ..cluster import Cluster
 from ..cost_models.comm import collective_time
-from ..cost_models.compute import ComputeModel, kernel_flops
+from ..cost_models.compute import ComputeModel, Profile, kernel_flops
 from ..cost_models.memory import state_bytes_per_param
 from ..graph import Layer, OpNode, TensorMeta, TrainingGraph
 from ..passes.tp_patterns import attention_cores
@@ -27,13 +27,14 @@ class Context:
     """Everything one (graph, mesh, device type) needs, with memo tables for op strategies and collectives."""
 
     def __init__(self, graph: TrainingGraph, tp: int, device_type: str, cluster: Cluster,
-                 group: Sequence[int], frac: float = 1.0, runtime: bool = False) -> None:
+                 group: Sequence[int], frac: float = 1.0, runtime: bool = False, profile: Profile | None = None
+                 ) -> None:
         self.graph, self.tp, self.device_type = graph, tp, device_type
         self.runtime = runtime  # only what the DTensor runtime runs as priced (`reshard`, `strategies`)
         self.forbid = runtime  # price the reshardings the runtime would not do FORBIDDEN (off: a known answer)
         self.frac = frac  # micro-batch / captured batch: activations, FLOPs and their bytes scale by it
         self.cluster, self.group = cluster, tuple(group)
-        self.model = ComputeModel(cluster.spec(device_type), dtype=graph.dtype)
+        self.model = ComputeModel(cluster.spec(device_type), profile, dtype=graph.dtype)  # None: the saved one
         self.scale = ELEMENT_BYTES.get(graph.dtype, 4) / 4
         self.state = state_bytes_per_param("adamw", graph.dtype)
         self.fx = {n.name: n for n in graph.gm.graph.nodes} if graph.gm is not None else {}

@@ -37,6 +37,7 @@ from .intra_op_problem import PS, Group, IntraOpResult, NodeStrategy, Problem, r
 from .intra_op_strategies import P, R
 
 if TYPE_CHECKING:
+    from ..cost_models.compute import Profile
     from .pricing_model import CostModel
 
 _merge_followers = merge_followers  # the name tests/test_tp_sharding.py uses
@@ -54,9 +55,9 @@ class LayerPricer:
     """
 
     def __init__(self, graph: TrainingGraph, tp: int, device_type: str, cluster: Cluster, group: Sequence[int],
-                 time_limit_s: float = 2.0, runtime: bool = True) -> None:
+                 time_limit_s: float = 2.0, runtime: bool = True, profile: Profile | None = None) -> None:
         check_args(graph, [0], tp, device_type, cluster, group)
-        self.ctx = Context(graph, tp, device_type, cluster, group, runtime=runtime)
+        self.ctx = Context(graph, tp, device_type, cluster, group, runtime=runtime, profile=profile)
         self.time_limit_s = time_limit_s
         self._megatron: dict[int, dict[str, int]] = {}  # layer index -> megatron_layouts
 

@@ -21,7 +21,7 @@ from typing import NamedTuple, TypeVar
 
 from ..checks import check_memory_reserve
 from ..cluster import Cluster
-from ..cost_models.compute import ComputeModel, kernel_flops
+from ..cost_models.compute import ComputeModel, Profile, check_profiles, kernel_flops
 from ..cost_models.conv_workspace import CPU_KIND
 from ..cost_models.memory import (
     activation_corrections,
@@ -139,7 +139,7 @@ class CostModel(CommPricing):
     def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
                  intra_op_time_limit_s: float = 2.0, *, compress: str | None = None,
-                 tp_dp_sync: str = "whole") -> None:
+                 tp_dp_sync: str = "whole", profiles: dict[str, Profile] | None = None) -> None:
         check_memory_reserve(memory_reserve)
         check_compress(compress)
         if tp_dp_sync not in TP_DP_SYNCS:
@@ -161,7 +161,9 @@ class CostModel(CommPricing):
         self.B = graph.batch_size
         self.L = len(graph.layers)
         self.specs = {t: cluster.spec(t) for t in cluster.device_types()}
-        self.models = {t: ComputeModel(spec, dtype=precision) for t, spec in self.specs.items()}
+        # compute profiles by device type priced instead of the saved ones (`plan(..., profiles=)`)
+        self.profiles = check_profiles(profiles, cluster)
+        self.models = {t: ComputeModel(spec, self.profiles.get(t), dtype=precision) for t, spec in self.specs.items()}
         self._init_layers()
         self._memo: dict[tuple, object] = {}  # every memoised price, by a key naming what it depends on (`memoised`)
         self._sigs: dict[tuple, int] = {}
@@ -391,7 +393,8 @@ class CostModel(CommPricing):
         key = (dtype, self.group_sig(tp_group))
         if key not in self._pricers:
             self._pricers[key] = LayerPricer(self.graph, len(tp_group), dtype, self.cluster, tp_group,
-                                             self.intra_op_time_limit_s) if self.intra_op else None
+                                             self.intra_op_time_limit_s, profile=self.profiles.get(dtype)
+                                             ) if self.intra_op else None
         return self._pricers[key]
 
     # ---- options ------------------------------------------------------------------------------

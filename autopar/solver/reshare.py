@@ -12,6 +12,7 @@ import math
 from dataclasses import replace
 
 from ..cluster import Cluster
+from ..cost_models.compute import ComputeModel, Profile
 from ..errors import PlanError
 from ..plan import Pipeline, Plan, even_split
 
@@ -119,4 +120,106 @@ def simulated(plan: Plan, old: Plan) -> Plan:
     return plan
 
 
-__all__ = ["lost_pipelines", "proportional", "simulated", "unsupported", "with_shares", "without"]
+def shed_plan(plan: Plan | None, measured: dict[int, float]) -> Plan | None:
+    """`plan` with every pipeline's batch share in proportion to its measured speed (share / the compute
+    seconds per step of its slowest rank; `measured`: rank -> compute seconds per step, the straggler
+    report's), the same global batch; its step re-simulated from the old stage times (same micro-batch size).
+    None when there is nothing to shed to (one pipeline, experts, graph programs), nothing changes, or a
+    share cannot run whole rounds of the old micro-batch size under an interleaved schedule (the caller
+    re-plans instead)."""
+    if plan is None or len(plan.pipelines) < 2 or plan.experts or plan.graph:
+        return None
+    speeds = []
+    for p in plan.pipelines:
+        slowest = max(measured.get(d, 0.0) for st in p.stages for d in st.devices)
+        if slowest <= 0:
+            return None
+        speeds.append(p.batch_share / slowest)
+    # an interleaved schedule runs whole rounds: each pipeline at least one sample per stage group
+    low = [len(p.stages) // plan.chunks if plan.chunks > 1 else 1 for p in plan.pipelines]
+    shares = proportional(plan.global_batch, speeds, low)
+    if shares == [p.batch_share for p in plan.pipelines]:
+        return None
+    try:
+        shed = with_shares(plan, dict(enumerate(shares)))
+    except PlanError:  # with_shares' only refusal here: an interleaved share too small for whole rounds
+        return None
+    return simulated(shed, plan)
+
+
+def scaled_cluster(cluster: Cluster, slowdown: dict[int, float]) -> Cluster:
+    """`cluster` with device i `slowdown[i]` times slower, as its own device type.
+
+    A cluster file gives each node one device type, so a node holding a scaled device is split into runs
+    of alike devices; on a single-node cluster the network between the pieces is set to the node's own
+    link so that communication is priced as before (with several nodes, traffic between the pieces of a
+    split node is priced at the network's speed: the planner then avoids tensor parallelism across it).
+    """
+    specs = []
+    for d in cluster.devices:
+        f = slowdown.get(d.index, 1.0)
+        if f <= 1.0:
+            specs.append(d.spec)
+            continue
+        specs.append(replace(d.spec, name=scaled_name(d.spec.name, f),
+                             peak_flops={k: v / f for k, v in d.spec.peak_flops.items()},
+                             memory_bandwidth=d.spec.memory_bandwidth / f))
+    groups: list[dict] = []
+    for node in cluster.nodes:
+        run: list[int] = []
+        for i in node.devices + (-1,):
+            if run and (i < 0 or specs[i] != specs[run[0]]):
+                groups.append({"device": specs[run[0]].to_dict(), "devices_per_node": len(run), "count": 1,
+                               "intra_node": node.intra_node.to_dict()})
+                run = []
+            if i >= 0:
+                run.append(i)
+    network = cluster.nodes[0].intra_node if len(cluster.nodes) == 1 else cluster.network
+    return Cluster.load({"name": f"{cluster.name}-measured", "nodes": groups, "network": network.to_dict()})
+
+
+def scaled_name(base: str, factor: float) -> str:
+    return f"{base}~{factor:.2g}x-slower"
+
+
+def _slower(curve: dict, f: float) -> dict:
+    """A compute curve (compute.py's module docstring) of a device `f` times slower: its per-kernel overhead
+    and the seconds at which an op reaches half its efficiency (`half_s`, against a peak divided by f) times f,
+    in every nested curve (flop, bw, flop_by_dtype)."""
+    return {k: v * f if k in ("overhead_s", "half_s") and isinstance(v, (int, float)) else
+            _slower(v, f) if isinstance(v, dict) else v for k, v in curve.items()}
+
+
+def scaled_profiles(base: Cluster, slowdown: dict[int, float], profiles: dict[str, Profile] | None = None
+                    ) -> dict[str, Profile]:
+    """The compute profiles to plan `scaled_cluster(base, slowdown)` with (`plan(..., profiles=)`): each scaled
+    device type gets its base type's profile (`profiles`' where given, else the one ComputeModel would use:
+    the saved profile or the type's defaults) with peak and bandwidth divided by the factor, and multiplied
+    by it the per-kernel overheads, the sizes' half-efficiency times (`_slower`) and the host seconds per
+    framework event of a forward and backward (view, module call, autograd node, micro-batch: overhead.py).
+    So small, overhead- and host-bound ops slow down too: a rank measured f times slower at its forward and
+    backward is priced f times slower at them (the optimizer step's host figures are kept). The types that
+    are not scaled keep `profiles`' entries where the scaled cluster still has them (the others their saved
+    ones)."""
+    profiles = profiles or {}
+    cluster = scaled_cluster(base, slowdown)
+    out = {name: p for name, p in profiles.items() if name in cluster.device_types()}
+    for i, f in slowdown.items():
+        if f <= 1.0:
+            continue
+        spec = base.devices[i].spec
+        model = ComputeModel(spec, profiles.get(spec.name))  # the profile and host figures priced unscaled
+        prof, host = model.profile, model.host
+        curves = {k: _slower(c, f) for k, c in prof.curves.items()}
+        host = replace(host, kernel_s=host.kernel_s * f, view_s=host.view_s * f, module_s=host.module_s * f,
+                       autograd_node_s=host.autograd_node_s * f, microbatch_s=host.microbatch_s * f)
+        scaled = replace(prof, device=scaled_name(spec.name, f), curves=curves, overhead_s=prof.overhead_s * f,
+                         peak_flops=prof.peak_flops / f if prof.peak_flops else None,
+                         memory_bandwidth=prof.memory_bandwidth / f if prof.memory_bandwidth else None,
+                         meta={**prof.meta, "framework": host.to_meta(), "scaled_from": spec.name, "slowdown": f})
+        out[scaled.device] = scaled
+    return out
+
+
+__all__ = ["lost_pipelines", "proportional", "scaled_cluster", "scaled_name", "scaled_profiles", "shed_plan",
+           "simulated", "unsupported", "with_shares", "without"]
