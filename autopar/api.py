@@ -24,10 +24,10 @@ from .report import dump_dir as _dump_dir
 from .report import dump_graph
 from .solver.async_memory import async_memory
 from .solver.asynchronous import choose_async, delay_of, force_async
-from .solver.objective import check_objective, score
-from .solver.pricing import CostModel, price, price_strategy
-from .solver.pricing_plan import check_compress
-from .solver.search import search
+from .solver.pricing.plan import check_compress
+from .solver.pricing.pricing import CostModel, price, price_strategy
+from .solver.search.objective import check_objective, score
+from .solver.search.search import search
 
 
 def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
@@ -99,7 +99,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
 
     `objective`: "time" (the fastest plan) or "cost" (the lowest cost per sample, from the cluster file's
     `price_per_hour`); `budget_per_hour`: the most the devices the plan uses may cost per hour. Both need
-    every device priced (PlanError otherwise) and are passed to the search (solver/objective.py `score`);
+    every device priced (PlanError otherwise) and are passed to the search (solver/search/objective.py `score`);
     InfeasibleError when the plan returned costs more than the budget. A plan that leaves devices out says
     why in `predicted["idle_devices"]`.
 

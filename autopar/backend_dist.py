@@ -132,8 +132,8 @@ def make_plan(lifted: Lifted, user: list[Any], cluster: Cluster, world: int, siz
               opts: dict) -> tuple[Plan, str]:
     """(plan, how it was chosen) for one graph; runs on rank 0."""
     from .api import cost_model
-    from .solver.pricing import price_strategy
-    from .solver.search import search
+    from .solver.pricing.pricing import price_strategy
+    from .solver.search.search import search
 
     b = sizes[0]
     inputs = tuple(x.detach().repeat(world, *[1] * (x.dim() - 1)) if _batched(x, b) else x for x in user)

@@ -25,7 +25,7 @@ Prices. A node group's ``price_per_hour`` is what one of its DEVICES costs per h
 price divided by its GPUs; any currency, the same in the whole file). With prices on every group the plan
 predicts ``cost_per_hour`` (of the devices it uses) and ``cost_per_sample``, and `autopar.plan(...,
 objective="cost")` looks for the lowest cost per sample, `budget_per_hour=` for the fastest plan within a
-budget (solver/objective.py). Without it a group has no price; the "cost" objective then raises PlanError.
+budget (solver/search/objective.py). Without it a group has no price; the "cost" objective then raises PlanError.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def compile(
     from .api import estimate, price_async
     from .api import plan as make_plan
     from .plan import Plan, Strategy
-    from .solver.pricing_plan import check_compress
+    from .solver.pricing.plan import check_compress
 
     check_seconds("time_limit_s", time_limit_s)
     check_seconds("timeout_s", timeout_s)
@@ -363,7 +363,7 @@ class _Rebuilder:
         return self.cost_models[key]
 
     def price(self, plan: Any) -> Any:
-        from .solver.pricing import price
+        from .solver.pricing.pricing import price
 
         out = price(self.cost_model(plan), plan).plan
         out.model = dict(plan.model)

@@ -1,7 +1,7 @@
 """Host (CPU) memory per node: the defaults a cluster file falls back on, and which device kinds share it.
 
 A node's host memory holds what its devices offload (optimizer state, parameter copies, activations;
-`solver/pricing.py`'s docstring). A cluster file gives it per node group as `host_memory_GiB`; without it
+`solver/pricing/pricing.py`'s docstring). A cluster file gives it per node group as `host_memory_GiB`; without it
 a node gets its devices' count times the per-device share below, taken from a typical server (or cloud
 instance) built around that device:
 

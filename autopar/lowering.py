@@ -27,7 +27,7 @@ taken from ownership. Streaming needs no collective: every offloaded parameter r
 level <= 2, that this rank does not update on the device (its optimizer is offloaded, or another replica
 owns it) streams, on stages of tensor-parallel degree 1 without expert parallelism. Every other parameter
 keeps the whole-step path of runtime/zero.py (gathered or brought back at the start of the step, reduced
-after the schedule), and the planner prices that path for it (solver/stage_memory.py, solver/pricing.py).
+after the schedule), and the planner prices that path for it (solver/pricing/stage_memory.py, pricing.py).
 """
 
 from __future__ import annotations

@@ -121,14 +121,14 @@ class Plan:
     pipelines: list[Pipeline]
     # step_time_s, samples_per_s, tflops_per_device, mfu, peak_memory_bytes, memory_capacity_bytes and
     # host_overlap_bytes (device index -> bytes: what a rank computing the device on the CPU holds beyond its
-    # peak, its host share being in the same allocator; solver/pricing_plan.py `rank_shared`); fits and
+    # peak, its host share being in the same allocator; solver/pricing/plan.py `rank_shared`); fits and
     # memory_problems (why not); the step's idle time per device, as fractions of it averaged over devices:
     # bubble_fraction (the pipeline bubble: waiting for other
     # stages while the pipeline computes), exposed_sync_fraction (its gradient sync and optimizer step
     # after the last backward), replica_wait_fraction (waiting for slower replicas)
     predicted: dict[str, Any] = field(default_factory=dict)
     memory_reserve: float = 0.1
-    # expert parallelism (MoE): None, or a dict describing how experts are spread (see solver/experts.py)
+    # expert parallelism (MoE): None, or a dict describing how experts are spread (see solver/pricing/experts.py)
     experts: dict[str, Any] | None = None
     # graph workloads (GNN): None, or a dict with the mode ("partition" | "sampled_dp") and node shares
     graph: dict[str, Any] | None = None
@@ -216,7 +216,7 @@ def layerwise_stages(pipelines: list[tuple[int, list[tuple[tuple[int, int], int]
     for the whole step: every pipeline has the same micro-batch count and stage count and holds the same
     layer range in that stage, at tensor-parallel degree 1, so all holders of its parameters run the same
     actions in the same order. `pipelines`: per pipeline, (micro-batch count, [(layer range, tp)] per
-    stage). The planner prices exactly this (solver/pricing.py, `stage_memory(layerwise=)`)."""
+    stage). The planner prices exactly this (solver/pricing/pricing.py, `stage_memory(layerwise=)`)."""
     if len(pipelines) < 2:
         return set()
     first_m, first = pipelines[0]

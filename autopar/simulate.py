@@ -34,7 +34,7 @@ _TIDS = {"compute": 0, "comm": 1, "recv": 2}
 # The weight-gradient share of a backward when the caller gives none: a linear layer's backward is two
 # matmuls of equal FLOPs, dX = dY W^T and dW = X^T dY (2 n d_in d_out each), so matmul-dominated layers
 # split it about half and half; Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", section 2) take
-# T_B ~ T_W for the same reason. The planner prices the split from the graph (solver/pricing.py, bwd_w_s).
+# T_B ~ T_W for the same reason. The planner prices the split from the graph (solver/pricing/pricing.py, bwd_w_s).
 WGRAD_FRACTION = 0.5
 
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from autopar.errors import PlanError
 from autopar.plan import Estimate, Plan, Strategy, even_split
-from autopar.solver.pricing import CostModel, price, price_strategy
-from autopar.solver.search import divisors
+from autopar.solver.pricing.pricing import CostModel, price, price_strategy
+from autopar.solver.search.search import divisors
 
 GRID_CHUNKS = (2, 4)
 DP_MICROBATCH_COUNTS = (1, 2, 4, 8)

@@ -66,7 +66,7 @@ from autopar.errors import PlanError
 from autopar.graph import TrainingGraph
 from autopar.passes.annotate import annotate
 from autopar.plan import Estimate, Strategy
-from autopar.solver.pricing import CostModel, price_strategy
+from autopar.solver.pricing.pricing import CostModel, price_strategy
 
 GiB = 1024**3
 DATA = Path(os.environ.get("AUTOPAR_MEASURED_DIR",

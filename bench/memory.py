@@ -5,7 +5,7 @@ peak of live tensor bytes allocated over `autopar.compile(plan=...)` plus STEPS 
 the user built before compiling is not in the window (it is the user's, and the plan does not price it);
 everything the program allocates is: its parameter copies, gradients, optimizer state, activations,
 ZeRO gathers, transfer buffers, capture-time tensors. The prediction is the plan's
-`predicted["peak_memory_bytes"][rank]` (solver/pricing.py `stage_memory` / `rank_peak`).
+`predicted["peak_memory_bytes"][rank]` (solver/pricing/pricing.py `stage_memory` / `rank_peak`).
 
 Measurement limit: a collective's tensor whose last reference gloo's worker thread drops is freed where the
 profiler does not look; memtrace applies such a free when the address is handed out again (unseen_free

@@ -70,7 +70,7 @@ import autopar
 from autopar import models
 from autopar.api import cost_model
 from autopar.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, simulate_stages
-from autopar.solver.pricing import (
+from autopar.solver.pricing.pricing import (
     CostModel,
     Option,
     StageTimes,
@@ -81,7 +81,7 @@ from autopar.solver.pricing import (
     stage_option,
     tied_sync,
 )
-from autopar.solver.search import (
+from autopar.solver.search.search import (
     config_communicators,
     config_microbatch_sizes,
     divisors,

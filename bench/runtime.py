@@ -251,7 +251,7 @@ def memory(rank: int, world: int, plan_json: str) -> dict[str, Any]:
 
 
 def planned_components(plan: Plan, n_params: int) -> dict[str, float] | None:
-    """The planner's terms of a pure data-parallel plan's peak, per the formula in solver/pricing.py;
+    """The planner's terms of a pure data-parallel plan's peak, per the formula in solver/pricing/pricing.py;
     activations are what remains of the prediction. None for layouts this does not decompose."""
     st = plan.pipelines[0].stages[0]
     if any(len(p.stages) != 1 or len(p.stages[0].devices) != 1 for p in plan.pipelines) \
@@ -311,9 +311,9 @@ def memory_notes(plan: Plan, n_params: int, ranks: list[dict]) -> list[str]:
         + "; ".join(f"{k} {mib(v)}" for k, v in m["at_peak"].items() if v >= 2**18) + "."]
     comp = planned_components(plan, n_params)
     if comp is None:
-        lines.append("planner terms: not decomposed for this layout (see solver/pricing.py stage_memory).")
+        lines.append("planner terms: not decomposed for this layout (see solver/pricing/pricing.py stage_memory).")
     else:
-        lines.append(f"planner terms (solver/pricing.py stage_memory) (MiB): params {mib(comp['params'])}, "
+        lines.append(f"planner terms (solver/pricing/pricing.py stage_memory) (MiB): params {mib(comp['params'])}, "
                      f"gradients {mib(comp['grads'])}, optimizer state {mib(comp['optimizer'])}, activations "
                      f"(the rest) {mib(comp['act'])}.")
     return lines

@@ -28,7 +28,7 @@ from planner import describe, strategy_label, time_limit_configs
 
 from autopar import models
 from autopar.api import cost_model
-from autopar.solver.search import search
+from autopar.solver.search.search import search
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 BERT_BASE = dict(layers=12, hidden=768, heads=12, seq=128, vocab=30522)

@@ -2,7 +2,7 @@
 
 `moe_workloads()` prices, without running anything, an 8-expert top-2 MoE GPT with GPT-1.3B's dense shape
 (24 layers, hidden 2048, 16 heads, seq 2048, every MLP replaced by 8 experts; built on meta) on two
-clusters: autopar's plan (the searcher tries ep = 1 and every admissible ep > 1, see solver/experts.py),
+clusters: autopar's plan (the searcher tries ep = 1 and every admissible ep > 1, see solver/pricing/experts.py),
 data parallelism only as a user would run it (one replica per device, experts replicated, the smallest
 ZeRO stage that fits: `planner.dp_only`, the ratio's baseline), plain DP without ZeRO, and expert
 parallelism across all replicas (`Strategy(dp=world, ep=8)`), each with its predicted samples/s and
@@ -31,8 +31,8 @@ from autopar import models
 from autopar.api import cost_model
 from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
-from autopar.solver.pricing import price_strategy
-from autopar.solver.search import search
+from autopar.solver.pricing.pricing import price_strategy
+from autopar.solver.search.search import search
 
 CLUSTERS = ["2x8xA100-80GB", "1x8xA100-80GB+1x8xV100-32GB"]
 GLOBAL_BATCH = 64

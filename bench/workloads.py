@@ -37,7 +37,7 @@ import autopar
 from autopar.api import cost_model
 from autopar.hf_models import hf_bert
 from autopar.runtime.launch import spawn_local
-from autopar.solver.pricing import price
+from autopar.solver.pricing.pricing import price
 
 EDGE_SMALL = {"batch": 8, "seq": 32, "vocab": 512, "hidden": 128, "layers": 4, "heads": 4}
 # Two Orin boards on Wi-Fi: the plan is derived for this cluster, then run by two local gloo processes.

@@ -13,7 +13,7 @@ import pytest
 from autopar.cluster import Cluster
 from autopar.plan import Pipeline, Plan, Stage
 from autopar.runtime.launch import spawn_local
-from autopar.solver.pricing import CostModel, model_summary, price
+from autopar.solver.pricing.pricing import CostModel, model_summary, price
 
 from .runtime_cases import assert_ranks_match_reference, run_cases
 from .test_planner import cm_for

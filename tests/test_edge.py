@@ -12,8 +12,8 @@ from autopar import models
 from autopar.api import cost_model
 from autopar.errors import PlanError
 from autopar.plan import Strategy
-from autopar.solver.pricing import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES, price
-from autopar.solver.search import search
+from autopar.solver.pricing.pricing import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES, price
+from autopar.solver.search.search import search
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 WIFI = str(CLUSTERS / "edge_orin_wifi.yaml")

@@ -24,8 +24,8 @@ import pytest
 from autopar.api import cost_model
 from autopar.models import gpt
 from autopar.plan import OFFLOAD_KINDS, Pipeline, Plan, Stage
-from autopar.solver.pricing import CostModel, model_summary, price
-from autopar.solver.search import search
+from autopar.solver.pricing.pricing import CostModel, model_summary, price
+from autopar.solver.search.search import search
 
 OFFLOADS = [tuple(k for i, k in enumerate(OFFLOAD_KINDS) if mask >> i & 1) for mask in range(1 << len(OFFLOAD_KINDS))]
 

@@ -11,9 +11,9 @@ from autopar.errors import PlanError
 from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
-from autopar.solver import experts
-from autopar.solver.pricing import Option, price_strategy
-from autopar.solver.search import Search, search
+from autopar.solver.pricing import experts
+from autopar.solver.pricing.pricing import Option, price_strategy
+from autopar.solver.search.search import Search, search
 
 from .runtime_cases import (
     STEPS,

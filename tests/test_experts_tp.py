@@ -12,9 +12,9 @@ import autopar
 from autopar import models
 from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
-from autopar.solver import experts
-from autopar.solver.pricing import Option, price_strategy
-from autopar.solver.search import Search
+from autopar.solver.pricing import experts
+from autopar.solver.pricing.pricing import Option, price_strategy
+from autopar.solver.search.search import Search
 
 from .test_experts import _check, estimated_plan, run_ep_cases
 
@@ -256,8 +256,8 @@ def test_search_chooses_zero_with_expert_parallelism_when_memory_requires_it() -
     levels and expert degree, and the search's plan is at least as fast (and, if expert-parallel, the same)."""
     from autopar.lowering import layout_of
     from autopar.runtime.expert_parallel import expert_groups
-    from autopar.solver.pricing import CostModel, price
-    from autopar.solver.search import search
+    from autopar.solver.pricing.pricing import CostModel, price
+    from autopar.solver.search.search import search
 
     c = models.moe_gpt(layers=2, batch=8, seq=128, hidden=1024, heads=16, vocab=1024, ffn=8192, experts=8,
                        top_k=1, device="meta")

@@ -20,8 +20,8 @@ from autopar.api import cost_model
 from autopar.cluster import GiB
 from autopar.models import gpt, gpt_config
 from autopar.report import fmt_bytes
-from autopar.solver.pricing import price_strategy
-from autopar.solver.search import search
+from autopar.solver.pricing.pricing import price_strategy
+from autopar.solver.search.search import search
 
 ADAMW_HOST = 4 + 4 + 8  # fp32 master + fp32 gradient copy + exp_avg + exp_avg_sq, per owned parameter
 SMALL = dict(batch=2, seq=16, vocab=128, hidden=256, layers=2, heads=4)

@@ -50,7 +50,7 @@ def test_a_tp_per_device_type_places_the_issue_case() -> None:
 
 def test_the_issue_case_names_the_layout_constraint_and_fixes_that_work(monkeypatch: pytest.MonkeyPatch) -> None:
     # one tensor-parallel degree for the whole plan (as before degrees per device type were searched): no layout
-    monkeypatch.setattr(sys.modules["autopar.solver.configs"], "mixed_tp_layouts", lambda cm: [])
+    monkeypatch.setattr(sys.modules["autopar.solver.search.configs"], "mixed_tp_layouts", lambda cm: [])
     msg = _plan(ISSUE_CLUSTER, batch=3)
     assert msg is not None and not msg.startswith(MEMORY)
     assert "memory is not the constraint" in msg and "all 20 devices" in msg
@@ -116,7 +116,7 @@ def test_a_candidate_that_does_not_fit_when_priced_is_dropped_and_said(monkeypat
     import dataclasses
     import importlib
 
-    search_mod = importlib.import_module("autopar.solver.search")  # the module
+    search_mod = importlib.import_module("autopar.solver.search.search")  # the module
 
     real, calls = search_mod.price, []
 

@@ -15,9 +15,9 @@ from autopar import models
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import state_bytes_per_param
 from autopar.errors import InfeasibleError, PlanError
-from autopar.solver import intra_op
-from autopar.solver.intra_op import build_layer_problem, solve_intra_op, solve_problems
-from autopar.solver.intra_op_strategies import R, reshape_map
+from autopar.solver.intra_op import intra_op
+from autopar.solver.intra_op.intra_op import build_layer_problem, solve_intra_op, solve_problems
+from autopar.solver.intra_op.strategies import R, reshape_map
 
 DEV = "A100-80GB"
 FAST = Cluster.load("1x4xA100-80GB")
@@ -242,8 +242,8 @@ def test_planner_ilp_never_worse_than_megatron_on_a_gpt_block(tp: int) -> None:
     ones. The unrestricted ILP (`solve_intra_op`) is at most its own Megatron sharding, whose column-parallel
     fused QKV the runtime cannot run (it would need the weight's features permuted)."""
     from autopar.api import cost_model
-    from autopar.solver import intra_op_pricing as iop
-    from autopar.solver.pricing import tp_layer_cost
+    from autopar.solver.intra_op import pricing as iop
+    from autopar.solver.pricing.pricing import tp_layer_cost
 
     case = models.gpt(batch=6, seq=256, vocab=1024, hidden=1024, heads=16, layers=2, device="meta")
     cm = cost_model(case.model, FAST, case.example_inputs, case.example_target, case.loss_fn)

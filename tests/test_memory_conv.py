@@ -26,9 +26,9 @@ from autopar.cost_models.conv_workspace import (
     weight_grad_transient,
 )
 from autopar.passes.annotate import annotate
-from autopar.solver.pricing import CostModel
-from autopar.solver.pricing_model import Option
-from autopar.solver.stage_memory import stage_memory
+from autopar.solver.pricing.model import Option
+from autopar.solver.pricing.pricing import CostModel
+from autopar.solver.pricing.stage_memory import stage_memory
 
 ISA = local_isa()
 pytestmark = pytest.mark.skipif(ISA is None, reason="no oneDNN on an x86 CPU here: the buffer does not exist")

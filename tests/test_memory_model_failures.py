@@ -25,7 +25,7 @@ from autopar.cost_models.memory import (
     runtime_reserve_bytes,
 )
 from autopar.passes.annotate import annotate
-from autopar.solver.pricing import CostModel, price_strategy
+from autopar.solver.pricing.pricing import CostModel, price_strategy
 
 GiB = 2**30
 SEQ, VOCAB, BATCH = 1024, 50304, 32  # Megatron pads GPT-2's 50257 tokens to a multiple of 128 (mp = 1)

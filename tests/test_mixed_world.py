@@ -121,13 +121,13 @@ def test_the_rule() -> None:
 
 def test_the_planner_never_groups_cpu_and_accelerators_for_tensor_parallelism() -> None:
     """What compile refuses (`check_one_device_kind`) the planner cannot choose: its tensor-parallel groups are
-    consecutive devices of one node (solver/configs.py `tp_units`, `mixed_tp_layouts`), and a cluster file gives
+    consecutive devices of one node (solver/search/configs.py `tp_units`, `mixed_tp_layouts`), and a cluster file gives
     each node one device type, so every group is of one kind, a cpu node's included."""
     from types import SimpleNamespace
 
     from autopar.cluster import Cluster
     from autopar.runtime.devices import computes_on_cpu
-    from autopar.solver.configs import mixed_tp_layouts, tp_units
+    from autopar.solver.search.configs import mixed_tp_layouts, tp_units
 
     cluster = Cluster.load("1x2xA100-80GB+1x2xcpu")
     cm = SimpleNamespace(cluster=cluster, B=8, L=6, expert_parallel=SimpleNamespace(degree=1))

@@ -22,7 +22,7 @@ from autopar.cost_models.memory import (
 )
 from autopar.lowering import layout_of, plan_communicators
 from autopar.runtime.program import Program
-from autopar.solver.search import config_communicators
+from autopar.solver.search.search import config_communicators
 
 from .runtime_cases import build
 

@@ -12,8 +12,8 @@ from autopar import models
 from autopar.cluster import Cluster
 from autopar.errors import ClusterError, InfeasibleError, PlanError
 from autopar.plan import Strategy
-from autopar.solver.objective import check_objective, score, used_devices
-from autopar.solver.pricing import price_strategy
+from autopar.solver.pricing.pricing import price_strategy
+from autopar.solver.search.objective import check_objective, score, used_devices
 
 from .test_planner import cm_for
 

@@ -3,7 +3,7 @@
 On a rank computing on the CPU the allocator holds the device's tensors and what it offloads to the host: the
 `cpu` device's plan counts that in its peak, and a rank computing an accelerator's stages on the CPU (the gloo
 stand-in of a machine without CUDA: bench/gpu_check.py --cpu, section gpt_capped) holds
-`predicted["host_overlap_bytes"]` beyond it (solver/pricing_plan.py `rank_shared`: the offloaded optimizer's
+`predicted["host_overlap_bytes"]` beyond it (solver/pricing/plan.py `rank_shared`: the offloaded optimizer's
 host copies and moments through the schedule, the gradient copies and the CPU optimizer's buffers in its step).
 Each rank measures the peak of live tensor bytes at the allocator (runtime/memtrace.py, torch.profiler memory
 events) over compile and three steps, against that prediction: within 15 % on every rank.

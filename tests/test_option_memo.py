@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from autopar.api import cost_model
 from autopar.models import gpt
-from autopar.solver.pricing import Option
+from autopar.solver.pricing.pricing import Option
 
 
 def _cm():

@@ -13,7 +13,7 @@ from autopar.cost_models.compute import ComputeModel, Profile, default_curves, d
 from autopar.cost_models.gpu_profiles import GPU_FACTS
 from autopar.cost_models.overhead import CUDA_EAGER, host_overhead, layer_counts
 from autopar.passes.annotate import annotate
-from autopar.solver.pricing import CostModel, Option
+from autopar.solver.pricing.pricing import CostModel, Option
 
 
 @pytest.fixture(autouse=True)

@@ -20,9 +20,9 @@ from autopar.graph import TrainingGraph
 from autopar.models import gpt, gpt_config, mlp
 from autopar.plan import Pipeline, Stage
 from autopar.schedule import make_schedule, peak_inflight
-from autopar.solver.intra_op_pricing import LayerPricer
-from autopar.solver.pricing import CostModel, Option, model_summary, price, price_strategy
-from autopar.solver.search import (
+from autopar.solver.intra_op.pricing import LayerPricer
+from autopar.solver.pricing.pricing import CostModel, Option, model_summary, price, price_strategy
+from autopar.solver.search.search import (
     Search,
     divisors,
     groupings,
@@ -32,7 +32,7 @@ from autopar.solver.search import (
     search,
     tp_units,
 )
-from autopar.solver.split import OFFLOAD_LADDER
+from autopar.solver.split.split import OFFLOAD_LADDER
 
 
 def _custom(name: str, based_on: str, gib: float, per_node: int, count: int = 1) -> dict:
@@ -265,8 +265,8 @@ def test_interleaved_chunks_share_their_device_memory() -> None:
     """The bisection split checks a device's chunks together (as `rank_peak` prices them): with a budget
     that holds the even split without recompute but not one chunk's peak in half of it, the split fits
     whole devices and is no slower than that even (Megatron) split."""
-    from autopar.solver.pricing import inflight_closed_form, rank_peak
-    from autopar.solver.split import Slot, Splitter
+    from autopar.solver.pricing.pricing import inflight_closed_form, rank_peak
+    from autopar.solver.split.split import Slot, Splitter
 
     cm = cm_for("1x2xA100-80GB", batch=8, layers=12, hidden=256, seq=128)
     dtype, m, n = "A100-80GB", 4, 2
@@ -285,7 +285,7 @@ def test_interleaved_chunks_share_their_device_memory() -> None:
     even = [splitter.stage(slots[j], edges[j], edges[j + 1], m, n) for j in range(4)]
     assert not any(c.option.recompute for c in even if c is not None)
     from autopar.plan import simulate_stages
-    from autopar.solver.split import Split
+    from autopar.solver.split.split import Split
 
     step = simulate_stages("interleaved_1f1b", 2, 8, m, splitter.values(slots, split, 0)).step_time
     even_split = Split([(edges[j], edges[j + 1], even[j]) for j in range(4)], 0.0)
@@ -592,9 +592,9 @@ def test_interleaved_peak_sums_the_chunks_in_flight() -> None:
     chunk 4x the other, `rank_peak_ordered` lies between the all-small and the all-large count and equals a
     brute force over the schedule's order."""
     from autopar.plan_simulate import cached_schedule
-    from autopar.solver.pricing import inflight_closed_form, rank_peak
-    from autopar.solver.pricing_plan import rank_peak_ordered
-    from autopar.solver.stage_memory import StageMemory
+    from autopar.solver.pricing.plan import rank_peak_ordered
+    from autopar.solver.pricing.pricing import inflight_closed_form, rank_peak
+    from autopar.solver.pricing.stage_memory import StageMemory
 
     ranks, m, chunks = 2, 4, 2
     big, small = StageMemory(100.0, 40.0, 3.0, False), StageMemory(100.0, 10.0, 1.0, False)

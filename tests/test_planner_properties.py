@@ -18,9 +18,9 @@ from autopar.api import cost_model
 from autopar.models import gpt, mlp
 from autopar.plan import simulate_stages
 from autopar.schedule import SPLIT_SCHEDULES, make_schedule, peak_inflight
-from autopar.solver.pricing import CostModel, inflight_closed_form, lower_bound
-from autopar.solver.search import Search
-from autopar.solver.split import surrogate
+from autopar.solver.pricing.pricing import CostModel, inflight_closed_form, lower_bound
+from autopar.solver.search.search import Search
+from autopar.solver.split.split import surrogate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_planner import check_plan  # noqa: E402  (the shared plan checker)

@@ -308,8 +308,8 @@ def test_autocast_copies_priced_are_the_weights_autocast_casts(tied: bool) -> No
     by linear / matmul / conv): not the embedding tables (an embedding lookup is on neither autocast list) nor
     the layer norms' weights. With tied embeddings the table is cast where the logits' linear reads it."""
     from autopar.api import cost_model
-    from autopar.solver.pricing_model import Option
-    from autopar.solver.stage_memory import stage_memory
+    from autopar.solver.pricing.model import Option
+    from autopar.solver.pricing.stage_memory import stage_memory
 
     c = models.gpt(vocab=512, hidden=64, layers=2, seq=32, tie_embeddings=tied)
     copied = _autocast_copied(c.model, *c.example_inputs)

@@ -98,7 +98,7 @@ def test_a_profile_given_prices_as_the_same_profile_saved(tmp_path: Path, monkey
     equals pricing with the same profile saved where `autopar calibrate` saves it, to the last bit."""
     from autopar.api import cost_model
     from autopar.cost_models.compute import profile_path
-    from autopar.solver.intra_op_pricing import tp_layer_cost
+    from autopar.solver.intra_op.pricing import tp_layer_cost
 
     case = models.gpt(seed=0)
     cluster = Cluster.load("1x2xcpu")

@@ -138,7 +138,7 @@ def _gpt_cost_model() -> object:
     ({"dp": 2, "batch_split": 8}, "Strategy.batch_split must be a list of integers or None, got 8"),
 ])
 def test_item6_strategy_refuses_nonsense_counts(fields: dict, expect: str) -> None:
-    from autopar.solver.pricing import price_strategy
+    from autopar.solver.pricing.pricing import price_strategy
 
     with pytest.raises(PlanError) as e:
         price_strategy(_gpt_cost_model(), Strategy(**fields))  # what autopar.estimate and compile run

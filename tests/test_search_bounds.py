@@ -1,4 +1,4 @@
-"""The work bound of configs whose pipelines differ in speed (solver/bounds.py `ConfigBounds._classes`,
+"""The work bound of configs whose pipelines differ in speed (solver/search/bounds.py `ConfigBounds._classes`,
 issue 14) and the search's pruning with it: the bound never exceeds a fitting plan's priced step, it is no
 more than the exact min-max over every integer batch split (enumerated here), and the search that prunes
 with it returns the plan the exhaustive share enumeration of small cases allows."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 import math
 
-from autopar.solver.configs import microbatch_count
-from autopar.solver.pricing import price
-from autopar.solver.search import Search
+from autopar.solver.pricing.pricing import price
+from autopar.solver.search.configs import microbatch_count
+from autopar.solver.search.search import Search
 
 from .test_planner import cm_for
 
@@ -78,7 +78,7 @@ def test_pruned_search_matches_the_unpruned_one(monkeypatch) -> None:  # noqa: A
     no plan: the same step as a search with the throughput bound and every share in the tables."""
     cm = cm_for("1x2xA100-80GB+1x2xV100-16GB", layers=8, batch=8, hidden=1024, seq=256)
     pruned = Search(cm, 600).run().predicted["step_time_s"]
-    import autopar.solver.bounds as bounds
+    import autopar.solver.search.bounds as bounds
 
     monkeypatch.setattr(bounds.ConfigBounds, "shares",
                         lambda self, cfg, w, mb, top: [math.inf] + [0.0] * top)  # prunes no share

@@ -1,5 +1,5 @@
 """The search's larger space and its bounds (issue 14): selective recompute, a tensor-parallel degree per
-device type, and the config lower bounds (solver/bounds.py) that branch and bound prunes with.
+device type, and the config lower bounds (solver/search/bounds.py) that branch and bound prunes with.
 
 Expectations come from `price_strategy` over strategies enumerated here (not from the search's own
 enumerators) and from the search run with the new dimension switched off. The runtime side of each
@@ -17,13 +17,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autopar.plan import Strategy
-from autopar.solver.monotone import largest_true
-from autopar.solver.pricing import price, price_strategy
-from autopar.solver.search import Search, search
+from autopar.solver.pricing.pricing import price, price_strategy
+from autopar.solver.search.search import Search, search
+from autopar.solver.split.monotone import largest_true
 
 from .test_planner import _custom, cm_for
 
-CONFIGS = sys.modules["autopar.solver.configs"]  # where the search's layouts come from
+CONFIGS = sys.modules["autopar.solver.search.configs"]  # where the search's layouts come from
 SELECTIVE = dict(layers=8, batch=16, seq=128, hidden=256)
 
 

@@ -23,7 +23,7 @@ from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.layered import layer_calls
 from autopar.runtime.memtrace import track_memory
-from autopar.solver.pricing import price, price_strategy
+from autopar.solver.pricing.pricing import price, price_strategy
 
 from .runtime_cases import STEPS, assert_matches_reference, compile_case, plan_for, reference
 from .test_planner import cm_for

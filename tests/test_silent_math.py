@@ -92,8 +92,8 @@ def test_the_search_module_is_not_hidden_by_its_function() -> None:
 
     import autopar.solver
 
-    assert isinstance(autopar.solver.search, types.ModuleType)
-    assert callable(autopar.solver.search.search)
+    assert isinstance(autopar.solver.search.search, types.ModuleType)
+    assert callable(autopar.solver.search.search.search)
 
 
 def test_generated_kernels_say_how_they_round() -> None:

@@ -1,4 +1,4 @@
-"""The CP-SAT stage model (solver/stage_model.py) against a brute force written here: on chains with tight
+"""The CP-SAT stage model (solver/split/stage_model.py) against a brute force written here: on chains with tight
 device memory, its split's surrogate lies within its proven gap of the minimum over every layer split and
 every per-stage option combination whose devices fit, and its stated lower bound holds. The brute force
 enumerates splits and options itself, checks memory with the cost model's per-device formulas
@@ -16,10 +16,10 @@ import pytest
 
 from autopar.api import cost_model
 from autopar.models import gpt, llama
-from autopar.solver.pricing import CostModel, Option, rank_host, rank_peak
-from autopar.solver.search import Search, microbatch_count
-from autopar.solver.split import OFFLOAD_LADDER, Choice, Slot, Split
-from autopar.solver.stage_model import GAP, POOL, POOL_RTOL, StageModel
+from autopar.solver.pricing.pricing import CostModel, Option, rank_host, rank_peak
+from autopar.solver.search.search import Search, microbatch_count
+from autopar.solver.split.split import OFFLOAD_LADDER, Choice, Slot, Split
+from autopar.solver.split.stage_model import GAP, POOL, POOL_RTOL, StageModel
 
 NS_TOL = 1e-9  # seconds: the model's integer nanoseconds round each coefficient by at most 0.5 ns
 

@@ -1,4 +1,4 @@
-"""The joint stage model (solver/stage_model_shares.py: batch shares, splits and options of several pipeline
+"""The joint stage model (solver/split/stage_model_shares.py: batch shares, splits and options of several pipeline
 classes in one CP-SAT model) against a brute force written here: every batch split of B into the config's
 pipelines (each at least one sample), each pipeline at its share running m = ceil(s / min(b, s)) micro-batches
 (interleaved: rounded up to a multiple of the ranks), and for each pipeline the least surrogate over every layer
@@ -14,9 +14,9 @@ import pytest
 
 from autopar.api import cost_model
 from autopar.models import gpt
-from autopar.solver.search import Search
-from autopar.solver.stage_model import GAP
-from autopar.solver.stage_model_shares import JointModel, ShareClass
+from autopar.solver.search.search import Search
+from autopar.solver.split.stage_model import GAP
+from autopar.solver.split.stage_model_shares import JointModel, ShareClass
 from tests.test_stage_model import NS_TOL, _brute
 
 

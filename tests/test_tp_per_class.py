@@ -14,8 +14,8 @@ import pytest
 from autopar.cost_models.comm import collective_time
 from autopar.plan import Pipeline, Plan, Stage
 from autopar.runtime.launch import spawn_local
-from autopar.solver.pricing import model_summary, price
-from autopar.solver.pricing_model import Option
+from autopar.solver.pricing.model import Option
+from autopar.solver.pricing.pricing import model_summary, price
 
 from .runtime_cases import (
     assert_ranks_match_reference,
@@ -103,7 +103,7 @@ def test_megatron_shard_sync_is_priced_only_when_asked() -> None:
     shard of every replica: `tp_dp_sync="shards"` prices that (less than the whole-tensor sync autopar runs);
     autopar's own plans keep "whole"."""
     from autopar.errors import PlanError
-    from autopar.solver.pricing import CostModel
+    from autopar.solver.pricing.pricing import CostModel
 
     cm = cm_for("1x4xA100-80GB", layers=4, batch=8)
     megatron = CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, tp_dp_sync="shards")

@@ -26,11 +26,11 @@ import autopar
 from autopar import models
 from autopar.api import cost_model
 from autopar.cluster import Cluster
-from autopar.solver import intra_op
-from autopar.solver import intra_op_pricing as iop
-from autopar.solver.intra_op import build_layer_problem, solve_intra_op, solve_problems
-from autopar.solver.intra_op_strategies import R
-from autopar.solver.pricing import CostModel, tp_layer_cost
+from autopar.solver.intra_op import intra_op
+from autopar.solver.intra_op import pricing as iop
+from autopar.solver.intra_op.intra_op import build_layer_problem, solve_intra_op, solve_problems
+from autopar.solver.intra_op.strategies import R
+from autopar.solver.pricing.pricing import CostModel, tp_layer_cost
 
 DEV = "A100-80GB"
 CLUSTER = Cluster.load("1x8xA100-80GB")
@@ -230,7 +230,7 @@ def test_explain_says_which_price_and_why(priced: dict[str, CostModel]) -> None:
     assert st.predicted["tp_reason"].startswith("intra-op ILP, ")
     assert "Megatron's closed form" in est.plan.explain()
     from autopar.plan import plan_from_strategy
-    from autopar.solver.pricing import model_summary, price
+    from autopar.solver.pricing.pricing import model_summary, price
 
     cm = cost_model(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn, precision="bf16")
     cm.intra_op = False

@@ -18,9 +18,9 @@ from autopar.lowering import layout_of
 from autopar.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
-from autopar.solver import intra_op_pricing as iop
-from autopar.solver.intra_op import _build
-from autopar.solver.intra_op_ilp import solve_problems
+from autopar.solver.intra_op import pricing as iop
+from autopar.solver.intra_op.ilp import solve_problems
+from autopar.solver.intra_op.intra_op import _build
 
 from .runtime_cases import assert_matches_reference, build, optimizer, plan_for, reference, train_observing
 
@@ -60,7 +60,7 @@ def _ilp_sharding(cm: Any, block: int, tp: int, n: int) -> tuple[dict[str, str],
 @pytest.mark.parametrize("cluster", [SLOW, FAST], ids=["slow-device", "fast-device"])
 def test_recorded_sharding_is_the_ilp_solution(tp: int, cluster: Cluster) -> None:
     from autopar.api import cost_model
-    from autopar.solver.pricing import tp_layer_cost
+    from autopar.solver.pricing.pricing import tp_layer_cost
 
     case = build("gpt", layers=2, batch=4)
     cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
@@ -96,7 +96,7 @@ def test_sharding_none_without_ilp() -> None:
     """Closed-form pricing (the ILP switched off) records no sharding: the runtime runs Megatron's."""
     from autopar.api import cost_model
     from autopar.plan import plan_from_strategy
-    from autopar.solver.pricing import model_summary, price
+    from autopar.solver.pricing.pricing import model_summary, price
 
     case = build("gpt", layers=2, batch=4)
     cm = cost_model(case.model, FAST, case.example_inputs, case.example_target, case.loss_fn, precision="fp32")

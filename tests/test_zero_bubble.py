@@ -23,7 +23,7 @@ from autopar.schedule import (
 )
 from autopar.schedule_check import validate
 from autopar.simulate import simulate
-from autopar.solver.pricing import inflight_closed_form
+from autopar.solver.pricing.pricing import inflight_closed_form
 
 from .runtime_cases import (
     ATOL,
@@ -162,7 +162,7 @@ def test_priced_plan_splits_the_backward_from_the_graph() -> None:
                                          case.example_inputs, case.example_target, case.loss_fn, precision="fp32")
     stages = est["zb_h1"].plan.pipelines[0].stages
     shares = [st.predicted["bwd_w_s"] / st.predicted["bwd_s"] for st in stages]
-    assert all(0.2 < x < 0.7 for x in shares), shares  # matmul-dominated: about half (solver/wgrad.py)
+    assert all(0.2 < x < 0.7 for x in shares), shares  # matmul-dominated: about half (solver/pricing/wgrad.py)
     # a prediction, model vs model: the simulated zb_h1 step is shorter than 1F1B's with the same stage times
     assert est["zb_h1"].plan.predicted["step_time_s"] < est["1f1b"].plan.predicted["step_time_s"]
 
@@ -387,7 +387,7 @@ def test_zero_bubble_prices_the_second_recompute_its_w_runs() -> None:
     recomputing stage's backward is priced one recompute (the 1F1B difference between recompute on and
     off) longer than under 1F1B, that recompute in W; the first stage (whole backward in W) and stages
     without recompute are priced as under 1F1B."""
-    from autopar.solver.pricing import price_strategy
+    from autopar.solver.pricing.pricing import price_strategy
 
     from .test_planner import cm_for
 

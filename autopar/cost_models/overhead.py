@@ -19,7 +19,7 @@ Terms (seconds; one `HostOverhead` per device kind and software stack, kept in a
     step_tensor_s    per parameter tensor per optimizer step (per-tensor Python work: state lookup,
                      grouping lists for the foreach kernels)
 
-Pricing (solver/pricing.py): a stage's forward per micro-batch = its kernels (op_time, kernel_s each)
+Pricing (solver/pricing/pricing.py): a stage's forward per micro-batch = its kernels (op_time, kernel_s each)
 + sum over its layers of view_s * views + module_s * module calls + microbatch_s; its backward = kernels +
 autograd_node_s * autograd nodes + microbatch_s; its sync adds step_s + step_tensor_s * tensors. The
 terms are additive with the device time: exact when the host is the bottleneck (small kernels, small

@@ -3,7 +3,7 @@
 Which linears pair up column-/row-parallel (Megatron), which ops form an attention core and which linear
 projects its output, the LM head and the vocabulary-sized embedding tables. Placements are dim indices
 (a parameter or node -> the dim it is sharded on). Shared by the planner's pricing
-(solver/intra_op_pricing.py) and the runtime (runtime/tensor_parallel.py turns them into DTensor
+(solver/intra_op/pricing.py) and the runtime (runtime/tensor_parallel.py turns them into DTensor
 placements), so that the two agree and the solver never imports the runtime.
 
 Attention cores (`attention_core`): scaled_dot_product_attention, or attention written out as matmuls, the

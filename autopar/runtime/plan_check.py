@@ -13,7 +13,7 @@ the first `steps` training steps:
 The window's peak is compared with `plan.predicted["peak_memory_bytes"][rank]`, plus, on a rank computing on
 the CPU, `predicted["host_overlap_bytes"][rank]`: what the device offloads to the host is then in the same
 allocator (an accelerator's stages on a machine without CUDA, the gloo stand-in, measures its offloaded
-optimizer's host copies with its device tensors; solver/pricing_plan.py `rank_shared` prices how they overlap).
+optimizer's host copies with its device tensors; solver/pricing/plan.py `rank_shared` prices how they overlap).
 A rank whose peak exceeds its prediction by more than `tolerance` (15 %) plus FIXED_BYTES (1 MiB), or the
 capacity of a device the plan said it fits on, gets a `PlanDriftWarning` naming the rank, the figures and the
 plan options of its stages. Step times are wall seconds per `step()` call (the loss read at its end waits for

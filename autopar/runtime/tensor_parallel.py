@@ -71,7 +71,7 @@ def parse_placement(text: str) -> Placement:
 
 
 def sharding_spec(graph: TrainingGraph, layers: tuple[int, int], sharding: Mapping[str, str]) -> TPSpec:
-    """Placements of a plan's `Stage.sharding` (the intra-op ILP's choice, solver/intra_op_pricing.py).
+    """Placements of a plan's `Stage.sharding` (the intra-op ILP's choice, solver/intra_op/pricing.py).
 
     Every layer holding a parameter named there runs as the ILP priced it: parameters take the given
     placements, DTensor propagates them; attention is head-parallel exactly when the linear projecting its

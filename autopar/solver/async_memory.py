@@ -41,11 +41,11 @@ from ..plan import Plan
 from ..report import fmt_bytes
 from .extra_memory import ExtraMemory, stage_base
 from .flushless_memory import flushless_inflight, flushless_version_bytes
-from .pricing_plan import rank_peak
-from .stage_memory import StageMemory
+from .pricing.plan import rank_peak
+from .pricing.stage_memory import StageMemory
 
 if TYPE_CHECKING:
-    from .pricing import CostModel
+    from .pricing.pricing import CostModel
 
 
 @dataclass
@@ -85,7 +85,7 @@ def async_memory(cm: CostModel, plan: Plan, delay: int, mode: str = "asynchronou
     """The per-device peak of `plan` trained with updates `delay` waves late (module docstring); `mode`
     names the mode in the problems (e.g. "sync='wsp'"); `flushless`: the plan runs the flushless 2BW
     schedule (its second weight version and in-flight activations priced)."""
-    from .pricing import stage_option  # pricing imports this package's modules at import time
+    from .pricing.pricing import stage_option  # pricing imports this package's modules at import time
 
     g = cm.state.grads
     devices = cm.cluster.devices

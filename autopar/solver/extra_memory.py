@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from ..plan import Pipeline, Stage
 from ..report import fmt_bytes
-from .stage_memory import runtime_note
+from .pricing.stage_memory import runtime_note
 
 if TYPE_CHECKING:
-    from .pricing import CostModel
-    from .pricing_model import StageBase
+    from .pricing.model import StageBase
+    from .pricing.pricing import CostModel
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ from ..schedule_waves import waves_1f1b
 from .extra_memory import stage_base
 
 if TYPE_CHECKING:
-    from .pricing import CostModel
+    from .pricing.pricing import CostModel
 
 
 def second_version_bytes(params_per_device: dict[int, float], weight_bytes: int, runs: bool = True

@@ -33,7 +33,7 @@ from ..report import fmt_bytes
 from .extra_memory import ExtraMemory, stage_base
 
 if TYPE_CHECKING:
-    from .pricing import CostModel
+    from .pricing.pricing import CostModel
 
 
 @dataclass

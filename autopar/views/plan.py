@@ -183,7 +183,7 @@ def explain(plan: Plan) -> str:
                  f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
                  f"gradient sync")
     lines += sorted({f"tp {s.tp}: {s.predicted['tp_reason']}" for p in plan.pipelines for s in p.stages
-                     if s.predicted.get("tp_reason")})  # which tensor-parallel price, and why (intra_op_pricing)
+                     if s.predicted.get("tp_reason")})  # which tensor-parallel price, and why (intra_op.pricing)
     if any(s.compress or (wire != "-" and len(p.stages) > 1) for p in plan.pipelines for s in p.stages):
         lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
                      "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "

@@ -14,7 +14,7 @@ tests/test_selective_recompute.py).
 
 from __future__ import annotations
 
-from .pricing import Option, StageMemory
+from ..pricing.pricing import Option, StageMemory
 from .split import Choice, Slot, Split, Splitter, priced_surrogate, rank_fits
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..cluster import Cluster
-from ..report import fmt_bytes
-from . import configs, experts
-from .pricing_plan import offload_host_bytes
+from ...cluster import Cluster
+from ...report import fmt_bytes
+from ..pricing import experts
+from ..pricing.plan import offload_host_bytes
+from . import configs
 
 
 class _Shape(NamedTuple):

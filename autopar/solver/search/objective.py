@@ -16,7 +16,7 @@ Objectives (`score`, lower is better; a plan that does not fit scores inf):
 
 The figures are predictions of the cost model (step time) times the prices the file gives.
 
-Interface for the search (solver/search.py calls these; `price` fills the predictions they read):
+Interface for the search (solver/search/search.py calls these; `price` fills the predictions they read):
 
     score(plan_predicted, cluster, objective, budget) -> float   `Plan.predicted` as `pricing.price` fills
                                                                    it: step_time_s, samples_per_s, fits,
@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..checks import check_number
-from ..cluster import Cluster
-from ..errors import PlanError
-from ..plan import Plan
+from ...checks import check_number
+from ...cluster import Cluster
+from ...errors import PlanError
+from ...plan import Plan
 
 OBJECTIVES = ("time", "cost")
 SECONDS_PER_HOUR = 3600.0

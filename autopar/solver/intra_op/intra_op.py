@@ -1,6 +1,6 @@
 """Intra-operator parallelism for one pipeline stage: a sharding strategy per op, chosen by an ILP (Alpa).
 
-The stage's `tp` devices form a 1-D mesh. Every op node gets a set of strategies (`intra_op_strategies`):
+The stage's `tp` devices form a 1-D mesh. Every op node gets a set of strategies (`intra_op.strategies`):
 replicated, sharded along a dim, Megatron's column-/row-parallel matmuls, head-sharded attention,
 vocab-parallel embedding and loss. Views, getitems and other ops that can follow every layout their
 producer may emit are merged into that producer ("groups", `merge_followers`), so the ILP has one choice
@@ -18,13 +18,13 @@ The ILP, for groups v with strategies i and group edges (u, v) (v reads a tensor
                                                                    with a nonzero r
                 sum_v,i m[v,i] s[v,i] <= budget                  when a budget is given (_memory_limit)
                 z[x,i] >= s[u,i] + sum_j in need(x,v) s[v,j] - 1  for every shared resharding x of a
-                                   tensor u produces and reader v of it (`intra_op_shared`, _needed)
+                                   tensor u produces and reader v of it (`intra_op.shared`, _needed)
 
-c[v,i] (`intra_op_build._group_costs`) is the compute time of the group's ops, forward + backward, re-priced with the
+c[v,i] (`intra_op.build._group_costs`) is the compute time of the group's ops, forward + backward, re-priced with the
 kernels' FLOPs and bytes divided by the split (launch overheads stay), plus the collectives the strategy
 runs itself: an all-reduce of every replicated weight whose gradient is partial (batch-sharded ops), and
 vocab-parallel cross-entropy's statistics. Reads of tensors from outside the layer (the boundary layout)
-and writes to it are folded into c. r[u,v,i,j] (`intra_op_build._edge_costs`) is resharding u's output layout to the
+and writes to it are folded into c. r[u,v,i,j] (`intra_op.build._edge_costs`) is resharding u's output layout to the
 layout v's strategy reads, forward, plus resharding the gradient v returns to what u's backward needs:
 
     R -> S   free (slice)       S(d) -> R   all-gather      S(d) -> S(e)   all-to-all
@@ -37,27 +37,27 @@ reads (weights, gradients, AdamW moments; divided by tp where sharded) plus the 
 for backward in the layout they are produced in. Costs are integer picoseconds and bytes; W exceeds the
 tie-break sum, which prefers earlier (simpler) strategies among equal-cost optima and makes the answer
 deterministic. Tensors crossing a layer boundary all use one layout (R, S(0) or S(1) of batch-leading
-activations), enumerated in `solve_intra_op`; CP-SAT solves each case (`intra_op_ilp`).
+activations), enumerated in `solve_intra_op`; CP-SAT solves each case (`intra_op.ilp`).
 
 Micro-batch sizes: `solve_intra_op(batch=n)` (and `Context.frac` = n / captured batch) re-prices every
 kernel at n samples (FLOPs and bytes scaled, as `pricing.CostModel.layer_compute` does) and scales the
 activations, their resharding collectives and the strategies' own collectives; parameters do not scale.
-The planner prices tensor-parallel blocks through `intra_op_pricing.LayerPricer`, which solves at the
+The planner prices tensor-parallel blocks through `intra_op.pricing.LayerPricer`, which solves at the
 micro-batch size buckets and prices a known answer with `build_problem(..., choice)`; it solves in runtime mode
-(`Context.runtime`: only the strategies and reshardings the DTensor runtime performs; see intra_op_pricing).
+(`Context.runtime`: only the strategies and reshardings the DTensor runtime performs; see intra_op.pricing).
 
 Where the parts are, from the bottom up (every name below is re-exported here):
 
-    intra_op_strategies.py  the strategies of single ops (`enumerate_strategies`, `op_spec`, layouts R, P, S(d))
-    intra_op_problem.py     the ILP's data: `Problem`, its groups (`Group`, `NodeStrategy`), `Cost`, `Shared`,
+    intra_op/strategies.py  the strategies of single ops (`enumerate_strategies`, `op_spec`, layouts R, P, S(d))
+    intra_op/problem.py     the ILP's data: `Problem`, its groups (`Group`, `NodeStrategy`), `Cost`, `Shared`,
                             a solved layer (`Solution`) and the stage's answer (`IntraOpResult`)
-    intra_op_context.py     `Context`: what a (graph, mesh, device type) is priced with (tensor bytes, collectives,
+    intra_op/context.py     `Context`: what a (graph, mesh, device type) is priced with (tensor bytes, collectives,
                             reshardings, re-priced compute, strategies, the block key)
-    intra_op_shared.py      the reshardings several groups share (`shared_reshards`)
-    intra_op_build.py       one layer's problem (`merge_followers`, c and r above, `build_problem`)
-    intra_op_ilp.py         the CP-SAT model (`solve_problems`) and the answer cache (`cached`, `cache_info`)
+    intra_op/shared.py      the reshardings several groups share (`shared_reshards`)
+    intra_op/build.py       one layer's problem (`merge_followers`, c and r above, `build_problem`)
+    intra_op/ilp.py         the CP-SAT model (`solve_problems`) and the answer cache (`cached`, `cache_info`)
     intra_op.py             this entry point: `solve_intra_op` over the boundary layouts, with a memory budget
-    intra_op_pricing.py     the planner's price of a tensor-parallel layer (`LayerPricer`, `tp_layer_cost`)
+    intra_op/pricing.py     the planner's price of a tensor-parallel layer (`LayerPricer`, `tp_layer_cost`)
 """
 
 from __future__ import annotations
@@ -65,16 +65,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from ..cluster import Cluster
-from ..cost_models.comm import collective_time  # noqa: F401  (tests/test_tp_pricing_forms.py reads it here)
-from ..cost_models.memory import state_bytes_per_param
-from ..errors import InfeasibleError, PlanError
-from ..graph import Layer, TrainingGraph
-from .intra_op_build import build_layer_problem, build_problem, check_args
-from .intra_op_context import FORBIDDEN, Context
-from .intra_op_ilp import cache_info, cached, clear_cache, solve_problems
-from .intra_op_problem import PS, IntraOpResult, Problem, Shared, Solution, result_of, solution_of
-from .intra_op_strategies import R
+from ...cluster import Cluster
+from ...cost_models.comm import collective_time  # noqa: F401  (tests/test_tp_pricing_forms.py reads it here)
+from ...cost_models.memory import state_bytes_per_param
+from ...errors import InfeasibleError, PlanError
+from ...graph import Layer, TrainingGraph
+from .build import build_layer_problem, build_problem, check_args
+from .context import FORBIDDEN, Context
+from .ilp import cache_info, cached, clear_cache, solve_problems
+from .problem import PS, IntraOpResult, Problem, Shared, Solution, result_of, solution_of
+from .strategies import R
 
 _build = build_problem  # the name tests/test_intra_op.py, test_tp_pricing_forms.py, test_tp_sharding.py use
 

@@ -1,8 +1,8 @@
 """What the intra-op problem of one (graph, tensor-parallel mesh, device type) is priced with: `Context`, the
 tensors' metadata and bytes at the micro-batch, the collectives and reshardings over the mesh (memoised), the
-ops' re-priced compute and their strategies (`intra_op_strategies`), and the key identical blocks share.
+ops' re-priced compute and their strategies (`intra_op.strategies`), and the key identical blocks share.
 
-`intra_op_build` builds the problems with it; `intra_op_pricing.LayerPricer` keeps one per group.
+`intra_op.build` builds the problems with it; `intra_op.pricing.LayerPricer` keeps one per group.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Container, Sequence
 
-from ..cluster import Cluster
-from ..cost_models.comm import collective_time
-from ..cost_models.compute import ComputeModel, Profile, kernel_flops
-from ..cost_models.memory import state_bytes_per_param
-from ..graph import Layer, OpNode, TensorMeta, TrainingGraph
-from ..passes.tp_patterns import attention_cores
-from ..precision import ELEMENT_BYTES
-from .intra_op_problem import NodeStrategy
-from .intra_op_strategies import OpSpec, P, R, enumerate_strategies, op_spec
+from ...cluster import Cluster
+from ...cost_models.comm import collective_time
+from ...cost_models.compute import ComputeModel, Profile, kernel_flops
+from ...cost_models.memory import state_bytes_per_param
+from ...graph import Layer, OpNode, TensorMeta, TrainingGraph
+from ...passes.tp_patterns import attention_cores
+from ...precision import ELEMENT_BYTES
+from .problem import NodeStrategy
+from .strategies import OpSpec, P, R, enumerate_strategies, op_spec
 
 FORBIDDEN = 1.0  # seconds: the price of a resharding the runtime would not do (runtime mode)
 

@@ -1,7 +1,7 @@
-"""The intra-op ILP itself (`intra_op_build` builds the problems): one-hot strategy choices, linearized products
+"""The intra-op ILP itself (`intra_op.build` builds the problems): one-hot strategy choices, linearized products
 for resharding edges, an optional memory budget; solved with CP-SAT. The formulation is in `intra_op`'s
 docstring. Also the cache of answers across calls (`cached`: `intra_op.solve_intra_op`'s solutions and
-`intra_op_pricing.LayerPricer`'s choices, by layer signature) and its counters (`cache_info`, `clear_cache`).
+`intra_op.pricing.LayerPricer`'s choices, by layer signature) and its counters (`cache_info`, `clear_cache`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 from ortools.sat.python import cp_model
 
-from ..errors import InfeasibleError, PlanError
-from .intra_op_problem import Problem, Shared
+from ...errors import InfeasibleError, PlanError
+from .problem import Problem, Shared
 
 T = TypeVar("T")
 

@@ -109,8 +109,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
+from ..pricing.pricing import CostModel
 from .monotone import largest_true
-from .pricing import CostModel
 from .surrogate import Choice, Slot, Split, priced_surrogate
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cost_models.compute import base_name, classify
-from ..graph import OpNode, TensorMeta
+from ...cost_models.compute import base_name, classify
+from ...graph import OpNode, TensorMeta
 
 R = -1
 P = -2

@@ -52,8 +52,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .configs import microbatch_count
-from .pricing import CostModel
+from ..pricing.pricing import CostModel
+from ..search.configs import microbatch_count
 from .split import Slot, Splitter, priced_surrogate
 from .stage_model import GAP, MAX_ENTRIES, NS, StageTable, cap_ns, rounding_slack, solver_for
 

@@ -1,20 +1,20 @@
 """Building one layer's intra-op ILP (`intra_op` has the formulation): ops merged into groups with one choice
 each (`merge_followers`), each group strategy's compute, own collectives, boundary resharding and memory
 (`_group_costs`), the resharding matrices between groups (`_edge_costs`) and the shared reshardings
-(`intra_op_shared`), into a `Problem` (`build_problem`, `build_layer_problem`).
+(`intra_op.shared`), into a `Problem` (`build_problem`, `build_layer_problem`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
-from ..cluster import Cluster
-from ..errors import PlanError
-from ..graph import Layer, TrainingGraph
-from .intra_op_context import Context
-from .intra_op_problem import PS, Cost, Group, NodeStrategy, Problem
-from .intra_op_shared import shared_reshards
-from .intra_op_strategies import P, R
+from ...cluster import Cluster
+from ...errors import PlanError
+from ...graph import Layer, TrainingGraph
+from .context import Context
+from .problem import PS, Cost, Group, NodeStrategy, Problem
+from .shared import shared_reshards
+from .strategies import P, R
 
 
 def merge_followers(ctx: Context, members: list[str]) -> list[Group]:

@@ -117,12 +117,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..errors import InfeasibleError
-from ..lowering import communicator_sets
-from ..plan import Pipeline, Plan, Stage, even_split, simulated_step_time
-from ..report import fmt_time
-from ..schedule import SPLIT_SCHEDULES
-from . import experts
+from ...errors import InfeasibleError
+from ...lowering import communicator_sets
+from ...plan import Pipeline, Plan, Stage, even_split, simulated_step_time
+from ...report import fmt_time
+from ...schedule import SPLIT_SCHEDULES
+from ..pricing import experts
+from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
+from ..split.selective import selective
+from ..split.split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, priced_surrogate, rank_fits
 from .bounds import ConfigBounds
 from .configs import (
     config_microbatch_sizes,
@@ -134,9 +137,6 @@ from .configs import (
     schedules,
     tp_units,
 )
-from .pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
-from .selective import selective
-from .split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, priced_surrogate, rank_fits
 
 Progress = Callable[[int, int, float | None], None]
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
@@ -507,7 +507,7 @@ class Search:
         plan replaces the incumbent only if it simulates faster. Both passes, because selective recompute acts
         on the split the simulator picked: the model's split can simulate faster before it and slower after
         (GPT-3 on 4096 A100: 7.06 s against 6.48 s)."""
-        from .stage_model_shares import ShareClass, joint_shares
+        from ..split.stage_model_shares import ShareClass, joint_shares
 
         self.refining = True
         try:
@@ -597,9 +597,9 @@ class Search:
 def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None, *,
            objective: str = "time", budget_per_hour: float | None = None) -> Plan:
     """The fastest plan that fits; see the module docstring for the formulation. `objective` / `budget_per_hour`:
-    what to minimise (solver/objective.py `score`: "time" or "cost" per sample, within a budget per hour);
+    what to minimise (solver/search/objective.py `score`: "time" or "cost" per sample, within a budget per hour);
     then every union of device types is searched and the best-scoring plan may leave devices out
-    (solver/subsets.py)."""
+    (solver/search/subsets.py)."""
     def run(c: CostModel, seconds: float) -> Plan:
         return experts.choose(c, lambda c2, limit: Search(c2, limit, progress).run(), seconds)
 

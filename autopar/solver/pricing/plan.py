@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..cost_models.memory import OPTIMIZER_STATE_BYTES
-from ..errors import PlanError
-from ..plan import OFFLOAD_KINDS, Plan, recompute_count
-from ..precision import ELEMENT_BYTES
-from ..report import fmt_bytes
-from ..schedule import SCHEDULES
-from ..simulate import SimResult
+from ...cost_models.memory import OPTIMIZER_STATE_BYTES
+from ...errors import PlanError
+from ...plan import OFFLOAD_KINDS, Plan, recompute_count
+from ...precision import ELEMENT_BYTES
+from ...report import fmt_bytes
+from ...schedule import SCHEDULES
+from ...simulate import SimResult
 
 if TYPE_CHECKING:
-    from .pricing_model import CostModel
+    from .model import CostModel
     from .stage_memory import StageMemory
 
 ACT_BYTES = ELEMENT_BYTES  # bytes of an activation element per precision

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .pricing import CostModel, Option, StageMemory, StageTimes, rank_host, rank_peak
+from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, rank_host, rank_peak
 
 Unit = tuple[int, ...]  # a tensor-parallel group
 

@@ -21,7 +21,7 @@ from collections import Counter
 from functools import partial
 from typing import TYPE_CHECKING
 
-from ..cost_models.compute import kernel_flops
+from ...cost_models.compute import kernel_flops
 
 if TYPE_CHECKING:
     from .pricing import CostModel

@@ -29,7 +29,7 @@ every choice of per-stage options the inner search may make (search.py's docstri
       that no range of up to k blocks beats on average (the smaller of the one-block figure and the
       k-block figure over k: exact for costs affine in the block count). At most two options mix in the
       optimum of that one-constraint LP. For one chunk (v = 1) the big chunk is the stage and its sync
-      joins its work (`pricing_plan.lower_bound`: a stage's sync follows its last backward). Micro-batches
+      joins its work (`pricing.plan.lower_bound`: a stage's sync follows its last backward). Micro-batches
       are all taken at the smallest size, host memory is not checked, and each device position's own
       in-flight count and budget are used, the minimum over positions taken: relaxations, so the result
       stays a lower bound.
@@ -45,8 +45,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .pricing import CostModel, Option, StageMemory, StageTimes
-from .split import Slot, Splitter, Unit
+from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes
+from ..split.split import Slot, Splitter, Unit
 
 Ranked = list[tuple[float, Option, StageTimes, StageMemory]]
 

@@ -1,4 +1,4 @@
-"""The communication half of the planner's cost model (`pricing_model.CostModel` inherits it): collectives over
+"""The communication half of the planner's cost model (`pricing.model.CostModel` inherits it): collectives over
 device groups, memoised by what their time depends on, and point-to-point stage sends, compressed or not
 (pricing.py's docstring, "Compressed sends")."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cluster import Cluster
-from ..cost_models.comm import collective_time, group_bandwidth, p2p_time
-from .pricing_plan import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES
+from ...cluster import Cluster
+from ...cost_models.comm import collective_time, group_bandwidth, p2p_time
+from .plan import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES
 
 
 class CommPricing:
-    """Mixin of `pricing_model.CostModel`: needs its `cluster`, `precision`, `_memo`, `_sigs`, `_sig_of_group`."""
+    """Mixin of `pricing.model.CostModel`: needs its `cluster`, `precision`, `_memo`, `_sigs`, `_sig_of_group`."""
 
     cluster: Cluster
     precision: str

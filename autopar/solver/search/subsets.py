@@ -1,7 +1,7 @@
 """Plans that may leave devices out: the search over device subsets for a cost objective or a budget.
 
 The branch and bound of search.py minimises the step time on every device of the cluster. With
-`objective="cost"` or a `budget_per_hour` (solver/objective.py), using fewer devices can win: a user with
+`objective="cost"` or a `budget_per_hour` (solver/search/objective.py), using fewer devices can win: a user with
 8 A100 and 8 T4 may be best served (per sample, or within a budget) by the A100 alone. Candidates are the
 non-empty unions of the cluster's device types (with k types, 2^k - 1 sub-clusters, `Cluster.subset`),
 each searched for its fastest plan within an equal share of the time limit. Each plan is written back on
@@ -18,10 +18,10 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..errors import InfeasibleError
-from ..plan import Plan
+from ...errors import InfeasibleError
+from ...plan import Plan
+from ..pricing.pricing import CostModel, price
 from .objective import score
-from .pricing import CostModel, price
 
 Searcher = Callable[[CostModel, float], Plan]
 

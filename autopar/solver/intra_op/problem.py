@@ -2,8 +2,8 @@
 costs; per group pair, resharding matrices; the reshardings several groups share (`Shared`); and what a
 solved problem gives (`Solution`, summed into an `IntraOpResult`).
 
-Built by intra_op_build.py, solved by intra_op_ilp.py, used by intra_op.py (`solve_intra_op`) and
-intra_op_pricing.py (`LayerPricer`).
+Built by intra_op/build.py, solved by intra_op/ilp.py, used by intra_op.py (`solve_intra_op`) and
+intra_op/pricing.py (`LayerPricer`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..graph import Layer
-from .intra_op_strategies import Strategy, layout_name
+from ...graph import Layer
+from .strategies import Strategy, layout_name
 
 PS = 1e12  # objective unit: picoseconds
 
@@ -30,9 +30,9 @@ class IntraOpResult:
     strategies: dict[str, str]  # node name -> strategy name
     comm_fwd: float = 0.0  # the communication parts of time_fwd and time_bwd
     comm_bwd: float = 0.0
-    # model parameter name -> "replicate" | "shard(d)": what the runtime runs (intra_op_pricing, runtime mode)
+    # model parameter name -> "replicate" | "shard(d)": what the runtime runs (intra_op.pricing, runtime mode)
     sharding: dict[str, str] | None = None
-    source: str = ""  # LayerPricer: which candidate placements won (intra_op_pricing.SOURCES)
+    source: str = ""  # LayerPricer: which candidate placements won (intra_op.pricing.SOURCES)
 
 
 @dataclass

@@ -54,15 +54,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cost_models.conv_workspace import CPU_KIND
-from ..cost_models.memory import SYNC_BUCKET_BYTES, optimizer_step_bytes
-from ..plan import Plan
-from ..report import fmt_bytes
+from ...cost_models.conv_workspace import CPU_KIND
+from ...cost_models.memory import SYNC_BUCKET_BYTES, optimizer_step_bytes
+from ...plan import Plan
+from ...report import fmt_bytes
 from . import experts
-from .pricing_plan import HOST_GRAD_BYTES, HOST_MASTER_BYTES, offload_host_bytes
+from .plan import HOST_GRAD_BYTES, HOST_MASTER_BYTES, offload_host_bytes
 
 if TYPE_CHECKING:
-    from .pricing_model import CostModel, Option, StageBase
+    from .model import CostModel, Option, StageBase
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class StageMemory:
     # activations are gone: the peak is static + max(activation term, sync)
     sync: float = 0.0
     # the offloaded optimizer's step (runtime/zero.py `ZeroRuntime.step`), for one memory holding both the
-    # device's tensors and its host share (`pricing_plan.rank_shared`): of `host`, the fp32 gradient copies it
+    # device's tensors and its host share (`pricing.plan.rank_shared`): of `host`, the fp32 gradient copies it
     # makes (on the host from the step on only), the device gradient bytes of `static` it drops as it copies
     # them, and what it adds on top: its CPU optimizer's buffers while it updates a parameter
     # (OPTIMIZER_STEP_BUFFERS; at least the one gradient copied while the device's still exists)

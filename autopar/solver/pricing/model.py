@@ -5,8 +5,8 @@ and boundary bytes, every device type's compute model) and computes them, memois
 option-independent sums (`CostModel.base` -> `StageBase`: compute and tensor-parallel cost per micro-batch,
 host time, activations, parameters, MoE terms), an option's per-micro-batch times and per-step sync
 (`CostModel.stage_times` -> `StageTimes`), and a stage's peak memory (`CostModel.stage_memory`, the formulas
-in stage_memory.py). Its parts live beside it: the communication half it inherits (pricing_comm.py), the
-tensor-parallel price of a layer (intra_op_pricing.py), expert parallelism (experts.py, which reads the
+in stage_memory.py). Its parts live beside it: the communication half it inherits (pricing/comm.py), the
+tensor-parallel price of a layer (intra_op/pricing.py), expert parallelism (experts.py, which reads the
 `expert_parallel` field and changes it only through `with_expert_degree`), the weight-gradient share
 (wgrad.py). Pricing a whole plan with it is pricing.py (`price`), which re-exports everything here.
 """
@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, TypeVar
 
-from ..checks import check_memory_reserve
-from ..cluster import Cluster
-from ..cost_models.compute import ComputeModel, Profile, check_profiles, kernel_flops
-from ..cost_models.conv_workspace import CPU_KIND
-from ..cost_models.memory import (
+from ...checks import check_memory_reserve
+from ...cluster import Cluster
+from ...cost_models.compute import ComputeModel, Profile, check_profiles, kernel_flops
+from ...cost_models.conv_workspace import CPU_KIND
+from ...cost_models.memory import (
     activation_corrections,
     autocast_cast_params,
     backward_workspace,
@@ -31,18 +31,18 @@ from ..cost_models.memory import (
     runtime_reserve_bytes,
     state_bytes_per_param,
 )
-from ..cost_models.overhead import stage_host_seconds
-from ..errors import PlanError
-from ..graph import TrainingGraph
-from ..host_memory import UNIFIED_KINDS
-from ..lowering import plan_communicators
-from ..plan import Plan
-from ..plan_simulate import cached_schedule
-from ..schedule import peak_inflight
+from ...cost_models.overhead import stage_host_seconds
+from ...errors import PlanError
+from ...graph import TrainingGraph
+from ...host_memory import UNIFIED_KINDS
+from ...lowering import plan_communicators
+from ...plan import Plan
+from ...plan_simulate import cached_schedule
+from ...schedule import peak_inflight
+from ..intra_op.pricing import LayerPricer, tp_layer_cost
 from . import experts
-from .intra_op_pricing import LayerPricer, tp_layer_cost
-from .pricing_comm import CommPricing
-from .pricing_plan import check_compress
+from .comm import CommPricing
+from .plan import check_compress
 from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memory
 
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class StageBase:
     # and the largest layer's parameters per rank under those strategies
     tp_extra: float = 0.0
     tp_max_layer: float = 0.0
-    moe_layers: int = 0  # expert-parallel MoE layers in the range (solver/experts.py)
+    moe_layers: int = 0  # expert-parallel MoE layers in the range (solver/pricing/experts.py)
     moe_bytes: float = 0.0  # per such layer and micro-batch: bytes each rank dispatches (tokens x top_k x hidden)
     expert_params: float = 0.0  # of `params`, the expert parameters this device holds
     expert_stacked: float = 0.0  # of those, the ones in stacked (E, ...) tensors, which ZeRO leaves whole
@@ -172,12 +172,12 @@ class CostModel(CommPricing):
         self.intra_op, self.intra_op_time_limit_s = intra_op, intra_op_time_limit_s
         self._pricers: dict[tuple, LayerPricer | None] = {}
         self.expert_parallel: experts.ExpertParallel = experts.ExpertParallel.of(graph)
-        """The expert-parallel degree priced and the graph's MoE layers (solver/experts.py): degree 1 when built;
+        """The expert-parallel degree priced and the graph's MoE layers (experts.py): degree 1 when built;
         `with_expert_degree` gives a copy at another degree (prices depend on it, so it is never set in place)."""
 
     def memoised(self, key: tuple, compute: Callable[[], T]) -> T:
         """The cost model's memo entry `key`, computed by `compute` and stored when absent (or None): how the
-        parts beside it (experts.py, intra_op_pricing.py, ...) cache their prices in it. A key names
+        parts beside it (experts.py, intra_op/pricing.py, ...) cache their prices in it. A key names
         everything the value depends on, its first element the kind of price."""
         hit = self._memo.get(key)
         if hit is None:
@@ -503,7 +503,7 @@ class CostModel(CommPricing):
         return self.memoised(("dp-mixed-tp", E, tp_group, dp_group), compute)
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
-        """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/stage_memory.py); memoised
+        """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/pricing/stage_memory.py); memoised
         as `stage_times` is."""
         key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
         hit = self._memo.get(key)

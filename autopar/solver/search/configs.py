@@ -8,9 +8,9 @@ import itertools
 import math
 from typing import Any
 
-from . import experts
-from .pricing import CostModel
-from .split import Unit
+from ..pricing import experts
+from ..pricing.pricing import CostModel
+from ..split.split import Unit
 
 CHUNKS = (2, 4)
 MICROBATCH_ENUMERATION = 32  # batch shares up to which every micro-batch size is tried

@@ -13,7 +13,7 @@ activations out. So the planner prices what that runs (`LayerPricer(runtime=True
   takes the strategy its inputs' layouts reach cheapest: same layout free, a free slice of a replicated
   input where a sharded parameter or an input already so sharded asks for it, else a partial sum or
   shard replicated), and that strategy set is priced with the ILP's cost model
-  (`intra_op_build.build_problem(..., choice)`). Fully replicated parameters and Megatron's placements are
+  (`intra_op.build.build_problem(..., choice)`). Fully replicated parameters and Megatron's placements are
   priced the same way, and the fastest is the layer's price and sharding (`IntraOpResult.source`;
   `tp_reason` says which, next to Megatron's closed form, in the plan). Where propagation agrees with the ILP
   (the usual case) the price is the ILP's optimum.
@@ -25,20 +25,20 @@ import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..cluster import Cluster
-from ..errors import PlanError
-from ..graph import Layer, TrainingGraph
-from ..passes.tp_patterns import attention_cores, attention_projection, fused_qkv, megatron_placements
-from ..report import fmt_time
-from .intra_op_build import build_problem, check_args, merge_followers
-from .intra_op_context import FORBIDDEN, Context
-from .intra_op_ilp import cached, solve_problems
-from .intra_op_problem import PS, Group, IntraOpResult, NodeStrategy, Problem, result_of, solution_of
-from .intra_op_strategies import P, R
+from ...cluster import Cluster
+from ...errors import PlanError
+from ...graph import Layer, TrainingGraph
+from ...passes.tp_patterns import attention_cores, attention_projection, fused_qkv, megatron_placements
+from ...report import fmt_time
+from .build import build_problem, check_args, merge_followers
+from .context import FORBIDDEN, Context
+from .ilp import cached, solve_problems
+from .problem import PS, Group, IntraOpResult, NodeStrategy, Problem, result_of, solution_of
+from .strategies import P, R
 
 if TYPE_CHECKING:
-    from ..cost_models.compute import Profile
-    from .pricing_model import CostModel
+    from ...cost_models.compute import Profile
+    from ..pricing.model import CostModel
 
 _merge_followers = merge_followers  # the name tests/test_tp_sharding.py uses
 

@@ -12,12 +12,12 @@ Per micro-batch, stage [a, e) on device type T (`tp_layer_cost`, summed by `Cost
                  small micro-batches pay launch overhead and lower efficiency; at n = B, t = 1 this is
                  the annotated layer time
     tensor par.  t > 1, a repeated block: the intra-op ILP's optimum at micro-batch n
-                 (`intra_op_pricing.LayerPricer`, one solve per block class, device type, tp group and n):
+                 (`intra_op.pricing.LayerPricer`, one solve per block class, device type, tp group and n):
                  its per-op strategies' compute (kernels split by their sharding) and collectives, its
                  parameter share per rank (N counts it) and its saved activations per rank (replicated
                  tensors, e.g. layernorm inputs, count whole); `StageBase.tp_source` = "ilp". The ILP is
                  restricted to what the DTensor runtime runs, and its parameter placements become
-                 `Stage.sharding` (`stage_sharding`; intra_op_pricing.py's docstring).
+                 `Stage.sharding` (`stage_sharding`; intra_op/pricing.py's docstring).
                  Else (the layers around the blocks, or no ILP solution in time): Megatron's closed form,
                  compute / t, 2 all-reduces of the block's output activation in forward and 2 in backward
                  (1 + 1 for the layers before/after the blocks), parameters and activations / t
@@ -53,9 +53,9 @@ saving is too small to be worth the numerical change) and (3) the cast-inclusive
 plans every eligible boundary compressed (the simulated step only grows with a send time) and
 `search.Search.run` drops compression from the final plan unless it shortens the predicted step.
 
-`stage_memory` (per device): solver/stage_memory.py's docstring.
+`stage_memory` (per device): solver/pricing/stage_memory.py's docstring.
 
-Expert parallelism (ep > 1, solver/experts.py): of N, the X expert elements a device holds have only
+Expert parallelism (ep > 1, solver/pricing/experts.py): of N, the X expert elements a device holds have only
 H = D / ep holders (its position in every chunk of ep replicas). X = Xp + Xs, Xs those in stacked (E, ...)
 tensors (Mixtral), which the runtime keeps out of ZeRO. So ZeRO-partitioned state (the N / D above, and N'
 of the optimizer step) is (N - X) / D + Xp / H + Xs per device, and every AR/RS/AG(N) above is
@@ -77,7 +77,7 @@ host peak = host + in-flight x host_act, `rank_host`):
                         own are streamed per layer and accumulate fp32 gradients on the host
                         (runtime/zero_layers.py; counted for all, also those read by several layers)
     activations offload in-flight x act: save_on_cpu moves every in-flight micro-batch's saved tensors
-    with N' = N / D (+ the expert terms above) for zero >= 1, else N (`pricing_plan.offload_host_bytes`)
+    with N' = N / D (+ the expert terms above) for zero >= 1, else N (`pricing.plan.offload_host_bytes`)
 
 A node's host memory (`Node.host_memory`, cluster file `host_memory_GiB`, defaults in host_memory.py) holds
 the sum over its devices: it fits when that is at most (1 - memory_reserve) of it (`price`). The search
@@ -92,11 +92,11 @@ it on the CPU holds beyond its peak (`rank_shared` less the peak: an accelerator
 CUDA hold their host share in the same allocator; runtime/plan_check.py adds it).
 
 Where it is: this module prices a whole plan (`price` -> `Priced`, `price_strategy` for `autopar.estimate`,
-`stage_option`, `model_summary`). The formulas above are computed by `CostModel` in pricing_model.py (with
-its types `Option`, `StageBase`, `StageTimes` and `inflight_closed_form`), whose parts are pricing_comm.py
-(collectives and sends), intra_op_pricing.py (tensor parallelism), stage_memory.py (memory), experts.py
+`stage_option`, `model_summary`). The formulas above are computed by `CostModel` in pricing/model.py (with
+its types `Option`, `StageBase`, `StageTimes` and `inflight_closed_form`), whose parts are pricing/comm.py
+(collectives and sends), intra_op/pricing.py (tensor parallelism), stage_memory.py (memory), experts.py
 (expert parallelism) and wgrad.py; the plan-level pieces (`check_plan`, `lower_bound`, `rank_peak`,
-`rank_host`, `tied_sync`, memory problems) are pricing_plan.py. Every name callers read here is re-exported.
+`rank_host`, `tied_sync`, memory problems) are pricing/plan.py. Every name callers read here is re-exported.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..graph import TrainingGraph
-from ..plan import (
+from ...graph import TrainingGraph
+from ...plan import (
     OFFLOAD_KINDS,
     Estimate,
     Pipeline,
@@ -116,14 +116,14 @@ from ..plan import (
     plan_from_strategy,
     recompute_count,
 )
-from ..plan_simulate import cached_schedule
-from ..schedule import SPLIT_SCHEDULES
+from ...plan_simulate import cached_schedule
+from ...schedule import SPLIT_SCHEDULES
+from ..intra_op.pricing import stage_sharding, tp_layer_cost, tp_reason
+from ..search.objective import cost_figures, idle_devices
 from . import experts
-from .intra_op_pricing import stage_sharding, tp_layer_cost, tp_reason
-from .objective import cost_figures, idle_devices
-from .pricing_comm import boundary_copies
-from .pricing_model import HOST_UPDATE_BANDWIDTH, CostModel, Option, StageBase, StageTimes, inflight_closed_form
-from .pricing_plan import (
+from .comm import boundary_copies
+from .model import HOST_UPDATE_BANDWIDTH, CostModel, Option, StageBase, StageTimes, inflight_closed_form
+from .plan import (
     ACT_BYTES,
     SLOW_LINK_BYTES_PER_S,
     WIRE_BYTES,
@@ -205,7 +205,7 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
                       "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group),
                       "gather_s": tf.gather, "reduce_s": tf.reduce,
-                      # the weight-gradient part of bwd_s: a zero-bubble schedule's W (solver/wgrad.py)
+                      # the weight-gradient part of bwd_s: a zero-bubble schedule's W (solver/pricing/wgrad.py)
                       "bwd_w_s": bwd_w,
                       "compute_s": m_full * (tf.fwd + bwd - tf.comm)
                       + n_small * (ts.fwd + bwd_small - ts.comm),
@@ -221,7 +221,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
     anyway, with `fits` False and the `problems` spelled out. Devices the plan leaves out are idle:
     `predicted["idle_devices"]` maps each to why (`idle_reasons` from the caller, else the reason the plan
     already carries, else `objective.idle_devices`' default). With prices in the cluster file it also
-    predicts `cost_per_hour` and `cost_per_sample` (solver/objective.py)."""
+    predicts `cost_per_hour` and `cost_per_sample` (solver/search/objective.py)."""
     check_plan(cm, plan)
     reasons = {**{int(d): r for d, r in (plan.predicted.get("idle_devices") or {}).items()}, **(idle_reasons or {})}
     cm = experts.checked(cm, plan)
@@ -332,8 +332,8 @@ def price_strategy(cm: CostModel, strategy: Strategy) -> Estimate:
     return Estimate(priced.plan, priced.fits, priced.problems)
 
 
-# what callers read here (the cost model's types, pricing_model.py; the wire constants, tests/test_edge.py; the
-# plan-level pieces, pricing_plan.py), besides what this module defines
+# what callers read here (the cost model's types, pricing/model.py; the wire constants, tests/test_edge.py; the
+# plan-level pieces, pricing/plan.py), besides what this module defines
 __all__ = ["ACT_BYTES", "HOST_UPDATE_BANDWIDTH", "SLOW_LINK_BYTES_PER_S", "WIRE_BYTES", "CostModel",
            "Option", "Priced", "StageBase", "StageMemory", "StageTimes", "inflight_closed_form", "lower_bound",
            "model_summary", "price", "price_strategy", "rank_host", "rank_peak", "stage_option", "tied_sync",

@@ -1,16 +1,16 @@
 """Finding the reshardings several groups of an intra-op problem share (`intra_op`): paid once, however many
 readers need them (`shared_reshards`). What one is, `Shared` (and the objective unit PS), is problem data in
-intra_op_problem.py, re-exported here; the ILP couples them to the readers' choices (`intra_op_ilp._needed`)."""
+intra_op/problem.py, re-exported here; the ILP couples them to the readers' choices (`intra_op.ilp._needed`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .intra_op_problem import PS, Group, NodeStrategy, Shared
-from .intra_op_strategies import P, R
+from .problem import PS, Group, NodeStrategy, Shared
+from .strategies import P, R
 
 if TYPE_CHECKING:
-    from .intra_op_context import Context
+    from .context import Context
 
 
 def shared_reshards(ctx: Context, groups: list[Group], index: dict[str, int], boundary: int

@@ -17,11 +17,12 @@ from __future__ import annotations
 import itertools
 import math
 
-from ..plan import even_split, simulated_step_time
-from ..schedule import SPLIT_SCHEDULES
+from ...plan import even_split, simulated_step_time
+from ...schedule import SPLIT_SCHEDULES
+from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
+from ..pricing.stage_memory import recomputed
+from ..pricing.wgrad import wgrad_share, zero_bubble_backward
 from .monotone import largest_true
-from .pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
-from .stage_memory import recomputed
 from .stage_model import StageModel
 from .surrogate import (
     NO_CHUNKS,
@@ -35,7 +36,6 @@ from .surrogate import (
     rank_fits,
     surrogate,
 )
-from .wgrad import wgrad_share, zero_bubble_backward
 
 # the offload sets tried; ("optimizer", "params") without activations wins where activations fit but
 # weights do not (tests/test_exhaustive_memory.py); ("params",) and ("activations", "params") are not tried
