@@ -181,7 +181,7 @@ def compile(
         from .graphs.entry import compile_graph
 
         return compile_graph(model, cluster, inputs, example_target, loss_fn, optimizer, plan, rank, world,
-                             timeout_s, graph_options, precision)
+                             timeout_s, graph_options, precision, profiles)
     meta = is_meta(model)
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
     try:

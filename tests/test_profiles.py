@@ -115,3 +115,20 @@ def test_a_profile_given_prices_as_the_same_profile_saved(tmp_path: Path, monkey
         costs.append(tp_layer_cost(cm, block, "cpu", cm.B // 2, (0, 1)))
     assert costs[0].ilp and costs[1].ilp
     assert costs[0] == costs[1]
+
+
+def test_graph_workloads_are_planned_with_the_profiles_given() -> None:
+    """A GNN goes to the graph planner (and a compile of it to compile_graph): the profiles reach its cost model."""
+    case = models.gnn(seed=0)
+    cluster = Cluster.load("1x2xcpu")
+    base = ComputeModel(cluster.spec("cpu")).profile
+    slower = replace(base, overhead_s=base.overhead_s * 1000)
+    steps = []
+    for profiles in (None, {"cpu": slower}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                                profiles=profiles)
+        assert plan.graph
+        steps.append(plan.predicted["step_time_s"])
+    assert steps[1] > 10 * steps[0]

@@ -38,16 +38,18 @@ def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_input
 
 def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
                   optimizer: str | OptimizerFactory, plan: Any, rank: int, world: int, timeout_s: float,
-                  options: dict | None = None, precision: str | None = None) -> GraphProgram | TemporalProgram:
-    """This rank's graph program; rank 0 plans (unless `plan` is given) and broadcasts the plan (or the
-    planning error, raised on every rank). The program computes in the plan's precision."""
+                  options: dict | None = None, precision: str | None = None, profiles: dict | None = None
+                  ) -> GraphProgram | TemporalProgram:
+    """This rank's graph program; rank 0 plans (unless `plan` is given; with `profiles` as `autopar.plan` takes
+    them) and broadcasts the plan (or the planning error, raised on every rank). The program computes in the
+    plan's precision."""
     if plan is None:
         box: list[Any] = [None]
         if rank == 0:
             try:
                 box[0] = plan_workload(model, cluster, inputs, example_target,
                                        optimizer if isinstance(optimizer, str) else "adamw", precision,
-                                       options=options).to_json()
+                                       options=options, profiles=profiles).to_json()
             except Exception as e:  # raised on every rank: none is left waiting for the plan
                 if world == 1:
                     raise
