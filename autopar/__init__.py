@@ -25,9 +25,11 @@ from .passes.capture import capture
 from .plan import Estimate, Plan, Strategy
 from .precision import default_precision
 from .runtime.asynchronous import AsyncUpdateWarning
+from .runtime.protocol import TrainingProgram
 from .runtime.weights import materialize
 
 __all__ = [
+    "TrainingProgram",
     "analyze",
     "plan",
     "estimate",

@@ -31,7 +31,7 @@ from .passes.capture import LossFn, capture
 from .precision import precision_change
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
-from .runtime.asynchronous import AsyncProgram, warn_async
+from .runtime.asynchronous import warn_async
 from .runtime.devices import check_rank_gpu, launch_device, warn_device_order, world_comm_device
 from .runtime.dist import DEFAULT_TIMEOUT_S, ensure_initialized
 from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_devices, mark_lost
@@ -39,6 +39,7 @@ from .runtime.fallback import ReplicatedProgram
 from .runtime.flushless import async_program  # 2BW's flushless schedule where it runs
 from .runtime.plan_check import PlanCheck
 from .runtime.program import OptimizerFactory, Program
+from .runtime.protocol import TrainingProgram
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
 from .solver.asynchronous import delay_of, flushless_problems
@@ -80,8 +81,11 @@ def compile(
     compress: str | None = None,
     seed: int = 0,
     profiles: dict[str, Profile] | None = None,
-) -> Program | AdaptiveProgram | ReplicatedProgram | AsyncProgram:
+) -> TrainingProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
+
+    Every program it returns implements `autopar.TrainingProgram` (runtime/protocol.py): `plan`, `step`,
+    `eval_step`, `state_dict` / `load_state_dict`, `save` / `load` and `report`, whatever the plan and mode.
 
     `plan` may also be a hand-written `autopar.Strategy`: it is priced as `autopar.estimate` prices it and
     trained exactly as written (a warning names the devices it overflows when it does not fit in memory).

@@ -3,11 +3,9 @@ the capped-device cluster, and the whole section pipeline on the CPU with tiny s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +13,12 @@ import pytest
 from autopar import models
 from autopar.cluster import Cluster, GiB
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from . import bench_scripts
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    # bench/ is not a package: load the script by path, as `python bench/gpu_check.py` would run it
-    spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod  # its dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("gpu_check")  # by path, as `python bench/gpu_check.py` would run it
 
 
 class Clock:

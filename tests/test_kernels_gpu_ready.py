@@ -4,10 +4,6 @@ numerics of eager torch, autotuning has a fixed config set, and pricing counts t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,29 +13,13 @@ from autopar.codegen import triton_gen
 from autopar.codegen.fusion import find_regions, fused_bytes, input_passes
 from autopar.codegen.kernels import launch_config
 
+from . import bench_scripts
 from .test_kernels import capture, check
 
 pytest.importorskip("triton")
 
 
-def _bench_script(name: str):
-    """bench/<name>.py loaded by path under the name bench_<name>, with bench/ on sys.path only while it loads
-    (it imports bench/common.py): left on the path, bench/kernels.py would shadow Hugging Face's `kernels`
-    package, which transformers imports when it is installed, and break every transformers model after it."""
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(bench) / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    sys.path.insert(0, bench)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(bench)
-    return module
-
-
-bench_cases = _bench_script("kernels").cases
+bench_cases = bench_scripts.load("kernels").cases
 
 LIMIT = triton_gen.ROW_BLOCK
 SPILL_LIMIT = 64  # bytes of spill stores per thread an autotune candidate may have

@@ -23,9 +23,9 @@ from torch import nn
 from ..errors import PlanError
 from ..passes.capture import LossFn
 from ..runtime.dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
-from ..runtime.fallback import WholeModelState
 from ..runtime.precision import PrecisionPolicy
 from ..runtime.program import OptimizerFactory, make_optimizer
+from ..runtime.whole_model import WholeModelState
 from .data import check_graph_inputs
 from .layers import LocalGraph, local_layers, message_passing_layers
 from .partition import halo_exchange, partition_graph
@@ -122,8 +122,42 @@ class GraphProgram(WholeModelState):
             self.in_edges = InEdges(edge_index, n)
         self._key = key
 
+    def what_runs(self) -> str:
+        unit = "nodes owned" if self.mode == "partition" else "seeds per step"
+        return f"the whole model, {self.shares[self.rank]} {unit} ({self.mode})"
+
+    def eval_step(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        """Forward only, no gradient and no update: the model's output for every node of the graph, the same on
+        every rank. Partitioned: each rank computes its own nodes with the halo exchange, as in training, and
+        the rows are gathered in node order; sampled: the model as written on the full graph (every neighbour,
+        on every rank: what a sampled-trained GNN is evaluated with). Collective."""
+        from ..runtime.eval import concat_from
+
+        check_graph_inputs(x, edge_index)
+        policy = PrecisionPolicy.of_plan(self.plan, x.device, self.timeout_s)
+        with torch.no_grad():
+            if self.mode != "partition":
+                with policy.forward():
+                    return self.model(x, edge_index)
+            part = partition_graph(edge_index.cpu(), x.shape[0], self.shares, self.rank)
+            part = replace(part, **{k: getattr(part, k).to(x.device)
+                                    for k in ("owned", "edges", "degree", "send_index")})
+            n_own = part.owned.numel()
+            ctx = LocalGraph([part.edges], [n_own], [n_own], part.degree, lambda h: halo_exchange(h, part))
+            with local_layers(self.model, ctx), policy.forward():
+                out = self.model(x[part.owned], part.edges)
+            rows, owned = concat_from([out, part.owned], list(range(self.world_size)), self.world_size,
+                                      self.timeout_s, x.device)
+            full = rows.new_empty((x.shape[0], *rows.shape[1:]))
+            full[owned.to(full.device)] = rows.to(full.device)
+            return full
+
     def step(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor | None = None) -> float:
         """One optimizer step on the graph; returns the global loss (mean over labelled nodes or seeds)."""
+        with self.timed_step():
+            return self._step(x, edge_index, target)
+
+    def _step(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor | None) -> float:
         if target is None:
             raise PlanError("graph training needs target= (per-node labels, -100 for unlabelled nodes).")
         self._prepare(x, edge_index, target)
@@ -176,9 +210,24 @@ class TemporalProgram(WholeModelState):
         self.optimizer = make_optimizer(optimizer, self.params)
         self.policy = PrecisionPolicy.of_plan(plan, model.memory.device, timeout_s)
 
+    def what_runs(self) -> str:
+        return f"the whole model, {self.shares[self.rank]} events per batch (temporal_dp)"
+
+    def eval_step(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor,
+                  eid: torch.Tensor) -> torch.Tensor:
+        """Forward only on a batch of events, no gradient, no update and no memory commit: the model's loss on
+        it, the same on every rank (the node memory is replicated, so every rank computes the whole batch)."""
+        with torch.no_grad(), self.policy.forward():
+            return self.model(src, dst, t, msg, eid)
+
     def step(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor, eid: torch.Tensor,
              target: Any = None) -> float:
         """One optimizer step on a global batch of events; returns its mean loss."""
+        with self.timed_step():
+            return self._step(src, dst, t, msg, eid)
+
+    def _step(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor, eid: torch.Tensor
+              ) -> float:
         b = src.shape[0]
         if b != sum(self.shares):
             raise PlanError(f"the plan splits batches of {sum(self.shares)} events, got {b}: plan again.")

@@ -292,6 +292,8 @@ def load_into_model(model: nn.Module, path: str | os.PathLike,
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for fqn, p in model.named_parameters():
             if id(p) not in in_opt:
+                if not p.requires_grad:  # a frozen parameter: no optimizer state to load
+                    continue
                 raise CheckpointError(f"the optimizer passed to load_into_model does not hold parameter "
                                       f"{fqn!r}; build it over model.parameters().")
             prefix = f"{OPTIM}{key_of[fqn]}."
@@ -306,6 +308,8 @@ def load_into_model(model: nn.Module, path: str | os.PathLike,
             named[fqn].copy_(request[MODEL + src])
     if optimizer is not None:
         for fqn, p in model.named_parameters():
+            if fqn not in opt_keys:
+                continue
             prefix = f"{OPTIM}{key_of[fqn]}."
             state = {k[len(prefix):]: request[k] for k in opt_keys[fqn]}
             if state:

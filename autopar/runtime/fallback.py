@@ -16,6 +16,7 @@ from ..errors import CaptureError
 from ..passes.capture import LossFn, model_loss
 from .dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
 from .program import OptimizerFactory, make_optimizer
+from .whole_model import WholeModelState
 
 
 def speed_shares(cluster: Cluster, batch: int) -> list[int]:
@@ -29,25 +30,6 @@ def speed_shares(cluster: Cluster, batch: int) -> list[int]:
     for i in sorted(range(len(raw)), key=lambda i: raw[i] - shares[i], reverse=True)[: batch - sum(shares)]:
         shares[i] += 1
     return shares
-
-
-class WholeModelState:
-    """`state_dict` / `load_state_dict` of a program whose every rank holds the whole model and optimizer
-    (`self.model`, `self.optimizer`, `self.step_count`): the replicated fallback and the graph programs."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    step_count: int
-
-    def state_dict(self) -> dict:
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"])
-        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
-            self.optimizer.load_state_dict(sd["optimizer"])
-        self.step_count = int(sd.get("step", self.step_count))
 
 
 class ReplicatedProgram(WholeModelState):
@@ -74,6 +56,13 @@ class ReplicatedProgram(WholeModelState):
         return x
 
     def step(self, *inputs: Any, target: Any = None) -> float:
+        with self.timed_step():
+            return self._step(inputs, target)
+
+    def what_runs(self) -> str:
+        return f"the whole model, eager, on {self.shares[self.rank]} of {self.batch} samples (replicated fallback)"
+
+    def _step(self, inputs: tuple, target: Any) -> float:
         out = self.model(*[self._slice(x) for x in inputs])
         loss = self.loss_fn(out, self._slice(target)) if self.loss_fn is not None else model_loss(out)
         weight = self.shares[self.rank] / self.batch

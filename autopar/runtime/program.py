@@ -380,6 +380,13 @@ class Program:
         if self.plan_check is not None:
             self.plan_check.step_done()
 
+    def _end_check_window(self) -> None:
+        """Before what the plan does not price (an eval, the full state gathered, a checkpoint): the memory
+        window's verdict on the steps so far, so that it never measures them (a user's eval between the first
+        steps would otherwise read as the plan's drift)."""
+        if self.plan_check is not None:
+            self.plan_check.close()
+
     def report(self) -> RunReport:
         """Every rank's predicted vs measured peak memory and step time (a collective: call it on every rank);
         `print(prog.report())` shows the table. See runtime/plan_check.py."""
@@ -410,6 +417,7 @@ class Program:
         whole batch, the same on every rank. Collective; see eval.py."""
         from .eval import eval_step
 
+        self._end_check_window()
         return eval_step(self, inputs)
 
     def _peer(self, stage: int) -> int | None:
@@ -606,6 +614,7 @@ class Program:
         Each parameter's owner (its first holder without ZeRO) supplies it, moved to the host as soon as it is
         assembled, and the pieces are gathered as objects over a CPU group, so no device ever holds the whole
         state. `model.load_state_dict(sd["model"])` restores the original model."""
+        self._end_check_window()
         host = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
         mine_p, mine_o = {}, {}
         for name in sorted(self.params):  # same order on every member of a tensor-parallel group
@@ -674,6 +683,7 @@ class Program:
         by one rank. Collective. Loads under any plan or world size; see checkpoint.py."""
         from . import checkpoint
 
+        self._end_check_window()
         if self.experts:
             self.experts.check_checkpoint()
         with naming_lost_ranks(self.rank, f"saving checkpoint {path}"):
@@ -683,6 +693,7 @@ class Program:
         """Load a checkpoint written by `save` under any plan (resharding to this one). Collective."""
         from . import checkpoint
 
+        self._end_check_window()
         if self.experts:
             self.experts.check_checkpoint()
         with naming_lost_ranks(self.rank, f"loading checkpoint {path}"):

@@ -96,6 +96,7 @@ from ..plan import Plan
 from ..solver.reshare import lost_pipelines, proportional, simulated, unsupported, with_shares, without
 from .dist import REGROUP_BACKENDS_WHY, PeerLostError, announce_abort, regroup, root_store, watch_aborts
 from .elastic import LOST_AFTER_S, stop_heartbeat
+from .protocol import Wrapping
 
 ENV = "AUTOPAR_REROUTE"  # "1": compile wraps synchronous programs in a ReroutingProgram (autopar run sets it)
 ABSORBED = "autopar/absorbed"  # key prefix in the launcher's store: launched ranks whose loss was re-routed
@@ -217,13 +218,14 @@ class RerouteEvent:
 
 
 @dataclass
-class ReroutingProgram:
+class ReroutingProgram(Wrapping):
     """A Program that keeps training through a lost rank (see the module docstring); otherwise it behaves
-    like the Program it wraps (`program`), whose attributes it forwards. `rebuild(plan, rank, world)` builds a
-    Program for a plan; `price(plan)` re-prices one (optional); `price_copy(plan)` prices the pre-step copy
-    (optional; `wrap`), recorded as `plan.predicted["reroute"]`: {"on": False, "why"} when a loss would not be
-    re-routed, else solver/reroute_memory.py's block ("copy_bytes", "peak_memory_bytes" per device, "fits",
-    "memory_problems"); a copy that does not fit turns re-routing off (`why_not`)."""
+    like the Program it wraps (`program`), to which it forwards the rest of the protocol (protocol.py).
+    `rebuild(plan, rank, world)` builds a Program for a plan; `price(plan)` re-prices one (optional);
+    `price_copy(plan)` prices the pre-step copy (optional; `wrap`), recorded as `plan.predicted["reroute"]`:
+    {"on": False, "why"} when a loss would not be re-routed, else solver/reroute_memory.py's block
+    ("copy_bytes", "peak_memory_bytes" per device, "fits", "memory_problems"); a copy that does not fit turns
+    re-routing off (`why_not`)."""
 
     program: Any
     rebuild: Rebuild
@@ -345,13 +347,6 @@ class ReroutingProgram:
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return Plan.from_json(box[0])
-
-    def __getattr__(self, name: str) -> Any:
-        program = self.__dict__.get("program")
-        if program is None:
-            raise AttributeError(name)
-        return getattr(program, name)
-
 
 def agree(store: Any, prefix: str, rank: int, world: int, lost: list[int], step: int, timeout_s: float
           ) -> list[int]:

@@ -40,6 +40,7 @@ from ..errors import AutoparError
 from ..plan import Plan
 from ..solver.reshare import scaled_cluster, scaled_profiles, shed_plan
 from .dist import wait
+from .protocol import Wrapping
 
 SLOWDOWN_ENV = "AUTOPAR_EMULATE_SLOWDOWN"
 
@@ -231,9 +232,10 @@ class AdaptPolicy:
 
 
 @dataclass
-class AdaptiveProgram:
+class AdaptiveProgram(Wrapping):
     """A Program that re-plans around stragglers (see the module docstring); otherwise it behaves like the
-    Program it wraps (`program`), whose attributes it forwards. Collective like `step()`."""
+    Program it wraps (`program`), to which it forwards the rest of the protocol (protocol.py). Collective like
+    `step()`."""
 
     program: Any
     rebuild: Callable[[Cluster, dict], Any]  # compiles a new Program for a cluster and its compute profiles
@@ -288,11 +290,6 @@ class AdaptiveProgram:
     def straggler_report(self, window: int | None = None, threshold: float | None = None) -> StragglerReport:
         return report(self.program, window, self.policy.threshold if threshold is None else threshold)
 
-    def __getattr__(self, name: str) -> Any:
-        program = self.__dict__.get("program")
-        if program is None:
-            raise AttributeError(name)
-        return getattr(program, name)
 
 
 __all__ = ["AdaptPolicy", "AdaptiveProgram", "RankTiming", "StageTimer", "StragglerReport",

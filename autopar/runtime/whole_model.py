@@ -1,0 +1,114 @@
+"""Programs whose every rank holds the whole model and optimizer (the replicated fallback, the graph programs):
+the protocol members they share (protocol.py) on `self.model`, `self.optimizer`, `self.step_count`.
+
+- `state_dict` / `load_state_dict`: the model's and optimizer's own state dicts and the step;
+- `save` / `load`: the same torch.distributed.checkpoint layout as `Program.save` (checkpoint.py: ``model.<fqn>``,
+  ``optim.state.<fqn>.<key>``, ``step``), written by rank 0 alone (every rank holds the same values) and read
+  by every rank, so a checkpoint moves between these programs, a `Program` and the plain model
+  (`checkpoint.load_into_model`);
+- `report`: each rank's predicted peak and step time from the plan against its measured step times. Their
+  memory is not measured (only `Program`s open `compile(check_plan=)`'s window); the report says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from . import checkpoint
+from .plan_check import RankFigures, RunReport
+
+NOT_MEASURED = "not measured: only pipeline programs measure their memory (compile(check_plan=))"
+
+
+class WholeModelState:
+    """The protocol's state, checkpoint and report members of a program whose ranks each hold the whole model."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step_count: int
+    rank: int
+    world_size: int
+    plan: Any
+
+    def state_dict(self) -> dict:
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd.get("step", self.step_count))
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the model, optimizer state and step to checkpoint directory `path` (checkpoint.py's layout;
+        rank 0 writes every entry). Collective."""
+        entries: dict[str, Any] = {}
+        if self.rank == 0:
+            names: dict[int, str] = {}  # a tied weight once, under its first name
+            for fqn, t in self.model.state_dict(keep_vars=True).items():
+                if id(t) not in names:
+                    names[id(t)] = fqn
+                    entries[checkpoint.MODEL + fqn] = t.detach()
+            for p, state in self.optimizer.state.items():
+                for key, v in state.items():
+                    if v is not None:
+                        entries[f"{checkpoint.OPTIM}{names[id(p)]}.{key}"] = \
+                            v.detach() if isinstance(v, torch.Tensor) else v
+            entries[checkpoint.STEP] = torch.tensor(self.step_count, dtype=torch.int64)
+            if self.plan is not None:
+                entries[checkpoint.PLAN] = self.plan.to_json(indent=None)
+        distributed = self.world_size > 1 and dist.is_initialized()
+        with checkpoint.quiet_dcp():
+            dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not distributed)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by any program's `save` (every rank reads the whole model). Collective."""
+        self.step_count = checkpoint.load_into_model(self.model, path, self.optimizer)
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
+    # ---- report -----------------------------------------------------------------------------------------
+    @contextmanager
+    def timed_step(self) -> Iterator[None]:
+        """Around one `step`: its wall seconds, for `report` (the latest 64 kept)."""
+        start = time.perf_counter()
+        yield
+        steps = self.__dict__.setdefault("_step_seconds", [])
+        steps.append(time.perf_counter() - start)
+        del steps[:-64]
+
+    def report(self) -> RunReport:
+        """Every rank's predicted peak and step time against its measured step time (memory not measured).
+        Collective: call it on every rank; `print(prog.report())` shows the table."""
+        plan = self.plan
+        predicted = (plan.predicted or {}) if plan is not None else {}
+        peaks = predicted.get("peak_memory_bytes") or {}
+        caps = predicted.get("memory_capacity_bytes") or {}
+        figure = lambda d: int(d.get(self.rank, d.get(str(self.rank), 0)) or 0)  # noqa: E731
+        device = plan.device_names().get(self.rank, "?") if plan is not None else "?"
+        mine = RankFigures(self.rank, device, [self.what_runs()], figure(peaks), figure(caps), None,
+                           float(predicted.get("step_time_s") or 0.0),
+                           list(self.__dict__.get("_step_seconds", [])), not_measured=NOT_MEASURED)
+        if self.world_size <= 1 or not dist.is_initialized():
+            return RunReport([mine])
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return RunReport(sorted(gathered, key=lambda r: r.rank))
+
+    def what_runs(self) -> str:
+        """The report's "stages" cell of this rank."""
+        return "the whole model"
+
+
+__all__ = ["NOT_MEASURED", "WholeModelState"]
