@@ -13,7 +13,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,11 @@ from .checks import check_seconds
 from .cluster import Cluster
 from .cost_models.compute import Profile
 from .errors import AutoparError, CaptureError, PlanError, PrecisionChangeWarning
+from .graph import TrainingGraph
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
+from .plan import Plan, Strategy
 from .precision import precision_change
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
@@ -54,6 +56,217 @@ def warn_precision_change(model: nn.Module, cluster: Cluster, precision: str) ->
             f"autopar chose precision={precision!r} for cluster {cluster.name!r} (autopar.default_precision), so "
             f"the model ({str(dtype).removeprefix('torch.')} parameters) computes differently from its own dtype: "
             f"{change}. Pass precision='fp32' to keep its math."), stacklevel=3)
+
+
+# ---- compile's phases: connect -> capture -> plan -> build -> wrap (each output the next one's input) -------
+
+
+@dataclass(frozen=True)
+class Job:
+    """`connect`'s output: the cluster, this rank's device and the process group's rank and size."""
+
+    cluster: Cluster
+    device: torch.device
+    rank: int
+    world: int
+
+
+def connect(cluster: Cluster | str | dict | os.PathLike, timeout_s: float) -> Job:
+    """Phase 1: the cluster loaded, this rank's device made current (before the group exists: NCCL binds to
+    it eagerly) and checked against the cluster file, and the process group joined; PlanError when the
+    process count is not the cluster's device count."""
+    cluster = Cluster.load(cluster)
+    device = launch_device(cluster)
+    if device.type == "cuda":  # before any collective: this rank's GPU is the type the cluster file says
+        from .cluster import catalog_name_for_gpu
+
+        # CUDA's default order (fastest first) may not be the cluster file's
+        warn_device_order([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+        check_rank_gpu(cluster, int(os.environ.get("RANK", "0")), device, torch.cuda.get_device_name(device),
+                       catalog_name_for_gpu)
+    rank, world = ensure_initialized(timeout_s, device)
+    if world != cluster.world_size:
+        raise PlanError(
+            f"the cluster has {cluster.world_size} devices but {world} process(es) are running: start "
+            f"one process per device (`autopar run script.py --cluster ...` or torchrun "
+            f"--nproc-per-node {cluster.world_size})."
+        )
+    return Job(cluster, device, rank, world)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """`capture_model`'s output: the captured graph, the step's example batch as the user gave it, and the
+    batch the capture (and the planner) read (a meta model's inputs and target as its weights allow)."""
+
+    graph: TrainingGraph
+    inputs: tuple
+    target: Any
+    capture_inputs: tuple
+    capture_target: Any
+
+
+def capture_model(model: nn.Module, inputs: tuple, example_target: Any, loss_fn: LossFn | None) -> Captured:
+    """Phase 2: the model captured once on one global batch (CaptureError naming the op and source line when
+    it cannot be); every later phase, and every re-plan, reuses it."""
+    capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
+    graph = capture(model, capture_inputs, loss_fn, capture_target)
+    return Captured(graph, inputs, example_target, capture_inputs, capture_target)
+
+
+@dataclass(frozen=True)
+class Planning:
+    """What the plan phase is asked: the user's compile arguments it reads."""
+
+    loss_fn: LossFn | None
+    optimizer: Any
+    kernels: str
+    precision: str | None
+    time_limit_s: float
+    sync: str
+    staleness: int | None
+    compress: str | None
+    profiles: dict | None
+
+    @property
+    def optimizer_name(self) -> str:
+        return self.optimizer if isinstance(self.optimizer, str) else "adamw"
+
+
+def plan_phase(model: nn.Module, job: Job, captured: Captured, plan: Any, asked: Planning, delay: int
+               ) -> tuple[Plan, int]:
+    """Phase 3: the plan every rank trains, and the update delay it runs with. Rank 0 plans (plan=None) or
+    prices a hand-written Strategy as `autopar.estimate` does, and the others take its plan (its error is raised
+    on every rank, none is left waiting); a given Plan or its JSON is taken as it is. A planner that chose
+    synchronous training where `sync=` allowed asynchrony sets the delay to 0; a given layout trained with
+    delayed updates is priced for them (PlanError on every rank when its pending gradients do not fit)."""
+    from .api import estimate, price_async
+    from .api import plan as make_plan
+
+    strategy = plan if isinstance(plan, Strategy) else None
+    planned = plan is None  # autopar plans: with sync= it may choose synchronous training (api.plan)
+    rank, world, cluster = job.rank, job.world, job.cluster
+    if plan is None or strategy is not None:
+        box: list[Any] = [None]
+        failed = None
+        if rank == 0:
+            args = dict(example_inputs=captured.capture_inputs, example_target=captured.capture_target,
+                        loss_fn=asked.loss_fn, optimizer=asked.optimizer_name, kernels=asked.kernels,
+                        precision=asked.precision, captured=captured.graph,  # priced as the program will run
+                        profiles=asked.profiles)
+            try:
+                made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
+                        else make_plan(model, cluster, time_limit_s=asked.time_limit_s, sync=asked.sync,
+                                       staleness=asked.staleness, compress=asked.compress, **args))
+                box[0] = made.to_json()
+            except Exception as e:
+                failed = e
+                box[0] = e if isinstance(e, AutoparError) else AutoparError(f"rank 0 failed to plan: {e!r}")
+        if world > 1:
+            dist.broadcast_object_list(box, src=0, device=world_comm_device(cluster, job.device))
+        if failed is not None:
+            raise failed
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        plan = Plan.from_json(box[0])
+        if strategy is not None and plan.predicted.get("fits") is False and rank == 0:
+            problems = plan.predicted.get("memory_problems") or ["(no details)"]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            warnings.warn(f"the strategy passed as plan= does not fit in memory as priced: {problems[0]}{more} "
+                          f"autopar trains it anyway, as asked, and it may run out of memory; zero=, "
+                          f"recompute=True, offload= or more pipeline stages would make it fit, or plan=None "
+                          f"lets autopar plan.", stacklevel=3)
+    elif isinstance(plan, (str, bytes)):
+        plan = Plan.from_json(plan)
+    elif not isinstance(plan, Plan):
+        raise PlanError(f"plan must be None (autopar plans), an autopar.Strategy, a Plan or its JSON; got "
+                        f"{type(plan).__name__}.")
+    if asked.precision is not None and plan.precision != asked.precision:
+        raise PlanError(f"compile(precision={asked.precision!r}) but the plan computes in {plan.precision!r}: "
+                        f"drop precision= to train as the plan says, or plan again with autopar.plan(..., "
+                        f"precision={asked.precision!r}).")
+    if rank == 0 and planned and asked.precision is None:
+        warn_precision_change(model, cluster, plan.precision)
+    chose = (plan.predicted.get("async") or {}) if planned and delay else {}
+    if chose.get("sync") == "sync":
+        if rank == 0:
+            warnings.warn(f"sync={asked.sync!r} was allowed but the planner chose synchronous training "
+                          f"({chose.get('reason')}); training synchronously. Pass plan=autopar.Strategy(...) "
+                          f"to train a layout asynchronously regardless.", stacklevel=3)
+        delay = 0
+    if delay and not planned:  # a given layout: its pending wave gradients must fit (every rank: PlanError)
+        plan = price_async(plan, model, captured.capture_inputs, captured.capture_target, asked.loss_fn,
+                           asked.optimizer_name, sync=asked.sync, staleness=asked.staleness, kernels=asked.kernels,
+                           captured=captured.graph, profiles=asked.profiles)
+    if rank == 0:
+        warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
+        warn_async(asked.sync, delay, plan=plan)  # names the runtime (flushless or not, and why)
+    return plan, delay
+
+
+@dataclass(frozen=True)
+class Building:
+    """What the build phase is asked: the user's compile arguments the program is built with."""
+
+    loss_fn: LossFn | None
+    optimizer: Any
+    timeout_s: float
+    kernels: str
+    weights: WeightsArg
+    seed: int
+    sync: str
+    staleness: int | None
+    check_plan: bool
+
+
+def build_phase(model: nn.Module, job: Job, captured: Captured, plan: Plan, delay: int, asked: Building
+                ) -> Program:
+    """Phase 4: this rank's program for `plan` (the synchronous Program, or the delayed-update program that
+    runs it), its transfers checked under NCCL's rules first, and its memory window open over the build and
+    the first steps (runtime/plan_check.py)."""
+    program = Program if not delay else functools.partial(async_program(plan, asked.sync), sync=asked.sync,
+                                                          staleness=asked.staleness)
+    # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
+    check_transfers(layout_of(plan, len(captured.graph.layers)),
+                    flushless=bool(delay) and not flushless_problems(plan, asked.sync))
+    check = PlanCheck(plan, job.rank, job.device) if asked.check_plan else None
+    if check is not None and delay and job.device.type != "cuda":
+        # delayed updates keep gradient reductions in flight across steps, so gloo's threads free tensors while
+        # the window's profiler stops: torch's profiler takes memory reports from other threads during its
+        # teardown unguarded (pytorch/pytorch#136304, #195636), and a rank died in garbage collection with
+        # "free(): invalid next size" (tests/test_flushless.py, measured). Not measured on the CPU; on CUDA
+        # the check reads the allocator's counters, no profiler.
+        check.figures.not_measured = "asynchronous program on the CPU"
+    elif check is not None:
+        check.open()
+    try:
+        prog = program(model, plan, captured.inputs, captured.target, asked.loss_fn, asked.optimizer, job.rank,
+                       job.world, timeout_s=asked.timeout_s, kernels=asked.kernels, weights=asked.weights,
+                       graph=captured.graph, seed=asked.seed)
+    except BaseException:
+        if check is not None:
+            check.abandon()
+        raise
+    prog.plan_check = check
+    if check is not None:  # a program dropped before its window's last step still closes it (and its profiler)
+        weakref.finalize(prog, check.close)
+    return prog
+
+
+def dump_phase(prog: Program, plan: Plan, directory: str | os.PathLike | None, model: nn.Module, job: Job,
+               captured: Captured, loss_fn: LossFn | None, kernels: str) -> None:
+    """With AUTOPAR_DUMP (or `dump_dir=`): this rank's generated program, and on rank 0 the plan and the
+    annotated graph priced as the plan runs."""
+    d = _dump_dir(directory)
+    if d is None:
+        return
+    prog.dump(str(d))
+    if job.rank == 0:
+        (d / "plan.json").write_text(plan.to_json())
+        from .api import analyze  # graph.txt/json/dot: the annotated graph, priced as the plan runs
+
+        analyze(model, job.cluster, captured.capture_inputs, captured.capture_target, loss_fn, plan.precision, d,
+                kernels)
 
 
 def compile(
@@ -146,9 +359,6 @@ def compile(
     `autopar.plan(..., profiles=...)` does: those types are priced with these compute profiles instead of the
     saved ones. A re-plan around stragglers (`adapt=`) passes the slowed types' scaled profiles the same way.
     """
-    from .api import estimate, price_async
-    from .api import plan as make_plan
-    from .plan import Plan, Strategy
     from .solver.pricing.plan import check_compress
 
     check_seconds("time_limit_s", time_limit_s)
@@ -158,23 +368,7 @@ def compile(
     if delay and adapt:
         raise PlanError(f"sync={sync!r} with adapt=: re-planning around stragglers is for synchronous programs; "
                         f"pass adapt=False (delayed updates already let fast replicas run ahead) or sync='sync'.")
-    cluster = Cluster.load(cluster)
-    # the rank's device (runtime/devices.py) is current before the group exists: NCCL binds to it eagerly
-    device = launch_device(cluster)
-    if device.type == "cuda":  # before any collective: this rank's GPU is the type the cluster file says
-        from .cluster import catalog_name_for_gpu
-
-        # CUDA's default order (fastest first) may not be the cluster file's
-        warn_device_order([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-        check_rank_gpu(cluster, int(os.environ.get("RANK", "0")), device, torch.cuda.get_device_name(device),
-                       catalog_name_for_gpu)
-    rank, world = ensure_initialized(timeout_s, device)
-    if world != cluster.world_size:
-        raise PlanError(
-            f"the cluster has {cluster.world_size} devices but {world} process(es) are running: start "
-            f"one process per device (`autopar run script.py --cluster ...` or torchrun "
-            f"--nproc-per-node {cluster.world_size})."
-        )
+    job = connect(cluster, timeout_s)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     from .graphs.planner import graph_kind
 
@@ -184,152 +378,46 @@ def compile(
         # GNNs: partitioned full-graph or sampled data-parallel program (graphs/); TGN: temporal data parallel
         from .graphs.entry import compile_graph
 
-        return compile_graph(model, cluster, inputs, example_target, loss_fn, optimizer, plan, rank, world,
-                             timeout_s, graph_options, precision, profiles)
-    meta = is_meta(model)
-    capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
+        return compile_graph(model, job.cluster, inputs, example_target, loss_fn, optimizer, plan, job.rank,
+                             job.world, timeout_s, graph_options, precision, profiles)
     try:
-        graph = capture(model, capture_inputs, loss_fn, capture_target)  # the program reuses it
+        captured = capture_model(model, inputs, example_target, loss_fn)
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a
         # meta model: replicas would need it whole)
-        if not fallback or meta or delay:  # delayed updates run only on captured programs
+        if not fallback or is_meta(model) or delay:  # delayed updates run only on captured programs
             raise
         batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0)
-        if rank == 0:
-            warn_if_batch_split(model, world, batch, "replicated data parallelism")
-        return ReplicatedProgram(model, cluster, batch, loss_fn, optimizer, rank, world, e, timeout_s)
-    strategy = plan if isinstance(plan, Strategy) else None
-    planned = plan is None  # autopar plans: with sync= it may choose synchronous training (api.plan)
-    if plan is None or strategy is not None:
-        # one rank plans (or prices the hand-written strategy, as autopar.estimate does) and the others take
-        # its plan, so every rank runs the same one; its error is raised on every rank, none is left waiting
-        box: list[Any] = [None]
-        failed = None
-        if rank == 0:
-            args = dict(example_inputs=capture_inputs, example_target=capture_target, loss_fn=loss_fn,
-                        optimizer=optimizer if isinstance(optimizer, str) else "adamw",
-                        kernels=kernels, precision=precision, captured=graph,  # priced as the program will run
-                        profiles=profiles)
-            try:
-                made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
-                        else make_plan(model, cluster, time_limit_s=time_limit_s, sync=sync, staleness=staleness,
-                                       compress=compress, **args))
-                box[0] = made.to_json()
-            except Exception as e:
-                failed = e
-                box[0] = e if isinstance(e, AutoparError) else AutoparError(f"rank 0 failed to plan: {e!r}")
-        if world > 1:
-            dist.broadcast_object_list(box, src=0, device=world_comm_device(cluster, device))
-        if failed is not None:
-            raise failed
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        plan = Plan.from_json(box[0])
-        if strategy is not None and plan.predicted.get("fits") is False and rank == 0:
-            problems = plan.predicted.get("memory_problems") or ["(no details)"]
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            warnings.warn(f"the strategy passed as plan= does not fit in memory as priced: {problems[0]}{more} "
-                          f"autopar trains it anyway, as asked, and it may run out of memory; zero=, "
-                          f"recompute=True, offload= or more pipeline stages would make it fit, or plan=None "
-                          f"lets autopar plan.", stacklevel=2)
-    elif isinstance(plan, (str, bytes)):
-        plan = Plan.from_json(plan)
-    elif not isinstance(plan, Plan):
-        raise PlanError(f"plan must be None (autopar plans), an autopar.Strategy, a Plan or its JSON; got "
-                        f"{type(plan).__name__}.")
-    if precision is not None and plan.precision != precision:
-        raise PlanError(f"compile(precision={precision!r}) but the plan computes in {plan.precision!r}: drop "
-                        f"precision= to train as the plan says, or plan again with autopar.plan(..., "
-                        f"precision={precision!r}).")
-    if rank == 0 and planned and precision is None:
-        warn_precision_change(model, cluster, plan.precision)
-    chose = (plan.predicted.get("async") or {}) if planned and delay else {}
-    if chose.get("sync") == "sync":
-        if rank == 0:
-            warnings.warn(f"sync={sync!r} was allowed but the planner chose synchronous training "
-                          f"({chose.get('reason')}); training synchronously. Pass plan=autopar.Strategy(...) "
-                          f"to train a layout asynchronously regardless.", stacklevel=2)
-        delay = 0
-    if delay and not planned:  # a given layout: its pending wave gradients must fit (every rank: PlanError)
-        plan = price_async(plan, model, capture_inputs, capture_target, loss_fn,
-                           optimizer if isinstance(optimizer, str) else "adamw", sync=sync, staleness=staleness,
-                           kernels=kernels, captured=graph, profiles=profiles)
-    if rank == 0:
-        warn_if_batch_split(model, pieces_of(plan), plan.global_batch, "the plan")
-        warn_async(sync, delay, plan=plan)  # names the runtime (flushless or not, and why)
-    program = Program if not delay else functools.partial(async_program(plan, sync), sync=sync, staleness=staleness)
-    # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
-    check_transfers(layout_of(plan, len(graph.layers)), flushless=bool(delay) and not flushless_problems(plan, sync))
-    # the plan checks itself: this rank's peak memory over building the program and its first steps
-    check = PlanCheck(plan, rank, device) if check_plan else None
-    if check is not None and delay and device.type != "cuda":
-        # delayed updates keep gradient reductions in flight across steps, so gloo's threads free tensors while
-        # the window's profiler stops: torch's profiler takes memory reports from other threads during its
-        # teardown unguarded (pytorch/pytorch#136304, #195636), and a rank died in garbage collection with
-        # "free(): invalid next size" (tests/test_flushless.py, measured). Not measured on the CPU; on CUDA
-        # the check reads the allocator's counters, no profiler.
-        check.figures.not_measured = "asynchronous program on the CPU"
-    elif check is not None:
-        check.open()
-    try:
-        prog = program(
-            model,
-            plan,
-            inputs,
-            example_target,
-            loss_fn,
-            optimizer,
-            rank,
-            world,
-            timeout_s=timeout_s,
-            kernels=kernels,
-            weights=weights,
-            graph=graph,
-            seed=seed,
-        )
-    except BaseException:
-        if check is not None:
-            check.abandon()
-        raise
-    prog.plan_check = check
-    if check is not None:  # a program dropped before its window's last step still closes it (and its profiler)
-        weakref.finalize(prog, check.close)
-    d = _dump_dir(dump_dir)
-    if d is not None:
-        prog.dump(str(d))
-        if rank == 0:
-            (d / "plan.json").write_text(plan.to_json())
-            from .api import analyze  # graph.txt/json/dot: the annotated graph, priced as the plan runs
-
-            analyze(model, cluster, capture_inputs, capture_target, loss_fn, plan.precision, d, kernels)
+        if job.rank == 0:
+            warn_if_batch_split(model, job.world, batch, "replicated data parallelism")
+        return ReplicatedProgram(model, job.cluster, batch, loss_fn, optimizer, job.rank, job.world, e, timeout_s)
+    planning = Planning(loss_fn, optimizer, kernels, precision, time_limit_s, sync, staleness, compress, profiles)
+    building = Building(loss_fn, optimizer, timeout_s, kernels, weights, seed, sync, staleness, check_plan)
+    plan, delay = plan_phase(model, job, captured, plan, planning, delay)
+    prog = build_phase(model, job, captured, plan, delay, building)
+    dump_phase(prog, plan, dump_dir, model, job, captured, loss_fn, kernels)
     # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)
-    rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights, graph,
-                             (capture_inputs, capture_target), seed=seed)
+    rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights,
+                           captured.graph, (captured.capture_inputs, captured.capture_target), seed=seed)
     prog = rebuilder.wrap(prog, reroute)
-    if adapt:
-        rebuild = lambda c, scaled: compile(
-            model,
-            c,
-            inputs,
-            example_target,
-            loss_fn,
-            optimizer,
-            dump_dir=dump_dir,
-            time_limit_s=time_limit_s,
-            timeout_s=timeout_s,
-            kernels=kernels,
-            precision=precision,
-            weights=weights,
-            reroute=reroute,
-            seed=seed,
-            profiles=scaled,
-        )
-        policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
-        return AdaptiveProgram(prog, rebuild, cluster, policy,
-                               reshare=lambda p: rebuilder.wrap(rebuilder.build(p, rank, world), reroute),
-                               profiles=dict(profiles or {}))
-    return prog
+    if not adapt:
+        return prog
+
+    def replan(slowed: Cluster, scaled: dict) -> Any:
+        """A re-plan around stragglers: the same capture planned on the cluster with the slow devices' own
+        types (`scaled`: their compute profiles), built and wrapped as the first program was (synchronous,
+        this compile's options; no second capture)."""
+        again = Job(slowed, job.device, job.rank, job.world)
+        new_plan, _ = plan_phase(model, again, captured, None, replace(planning, sync="sync", staleness=None,
+                                                                        compress=None, profiles=scaled), 0)
+        new = build_phase(model, again, captured, new_plan, 0, replace(building, sync="sync", staleness=None))
+        dump_phase(new, new_plan, dump_dir, model, again, captured, loss_fn, kernels)
+        return rebuilder.wrap(new, reroute)
+
+    policy = adapt if isinstance(adapt, AdaptPolicy) else AdaptPolicy()
+    return AdaptiveProgram(prog, replan, job.cluster, policy,
+                           reshare=lambda p: rebuilder.wrap(rebuilder.build(p, job.rank, job.world), reroute),
+                           profiles=dict(profiles or {}))
 
 
 @dataclass

@@ -112,9 +112,10 @@ def _worker(out: str, dp: int, pp: int, deaths: str, steps: int, tp: int = 1) ->
     sd = prog.state_dict()
     events = [dict(vars(e)) for e in getattr(prog, "events", [])]
     # what this rank holds: its local tensors (tensor-parallel shards) and how each is laid out
-    held = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in prog.params.items()}
+    params = getattr(prog, "program", prog).params  # the wrapped Program's (the wrapper forwards the protocol only)
+    held = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in params.items()}
     placements = {n: [x.dim if x.is_shard() else None for x in p.placements] if hasattr(p, "placements") else []
-                  for n, p in prog.params.items()}  # per mesh dimension: the tensor dimension it is cut on
+                  for n, p in params.items()}  # per mesh dimension: the tensor dimension it is cut on
     torch.save({"losses": losses, "model": sd["model"], "events": events, "plan": prog.plan.to_json(),
                 "world": prog.world_size, "rank": prog.rank, "held": held, "placements": placements},
                Path(out) / f"rank{rank}.pt")

@@ -97,8 +97,9 @@ def _peaks(rank: int, world: int, tp: int, memory_gib: float | None = None) -> d
         with track_memory() as trace:
             for _ in range(STEPS - 1):
                 prog.step(*case.example_inputs, target=case.example_target)
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in prog.params.values()]
-        held = sum(12 * t.numel() for t in local) + sum(b.numel() * b.element_size() for b in prog.buffers.values())
+        inner = getattr(prog, "program", prog)  # the wrapped Program (the wrapper forwards the protocol only)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in inner.params.values()]
+        held = sum(12 * t.numel() for t in local) + sum(b.numel() * b.element_size() for b in inner.buffers.values())
         out[on] = {"peak": trace.peak_bytes, "trace": trace.summary(top=6), "held": held,
                    "block": prog.plan.predicted.get("reroute") or {}, "wrapped": type(prog).__name__,
                    "explain": prog.plan.explain(), "why_not": getattr(prog, "why_not", None)}
