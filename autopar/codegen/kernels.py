@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import KernelError, KernelFallbackWarning, PlanError
-from ..passes.fusion_pricing import MODES, check_mode
+from ..passes.fusion_pricing import KERNEL_MODES, check_mode
 from . import triton_gen
 from .fusion import Region, find_regions, fused_bytes, lower, meta
 from .triton_gen import CompiledRegion, Instr, Program, Unfusible, interpreted_stdlib
@@ -546,4 +546,4 @@ def write_kernels(report: KernelReport, directory: str | os.PathLike) -> Path:
     return d
 
 
-__all__ = ["apply_kernels", "write_kernels", "KernelReport", "RegionReport", "FusedRegion", "MODES"]
+__all__ = ["apply_kernels", "write_kernels", "KernelReport", "RegionReport", "FusedRegion", "KERNEL_MODES"]

@@ -21,7 +21,7 @@ from .sampling import labelled_nodes
 
 # partition: full-graph training, the model as written (the default). sampled_dp: mini-batch training on
 # sampled neighbourhoods, a different estimator, only when graph_options asks for it.
-MODES = ("partition", "sampled_dp")
+GRAPH_MODES = ("partition", "sampled_dp")
 DEFAULTS = {"mode": "partition", "batch_size": None, "fanout": 10, "seed": 0}
 
 
@@ -80,12 +80,12 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     given = dict(options or {})
     opts = {**DEFAULTS, **given}
     unknown = set(opts) - set(DEFAULTS)
-    if unknown or opts["mode"] not in MODES:
+    if unknown or opts["mode"] not in GRAPH_MODES:
         hint = (" ('auto' no longer exists: the planner does not swap full-graph training for sampled mini-batch "
                 "training, a different algorithm; ask for 'sampled_dp' explicitly)" if opts["mode"] == "auto"
                 else "")
         raise PlanError(f"graph options {sorted(unknown) or opts['mode']!r} not understood; options are "
-                        f"{sorted(DEFAULTS)} with mode in {MODES}{hint}.")
+                        f"{sorted(DEFAULTS)} with mode in {GRAPH_MODES}{hint}.")
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
     x, edge_index = split_inputs(tuple(example_inputs))
@@ -135,5 +135,5 @@ def to_plan(model: nn.Module, cluster: Cluster, cost: GraphCostModel, best: Cand
                 predicted, memory_reserve, graph=graph)
 
 
-__all__ = ["DEFAULTS", "MODES", "graph_kind", "graph_stats", "plan_graph",
+__all__ = ["DEFAULTS", "GRAPH_MODES", "graph_kind", "graph_stats", "plan_graph",
            "split_inputs", "to_plan"]

@@ -26,14 +26,14 @@ from ..cost_models.compute import pointwise_flops
 from ..errors import PlanError
 from ..graph import Kernel, Layer, OpNode
 
-MODES = ("auto", "triton", "torch")
+KERNEL_MODES = ("auto", "triton", "torch")
 # region kind -> the cost-model kind of its kernel
 _KERNEL_KIND = {"norm": "norm", "residual_norm": "norm", "softmax": "softmax", "cross_entropy": "softmax"}
 
 
 def check_mode(kernels: str) -> str:
-    if kernels not in MODES:
-        raise PlanError(f"unknown kernels mode {kernels!r}: use one of {', '.join(repr(m) for m in MODES)}.")
+    if kernels not in KERNEL_MODES:
+        raise PlanError(f"unknown kernels mode {kernels!r}: use one of {', '.join(repr(m) for m in KERNEL_MODES)}.")
     return kernels
 
 
@@ -185,4 +185,4 @@ def apply_overrides(node: OpNode, over: tuple, rewrite: bool) -> OpNode:
                    bytes_bwd=sum(k.nbytes for k in kb), saved=saved, saved_internal_bytes=internal)
 
 
-__all__ = ["fusing_types", "fused_overrides", "apply_overrides", "check_mode", "MODES", "RegionSpec"]
+__all__ = ["fusing_types", "fused_overrides", "apply_overrides", "check_mode", "KERNEL_MODES", "RegionSpec"]

@@ -4,7 +4,7 @@ and both modes' predictions. Reads only `Plan.graph`, so a plan read back from J
 
 from __future__ import annotations
 
-from ..graphs.planner import MODES
+from ..graphs.planner import GRAPH_MODES
 from ..report import fmt_bytes, fmt_time, render_table
 
 
@@ -46,7 +46,7 @@ def explain_graph(graph: dict) -> str:
         rate = f"{c['samples_per_s']:.4g} samples/s, {fmt_time(c['step_time_s'])}/step" if c.get("fits") else ""
         tag = " (chosen)" if m == mode else (
             " (not considered: a different algorithm than the one asked for; graph_options "
-            f"mode={m!r} asks for it)" if mode in MODES else "")
+            f"mode={m!r} asks for it)" if mode in GRAPH_MODES else "")
         lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
     return "\n".join(lines)
 
