@@ -58,6 +58,11 @@ def warn_precision_change(model: nn.Module, cluster: Cluster, precision: str) ->
             f"{change}. Pass precision='fp32' to keep its math."), stacklevel=3)
 
 
+def priced_optimizer(optimizer: Any) -> str:
+    """The optimizer the planner prices for compile's `optimizer`: its name, or AdamW's for a factory."""
+    return optimizer if isinstance(optimizer, str) else "adamw"
+
+
 # ---- compile's phases: connect -> capture -> plan -> build -> wrap (each output the next one's input) -------
 
 
@@ -130,7 +135,7 @@ class Planning:
 
     @property
     def optimizer_name(self) -> str:
-        return self.optimizer if isinstance(self.optimizer, str) else "adamw"
+        return priced_optimizer(self.optimizer)
 
 
 def plan_phase(model: nn.Module, job: Job, captured: Captured, plan: Any, asked: Planning, delay: int
@@ -449,7 +454,7 @@ class _Rebuilder:
 
         key = (json.dumps(plan.cluster, sort_keys=True), plan.precision, plan.memory_reserve)
         if key not in self.cost_models:
-            opt = self.optimizer if isinstance(self.optimizer, str) else "adamw"
+            opt = priced_optimizer(self.optimizer)
             self.cost_models[key] = cost_model(self.model, plan.cluster, *self.capture_args, self.loss_fn, opt,
                                                plan.precision, plan.memory_reserve, self.kernels, captured=self.graph)
         return self.cost_models[key]

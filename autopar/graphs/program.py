@@ -94,32 +94,50 @@ class GraphProgram(WholeModelState):
         self.layers = len(message_passing_layers(model))
         self.step_count = 0
         self._key: tuple | None = None
+        self._part_key: tuple | None = None  # the graph `part` was made for (`_partition`)
         sync_replicas(model, world_size, timeout_s)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params)
 
-    def _prepare(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor) -> None:
-        key = (edge_index.data_ptr(), tuple(edge_index.shape), x.shape[0], target.data_ptr())
-        if key == self._key:
-            return
+    def _check(self, x: torch.Tensor, edge_index: torch.Tensor) -> None:
         check_graph_inputs(x, edge_index)
         g, n = self.plan.graph, x.shape[0]
         if g.get("num_nodes") not in (None, n):
             raise PlanError(f"the plan was made for a graph of {g['num_nodes']} nodes, this one has {n}: plan "
                             f"again for this graph.")
-        # index bookkeeping runs on the CPU; what the layers read moves to the data's device
-        edge_index, self.device = edge_index.cpu(), x.device
+
+    def _partition(self, x: torch.Tensor, edge_index: torch.Tensor) -> Any:
+        """This rank's part of the graph (partition mode) on the data's device, computed once per graph
+        (index bookkeeping on the CPU)."""
+        key = (edge_index.data_ptr(), tuple(edge_index.shape), x.shape[0])
+        if key != self._part_key:
+            part = partition_graph(edge_index.cpu(), x.shape[0], self.shares, self.rank)
+            self.part = replace(part, **{k: getattr(part, k).to(x.device)
+                                         for k in ("owned", "edges", "degree", "send_index")})
+            self._part_key = key
+        return self.part
+
+    @staticmethod
+    def _partitioned(part: Any) -> LocalGraph:
+        """The layers' view of a partition: the owned rows with their halo, exchanged before every layer."""
+        n_own = part.owned.numel()
+        return LocalGraph([part.edges], [n_own], [n_own], part.degree, lambda h: halo_exchange(h, part))
+
+    def _prepare(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor) -> None:
+        key = (edge_index.data_ptr(), tuple(edge_index.shape), x.shape[0], target.data_ptr())
+        if key == self._key:
+            return
+        self._check(x, edge_index)
+        n = x.shape[0]
+        self.device = x.device
         self.policy = PrecisionPolicy.of_plan(self.plan, self.device, self.timeout_s)
         self.labelled = labelled_nodes(target.cpu())
         if self.mode == "partition":
-            part = partition_graph(edge_index, n, self.shares, self.rank)
             is_lab = torch.zeros(n, dtype=torch.bool)
             is_lab[self.labelled] = True
-            self.local_labelled = int(is_lab[part.owned].sum())
-            self.part = replace(part, **{k: getattr(part, k).to(self.device)
-                                         for k in ("owned", "edges", "degree", "send_index")})
+            self.local_labelled = int(is_lab[self._partition(x, edge_index).owned.cpu()].sum())
         else:
-            self.in_edges = InEdges(edge_index, n)
+            self.in_edges = InEdges(edge_index.cpu(), n)
         self._key = key
 
     def what_runs(self) -> str:
@@ -133,18 +151,14 @@ class GraphProgram(WholeModelState):
         on every rank: what a sampled-trained GNN is evaluated with). Collective."""
         from ..runtime.eval import concat_from
 
-        check_graph_inputs(x, edge_index)
+        self._check(x, edge_index)
         policy = PrecisionPolicy.of_plan(self.plan, x.device, self.timeout_s)
         with torch.no_grad():
             if self.mode != "partition":
                 with policy.forward():
                     return self.model(x, edge_index)
-            part = partition_graph(edge_index.cpu(), x.shape[0], self.shares, self.rank)
-            part = replace(part, **{k: getattr(part, k).to(x.device)
-                                    for k in ("owned", "edges", "degree", "send_index")})
-            n_own = part.owned.numel()
-            ctx = LocalGraph([part.edges], [n_own], [n_own], part.degree, lambda h: halo_exchange(h, part))
-            with local_layers(self.model, ctx), policy.forward():
+            part = self._partition(x, edge_index)
+            with local_layers(self.model, self._partitioned(part)), policy.forward():
                 out = self.model(x[part.owned], part.edges)
             rows, owned = concat_from([out, part.owned], list(range(self.world_size)), self.world_size,
                                       self.timeout_s, x.device)
@@ -162,9 +176,8 @@ class GraphProgram(WholeModelState):
             raise PlanError("graph training needs target= (per-node labels, -100 for unlabelled nodes).")
         self._prepare(x, edge_index, target)
         if self.mode == "partition":
-            part = self.part
-            n_own = part.owned.numel()
-            ctx = LocalGraph([part.edges], [n_own], [n_own], part.degree, lambda h: halo_exchange(h, part))
+            part = self._partition(x, edge_index)
+            ctx = self._partitioned(part)
             rows, count, total = part.owned, self.local_labelled, self.labelled.numel()
             model_edges = part.edges
         else:

@@ -103,7 +103,7 @@ class RankFigures:
         return " and ".join(problems)
 
 
-def _of(per_device: dict, rank: int) -> int:
+def of_rank(per_device: dict, rank: int) -> int:
     """`rank`'s entry of a predicted per-device figure (int keys, or str ones from JSON), 0 without one."""
     return int(per_device.get(rank, per_device.get(str(rank), 0)) or 0)
 
@@ -207,13 +207,13 @@ class PlanCheck:
         predicted = plan.predicted or {}
         peaks = predicted.get("peak_memory_bytes") or {}
         caps = predicted.get("memory_capacity_bytes") or {}
-        peak = _of(peaks, rank)
+        peak = of_rank(peaks, rank)
         # the host's share is in this allocator too
-        self._overlap = _of(predicted.get("host_overlap_bytes") or {}, rank) if self.device.type == "cpu" else 0
+        self._overlap = of_rank(predicted.get("host_overlap_bytes") or {}, rank) if self.device.type == "cpu" else 0
         if peak:
             peak += self._overlap
         self.figures = RankFigures(
-            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank), peak, _of(caps, rank),
+            rank, plan.device_names().get(rank, "?"), stage_options(plan, rank), peak, of_rank(caps, rank),
             None, float(predicted.get("step_time_s") or 0.0))
         self._window: contextlib.ExitStack | None = None
         self._trace: MemoryTrace | None = None
@@ -291,15 +291,19 @@ class PlanCheck:
 
     def report(self, world: int, group: Any = None) -> RunReport:
         """Every rank's figures (gathered over `group`, a gloo group of the world, when world > 1)."""
-        mine = self.figures
-        if world <= 1:
-            return RunReport([mine], self.tolerance)
-        import torch.distributed as dist
+        return gathered_report(self.figures, world, group, self.tolerance)
 
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)
-        return RunReport(sorted(gathered, key=lambda r: r.rank), self.tolerance)
+
+def gathered_report(mine: RankFigures, world: int, group: Any = None, tolerance: float = TOLERANCE) -> RunReport:
+    """Every rank's figures, this rank's `mine` among them (all-gathered over `group` when world > 1)."""
+    if world <= 1:
+        return RunReport([mine], tolerance)
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    return RunReport(sorted(gathered, key=lambda r: r.rank), tolerance)
 
 
 __all__ = ["PlanCheck", "PlanDriftWarning", "RankFigures", "RunReport", "STEPS", "StageFigures", "TOLERANCE",
-           "stage_options", "stage_times"]
+           "gathered_report", "of_rank", "stage_options", "stage_times"]

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from . import checkpoint
-from .plan_check import RankFigures, RunReport
+from .plan_check import RankFigures, RunReport, gathered_report, of_rank
 
 NOT_MEASURED = "not measured: only pipeline programs measure their memory (compile(check_plan=))"
 
@@ -93,18 +93,13 @@ class WholeModelState:
         Collective: call it on every rank; `print(prog.report())` shows the table."""
         plan = self.plan
         predicted = (plan.predicted or {}) if plan is not None else {}
-        peaks = predicted.get("peak_memory_bytes") or {}
-        caps = predicted.get("memory_capacity_bytes") or {}
-        figure = lambda d: int(d.get(self.rank, d.get(str(self.rank), 0)) or 0)  # noqa: E731
         device = plan.device_names().get(self.rank, "?") if plan is not None else "?"
-        mine = RankFigures(self.rank, device, [self.what_runs()], figure(peaks), figure(caps), None,
+        mine = RankFigures(self.rank, device, [self.what_runs()],
+                           of_rank(predicted.get("peak_memory_bytes") or {}, self.rank),
+                           of_rank(predicted.get("memory_capacity_bytes") or {}, self.rank), None,
                            float(predicted.get("step_time_s") or 0.0),
                            list(self.__dict__.get("_step_seconds", [])), not_measured=NOT_MEASURED)
-        if self.world_size <= 1 or not dist.is_initialized():
-            return RunReport([mine])
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        return RunReport(sorted(gathered, key=lambda r: r.rank))
+        return gathered_report(mine, self.world_size if dist.is_initialized() else 1)
 
     def what_runs(self) -> str:
         """The report's "stages" cell of this rank."""

@@ -202,8 +202,9 @@ def scaled_profiles(base: Cluster, slowdown: dict[int, float], profiles: dict[st
     are not scaled keep `profiles`' entries where the scaled cluster still has them (the others their saved
     ones)."""
     profiles = profiles or {}
-    cluster = scaled_cluster(base, slowdown)
-    out = {name: p for name, p in profiles.items() if name in cluster.device_types()}
+    # the types scaled_cluster keeps: those with a device left unscaled
+    kept = {d.spec.name for d in base.devices if slowdown.get(d.index, 1.0) <= 1.0}
+    out = {name: p for name, p in profiles.items() if name in kept}
     for i, f in slowdown.items():
         if f <= 1.0:
             continue
