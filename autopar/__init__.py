@@ -20,10 +20,10 @@ from .errors import (
     RandomnessWarning,
     UnpricedOpWarning,
 )
+from .ir.plan import Estimate, Plan, Strategy
+from .ir.precision import default_precision
 from .passes.batch_stats import BatchStatisticsWarning
 from .passes.capture import capture
-from .plan import Estimate, Plan, Strategy
-from .precision import default_precision
 from .runtime.asynchronous import AsyncUpdateWarning
 from .runtime.protocol import TrainingProgram
 from .runtime.weights import materialize

@@ -15,11 +15,11 @@ from .checks import check_memory_reserve, check_seconds
 from .cluster import Cluster
 from .cost_models.compute import Profile, check_profiles
 from .errors import InfeasibleError, PlanError
-from .graph import TrainingGraph
+from .ir.graph import TrainingGraph
+from .ir.plan import Estimate, Plan, Strategy
+from .ir.precision import resolve_precision
 from .passes.annotate import annotate
 from .passes.capture import LossFn, capture
-from .plan import Estimate, Plan, Strategy
-from .precision import resolve_precision
 from .report import dump_dir as _dump_dir
 from .report import dump_graph
 from .solver.async_memory import async_memory

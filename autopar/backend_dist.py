@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from .cluster import Cluster
 from .errors import PlanError
-from .plan import Plan, Strategy
+from .ir.plan import Plan, Strategy
 from .runtime.dist import DEFAULT_TIMEOUT_S, wait
 
 _PARAM = re.compile(r"p(\d+)$")

@@ -25,12 +25,12 @@ from .checks import check_seconds
 from .cluster import Cluster
 from .cost_models.compute import Profile
 from .errors import AutoparError, CaptureError, PlanError, PrecisionChangeWarning
-from .graph import TrainingGraph
+from .ir.graph import TrainingGraph
+from .ir.plan import Plan, Strategy
+from .ir.precision import precision_change
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
-from .plan import Plan, Strategy
-from .precision import precision_change
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
 from .runtime.asynchronous import warn_async

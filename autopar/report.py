@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .graph import TrainingGraph
+    from .ir.graph import TrainingGraph
 
 
 def fmt_count(x: float) -> str:

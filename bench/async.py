@@ -35,7 +35,7 @@ import autopar
 from autopar import Strategy, models
 from autopar.cluster import device_spec
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 from autopar.runtime.asynchronous import AsyncProgram
 from autopar.runtime.flushless import FlushlessProgram
 from autopar.runtime.launch import spawn_local

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from autopar.errors import PlanError
-from autopar.plan import Estimate, Plan, Strategy, even_split
+from autopar.ir.plan import Estimate, Plan, Strategy, even_split
 from autopar.solver.pricing.pricing import CostModel, price, price_strategy
 from autopar.solver.search.search import divisors
 

@@ -12,10 +12,11 @@ import time
 from common import print_table, write_results
 
 from autopar import lowering
-from autopar.lowering import PipelineLayout, StageLayout, check_transfers, make_layout
+from autopar.ir.lowered import PipelineLayout, StageLayout
+from autopar.ir.schedule import one_f_one_b
+from autopar.ir.simulate import simulate
+from autopar.lowering import check_transfers, make_layout
 from autopar.models import gpt, gpt_config
-from autopar.schedule import one_f_one_b
-from autopar.simulate import simulate
 
 
 def simulate_64x256() -> None:

@@ -63,9 +63,9 @@ import autopar
 from autopar import models
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
-from autopar.graph import TrainingGraph
+from autopar.ir.graph import TrainingGraph
+from autopar.ir.plan import Estimate, Strategy
 from autopar.passes.annotate import annotate
-from autopar.plan import Estimate, Strategy
 from autopar.solver.pricing.pricing import CostModel, price_strategy
 
 GiB = 1024**3

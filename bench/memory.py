@@ -35,7 +35,7 @@ from common import print_table, write_results
 import autopar
 from autopar import Strategy, models
 from autopar.api import price_async
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import phase, tensor_bytes, track_memory
 

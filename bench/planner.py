@@ -69,7 +69,7 @@ from common import print_table, write_results
 import autopar
 from autopar import models
 from autopar.api import cost_model
-from autopar.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, simulate_stages
+from autopar.ir.plan import OFFLOAD_KINDS, Estimate, Pipeline, Plan, Stage, Strategy, simulate_stages
 from autopar.solver.pricing.pricing import (
     CostModel,
     Option,

@@ -34,7 +34,7 @@ from autopar import models
 from autopar.cluster import Cluster
 from autopar.compiler import compile as compile_program
 from autopar.cost_models.memory import state_bytes_per_param
-from autopar.plan import Plan, Strategy, plan_from_strategy
+from autopar.ir.plan import Plan, Strategy, plan_from_strategy
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import phase, track_memory
 from autopar.runtime.program import Program

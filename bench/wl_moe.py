@@ -29,7 +29,7 @@ from planner import dp_only
 import autopar
 from autopar import models
 from autopar.api import cost_model
-from autopar.plan import Plan, Strategy
+from autopar.ir.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.solver.pricing.pricing import price_strategy
 from autopar.solver.search.search import search

@@ -34,7 +34,7 @@ from common import print_table, write_results
 import autopar
 from autopar import models
 from autopar.errors import AutoparError
-from autopar.plan import Strategy
+from autopar.ir.plan import Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 from autopar.runtime.straggler import SLOWDOWN_ENV

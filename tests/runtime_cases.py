@@ -10,8 +10,9 @@ import torch
 
 from autopar import models
 from autopar.cluster import Cluster
-from autopar.lowering import Layout, layout_of
-from autopar.plan import Pipeline, Plan, Stage, Strategy, plan_from_strategy
+from autopar.ir.lowered import Layout
+from autopar.ir.plan import Pipeline, Plan, Stage, Strategy, plan_from_strategy
+from autopar.lowering import layout_of
 from autopar.runtime.program import Program
 
 STEPS = 3

@@ -11,7 +11,7 @@ from autopar import models
 from autopar.codegen.fusion import find_regions, fused_bytes
 from autopar.cost_models.compute import ComputeModel, pointwise_flops
 from autopar.cost_models.memory import training_state_bytes
-from autopar.graph import TrainingGraph
+from autopar.ir.graph import TrainingGraph
 from autopar.passes.annotate import annotate
 
 CLUSTER = autopar.Cluster.load("1x2xA100-80GB+1x2xT4")

@@ -98,7 +98,7 @@ def measured(plans: dict[str, tuple[str, str]]) -> list[dict]:
 def test_pending_gradients_are_priced_per_device(plans: dict[str, tuple[str, str]]) -> None:
     """Independently of the pricer: D x 4 bytes x the parameters each device's stages hold (all of them on each
     replica; a pipeline's stages tile them), on top of the synchronous peak."""
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     for name, (sync_json, async_json) in plans.items():
         _, sync, staleness = FAMILIES[name]
@@ -129,7 +129,7 @@ def test_pending_gradients_are_priced_per_device(plans: dict[str, tuple[str, str
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_measured_peak_within_15_percent_of_the_async_prediction(plans: dict, measured: list[dict],
                                                                  name: str) -> None:
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     sync_plan, plan = (Plan.from_json(j) for j in plans[name])
     for rank, per_rank in enumerate(measured):

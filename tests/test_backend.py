@@ -215,7 +215,7 @@ def test_process_group_plans_and_trains_like_eager(tmp_path: Path) -> None:
     """2 gloo ranks: a planned graph, a forced tensor-parallel plan, uneven slices without a cluster option,
     and graph breaks, each trained 3 steps like eager on the global batch; every rank ran rank 0's plan."""
     from autopar.backend_dist import plan_kind
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     results = spawn_local(_group_cases, 2, str(tmp_path), timeout_s=400)
     case, batches = gpt_batches()

@@ -11,7 +11,7 @@ from torch import nn
 import autopar
 from autopar import models
 from autopar.errors import CaptureError
-from autopar.graph import TrainingGraph
+from autopar.ir.graph import TrainingGraph
 
 OWN = {"mlp": {"layers": 3}, "cnn": {"blocks": 2}, "gpt": {"layers": 3}, "llama": {"layers": 2},
        "moe_gpt": {"layers": 2}, "gnn": {"layers": 3}}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.cluster import Cluster
-from autopar.plan import Pipeline, Plan, Stage
+from autopar.ir.plan import Pipeline, Plan, Stage
 from autopar.runtime.launch import spawn_local
 from autopar.solver.pricing.pricing import CostModel, model_summary, price
 

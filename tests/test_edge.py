@@ -11,7 +11,7 @@ import autopar
 from autopar import models
 from autopar.api import cost_model
 from autopar.errors import PlanError
-from autopar.plan import Strategy
+from autopar.ir.plan import Strategy
 from autopar.solver.pricing.pricing import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES, price
 from autopar.solver.search.search import search
 

@@ -68,14 +68,14 @@ def test_survivors_name_the_lost_rank() -> None:
     import torch.multiprocessing as mp
 
     from autopar.runtime.elastic import LOST_AFTER_S
-    from autopar.runtime.launch import _worker, free_port
+    from autopar.runtime.launch import _run_rank, free_port
 
     timeout_s = 10.0
     with tempfile.TemporaryDirectory() as out:
         # spawn_local's workers, but without its fail-fast join: it would kill the survivors as soon as rank 2
         # exits, before they could report
         args = (_die_in_step_two, 4, free_port(), (out, timeout_s), out, timeout_s)
-        ctx = mp.start_processes(_worker, args=args, nprocs=4, join=False, start_method="spawn")
+        ctx = mp.start_processes(_run_rank, args=args, nprocs=4, join=False, start_method="spawn")
         for p in ctx.processes:
             p.join(120)
         codes = [p.exitcode for p in ctx.processes]
@@ -264,7 +264,7 @@ def _straggle(rank: int, world: int) -> dict[str, Any]:
 
 def _work(plan_json: str, rank: int) -> float:
     """Fraction of (layers x samples) of one step that `rank` computes."""
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     plan = Plan.from_json(plan_json)
     total = plan.model["num_layers"] * plan.global_batch

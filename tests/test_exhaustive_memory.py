@@ -22,8 +22,8 @@ import math
 import pytest
 
 from autopar.api import cost_model
+from autopar.ir.plan import OFFLOAD_KINDS, Pipeline, Plan, Stage
 from autopar.models import gpt
-from autopar.plan import OFFLOAD_KINDS, Pipeline, Plan, Stage
 from autopar.solver.pricing.pricing import CostModel, model_summary, price
 from autopar.solver.search.search import search
 

@@ -8,7 +8,7 @@ import torch
 import autopar
 from autopar import models
 from autopar.errors import PlanError
-from autopar.plan import Plan, Strategy
+from autopar.ir.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 from autopar.solver.pricing import experts

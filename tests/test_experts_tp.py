@@ -10,7 +10,7 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.plan import Plan, Strategy
+from autopar.ir.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.solver.pricing import experts
 from autopar.solver.pricing.pricing import Option, price_strategy

@@ -13,12 +13,8 @@ import torch
 
 import autopar
 from autopar.errors import PlanError
-from autopar.runtime.asynchronous import AsyncProgram
-from autopar.runtime.flushless import FlushlessProgram, async_program
-from autopar.runtime.launch import spawn_local
-from autopar.runtime.memtrace import tensor_bytes
-from autopar.schedule import one_f_one_b
-from autopar.schedule_waves import (
+from autopar.ir.schedule import one_f_one_b
+from autopar.ir.schedule_waves import (
     WaveAction,
     WaveSchedule,
     peak_versions,
@@ -28,6 +24,10 @@ from autopar.schedule_waves import (
     validate_waves,
     waves_1f1b,
 )
+from autopar.runtime.asynchronous import AsyncProgram
+from autopar.runtime.flushless import FlushlessProgram, async_program
+from autopar.runtime.launch import spawn_local
+from autopar.runtime.memtrace import tensor_bytes
 from autopar.solver.asynchronous import flushless_problems, flushless_wave
 from autopar.solver.flushless_memory import flushless_inflight, second_version_bytes
 from tests.runtime_cases import assert_matches_reference, assert_work_split, build, optimizer, plan_for, work_of

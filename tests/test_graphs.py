@@ -19,8 +19,8 @@ from autopar.graphs.planner import graph_stats, plan_graph
 from autopar.graphs.program import GraphProgram
 from autopar.graphs.sampling import labelled_nodes, sampled_graph, seeds_for_step
 from autopar.graphs.tgn import event_batch, tgn_case, train_tgn_reference
+from autopar.ir.plan import Plan
 from autopar.models import train_reference
-from autopar.plan import Plan
 from autopar.runtime.launch import spawn_local
 
 from .runtime_cases import assert_matches_reference

@@ -28,7 +28,7 @@ import autopar
 from autopar import models
 from autopar.cluster import device_spec
 from autopar.cost_models.conv_workspace import local_isa
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import track_memory
 from autopar.runtime.program import Program

@@ -12,11 +12,11 @@ import torch
 import autopar
 from autopar import models
 from autopar.errors import PlanError
+from autopar.ir.plan import Strategy, simulate_stages, stage_times
+from autopar.ir.schedule import MEMORY_OF, Action, Schedule
+from autopar.ir.schedule_check import validate
 from autopar.lowering import lower, priced_schedule
-from autopar.plan import Strategy, simulate_stages, stage_times
 from autopar.runtime.program import Program
-from autopar.schedule import MEMORY_OF, Action, Schedule
-from autopar.schedule_check import validate
 
 from .runtime_cases import STEPS, assert_matches_reference, optimizer, plan_for, reference
 

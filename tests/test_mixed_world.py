@@ -39,9 +39,13 @@ def run_staged(rank: int, world: int, cases: list) -> tuple[list, int]:
         waited[0] += 1
         return real_wait(self, timeout)
 
+    real_of = CommDevices.of
     CommDevices.of = lambda self, ranks: ANOTHER_KIND  # type: ignore[method-assign]
     rdist.StagedWork.wait = counting  # type: ignore[method-assign]
-    return run_cases(rank, world, cases), waited[0]
+    try:  # the process serves later tests (LocalPool): leave the classes as they were
+        return run_cases(rank, world, cases), waited[0]
+    finally:
+        CommDevices.of, rdist.StagedWork.wait = real_of, real_wait  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ import pytest
 
 from autopar import lowering
 from autopar.errors import PlanError
+from autopar.ir.lowered import PipelineLayout, StageLayout
+from autopar.ir.schedule_nccl import Batch, P2POp, batch_transfers, nccl_problems, unbatched
+from autopar.ir.schedule_waves import call_of_wave, wave_calls
 from autopar.lowering import (
-    PipelineLayout,
-    StageLayout,
     check_transfers,
     eval_steps,
     flushless_steps,
@@ -18,8 +19,6 @@ from autopar.lowering import (
     pipeline_schedule,
     train_steps,
 )
-from autopar.schedule_nccl import Batch, P2POp, batch_transfers, nccl_problems, unbatched
-from autopar.schedule_waves import call_of_wave, wave_calls
 
 
 def layout(schedule: str, degrees: tuple[int, ...], m: int, chunks: int = 1, dp: int = 1):

@@ -11,7 +11,7 @@ import autopar
 from autopar import models
 from autopar.cluster import Cluster
 from autopar.errors import ClusterError, InfeasibleError, PlanError
-from autopar.plan import Strategy
+from autopar.ir.plan import Strategy
 from autopar.solver.pricing.pricing import price_strategy
 from autopar.solver.search.objective import check_objective, score, used_devices
 

@@ -9,8 +9,8 @@ import pytest
 
 import autopar
 from autopar import Plan, PlanError, Strategy
+from autopar.ir.plan import Pipeline, Stage, plan_from_strategy, simulate_stages
 from autopar.models import gpt
-from autopar.plan import Pipeline, Stage, plan_from_strategy, simulate_stages
 
 A100 = "1x2xA100-80GB"
 

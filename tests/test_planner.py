@@ -16,10 +16,10 @@ from autopar import InfeasibleError, Plan, Strategy
 from autopar.api import cost_model
 from autopar.cli import main
 from autopar.cost_models.memory import autocast_cast_params, state_bytes_per_param
-from autopar.graph import TrainingGraph
+from autopar.ir.graph import TrainingGraph
+from autopar.ir.plan import Pipeline, Stage
+from autopar.ir.schedule import make_schedule, peak_inflight
 from autopar.models import gpt, gpt_config, mlp
-from autopar.plan import Pipeline, Stage
-from autopar.schedule import make_schedule, peak_inflight
 from autopar.solver.intra_op.pricing import LayerPricer
 from autopar.solver.pricing.pricing import CostModel, Option, model_summary, price, price_strategy
 from autopar.solver.search.search import (
@@ -284,7 +284,7 @@ def test_interleaved_chunks_share_their_device_memory() -> None:
     assert all(rank_peak(got[r::2], inflight[r]) <= budget for r in range(2))
     even = [splitter.stage(slots[j], edges[j], edges[j + 1], m, n) for j in range(4)]
     assert not any(c.option.recompute for c in even if c is not None)
-    from autopar.plan import simulate_stages
+    from autopar.ir.plan import simulate_stages
     from autopar.solver.split.split import Split
 
     step = simulate_stages("interleaved_1f1b", 2, 8, m, splitter.values(slots, split, 0)).step_time
@@ -591,7 +591,7 @@ def test_interleaved_peak_sums_the_chunks_in_flight() -> None:
     (plus the computing chunk's working set), not every in-flight pair counted as the largest chunk: with one
     chunk 4x the other, `rank_peak_ordered` lies between the all-small and the all-large count and equals a
     brute force over the schedule's order."""
-    from autopar.plan_simulate import cached_schedule
+    from autopar.ir.plan_simulate import cached_schedule
     from autopar.solver.pricing.plan import rank_peak_ordered
     from autopar.solver.pricing.pricing import inflight_closed_form, rank_peak
     from autopar.solver.pricing.stage_memory import StageMemory

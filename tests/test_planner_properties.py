@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from autopar import InfeasibleError
 from autopar.api import cost_model
+from autopar.ir.plan import simulate_stages
+from autopar.ir.schedule import SPLIT_SCHEDULES, make_schedule, peak_inflight
 from autopar.models import gpt, mlp
-from autopar.plan import simulate_stages
-from autopar.schedule import SPLIT_SCHEDULES, make_schedule, peak_inflight
 from autopar.solver.pricing.pricing import CostModel, inflight_closed_form, lower_bound
 from autopar.solver.search.search import Search
 from autopar.solver.split.split import surrogate

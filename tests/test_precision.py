@@ -29,8 +29,8 @@ from autopar.catalog import CATALOG
 from autopar.cluster import device_spec
 from autopar.cost_models.memory import state_bytes_per_param
 from autopar.errors import PlanError
-from autopar.plan import plan_from_strategy
-from autopar.precision import default_precision
+from autopar.ir.plan import plan_from_strategy
+from autopar.ir.precision import default_precision
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.precision import PrecisionPolicy
 

@@ -131,7 +131,7 @@ def _launch(tmp: Path, cluster: str, *args: int | str) -> subprocess.CompletedPr
 
 def test_sigkilled_rank_is_rerouted_without_restart(tmp_path: Path) -> None:
     from autopar import models
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     steps, die_rank, die_after = 5, 2, 2
     out = _launch(tmp_path, "1x4xcpu", 2, 2, f"{die_rank}:{die_after}", steps)

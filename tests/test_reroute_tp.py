@@ -24,7 +24,7 @@ def _shard_of(full: torch.Tensor, placements: list[int | None], index: int, tp: 
 
 def test_tensor_parallel_job_reroutes_a_lost_rank(tmp_path: Path) -> None:
     from autopar import models
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     steps, die_rank, die_after = 5, 1, 2  # Megatron order: pipeline 0 is tp group [0, 1], pipeline 1 is [2, 3]
     out = _launch(tmp_path, "1x4xcpu", 2, 1, f"{die_rank}:{die_after}", steps, 2)

@@ -16,7 +16,7 @@ import pytest
 import autopar
 from autopar import cli, models
 from autopar.errors import AutoparError, PlanError
-from autopar.plan import Strategy
+from autopar.ir.plan import Strategy
 from autopar.runtime.launch import spawn_local
 
 from .runtime_cases import STEPS, assert_matches_reference, build, optimizer, reference

@@ -185,7 +185,7 @@ def test_plan_dump_writes_the_annotated_graph(monkeypatch: pytest.MonkeyPatch, t
 
     import autopar
     from autopar import models
-    from autopar.graph import TrainingGraph
+    from autopar.ir.graph import TrainingGraph
 
     monkeypatch.setenv("AUTOPAR_DUMP", str(tmp_path))
     c = models.mlp(batch=8)
@@ -206,7 +206,7 @@ def test_compile_dump_holds_every_kernel_file_its_programs_name(tmp_path: Path, 
 
     import autopar
     from autopar import models
-    from autopar.plan import Strategy
+    from autopar.ir.plan import Strategy
 
     c = models.gpt(hidden=64, layers=2, batch=4)
     autopar.compile(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn,

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from autopar.errors import PlanError
-from autopar.lowering import PipelineLayout, StageLayout, make_layout
+from autopar.ir.lowered import PipelineLayout, StageLayout
+from autopar.lowering import make_layout
 from autopar.runtime.dist import pack, unpack
 from autopar.runtime.launch import spawn_local
 
@@ -134,8 +135,8 @@ def test_unknown_compress_dtype_is_a_plan_error() -> None:
 
 
 def test_plan_compress_reaches_the_runtime_layout() -> None:
+    from autopar.ir.plan import Pipeline, Plan, Stage
     from autopar.lowering import layout_of
-    from autopar.plan import Pipeline, Plan, Stage
 
     stages = [Stage([0, 2], [0], compress="bf16"), Stage([2, 4], [1])]
     plan = Plan(global_batch=4, precision="fp32", optimizer="adamw", schedule="1f1b", chunks=1, cluster="1x2xcpu",

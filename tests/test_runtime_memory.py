@@ -252,7 +252,8 @@ def test_zero2_state_dict_loads_into_plain_model(results: list[dict], refs: Any)
 
 
 def test_bad_stage_options_raise() -> None:
-    from autopar.lowering import PipelineLayout, StageLayout, make_layout
+    from autopar.ir.lowered import PipelineLayout, StageLayout
+    from autopar.lowering import make_layout
 
     for kw, msg in (({"zero": 4}, "zero must be an integer 0-3"), ({"offload": ("disk",)}, "unknown offload"),
                     ({"offload": "params"}, "tuple of kinds")):

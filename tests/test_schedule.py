@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autopar.errors import PlanError
-from autopar.schedule import (
+from autopar.ir.schedule import (
     Action,
     Schedule,
     compute_actions,
@@ -17,7 +17,7 @@ from autopar.schedule import (
     one_f_one_b,
     peak_inflight,
 )
-from autopar.schedule_check import validate
+from autopar.ir.schedule_check import validate
 
 CASES = [("gpipe", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \
         [("1f1b", p, m, 1) for p in (1, 2, 4, 5) for m in (1, 3, 8)] + \

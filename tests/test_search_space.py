@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autopar.plan import Strategy
+from autopar.ir.plan import Strategy
 from autopar.solver.pricing.pricing import price, price_strategy
 from autopar.solver.search.search import Search, search
 from autopar.solver.split.monotone import largest_true

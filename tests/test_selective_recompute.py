@@ -18,8 +18,8 @@ import pytest
 import autopar
 from autopar import models
 from autopar.errors import PlanError
+from autopar.ir.plan import Plan, Strategy
 from autopar.lowering import lower
-from autopar.plan import Plan, Strategy
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.layered import layer_calls
 from autopar.runtime.memtrace import track_memory

@@ -12,8 +12,8 @@ from torch import nn
 import autopar
 from autopar import models
 from autopar.compiler import warn_precision_change
+from autopar.ir.precision import precision_change
 from autopar.passes.annotate import annotate
-from autopar.precision import precision_change
 
 MIXED = autopar.Cluster.load("1x2xA100-80GB+1x2xV100-16GB")
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from autopar.errors import PlanError
-from autopar.schedule import Action, Schedule, gpipe, interleaved_1f1b, one_f_one_b
-from autopar.simulate import simulate
+from autopar.ir.schedule import Action, Schedule, gpipe, interleaved_1f1b, one_f_one_b
+from autopar.ir.simulate import simulate
 
 F, B = 1.0, 2.0
 

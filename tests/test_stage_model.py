@@ -239,7 +239,7 @@ def test_split_with_the_model_on_a_long_chain() -> None:
     """`Splitter.split(model=True)` runs the model on a 34-layer chain (past the old 32-layer limit): the split it
     returns carries the model's proven gap, and simulates no slower than the split without the model (the
     simulator judges among the candidates)."""
-    from autopar.plan import simulated_step_time
+    from autopar.ir.plan import simulated_step_time
 
     cm, splitter, slots, m, n = _setup(0.08, "1f1b", 1, 3, 32, batch=16)
     share = cm.B

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.cost_models.comm import collective_time
-from autopar.plan import Pipeline, Plan, Stage
+from autopar.ir.plan import Pipeline, Plan, Stage
 from autopar.runtime.launch import spawn_local
 from autopar.solver.pricing.model import Option
 from autopar.solver.pricing.pricing import model_summary, price

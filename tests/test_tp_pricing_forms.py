@@ -229,7 +229,7 @@ def test_explain_says_which_price_and_why(priced: dict[str, CostModel]) -> None:
     assert st.predicted["tp_source"] == "ilp"
     assert st.predicted["tp_reason"].startswith("intra-op ILP, ")
     assert "Megatron's closed form" in est.plan.explain()
-    from autopar.plan import plan_from_strategy
+    from autopar.ir.plan import plan_from_strategy
     from autopar.solver.pricing.pricing import model_summary, price
 
     cm = cost_model(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn, precision="bf16")

@@ -14,8 +14,8 @@ import pytest
 
 import autopar
 from autopar.cluster import Cluster
+from autopar.ir.plan import Plan
 from autopar.lowering import layout_of
-from autopar.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 from autopar.solver.intra_op import pricing as iop
@@ -95,7 +95,7 @@ def test_recorded_sharding_is_the_ilp_solution(tp: int, cluster: Cluster) -> Non
 def test_sharding_none_without_ilp() -> None:
     """Closed-form pricing (the ILP switched off) records no sharding: the runtime runs Megatron's."""
     from autopar.api import cost_model
-    from autopar.plan import plan_from_strategy
+    from autopar.ir.plan import plan_from_strategy
     from autopar.solver.pricing.pricing import model_summary, price
 
     case = build("gpt", layers=2, batch=4)

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 import autopar
 from autopar import models
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import track_memory
 

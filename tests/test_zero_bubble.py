@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from autopar.errors import PlanError
-from autopar.lowering import memory_actions
-from autopar.plan import Strategy, plan_from_strategy, simulate_stages
-from autopar.runtime.launch import spawn_local
-from autopar.runtime.split_backward import backward_input, backward_weight
-from autopar.schedule import (
+from autopar.ir.plan import Strategy, plan_from_strategy, simulate_stages
+from autopar.ir.schedule import (
     Action,
     Schedule,
     make_schedule,
     peak_inflight,
     splits_backward,
 )
-from autopar.schedule_check import validate
-from autopar.simulate import simulate
+from autopar.ir.schedule_check import validate
+from autopar.ir.simulate import simulate
+from autopar.lowering import memory_actions
+from autopar.runtime.launch import spawn_local
+from autopar.runtime.split_backward import backward_input, backward_weight
 from autopar.solver.pricing.pricing import inflight_closed_form
 
 from .runtime_cases import (

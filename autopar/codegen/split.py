@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from ..errors import PlanError
-from ..graph import TensorMeta, TrainingGraph
+from ..ir.graph import TensorMeta, TrainingGraph
 
 
 @dataclass

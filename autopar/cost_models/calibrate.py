@@ -265,9 +265,6 @@ def _conv_jobs(torch: Any, dev: Any, quick: bool) -> Iterator[Job]:
         yield "conv", "conv2d_backward", True, lambda make=make: make(True)
 
 
-# The latest calibration's timings (overhead-shifted), for inspecting a fit by hand.
-LAST_SAMPLES: dict[str, list[Sample]] = {}
-
 _SWEEPS = {"matmul": _matmul_jobs, "elementwise": _elementwise_jobs, "norm": _norm_jobs,
            "softmax": _softmax_jobs, "reduction": _reduction_jobs, "embedding": _embedding_jobs,
            "gather": _gather_jobs, "attention": _attention_jobs, "conv": _conv_jobs}
@@ -494,8 +491,6 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
                 groups[kind][i] = (k, f, b, t, n)
             retimed += 1
         profile, errors = fitted()
-    LAST_SAMPLES.clear()
-    LAST_SAMPLES.update(groups)
     seconds = time.perf_counter() - t_start
     others = total_load.since()
     rms = {k: round(math.sqrt(sum(e * e for e in v) / len(v)), 4) for k, v in errors.items() if v}

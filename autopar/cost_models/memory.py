@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 from ..catalog import CATALOG
 from ..errors import PlanError
-from ..graph import TrainingGraph
+from ..ir.graph import TrainingGraph
 from .conv_workspace import CPU_KIND
 
 # bytes one ZeRO / gradient-sync collective packs into a flat buffer at a time (runtime/zero.py's buckets):

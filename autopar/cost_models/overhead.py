@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from .op_names import base_name
 
 if TYPE_CHECKING:
-    from ..graph import TrainingGraph
+    from ..ir.graph import TrainingGraph
     from .compute import ComputeModel
 
 _CUDA_SOURCES = {

@@ -9,8 +9,8 @@ from torch import nn
 
 from ..cluster import Cluster
 from ..errors import AutoparError, PlanError
+from ..ir.plan import Plan
 from ..passes.capture import LossFn
-from ..plan import Plan
 from ..report import dump_dir as _dump_dir
 from ..runtime.program import OptimizerFactory
 from .planner import graph_kind, plan_graph

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..cluster import Cluster
 from ..errors import InfeasibleError, PlanError
-from ..plan import Pipeline, Plan, Stage
+from ..ir.plan import Pipeline, Plan, Stage
 from .cost import Candidate, GraphCostModel, GraphStats
 from .layers import message_passing_layers
 from .sampling import labelled_nodes
@@ -75,7 +75,7 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     the same seeds (sampling.py). Both modes are priced (`plan.graph["candidates"]`); only the requested one
     is considered.
     """
-    from ..precision import resolve_precision
+    from ..ir.precision import resolve_precision
 
     given = dict(options or {})
     opts = {**DEFAULTS, **given}

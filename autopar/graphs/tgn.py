@@ -152,8 +152,8 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
     from ..cost_models.comm import collective_time
     from ..cost_models.compute import ComputeModel, check_profiles
     from ..cost_models.memory import optimizer_name, state_bytes_per_param
-    from ..plan import Pipeline, Plan, Stage
-    from ..precision import resolve_precision
+    from ..ir.plan import Pipeline, Plan, Stage
+    from ..ir.precision import resolve_precision
     from .partition import balanced_shares
 
     cluster = Cluster.load(cluster)

@@ -29,8 +29,8 @@ from ..cost_models.conv_workspace import (
     strides_like_channels_last,
     weight_grad_transient,
 )
-from ..graph import Kernel, Layer, OpNode, TrainingGraph
-from ..precision import ELEMENT_BYTES, check_name
+from ..ir.graph import Kernel, Layer, OpNode, TrainingGraph
+from ..ir.precision import ELEMENT_BYTES, check_name
 from .fusion_pricing import apply_overrides, check_mode, fused_overrides, fusing_types
 from .randomness import keyed_call
 

@@ -13,7 +13,7 @@ import re
 from collections import defaultdict
 from dataclasses import replace
 
-from ..graph import Layer, OpNode, TrainingGraph
+from ..ir.graph import Layer, OpNode, TrainingGraph
 
 _INDEXED = re.compile(r"^(.*?)\.?(\d+)$")
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
-from ..graph import OpNode, ParamInfo, TensorMeta, TrainingGraph
+from ..ir.graph import OpNode, ParamInfo, TensorMeta, TrainingGraph
 from .blocks import group_layers
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -24,7 +24,7 @@ from torch import fx
 from ..cluster import Cluster
 from ..cost_models.compute import pointwise_flops
 from ..errors import PlanError
-from ..graph import Kernel, Layer, OpNode
+from ..ir.graph import Kernel, Layer, OpNode
 
 KERNEL_MODES = ("auto", "triton", "torch")
 # region kind -> the cost-model kind of its kernel

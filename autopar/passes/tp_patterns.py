@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..graph import TrainingGraph
+from ..ir.graph import TrainingGraph
 
 SDPA = "aten.scaled_dot_product_attention.default"
 ELEMENTWISE_FOLLOW = {

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -49,13 +50,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PlanError
-from ..graph import TrainingGraph
-from ..lowering import Layout
+from ..ir.graph import TrainingGraph
+from ..ir.lowered import Layout
 from .dist import DEFAULT_TIMEOUT_S, Groups, wait
 from .tensor_parallel import TPStage
 
 _CONTEXTS: dict[str, _Context] = {}  # op key -> the rank's context; the op can only carry a string
 _KEYS = itertools.count()
+
+
+def _forget(keys: list[str]) -> None:
+    for key in keys:
+        _CONTEXTS.pop(key, None)
 SHARD_TAG = "@expert-shard"
 _OP = "autopar.moe_experts.default"  # the op's node target in a captured graph
 
@@ -404,6 +410,8 @@ class ExpertRuntime:
             _CONTEXTS[key] = _Context(a.num_experts(m), mine, self.index, groups.get(mine), a.run_expert(m),
                                       self.timeout_s)
             self.keys[path] = key
+        # the contexts hold the expert modules and the group: they go with the program, not with the process
+        weakref.finalize(self, _forget, list(self.keys.values()))
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module) -> Iterator[None]:

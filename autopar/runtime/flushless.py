@@ -46,9 +46,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
+from ..ir.schedule_nccl import TRANSFER_KINDS, batch_transfers
+from ..ir.schedule_waves import WaveAction, call_of_wave, wave_calls
 from ..passes.randomness import Draws, draws, remembering
-from ..schedule_nccl import TRANSFER_KINDS, batch_transfers
-from ..schedule_waves import WaveAction, call_of_wave, wave_calls
 from ..solver.asynchronous import flushless_problems
 from .asynchronous import AsyncProgram, Wave
 from .dist import wait

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..graph import TrainingGraph
-from ..lowering import Layout, params_by_layer
+from ..ir.graph import TrainingGraph
+from ..ir.lowered import Layout
+from ..lowering import params_by_layer
 from .dist import on_comm_device, wait
 
 FIRST_BUCKET_BYTES = 1 << 20

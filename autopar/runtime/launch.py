@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(
+def _run_rank(
     rank: int, fn: Callable, world_size: int, port: int, args: tuple, out_dir: str, timeout_s: float,
     warning_filters: list | None = None,
 ) -> None:
+    """One rank of one `spawn_local` call, in a fresh process group; its result lands in out_dir."""
     if warning_filters is not None:  # a rank's warnings are filtered as its caller's are (e.g. errors in tests)
         warnings.filters[:] = warning_filters
+        warnings._filters_mutated()  # type: ignore[attr-defined]  # forget what "once" already showed
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -61,37 +65,186 @@ def _worker(
         shutdown()
 
 
+def _serve(rank: int, jobs: Connection) -> None:
+    """A pooled rank: run the jobs it is sent, each as a fresh process would start it (the caller's
+    environment, sys.path and warning filters; torch's first seed, fp32, grad mode, one thread), until told
+    to stop, its caller goes away, or a job fails (then it reports and exits: the other ranks may be stuck)."""
+    first_seed = torch.initial_seed()
+    while True:
+        try:
+            job = jobs.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        fn, world_size, port, args, out_dir, timeout_s, filters, env, path = job
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+        torch.manual_seed(first_seed)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        try:
+            with warnings.catch_warnings():
+                _run_rank(rank, fn, world_size, port, args, out_dir, timeout_s, filters)
+        except BaseException:
+            jobs.send(traceback.format_exc())
+            return
+        if "torch._dynamo" in sys.modules:  # a later job compiles as in a fresh process (no cache limit hit)
+            torch._dynamo.reset()
+        gc.collect()
+        jobs.send(None)
+
+
+class _Pool:
+    """`world_size` spawned processes that serve `spawn_local` calls one after another."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(world_size):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, theirs), name=f"autopar-rank{rank}")
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+
+    def run(self, job: tuple, timeout_s: float) -> None:
+        """Send `job` to every rank and wait until all finished; on a failure, death or timeout, close the pool
+        and raise naming the rank."""
+        for conn in self.conns:
+            conn.send(job)
+        deadline = time.monotonic() + timeout_s
+        pending = dict(enumerate(self.conns))
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                ready = wait([*pending.values(), *(self.procs[r].sentinel for r in pending)], timeout=max(left, 0))
+                if not ready:
+                    raise AutoparError(
+                        f"local run of {len(self.procs)} ranks did not finish in {timeout_s:.0f} s")
+                for rank, conn in list(pending.items()):
+                    if conn in ready or self.procs[rank].sentinel in ready:
+                        try:
+                            error = conn.recv()
+                        except EOFError:
+                            self.procs[rank].join(timeout=5)
+                            raise AutoparError(
+                                f"rank {rank} died (exit code {self.procs[rank].exitcode}).") from None
+                        if error is not None:
+                            raise AutoparError(f"rank {rank} failed:\n{error}")
+                        del pending[rank]
+        except BaseException:
+            self.close(graceful=False)  # the others may be inside a collective that never completes
+            raise
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, graceful: bool = True) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if graceful and proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=5 if graceful else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+class LocalPool:
+    """Processes kept between `spawn_local` calls, one set per (world size, environment): what the test
+    suite uses so that each call does not pay for starting Python and importing torch again. Each call still
+    runs in a fresh gloo process group, with the caller's environment, sys.path and warning filters; a call
+    that fails closes its processes (the next call starts new ones). Use it as a context manager
+    (`with LocalPool(): ...`); at most `max_processes` are kept, the least recently used closed first."""
+
+    _active: LocalPool | None = None
+
+    def __init__(self, max_processes: int = 12) -> None:
+        self.max_processes = max_processes
+        self._pools: dict[tuple, _Pool] = {}
+
+    def __enter__(self) -> LocalPool:
+        if LocalPool._active is not None:
+            raise AutoparError("a LocalPool is already in use; nest spawn_local calls inside that one")
+        LocalPool._active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        LocalPool._active = None
+        self.close()
+
+    def close(self) -> None:
+        while self._pools:
+            self._pools.popitem()[1].close()
+
+    def run(self, fn: Callable, world_size: int, args: tuple, out_dir: str, timeout_s: float) -> None:
+        env = dict(os.environ)
+        # import-time reads see the environment the processes started with: a changed one gets its own
+        key = (world_size, frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV))
+        pool = self._pools.pop(key, None)
+        if pool is not None and not pool.alive():
+            pool.close()
+            pool = None
+        if pool is None:
+            while self._pools and sum(len(p.procs) for p in self._pools.values()) + world_size > self.max_processes:
+                self._pools.pop(next(iter(self._pools))).close()
+            pool = _Pool(world_size)
+        job = (fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters), env, list(sys.path))
+        pool.run(job, timeout_s + 60)  # raises (and has closed the pool) on a failure
+        self._pools[key] = pool
+
+
+_PER_TEST_ENV = {"PYTEST_CURRENT_TEST"}
+
+
 def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` gloo processes; return each rank's result.
 
     A rank that raises or dies makes this raise within `timeout_s`, naming the rank and its error.
     `fn` must be importable (a module-level function). The ranks filter warnings as the caller does at the
-    call (a warning that is an error here is one there).
+    call (a warning that is an error here is one there). Inside `with LocalPool():` the processes are kept
+    for the next call; otherwise each call starts its own.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _worker,
-            args=(fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters)),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s + 60
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise AutoparError(
-                        f"local run of {world_size} ranks did not finish in {timeout_s + 60:.0f} s"
-                    )
-        except mp.ProcessRaisedException as e:
-            raise AutoparError(f"rank {e.error_index} failed:\n{e.msg}") from None
-        except mp.ProcessExitedException as e:
-            raise AutoparError(f"rank {e.error_index} died (exit code {e.exit_code}).") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
+        if LocalPool._active is not None:
+            LocalPool._active.run(fn, world_size, args, out_dir, timeout_s)
+        else:
+            _spawn_once(fn, world_size, args, out_dir, timeout_s)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _spawn_once(fn: Callable, world_size: int, args: tuple, out_dir: str, timeout_s: float) -> None:
+    ctx = mp.start_processes(
+        _run_rank,
+        args=(fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s + 60
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise AutoparError(
+                    f"local run of {world_size} ranks did not finish in {timeout_s + 60:.0f} s"
+                )
+    except mp.ProcessRaisedException as e:
+        raise AutoparError(f"rank {e.error_index} failed:\n{e.msg}") from None
+    except mp.ProcessExitedException as e:
+        raise AutoparError(f"rank {e.error_index} died (exit code {e.exit_code}).") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
 
 
 def launch_workers(script: list[str], nproc: int, env: dict[str, str] | None = None, host: str = "127.0.0.1",

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from ..lowering import COMPRESS_DTYPES
-from ..precision import check_name, compute_description
+from ..ir.lowered import COMPRESS_DTYPES
+from ..ir.precision import check_name, compute_description
 from .dist import DEFAULT_TIMEOUT_S, on_comm_device, wait
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -29,12 +29,13 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ..codegen.split import StageProgram, split_stages
 from ..errors import FusedKernelWarning, PlanError
-from ..graph import TrainingGraph
-from ..lowering import PipelineLayout, RankProgram, lower
+from ..ir.graph import TrainingGraph
+from ..ir.lowered import PipelineLayout, RankProgram
+from ..ir.schedule import MEMORY_OF, Action
+from ..ir.schedule_nccl import TRANSFER_KINDS
+from ..lowering import lower
 from ..passes.capture import LossFn, capture
 from ..passes.randomness import Draws, draws, keyed_randomness, remembering
-from ..schedule import MEMORY_OF, Action
-from ..schedule_nccl import TRANSFER_KINDS
 from .devices import CommDevices, check_one_device_kind, move_to, plan_rank_device
 from .dist import (
     DEFAULT_TIMEOUT_S,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from ..plan import Plan
+from ..ir.plan import Plan
 from .plan_check import RunReport
 
 

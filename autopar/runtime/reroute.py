@@ -92,7 +92,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..errors import PlanError
-from ..plan import Plan
+from ..ir.plan import Plan
 from ..solver.reshare import lost_pipelines, proportional, simulated, unsupported, with_shares, without
 from .dist import REGROUP_BACKENDS_WHY, PeerLostError, announce_abort, regroup, root_store, watch_aborts
 from .elastic import LOST_AFTER_S, stop_heartbeat

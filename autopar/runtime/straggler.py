@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..cluster import Cluster
 from ..errors import AutoparError
-from ..plan import Plan
+from ..ir.plan import Plan
 from ..solver.reshare import scaled_cluster, scaled_profiles, shed_plan
 from .dist import wait
 from .protocol import Wrapping

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ..errors import PlanError
-from ..graph import TrainingGraph
+from ..ir.graph import TrainingGraph
 from ..passes.randomness import block_of, keyed_attention
 from ..passes.tp_patterns import (
     LINEAR_ARGS,

@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import PlanError
-from ..lowering import RankProgram
-from ..schedule import Action
+from ..ir.lowered import RankProgram
+from ..ir.schedule import Action
 
 if TYPE_CHECKING:
     from .zero import ZeroRuntime

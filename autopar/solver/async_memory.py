@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..cost_models.memory import SYNC_BUCKET_BYTES
-from ..plan import Plan
+from ..ir.plan import Plan
 from ..report import fmt_bytes
 from .extra_memory import ExtraMemory, stage_base
 from .flushless_memory import flushless_inflight, flushless_version_bytes

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import PlanError
-from ..schedule_waves import steady_wave_time
+from ..ir.schedule_waves import steady_wave_time
 
 SYNC_MODES = ("sync", "2bw", "wsp")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..plan import Pipeline, Stage
+from ..ir.plan import Pipeline, Stage
 from ..report import fmt_bytes
 from .pricing.stage_memory import runtime_note
 

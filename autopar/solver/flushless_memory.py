@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..plan import Plan
-from ..schedule_waves import waves_1f1b
+from ..ir.plan import Plan
+from ..ir.schedule_waves import waves_1f1b
 from .extra_memory import stage_base
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..plan import Plan
+from ..ir.plan import Plan
 from ..report import fmt_bytes
 from .extra_memory import ExtraMemory, stage_base
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from ..cluster import Cluster
 from ..cost_models.compute import ComputeModel, Profile
 from ..errors import PlanError
-from ..plan import Pipeline, Plan, even_split
+from ..ir.plan import Pipeline, Plan, even_split
 
 
 def proportional(total: int, weights: list[float], minimum: list[int] | None = None) -> list[int]:

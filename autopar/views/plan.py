@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..precision import compute_description
+from ..ir.precision import compute_description
 from ..report import fmt_bytes, fmt_count, fmt_time, render_table
 
 if TYPE_CHECKING:
-    from ..plan import Pipeline, Plan
+    from ..ir.plan import Pipeline, Plan
 
 
 def recompute_label(recompute: bool | int) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Container, Sequence
 
 from ...cluster import Cluster
 from ...errors import PlanError
-from ...graph import Layer, TrainingGraph
+from ...ir.graph import Layer, TrainingGraph
 from .context import Context
 from .problem import PS, Cost, Group, NodeStrategy, Problem
 from .shared import shared_reshards

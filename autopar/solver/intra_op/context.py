@@ -14,9 +14,9 @@ from ...cluster import Cluster
 from ...cost_models.comm import collective_time
 from ...cost_models.compute import ComputeModel, Profile, kernel_flops
 from ...cost_models.memory import state_bytes_per_param
-from ...graph import Layer, OpNode, TensorMeta, TrainingGraph
+from ...ir.graph import Layer, OpNode, TensorMeta, TrainingGraph
+from ...ir.precision import ELEMENT_BYTES
 from ...passes.tp_patterns import attention_cores
-from ...precision import ELEMENT_BYTES
 from .problem import NodeStrategy
 from .strategies import OpSpec, P, R, enumerate_strategies, op_spec
 

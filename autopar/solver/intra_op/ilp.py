@@ -6,6 +6,7 @@ docstring. Also the cache of answers across calls (`cached`: `intra_op.solve_int
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -16,7 +17,11 @@ from .problem import Problem, Shared
 
 T = TypeVar("T")
 
-CACHE: dict[tuple, Any] = {}  # answers by problem key (`cached`)
+# Answers by problem key (`cached`), the least recently used dropped beyond CACHE_ENTRIES: a long-lived process
+# (a notebook, a test worker) planning many models keeps a bounded amount, while one search (a few hundred layer
+# signatures at most) keeps all of its own.
+CACHE: OrderedDict[tuple, Any] = OrderedDict()
+CACHE_ENTRIES = 4096
 STATS = {"ilp_solves": 0, "hits": 0, "misses": 0}
 
 
@@ -25,9 +30,12 @@ def cached(key: tuple, compute: Callable[[], T]) -> T:
     hits and misses are counted in STATS."""
     if key in CACHE:
         STATS["hits"] += 1
+        CACHE.move_to_end(key)
         return CACHE[key]
     STATS["misses"] += 1
     CACHE[key] = value = compute()
+    while len(CACHE) > CACHE_ENTRIES:
+        CACHE.popitem(last=False)
     return value
 
 

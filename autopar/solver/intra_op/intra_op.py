@@ -69,7 +69,7 @@ from ...cluster import Cluster
 from ...cost_models.comm import collective_time  # noqa: F401  (tests/test_tp_pricing_forms.py reads it here)
 from ...cost_models.memory import state_bytes_per_param
 from ...errors import InfeasibleError, PlanError
-from ...graph import Layer, TrainingGraph
+from ...ir.graph import Layer, TrainingGraph
 from .build import build_layer_problem, build_problem, check_args
 from .context import FORBIDDEN, Context
 from .ilp import cache_info, cached, clear_cache, solve_problems

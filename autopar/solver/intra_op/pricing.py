@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ...cluster import Cluster
 from ...errors import PlanError
-from ...graph import Layer, TrainingGraph
+from ...ir.graph import Layer, TrainingGraph
 from ...passes.tp_patterns import attention_cores, attention_projection, fused_qkv, megatron_placements
 from ...report import fmt_time
 from .build import build_problem, check_args, merge_followers

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ...graph import Layer
+from ...ir.graph import Layer
 from .strategies import Strategy, layout_name
 
 PS = 1e12  # objective unit: picoseconds

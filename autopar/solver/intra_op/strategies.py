@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...cost_models.compute import base_name, classify
-from ...graph import OpNode, TensorMeta
+from ...ir.graph import OpNode, TensorMeta
 
 R = -1
 P = -2

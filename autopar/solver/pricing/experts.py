@@ -65,7 +65,7 @@ from typing import Any
 
 from ...cost_models.compute import kernel_flops
 from ...errors import InfeasibleError, PlanError
-from ...graph import DTYPE_BYTES, TrainingGraph
+from ...ir.graph import DTYPE_BYTES, TrainingGraph
 
 IMBALANCE = 1.1  # busiest expert rank's routed tokens / mean, with ep > 1
 _OWN = re.compile(r"^(?P<m>.+)\.experts\.\d+\.(fc|proj)\.(weight|bias)$")

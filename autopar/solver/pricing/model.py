@@ -33,12 +33,12 @@ from ...cost_models.memory import (
 )
 from ...cost_models.overhead import stage_host_seconds
 from ...errors import PlanError
-from ...graph import TrainingGraph
 from ...host_memory import UNIFIED_KINDS
+from ...ir.graph import TrainingGraph
+from ...ir.plan import Plan
+from ...ir.plan_simulate import cached_schedule
+from ...ir.schedule import peak_inflight
 from ...lowering import plan_communicators
-from ...plan import Plan
-from ...plan_simulate import cached_schedule
-from ...schedule import peak_inflight
 from ..intra_op.pricing import LayerPricer, tp_layer_cost
 from . import experts
 from .comm import CommPricing

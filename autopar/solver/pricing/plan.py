@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from ...cost_models.memory import OPTIMIZER_STATE_BYTES
 from ...errors import PlanError
-from ...plan import OFFLOAD_KINDS, Plan, recompute_count
-from ...precision import ELEMENT_BYTES
+from ...ir.plan import OFFLOAD_KINDS, Plan, recompute_count
+from ...ir.precision import ELEMENT_BYTES
+from ...ir.schedule import SCHEDULES
+from ...ir.simulate import SimResult
 from ...report import fmt_bytes
-from ...schedule import SCHEDULES
-from ...simulate import SimResult
 
 if TYPE_CHECKING:
     from .model import CostModel

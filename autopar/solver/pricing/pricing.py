@@ -104,8 +104,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ...graph import TrainingGraph
-from ...plan import (
+from ...ir.graph import TrainingGraph
+from ...ir.plan import (
     OFFLOAD_KINDS,
     Estimate,
     Pipeline,
@@ -116,8 +116,8 @@ from ...plan import (
     plan_from_strategy,
     recompute_count,
 )
-from ...plan_simulate import cached_schedule
-from ...schedule import SPLIT_SCHEDULES
+from ...ir.plan_simulate import cached_schedule
+from ...ir.schedule import SPLIT_SCHEDULES
 from ..intra_op.pricing import stage_sharding, tp_layer_cost, tp_reason
 from ..search.objective import cost_figures, idle_devices
 from . import experts

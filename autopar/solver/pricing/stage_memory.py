@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 from ...cost_models.conv_workspace import CPU_KIND
 from ...cost_models.memory import SYNC_BUCKET_BYTES, optimizer_step_bytes
-from ...plan import Plan
+from ...ir.plan import Plan
 from ...report import fmt_bytes
 from . import experts
 from .plan import HOST_GRAD_BYTES, HOST_MASTER_BYTES, offload_host_bytes

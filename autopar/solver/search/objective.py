@@ -37,7 +37,7 @@ from typing import Any
 from ...checks import check_number
 from ...cluster import Cluster
 from ...errors import PlanError
-from ...plan import Plan
+from ...ir.plan import Plan
 
 OBJECTIVES = ("time", "cost")
 SECONDS_PER_HOUR = 3600.0

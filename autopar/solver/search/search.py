@@ -118,10 +118,10 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ...errors import InfeasibleError
+from ...ir.plan import Pipeline, Plan, Stage, even_split, simulated_step_time
+from ...ir.schedule import SPLIT_SCHEDULES
 from ...lowering import communicator_sets
-from ...plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ...report import fmt_time
-from ...schedule import SPLIT_SCHEDULES
 from ..pricing import experts
 from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from ..split.selective import selective

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ...errors import InfeasibleError
-from ...plan import Plan
+from ...ir.plan import Plan
 from ..pricing.pricing import CostModel, price
 from .objective import score
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from ...plan import even_split, simulated_step_time
-from ...schedule import SPLIT_SCHEDULES
+from ...ir.plan import even_split, simulated_step_time
+from ...ir.schedule import SPLIT_SCHEDULES
 from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
 from ..pricing.stage_memory import recomputed
 from ..pricing.wgrad import wgrad_share, zero_bubble_backward

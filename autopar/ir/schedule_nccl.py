@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import PlanError
+from ..errors import PlanError
 from .schedule import MEMORY_KINDS
 
 TRANSFER_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})

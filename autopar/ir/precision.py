@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .errors import PlanError
+from ..errors import PlanError
 
 ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}  # bytes of a computed activation element
 PRECISIONS = tuple(ELEMENT_BYTES)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import PlanError
+from ..errors import PlanError
 from .schedule import (
     MEMORY_OF,
     Key,

@@ -158,7 +158,7 @@ class TrainingGraph:
 
     # ---- output -------------------------------------------------------------------------------
     def table(self, max_rows: int | None = None) -> str:
-        from .report import graph_table
+        from ..report import graph_table
 
         return graph_table(self, max_rows=max_rows)
 

@@ -1,6 +1,6 @@
 """Discrete-event simulation of a pipeline schedule, with a Chrome/Perfetto trace of the result.
 
-The execution model is the one of `autopar.schedule` (see its docstring): per rank, F/B run in list order
+The execution model is the one of `ir.schedule` (see its docstring): per rank, F/B run in list order
 on a compute stream, SENDs and (overlapped) ALLREDUCEs in list order on a comm stream; a transfer takes
 the p2p time on the sender's comm stream and its RECV completes when it does. Streams are FIFOs, so
 every action starts at max(end of its stream predecessor, end of its dependencies):
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError
+from ..errors import PlanError
 from .schedule import Action, Schedule, compile_schedule, execute, no_gc, splits_backward
 
 StageTime = Callable[[int, int], float] | Sequence[float] | float

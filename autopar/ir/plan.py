@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import check_number
-from .errors import PlanError
+from ..checks import check_number
+from ..errors import PlanError
+from ..report import dump_dir
 from .plan_simulate import cached_schedule, simulate_stages, simulate_times, simulated_step_time, wgrad_times
-from .report import dump_dir
 from .schedule import SCHEDULES
 from .simulate import SimResult
 
@@ -177,7 +177,7 @@ class Plan:
 
     def explain(self) -> str:
         """A table of stages x device groups with the predicted time and memory of each (views/plan.py)."""
-        from .views.plan import explain  # the view above the plan: one of tests/test_layers.py's two upward imports
+        from ..views.plan import explain  # the view above the plan: one of tests/test_layers.py's two upward imports
 
         return explain(self)
 
@@ -199,7 +199,7 @@ class Plan:
         Written to `path` when given, and to timeline.json in the dump directory when AUTOPAR_DUMP is
         set. Process ids are the first device of each device group; returns the trace dict.
         """
-        from .views.plan import timeline_trace  # as explain()
+        from ..views.plan import timeline_trace  # as explain()
 
         trace = timeline_trace(self)
         text = json.dumps(trace)
@@ -240,7 +240,7 @@ def simulate_pipeline(plan: Plan, pipeline: Pipeline) -> SimResult:
     the lowered action list with its per-layer memory actions (`lowering.priced_schedule`), F/B taking the
     rest of their priced time. Equals `simulate_stages` (the planner's memoised path, where the memory
     actions are folded into F/B), because both run on the compute stream and a send waits for them."""
-    from .lowering import priced_schedule
+    from ..lowering import priced_schedule
 
     sched, memory = priced_schedule(plan, pipeline)
     return simulate_times(sched, pipeline.batch_share, pipeline.num_microbatches,

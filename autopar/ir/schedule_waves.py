@@ -39,7 +39,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import PlanError
+from ..errors import PlanError
 from .schedule import (
     Action,
     Compiled,

@@ -23,7 +23,7 @@ moves streamed gradients to the host) once its backward ends, ``FREE_B`` frees t
 action's memory actions are listed around it (GATHER_* before, FREE_F / REDUCE / FREE_B after) and run at
 its layer boundaries (runtime/zero_layers.py).
 
-Execution model (used by schedule_check.validate and by `autopar.simulate`): on each rank F/B and memory actions run in
+Execution model (used by schedule_check.validate and by `ir.simulate`): on each rank F/B and memory actions run in
 list order on a compute stream (the planner prices gathers and reductions inside the stage's step time,
 not overlapped) and SEND/ALLREDUCE in list order on a comm stream; a RECV completes when its matching
 SEND does (transfers are eager, so a RECV holds no stream); an action waits for its data dependencies.
@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PlanError
+from ..errors import PlanError
 
 Key = tuple  # (kind, stage, micro-batch), memory actions (kind, stage, micro-batch, layer)
 
