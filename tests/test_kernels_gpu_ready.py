@@ -33,10 +33,10 @@ def _regions(fn, shapes, ints=None) -> list:
     return [r for r in find_regions(capture(fn, *xs)) if r.fused]
 
 
-def _programs() -> list[tuple[str, triton_gen.Program]]:
+def _programs() -> list[tuple[str, triton_gen.KernelProgram]]:
     """Every distinct kernel the tests' models make: bench/kernels.py's region kinds (short rows, a
     vocabulary-size row of 50257, a 32768 row), and a GPT's stage program."""
-    out: dict[str, tuple[str, triton_gen.Program]] = {}
+    out: dict[str, tuple[str, triton_gen.KernelProgram]] = {}
     for rows, hidden, classes in ((16, 1024, 50257), (4, 32768, 512)):
         for kind, (fn, shapes, ints) in bench_cases(rows, hidden, classes).items():
             if hidden > 1024 and kind not in ("residual_norm", "rms_norm", "softmax"):
@@ -54,7 +54,7 @@ def _programs() -> list[tuple[str, triton_gen.Program]]:
     return list(out.values())
 
 
-def _long_rows() -> list[tuple[str, triton_gen.Program]]:
+def _long_rows() -> list[tuple[str, triton_gen.KernelProgram]]:
     """The kernels this check is for: cross-entropy over a vocabulary row of 50257 and the layer norm (the
     most registers) over a row of 32768."""
     fns = bench_cases(4, 32768, 50257)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import triton_gen
-from .triton_gen import Program
+from .triton_gen import KernelProgram
 
 # (compute capability, why it is checked): Hopper (H100/H200), Ampere (A100), Volta (V100)
 DEFAULT_TARGETS = (90, 80, 70)
@@ -88,7 +88,7 @@ def _ptr(dtype: torch.dtype) -> str:
     return "*" + _TL_PTR[dtype]
 
 
-def signature(p: Program, which: str, arg_names: list[str]) -> dict[str, str]:
+def signature(p: KernelProgram, which: str, arg_names: list[str]) -> dict[str, str]:
     """Triton argument types of a program's `fwd` or `bwd` kernel, as kernels.run_forward / run_backward
     allocate and pass them (partials and gradients of broadcast inputs in fp32)."""
     inputs = {f"in_{i.name}": i for i in p.inputs}
@@ -129,7 +129,7 @@ def _ptxas_report(ptx: str, arch: int) -> dict[str, int]:
     return {k: int(m.group(1)) if (m := r.search(log)) else 0 for k, r in _PTXAS.items()}
 
 
-def compile_program(p: Program, arch: int = 90, name: str = "kernel", *, which: tuple[str, ...] = ("fwd", "bwd"),
+def compile_program(p: KernelProgram, arch: int = 90, name: str = "kernel", *, which: tuple[str, ...] = ("fwd", "bwd"),
                     num_warps: int | None = None, block: tuple[int, int] | None = None) -> list[KernelBuild]:
     """Compile a program's kernels for CUDA compute capability `arch` in every configuration autotuning may
     launch on CUDA (or the one `num_warps` / `block` = (BLOCK_M, BLOCK_N) give); one KernelBuild each."""
@@ -148,7 +148,7 @@ def compile_program(p: Program, arch: int = 90, name: str = "kernel", *, which: 
             for w in which for bm, bn, warps in configs]
 
 
-def _build(p: Program, fn: Any, w: str, arch: int, name: str, bm: int, bn: int, warps: int) -> KernelBuild:
+def _build(p: KernelProgram, fn: Any, w: str, arch: int, name: str, bm: int, bn: int, warps: int) -> KernelBuild:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.autotuner import Autotuner
@@ -171,7 +171,7 @@ def _build(p: Program, fn: Any, w: str, arch: int, name: str, bm: int, bn: int, 
 def compile_for_target(kernel: Any, targets: tuple[int, ...] | int = DEFAULT_TARGETS, **kw: Any) -> list[KernelBuild]:
     """AOT-compile a region's kernels for CUDA targets (compute capabilities) without a GPU.
 
-    `kernel` is a `Program`, a `fusion.Region` (its program at the graph's shapes) or a
+    `kernel` is a `KernelProgram`, a `fusion.Region` (its program at the graph's shapes) or a
     `kernels.KernelReport` (every fused region of it that has a program); keyword arguments go to
     `compile_program`."""
     from .fusion import Region

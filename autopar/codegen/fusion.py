@@ -19,7 +19,7 @@ from torch import fx
 
 from . import triton_gen
 from .fusion_rules import RULES, Resolver, Rule, bind, meta  # noqa: F401  (re-exported)
-from .triton_gen import Builder, Program, Unfusible
+from .triton_gen import Builder, KernelProgram, Unfusible
 
 
 # ---------------------------------------------------------------------------------------------- regions
@@ -35,7 +35,7 @@ class Region:
     domain: tuple[int, ...] = ()
     fused: bool = True
     reason: str = ""
-    program: Program | None = None  # lowered at the graph's shapes (see `guessed`)
+    program: KernelProgram | None = None  # lowered at the graph's shapes (see `guessed`)
     guessed: bool = False  # some input had no shape metadata, so the program's input kinds are a guess
     sources: list[Any] = field(default_factory=list)  # the input key of each of the program's inputs
 
@@ -65,8 +65,8 @@ def tensors(val: Any) -> list[torch.Tensor]:
 
 
 def lower(nodes: list[fx.Node], values: Mapping[Any, torch.Tensor] | None = None
-          ) -> tuple[Builder, Program, list[Any], list[fx.Node], bool]:
-    """Lower region nodes (topological order) to a Program; `values` are runtime inputs by key, else the
+          ) -> tuple[Builder, KernelProgram, list[Any], list[fx.Node], bool]:
+    """Lower region nodes (topological order) to a KernelProgram; `values` are runtime inputs by key, else the
     graph's metadata gives the shapes. Returns builder, program, input keys, output nodes, guessed."""
     members = set(nodes)
     outputs = [n for n in nodes if _used_outside(n, members)]

@@ -28,7 +28,7 @@ from ..errors import KernelError, KernelFallbackWarning, PlanError
 from ..passes.fusion_pricing import KERNEL_MODES, check_mode
 from . import triton_gen
 from .fusion import Region, find_regions, fused_bytes, lower, meta
-from .triton_gen import CompiledRegion, Instr, Program, Unfusible, interpreted_stdlib
+from .triton_gen import CompiledRegion, Instr, KernelProgram, Unfusible, interpreted_stdlib
 
 
 @dataclass
@@ -91,7 +91,7 @@ class LaunchConfig:
     num_warps: int
 
 
-def launch_config(p: Program, interpret: bool) -> LaunchConfig:
+def launch_config(p: KernelProgram, interpret: bool) -> LaunchConfig:
     """The launch of a program's kernels under the interpreter or on CUDA."""
     bn = triton_gen.ROW_BLOCK if triton_gen.row_loop(p) else triton_gen.pow2(p.n) if p.rows else p.n
     tile = 1 << 16 if interpret else 4096  # the interpreter pays per program, a GPU per register
@@ -99,7 +99,7 @@ def launch_config(p: Program, interpret: bool) -> LaunchConfig:
     return LaunchConfig(bm, bn, -(-p.m // bm), 4 if bm * bn <= 4096 else 8)
 
 
-def _prep(p: Program, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+def _prep(p: KernelProgram, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     out = []
     for i, x in zip(p.inputs, xs, strict=True):
         x = x.expand(p.domain).contiguous() if i.kind == "X" else x.contiguous()
@@ -107,7 +107,7 @@ def _prep(p: Program, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return out
 
 
-def _launch(kernel: Any, args: list[Any], p: Program, seed: int, cfg: LaunchConfig, interpret: bool) -> None:
+def _launch(kernel: Any, args: list[Any], p: KernelProgram, seed: int, cfg: LaunchConfig, interpret: bool) -> None:
     blocks = {"BLOCK_M": cfg.block_m}
     if interpret or not triton_gen.row_loop(p):  # on CUDA a looping kernel's BLOCK_N is autotuned
         blocks["BLOCK_N"] = cfg.block_n
@@ -337,7 +337,7 @@ class FusedRegion(nn.Module):
             hit = self._strides[key] = tuple(tuple(s) if s is not None else None for s in outs)
         return hit
 
-    def _write(self, src: str, program: triton_gen.Program) -> None:
+    def _write(self, src: str, program: triton_gen.KernelProgram) -> None:
         text = self.info.source = _kernel_header(self.info, program) + src
         if self.dump_dir is None:
             return
@@ -372,7 +372,7 @@ class FusedRegion(nn.Module):
         return out
 
 
-def _kernel_header(info: RegionReport, program: triton_gen.Program) -> str:
+def _kernel_header(info: RegionReport, program: triton_gen.KernelProgram) -> str:
     return (f"# region {info.name} ({info.kind}): {', '.join(info.ops)}\n"
             f"# graph nodes {info.nodes}; inputs {info.inputs}; outputs {info.outputs}\n"
             f"# domain {list(program.domain)}; kernel hash "

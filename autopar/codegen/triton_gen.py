@@ -1,6 +1,6 @@
 """Triton code generation for fused regions: a tiny kernel IR, forward and backward codegen, a kernel cache.
 
-A region (see fusion.py) is lowered into a `Program`: straight-line instructions over *prims* (add, exp,
+A region (see fusion.py) is lowered into a `KernelProgram`: straight-line instructions over *prims* (add, exp,
 row sum, ...). Every prim has a `tl` expression and a vector-Jacobian rule in `PRIMS`; the forward kernel
 evaluates the program and the backward kernel recomputes it and runs reverse-mode AD over it, so both
 kernels come from the graph's ops, not from hand-written per-op kernels.
@@ -103,7 +103,7 @@ class Input:
 
 
 @dataclass
-class Program:
+class KernelProgram:
     domain: tuple[int, ...]
     inputs: list[Input]
     instrs: list[Instr]
@@ -148,7 +148,7 @@ def _join(classes: list[str]) -> str:
 
 
 class Builder:
-    """Builds a Program from a region's ops; expansions in fusion.py call `input` and `op`."""
+    """Builds a KernelProgram from a region's ops; expansions in fusion.py call `input` and `op`."""
 
     def __init__(self, domain: tuple[int, ...]) -> None:
         self.domain = tuple(int(s) for s in domain)
@@ -245,7 +245,7 @@ class Builder:
         self.instrs.append(Instr(out, prim, args, attr))
         return out
 
-    def finish(self, outputs: list[tuple[Any, tuple[int, ...], torch.dtype]]) -> Program:
+    def finish(self, outputs: list[tuple[Any, tuple[int, ...], torch.dtype]]) -> KernelProgram:
         outs = []
         for value, shape, dtype in outputs:
             if not isinstance(value, str):
@@ -262,7 +262,7 @@ class Builder:
             i.prim in REDUCE for i in self.instrs) or any(k in ("R", "CP") for _, k, _, _ in outs)
         if _numel(self.domain) >= 2**31:
             raise Unfusible("2^31 or more elements (kernels index with int32)")
-        return Program(self.domain, self.inputs, self.instrs, self.host, outs, self.cls, self.dt, rows)
+        return KernelProgram(self.domain, self.inputs, self.instrs, self.host, outs, self.cls, self.dt, rows)
 
 
 # ---------------------------------------------------------------------------------------------- codegen
@@ -277,7 +277,7 @@ def _fmt(a: Any) -> str:
     return repr(float(a)) if isinstance(a, float) else repr(int(a))
 
 
-def _args(ins: Instr, p: Program) -> list[str]:
+def _args(ins: Instr, p: KernelProgram) -> list[str]:
     """Arguments as code; bool/int values feeding float arithmetic are cast to float32 first."""
     out = []
     for k, x in enumerate(ins.args):
@@ -289,7 +289,7 @@ def _args(ins: Instr, p: Program) -> list[str]:
     return out
 
 
-def _expr(ins: Instr, p: Program) -> str:
+def _expr(ins: Instr, p: KernelProgram) -> str:
     a = _args(ins, p)
     if ins.prim == "cast":
         if p.dt[ins.out] == "b":
@@ -324,7 +324,7 @@ def _pow(x: str, e: float) -> str:
     return f"(1.0 / ({prod}))" if e < 0 else f"({prod})"
 
 
-def _vjp(ins: Instr, g: str, p: Program) -> list[tuple[int, str, str]]:
+def _vjp(ins: Instr, g: str, p: KernelProgram) -> list[tuple[int, str, str]]:
     """(arg index, contribution expression, its class) for each differentiable argument."""
     a = _args(ins, p)
     o = ins.out
@@ -530,7 +530,7 @@ def _looped(stmts: list[Stmt], cls: dict[str, str]) -> list[str]:
 ROW_BLOCK = 8192  # longest row one program keeps in registers; longer rows loop over column blocks
 
 
-def tune_configs(p: Program) -> list[dict[str, int]]:
+def tune_configs(p: KernelProgram) -> list[dict[str, int]]:
     """The configurations `triton.autotune` times on CUDA (keyed on the row length N), the first being the
     default: num_warps, and for looping rows the column block BLOCK_N too (a one-block kernel's BLOCK_N
     is the row, and BLOCK_M fixes the grid and its partial buffers, so neither is tuned there)."""
@@ -539,12 +539,12 @@ def tune_configs(p: Program) -> list[dict[str, int]]:
     return [{"num_warps": w} for w in (4, 8)]
 
 
-def row_loop(p: Program) -> bool:
+def row_loop(p: KernelProgram) -> bool:
     """Whether a program's kernels loop over column blocks of ROW_BLOCK (rows longer than that)."""
     return p.rows and pow2(p.n) > ROW_BLOCK
 
 
-def _emit(p: Program, name: str, args: list[str], body: _Body) -> list[str]:
+def _emit(p: KernelProgram, name: str, args: list[str], body: _Body) -> list[str]:
     if not row_loop(p):
         return _header(name, args) + _one_block(_live(body.stmts), body.cls)
     return _header(name, args)[:4] + ["    rmask = rows < M"] + _looped(body.stmts, body.cls)
@@ -587,26 +587,26 @@ def _store(b: _Body, kind: str, ptr: str, v: str, cls: str) -> None:
         b.add(None, "S", f"tl.store({ptr} + pid, {b.reduce_to(v, cls, 'S')})")
 
 
-def _period_args(p: Program) -> list[str]:
+def _period_args(p: KernelProgram) -> list[str]:
     return [f"P_{i.name}" for i in p.inputs if i.kind == "P"]
 
 
-def kernel_outputs(p: Program) -> list[int]:
+def kernel_outputs(p: KernelProgram) -> list[int]:
     """Indices of the outputs the forward kernel writes (totals come from `totals` and host ops)."""
     return [k for k, (_, kind, _, _) in enumerate(p.outputs) if kind != "T"]
 
 
-def totals(p: Program) -> list[str]:
+def totals(p: KernelProgram) -> list[str]:
     return [ins.out for ins in p.instrs if ins.prim == "tsum"]
 
 
-def grad_outputs(p: Program) -> list[int]:
+def grad_outputs(p: KernelProgram) -> list[int]:
     """Kernel-written float outputs, whose gradients the backward kernel reads."""
     return [k for k in kernel_outputs(p)
             if p.outputs[k][3].is_floating_point and p.dt[p.outputs[k][0]] == "f"]
 
 
-def _instr(b: _Body, ins: Instr, p: Program) -> None:
+def _instr(b: _Body, ins: Instr, p: KernelProgram) -> None:
     cls = {"T": "S", "CP": "C"}.get(p.cls[ins.out], p.cls[ins.out])
     a0 = ins.args[0] if ins.args else None
     if ins.prim in ("rsum", "rmax"):
@@ -617,7 +617,7 @@ def _instr(b: _Body, ins: Instr, p: Program) -> None:
         b.add(ins.out, cls, _expr(ins, p))
 
 
-def _forward_body(p: Program) -> _Body:
+def _forward_body(p: KernelProgram) -> _Body:
     b = _Body()
     for i in p.inputs:
         b.add(i.name, _LOAD_CLS[i.kind], _load(i, f"in_{i.name}"))
@@ -631,7 +631,7 @@ def _forward_body(p: Program) -> _Body:
     return b
 
 
-def generate(p: Program, title: str = "") -> str:
+def generate(p: KernelProgram, title: str = "") -> str:
     """Python source of the forward kernel `fwd` and the backward kernel `bwd` of a program."""
     kinds = [(i.kind, str(i.dtype).removeprefix("torch.")) for i in p.inputs]
     layout = "flat" if not p.rows else f"rows looped in blocks of {ROW_BLOCK}" if row_loop(p) else "rows"
@@ -645,7 +645,7 @@ def generate(p: Program, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _backward_body(p: Program) -> _Body:
+def _backward_body(p: KernelProgram) -> _Body:
     b = _Body()
     grads: dict[str, str] = {}
     gcls: dict[str, str] = {}
@@ -693,14 +693,14 @@ def _backward_body(p: Program) -> _Body:
     return b
 
 
-def _backward(p: Program) -> list[str]:
+def _backward(p: KernelProgram) -> list[str]:
     gin = [i for i in p.inputs if i.dtype.is_floating_point]
     args = ([f"in_{i.name}" for i in p.inputs] + [f"gout_{k}" for k in grad_outputs(p)]
             + [f"gt_{v}" for v in totals(p)] + [f"gin_{i.name}" for i in gin] + _period_args(p))
     return _emit(p, "bwd", args, _backward_body(p))
 
 
-def input_reads(p: Program, which: str = "fwd") -> dict[str, int]:
+def input_reads(p: KernelProgram, which: str = "fwd") -> dict[str, int]:
     """How many times the `fwd` or `bwd` kernel reads each input (by value name) and, for `bwd`, each
     output gradient (`go_<k>`): once, or once per pass over the column blocks when rows loop."""
     b = _forward_body(p) if which == "fwd" else _backward_body(p)
@@ -732,7 +732,7 @@ def triton_available() -> bool:
 class CompiledRegion:
     """A program's kernels, loaded for one execution mode (interpreted on CPU, compiled on GPU)."""
 
-    program: Program
+    program: KernelProgram
     source: str
     fwd: Any
     bwd: Any
@@ -761,7 +761,7 @@ def import_triton() -> None:
             os.environ["TRITON_INTERPRET"] = old
 
 
-def load(p: Program, source: str, interpret: bool) -> CompiledRegion:
+def load(p: KernelProgram, source: str, interpret: bool) -> CompiledRegion:
     """Compile (or fetch from the cache) the kernels of `source`; the cache key is the source hash."""
     key = source_hash(source)
     hit = _LOADED.get((key, interpret))

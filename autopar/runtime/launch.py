@@ -90,10 +90,24 @@ def _serve(rank: int, jobs: Connection) -> None:
         except BaseException:
             jobs.send(traceback.format_exc())
             return
-        if "torch._dynamo" in sys.modules:  # a later job compiles as in a fresh process (no cache limit hit)
-            torch._dynamo.reset()
-        gc.collect()
+        _forget_process_group_caches()
         jobs.send(None)
+
+
+def _forget_process_group_caches() -> None:
+    """What a finished job leaves that a fresh process would not have: DTensor's sharding caches (a new mesh
+    over the same ranks equals the old one, so a hit would hand back the old mesh, whose groups are gone; as
+    torch's own DTensor tests clear them between process groups), dynamo's compiled code (a later job compiles
+    as in a fresh process, with no recompile limit hit) and the job's garbage."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    gc.collect()
 
 
 class _Pool:
