@@ -41,6 +41,7 @@ from .errors import PlanError
 from .ir.graph import TrainingGraph
 from .ir.lowered import COMPRESS_DTYPES, Group, Layout, PipelineLayout, Position, RankProgram, StageLayout
 from .ir.plan import OFFLOAD_KINDS, Pipeline, Plan, layerwise_stages, recompute_count
+from .ir.plan_simulate import cached_schedule
 from .ir.schedule import SPLIT_SCHEDULES, Action, Schedule, make_schedule, splits_backward
 from .ir.schedule_nccl import TRANSFER_KINDS, Batch, P2POp, batch_transfers, nccl_problems, settle
 from .ir.schedule_waves import call_of_wave, wave_calls
@@ -486,7 +487,7 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
     them, as the plan does not say which layers hold parameters: their times sum to the stage's either way),
     and the seconds of each memory action by (kind, stage)."""
     ranks = len(pipe.stages) // plan.chunks
-    sched = make_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
+    sched = cached_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)  # not mutated: copied below
     times: dict[Any, float] = {}
     for g in range(ranks):
         bring: dict[int, set[int]] = {}
@@ -502,7 +503,8 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
             if p.get("reduce_s", 0.0) > 0:
                 red[s] = layers
                 times[("REDUCE", s)] = p["reduce_s"] / n
-        sched = memory_actions(sched, g, bring, red)
+        if bring or red:
+            sched = memory_actions(sched, g, bring, red)
     return sched, times
 
 

@@ -301,8 +301,11 @@ class CostModel(CommPricing):
 
     def communicators(self, plan: Plan) -> dict[int, int]:
         """Device -> how many NCCL communicators its process creates under `plan` (`lowering.plan_communicators`:
-        the world, its tensor- and data-parallel groups, one per pipeline peer)."""
-        return {d: len(sets) for d, sets in plan_communicators(plan, self.graph).items()}
+        the world, its tensor- and data-parallel groups, one per pipeline peer). They follow from which devices
+        hold which layers alone (`price` has checked the rest of the plan), so plans alike in that share one."""
+        key = ("communicators", plan.chunks, tuple(tuple((tuple(st.layers), tuple(st.devices)) for st in p.stages)
+                                                   for p in plan.pipelines))
+        return self.memoised(key, lambda: {d: len(sets) for d, sets in plan_communicators(plan, self.graph).items()})
 
     def host_usable(self, node: int) -> float:
         """Bytes of a node's host memory its devices may fill with what they offload."""
