@@ -744,21 +744,11 @@ _LOADED: dict[tuple[str, bool], CompiledRegion] = {}
 
 
 def import_triton() -> None:
-    """Import triton (optional, so only once a kernel is needed). Without CUDA it can only interpret, and
-    the interpreter needs TRITON_INTERPRET=1 before the first import; it is set just for that import so
-    that subprocesses do not inherit it. (When torch imported triton first, see interpreted_stdlib.)"""
-    if "triton" in sys.modules or torch.cuda.is_available():
-        import triton  # noqa: F401
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """Import triton (optional, so only once a kernel is needed). Without CUDA it can only interpret: every
+    interpreted launch runs under `interpreted_stdlib`, which turns triton's interpret knob on and swaps
+    triton.language's @jit helpers for interpreted copies, so no TRITON_INTERPRET=1 is needed before the import
+    (and none is set in this process's environment, which its subprocesses would inherit)."""
+    import triton  # noqa: F401
 
 
 def load(p: KernelProgram, source: str, interpret: bool) -> CompiledRegion:
