@@ -8,6 +8,7 @@ makes (runtime/program.py `Groups`, `_peer`, `_peers`); the planner's search cou
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -95,3 +96,20 @@ def test_price_charges_every_communicator() -> None:
     est = _estimate(strategy, reserve)
     assert not est.fits
     assert any("3 communicator(s)" in p for p in est.predicted["memory_problems"])
+
+
+def test_one_cost_model_counts_each_plan_by_its_own_groups() -> None:
+    """`CostModel.communicators` memoises by which devices hold which layers: plans over the same layer ranges
+    on other devices each get their own count, as from the lowering (here one pipeline of two stages, its
+    second stage on device 1, 2 or 3 while the others idle)."""
+    cm = _cm()
+    base = _estimate(autopar.Strategy(dp=2, pp=2, microbatch_size=2)).plan
+    first = base.pipelines[0]
+    counts = []
+    for device in (1, 2, 3):
+        stages = [replace(first.stages[0], devices=[0]), replace(first.stages[1], devices=[device])]
+        plan = replace(base, pipelines=[replace(first, batch_share=base.global_batch, stages=stages)])
+        expected = {d: len(sets) for d, sets in plan_communicators(plan, cm.graph).items()}
+        assert cm.communicators(plan) == expected, device
+        counts.append(expected)
+    assert counts[0] != counts[1] != counts[2]  # the three plans differ, so a shared count would be wrong
