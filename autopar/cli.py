@@ -87,8 +87,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .cost_models.calibrate import calibrate
+    from .cost_models.calibrate import calibrate, calibrate_host
 
+    if args.host:
+        from .cost_models.compute import host_path_path
+        from .cost_models.overhead import gpu_host_from_path
+
+        out = calibrate_host(quick=args.quick, save=True)
+        gpu = gpu_host_from_path(out["framework"])
+        print(f"saved this host's eager-PyTorch host path to {host_path_path()} in {out['seconds']} s "
+              f"(other load {out['other_load_cpus']} CPUs); GPUs without their own profile now price their host as:")
+        for name in ("kernel_s", "view_s", "module_s", "autograd_node_s", "microbatch_s", "step_s", "step_tensor_s"):
+            print(f"  {name:16s} {getattr(gpu, name) * 1e6:8.2f} us  {gpu.sources.get(name, '')}")
+        return
     prof = calibrate(device=args.device, quick=args.quick, save=True)
     print(f"saved profile for {prof.device}")
     for kind, curve in sorted(prof.curves.items()):
@@ -267,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("calibrate", help="time kernels on the local device and save a cost profile")
     s.add_argument("--device", default="local")
     s.add_argument("--quick", action="store_true", help="a shorter sweep (~20 s)")
+    s.add_argument("--host", action="store_true",
+                   help="measure this host's eager-PyTorch host path (per kernel, view, module call, autograd "
+                        "node) on the CPU and save it: GPUs without their own profile price their host time "
+                        "(the floor under small kernels) from it (~2 s)")
     s.set_defaults(func=cmd_calibrate)
     return p
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -157,25 +159,118 @@ def test_profile_framework_figures_override_the_defaults():
     assert host.kernel_s == overhead
 
 
-def test_stage_times_carry_the_host_terms():
-    """A stage's forward = its layers' kernels + views/module calls + one micro-batch's setup; backward
-    = kernels + autograd nodes + setup; the step's sync adds the optimizer's fixed and per-tensor cost."""
+def _tiny_cost_model(cluster: str, precision: str = "bf16") -> CostModel:
     model, x = _tiny()
     g = autopar.capture(model, (x,), _loss, torch.ones(3, 4))
-    cluster = autopar.Cluster.load("1x1xA100-80GB")
-    cm = CostModel(annotate(g, cluster, precision="bf16"), cluster, precision="bf16")
+    c = autopar.Cluster.load(cluster)
+    return CostModel(annotate(g, c, precision=precision), c, precision=precision)
+
+
+def _kernel_counts(cm: CostModel) -> tuple[int, int]:
+    nodes = [cm.graph.nodes[n] for layer in cm.graph.layers for n in layer.nodes]
+    return (sum(k.kind != "view" for n in nodes for k in n.kernels_fwd),
+            sum(k.kind != "view" for n in nodes for k in n.kernels_bwd))
+
+
+def test_stage_times_carry_the_host_terms():
+    """A GPU runs what its host issues asynchronously: a stage's forward is the larger of its kernels' device
+    time and its host time (kernel_s per launch + views/module calls + one micro-batch's setup), its backward
+    likewise (autograd nodes instead of views and calls); the tiny model is host-bound, so the host time is
+    what it costs. The step's sync adds the optimizer's fixed and per-tensor cost."""
+    cm = _tiny_cost_model("1x1xA100-80GB")
     dev = "A100-80GB"
     L = len(cm.graph.layers)
     base = cm.base(0, L, dev, cm.B, (0,))
     kf = sum(cm.layer_compute(i, dev, cm.B, 1)[0] for i in range(L))
     kb = sum(cm.layer_compute(i, dev, cm.B, 1)[1] for i in range(L))
     h = CUDA_EAGER
+    nf, nb = _kernel_counts(cm)
+    assert nf >= 3 and nb >= 3
     views = sum(n.is_view for n in cm.graph.nodes.values())
-    assert base.fwd == pytest.approx(kf + views * h.view_s + 4 * h.module_s + h.microbatch_s, rel=1e-9)
-    assert base.bwd == pytest.approx(kb + 11 * h.autograd_node_s + h.microbatch_s, rel=1e-9)
+    host_f = nf * h.kernel_s + views * h.view_s + 4 * h.module_s + h.microbatch_s
+    host_b = nb * h.kernel_s + 11 * h.autograd_node_s + h.microbatch_s
+    device_f, device_b = kf - nf * cm.models[dev].overhead, kb - nb * cm.models[dev].overhead
+    assert host_f > device_f and host_b > device_b  # the floor binds
+    assert base.fwd == pytest.approx(host_f, rel=1e-9)
+    assert base.bwd == pytest.approx(host_b, rel=1e-9)
     times = cm.stage_times(base, Option(), dev, (0,), (0,))
     assert times.sync == pytest.approx(2 * (cm.state.weights + cm.state.grads + cm.state.optimizer) * base.params
                                        / cm.models[dev].bandwidth + h.step_s + 4 * h.step_tensor_s, rel=1e-9)
+
+
+def test_long_kernels_hide_the_host_time_on_a_gpu_and_add_to_it_on_a_cpu():
+    """Where the kernels outlast the host's issuing (a wide layer at a large batch on a T4), the stage costs its
+    device time alone; a CPU's host thread computes, so there the host terms add to the kernels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 64))
+    x = torch.randn(2048, 4096, device="meta")
+    with torch.device("meta"):
+        model = model.to("meta")
+    g = autopar.capture(model, (x,), _loss, torch.ones(2048, 64, device="meta"))
+    for cluster, dev in (("1x1xT4", "T4"), ("1x1xcpu", "cpu")):
+        c = autopar.Cluster.load(cluster)
+        cm = CostModel(annotate(g, c, precision="fp32"), c, precision="fp32")
+        L = len(cm.graph.layers)
+        base = cm.base(0, L, dev, cm.B, (0,))
+        kf = sum(cm.layer_compute(i, dev, cm.B, 1)[0] for i in range(L))
+        nf, _ = _kernel_counts(cm)
+        host = cm.models[dev].host
+        views = sum(n.is_view for n in cm.graph.nodes.values())
+        rest = views * host.view_s + 4 * host.module_s + host.microbatch_s
+        if dev == "T4":
+            assert base.fwd == pytest.approx(kf - nf * cm.models[dev].overhead, rel=1e-9)
+        else:
+            assert base.fwd == pytest.approx(kf + rest, rel=1e-9)
+
+
+def test_a_recomputed_forward_pays_its_host_time_again():
+    """Full recompute on a host-bound GPU stage: the backward carries the blocks' forward host time a second
+    time (launches, views, module calls), not their device time."""
+    case = models.gpt(batch=2, seq=8, vocab=64, hidden=32, layers=2, heads=2)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    c = autopar.Cluster.load("1x1xA100-80GB")
+    cm = CostModel(annotate(g, c, precision="bf16"), c, precision="bf16")
+    dev = "A100-80GB"
+    L = len(cm.graph.layers)
+    base = cm.base(0, L, dev, cm.B, (0,))
+    counts = layer_counts(cm.graph)
+    h = cm.models[dev].host
+    blocks = [i for i in range(L) if cm.is_block[i]]
+    host_rc = sum(counts[i].kernels_fwd * h.kernel_s + counts[i].views * h.view_s + counts[i].modules * h.module_s
+                  for i in blocks)
+    assert base.recompute == pytest.approx(host_rc, rel=1e-9)
+
+
+def test_gpus_take_their_host_figures_from_the_measured_host_path(tmp_path, monkeypatch):
+    """`autopar calibrate --host` saves this host's measured path; a GPU without its own figures prices its
+    host from it (each kernel plus the cited CUDA launch), a GPU profile with figures of its own and an edge
+    board (an ARM host) keep theirs."""
+    from autopar.cost_models.calibrate import calibrate_host
+    from autopar.cost_models.compute import host_path_path
+    from autopar.cost_models.overhead import LAUNCH_S
+
+    monkeypatch.setenv("AUTOPAR_PROFILE_DIR", str(tmp_path / "hp"))
+    with warnings.catch_warnings():  # a busy host only makes the figures pessimistic: not this test's subject
+        warnings.simplefilter("ignore")
+        out = calibrate_host(quick=True, save=True)
+    assert host_path_path().is_file()
+    fw = out["framework"]
+    a100 = host_overhead(ComputeModel(device_spec("A100-80GB"), dtype="bf16"))
+    assert a100.kernel_s == pytest.approx(fw["kernel_s"]["value"] + LAUNCH_S)
+    assert a100.autograd_node_s == fw["autograd_node_s"]["value"] and a100.view_s == fw["view_s"]["value"]
+    assert a100.microbatch_s == CUDA_EAGER.microbatch_s and "launch" in a100.sources["kernel_s"]
+    assert "host path" in a100.stack
+    curves, overhead = default_curves("gpu")
+    own = Profile("T4", curves, overhead, meta={"framework": {"module_s": {"value": 1e-5, "source": "measured"}}})
+    assert host_overhead(ComputeModel(device_spec("T4"), own, dtype="fp16")).module_s == 1e-5
+    edge = host_overhead(ComputeModel(device_spec("Jetson-AGX-Orin"), dtype="fp16"))
+    assert edge.kernel_s == pytest.approx(2.5 * CUDA_EAGER.kernel_s) and "host path" not in edge.stack
+    cm = _tiny_cost_model("1x1xA100-80GB")  # pricing reads it: the stage's host floor moves with it
+    nf, _ = _kernel_counts(cm)
+    base = cm.base(0, len(cm.graph.layers), "A100-80GB", cm.B, (0,))
+    views = sum(n.is_view for n in cm.graph.nodes.values())
+    assert base.fwd == pytest.approx(nf * a100.kernel_s + views * a100.view_s + 4 * a100.module_s
+                                     + a100.microbatch_s, rel=1e-9)
 
 
 def test_host_terms_make_small_microbatches_and_many_stages_dearer():

@@ -22,7 +22,9 @@ timed with the fewest repeats and re-timing stops; `meta["other_load_cpus"]` rec
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import platform
 import time
 import warnings
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .compute import OP_KINDS, ComputeModel, Profile, load_profile, pointwise_flops, profile_path
+from .compute import OP_KINDS, ComputeModel, Profile, host_path_path, load_profile, pointwise_flops, profile_path
 from .gpu_profiles import kind_peak
 from .host import FAULT_THRESHOLD, OtherLoad, Timer, measure_cpu_peaks, measure_framework, page_fault_bandwidth
 
@@ -519,6 +521,34 @@ def calibrate(device: str = "local", quick: bool = False, save: bool = True) -> 
 
             host.cpu_spec.cache_clear()
     return profile
+
+
+def calibrate_host(quick: bool = False, save: bool = True) -> dict:
+    """Measure the host path of eager PyTorch on this host's CPU (`host.measure_framework` with tensors of a
+    few elements: Python, dispatcher, autograd and allocator time per kernel, view, module call, autograd node,
+    micro-batch and optimizer step) and, with `save`, write it to `compute.host_path_path()`, where GPUs
+    without figures measured on themselves take their host figures from (`overhead.gpu_host_from_path`)."""
+    import torch
+
+    t0 = time.perf_counter()
+    load = OtherLoad()
+    timer = Timer(torch.device("cpu"), quick)
+    bare, overhead, framework = measure_framework(torch, torch.device("cpu"), timer)
+    others = load.since()
+    out = {"framework": framework, "bare_dispatch_s": bare, "torch": torch.__version__, "host": platform.node(),
+           "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+           "quick": quick, "other_load_cpus": round(others, 2), "reliable": others <= 0.5,
+           "seconds": round(time.perf_counter() - t0, 2), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if not out["reliable"]:
+        warnings.warn(f"other processes kept {others:.1f} CPUs busy while the host path was measured, so its "
+                      f"figures are pessimistic. Measure on an idle host for faithful ones.", stacklevel=2)
+    if save:
+        path = host_path_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(path)
+    return out
 
 
 if __name__ == "__main__":  # python -m autopar.cost_models.calibrate [--quick]

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 from .gpu_profiles import GPU_FACTS, MEMEFF_SOURCE, gemm_half, has_tf32, kind_peak
 from .op_names import ELEMENTWISE_NAMES as _ELEMENTWISE_NAMES
 from .op_names import base_name
-from .overhead import HostOverhead, default_host, host_overhead
+from .overhead import HOST_PATH_FILE, HostOverhead, default_host, host_overhead
 
 if TYPE_CHECKING:
     from ..catalog import DeviceSpec
@@ -316,6 +316,27 @@ def load_profile(device_name: str) -> Profile | None:
         return None
 
 
+def host_path_path() -> Path:
+    """Where `autopar calibrate --host` keeps this host's measured host path (beside the profiles)."""
+    return profile_dir() / HOST_PATH_FILE
+
+
+def load_host_path() -> dict | None:
+    """The saved host path (`calibrate.calibrate_host`), or None when there is none or it cannot be read."""
+    path = host_path_path()
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        if isinstance(d, dict) and isinstance(d.get("framework"), dict):
+            return d
+        raise ValueError("no 'framework' figures")
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring unreadable host path {str(path)!r}: {e}; re-run `autopar calibrate --host`",
+                      stacklevel=2)
+        return None
+
+
 # Each memory-bound kind's share of a STREAM-like kernel's achieved bandwidth (GPU defaults above: norm,
 # softmax and reduction make two passes or reduce across threads; embedding gathers scattered rows; gather
 # and scatter-add collide on rows). default_profile multiplies them with each device's STREAM fraction.
@@ -394,9 +415,13 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
 class ComputeModel:
     """Predicts one op's run time on one device type from its kind, FLOPs and bytes moved."""
 
-    def __init__(self, spec: DeviceSpec, profile: Profile | None = None, dtype: str = "fp32") -> None:
+    def __init__(self, spec: DeviceSpec, profile: Profile | None = None, dtype: str = "fp32",
+                 host_path: dict | None = None) -> None:
+        """`host_path`: this host's measured host path (`load_host_path`, read from the profile directory for a
+        GPU when not given), whose figures a GPU without its own prices its host time from (overhead.py)."""
         self.spec = spec
         self.dtype = dtype
+        self.host_path = host_path if host_path is not None or spec.kind != "gpu" else load_host_path()
         if profile is None:
             profile = load_profile(spec.name)
         self.calibrated = profile is not None

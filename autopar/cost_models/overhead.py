@@ -19,12 +19,15 @@ Terms (seconds; one `HostOverhead` per device kind and software stack, kept in a
     step_tensor_s    per parameter tensor per optimizer step (per-tensor Python work: state lookup,
                      grouping lists for the foreach kernels)
 
-Pricing (solver/pricing/pricing.py): a stage's forward per micro-batch = its kernels (op_time, kernel_s each)
-+ sum over its layers of view_s * views + module_s * module calls + microbatch_s; its backward = kernels +
-autograd_node_s * autograd nodes + microbatch_s; its sync adds step_s + step_tensor_s * tensors. The
-terms are additive with the device time: exact when the host is the bottleneck (small kernels, small
-micro-batches: where they matter), at most the host time too high when the device is (large kernels,
-where the host terms are a small fraction of the step).
+Pricing (solver/pricing/model.py, `floored`): a stage's host time per micro-batch forward = kernel_s per
+kernel it launches + sum over its layers of view_s * views + module_s * module calls + microbatch_s; backward
+= kernel_s per kernel + autograd_node_s * autograd nodes + microbatch_s; a recomputed forward pays its host
+time again. Its device time is its kernels' (op_time less the per-kernel overhead op_time charges).
+On a device that runs asynchronously to its host (kinds in HOST_BOUND_KINDS: a GPU, an edge board's GPU) the
+host issues kernels ahead of the device, so a stage's time is the larger of the two: the device never runs
+faster than the host can issue (the host-bound floor of small kernels and small micro-batches), and host
+time hides behind long kernels. On a CPU the same thread issues and computes: the two add. The sync adds
+step_s + step_tensor_s * tensors (the optimizer step's host work, synchronous with it).
 
 Counting (from the captured graph, `layer_counts`): module calls are the entries into a module path in
 the op order (a module called twice counts twice), skipping indexed containers (`blocks` of
@@ -34,7 +37,12 @@ whose t and addmm autograd records apart) and one AccumulateGrad per trainable p
 
 Defaults: eager PyTorch on CUDA (a server CPU core issuing), CPU (uncalibrated), and edge boards (ARM
 cores: 2.5x the CUDA figures, the ratio of their per-kernel overheads, 15 us vs 6 us). `autopar
-calibrate` measures the host figures on the device at hand (calibrate.py, `measure_host`).
+calibrate` measures the host figures on the device at hand (calibrate.py, `measure_framework`).
+`autopar calibrate --host` measures the host path of eager PyTorch on this host's CPU (tiny tensors, so
+every figure is Python, dispatcher, autograd and allocator time: the path a GPU eager run takes) and saves
+it as `host-path.json` beside the profiles; GPUs without figures measured on themselves then price their
+host from it, each kernel adding the CUDA launch (LAUNCH_S, cited). Edge boards keep their defaults: their
+host is the board's ARM cores, not this one.
 
 Validation target, not a fitted constant: on a single 8-GPU A100 node Megatron-LM runs (hidden
 1024-2048, micro-batch 1-8) show ~1.8 ms per layer per micro-batch of host time beyond 6 us per kernel
@@ -116,6 +124,20 @@ class HostOverhead:
                                                           for k, v in self.sources.items()})
 
 
+LAUNCH_S = 3e-6
+LAUNCH_SOURCE = ("cudaLaunchKernel's host side, 3 us: back-to-back launches of a 2.9 us kernel take 3.8 us "
+                 "each, and 3.4 us under a CUDA graph (NVIDIA, 'Getting Started with CUDA Graphs', 2019), so "
+                 "the launch path is below ~4 us")
+HOST_BOUND_KINDS = ("gpu", "edge")  # devices whose kernels run asynchronously to the host that issues them
+HOST_PATH_FILE = "host-path.json"
+
+
+def host_bound(kind: str) -> bool:
+    """Whether a device kind runs its kernels asynchronously to its host (its stage time is the larger of
+    device and host time) rather than on the host's own thread (the two add)."""
+    return kind in HOST_BOUND_KINDS
+
+
 CUDA_EAGER = HostOverhead("cuda-eager", kernel_s=6e-6, view_s=2e-6, module_s=4e-6, autograd_node_s=3e-6,
                           microbatch_s=100e-6, step_s=300e-6, step_tensor_s=2e-6, sources=_CUDA_SOURCES)
 CPU_EAGER = HostOverhead("cpu-eager", kernel_s=3e-6, view_s=1.5e-6, module_s=3e-6, autograd_node_s=2e-6,
@@ -135,11 +157,31 @@ def default_host(kind: str) -> HostOverhead:
     return CUDA_EAGER
 
 
+def gpu_host_from_path(framework: dict) -> HostOverhead:
+    """The host figures of eager PyTorch on CUDA from this host's measured host path (`framework`, the
+    meta["framework"] form): views, module calls and autograd nodes as measured; each kernel the measured
+    per-kernel cost plus the CUDA launch (LAUNCH_S); the micro-batch setup and the optimizer step keep the
+    CUDA defaults (their host work is CUDA's: NCCL p2p setup, foreach kernels, not the CPU's)."""
+    measured = HostOverhead.from_meta(framework, CUDA_EAGER)
+    vals = {f.name: getattr(measured, f.name) for f in fields(HostOverhead) if f.name not in ("stack", "sources")}
+    sources = dict(measured.sources)
+    vals["kernel_s"] = measured.kernel_s + LAUNCH_S
+    sources["kernel_s"] = f"{measured.sources.get('kernel_s', '')}; plus the launch: {LAUNCH_SOURCE}"
+    for name in ("microbatch_s", "step_s", "step_tensor_s"):
+        vals[name] = getattr(CUDA_EAGER, name)
+        sources[name] = CUDA_EAGER.sources[name]
+    return HostOverhead(stack="cuda-eager (this host's measured host path)", **vals, sources=sources)
+
+
 def host_overhead(model: ComputeModel) -> HostOverhead:
     """A compute model's host figures: its profile's meta["framework"] over the kind's defaults, with the
-    per-kernel figure the model charges (`ComputeModel.overhead`)."""
+    per-kernel figure the model charges (`ComputeModel.overhead`). A GPU whose profile has no figures
+    measured on it takes them from this host's measured host path when there is one (`gpu_host_from_path`,
+    its own per-kernel figure)."""
     base = default_host(model.spec.kind)
     meta = model.profile.meta.get("framework")
+    if model.spec.kind == "gpu" and model.host_path is not None and not (model.calibrated and isinstance(meta, dict)):
+        return gpu_host_from_path(model.host_path["framework"])
     host = HostOverhead.from_meta(meta, base) if isinstance(meta, dict) else base
     if host.kernel_s != model.overhead:
         vals = {f.name: getattr(host, f.name) for f in fields(host) if f.name != "sources"}
@@ -159,6 +201,8 @@ class HostCounts:
     modules: int = 0
     autograd_nodes: int = 0
     param_tensors: int = 0
+    kernels_fwd: int = 0  # kernels the layer's forward launches (annotate's; views launch none)
+    kernels_bwd: int = 0
 
 
 def _is_getitem(target: str) -> bool:
@@ -184,6 +228,8 @@ def layer_counts(graph: TrainingGraph) -> list[HostCounts]:
     modules = [0] * len(graph.layers)
     nodes = [0] * len(graph.layers)
     tensors = [0] * len(graph.layers)
+    kf = [0] * len(graph.layers)
+    kb = [0] * len(graph.layers)
     active: set[str] = set()
     first = True
     for layer in graph.layers:
@@ -199,13 +245,15 @@ def layer_counts(graph: TrainingGraph) -> list[HostCounts]:
             modules[i] += len(now - active)
             active = now
             views[i] += int(node.is_view)
+            kf[i] += sum(k.kind != "view" for k in node.kernels_fwd)
+            kb[i] += sum(k.kind != "view" for k in node.kernels_bwd)
             # aten.linear is CompositeImplicitAutograd: autograd records its t and addmm, two nodes
             nodes[i] += (2 if base_name(node.target) == "linear" else 1) if node.requires_grad else 0
     for info in graph.params.values():
         if info.counts and 0 <= info.layer < len(graph.layers):
             tensors[info.layer] += 1
             nodes[info.layer] += 1  # its AccumulateGrad node
-    return [HostCounts(*c) for c in zip(views, modules, nodes, tensors, strict=True)]
+    return [HostCounts(*c) for c in zip(views, modules, nodes, tensors, kf, kb, strict=True)]
 
 
 def layer_host_seconds(counts: HostCounts, host: HostOverhead) -> tuple[float, float]:
@@ -234,12 +282,29 @@ def graph_host_seconds(graph: TrainingGraph, model: ComputeModel, microbatches: 
 @dataclass(frozen=True)
 class StageHost:
     """Host seconds of a pipeline stage: per micro-batch forward / backward, the forward of its blocks
-    paid again under recompute, and per optimizer step."""
+    paid again under recompute, and per optimizer step; kernels' launches apart: `launch_*` at the host's
+    per-kernel figure, `charged_*` at the figure op_time already put in the kernels' times."""
 
     fwd: float
     bwd: float
     recompute: float
     step: float
+    launch_fwd: float = 0.0
+    launch_bwd: float = 0.0
+    launch_recompute: float = 0.0
+    charged_fwd: float = 0.0
+    charged_bwd: float = 0.0
+    charged_recompute: float = 0.0
+    bound: bool = False  # the device runs asynchronously to its host (`host_bound`)
+
+
+def floored(kernels_s: float, host_s: float, launch_s: float, charged_s: float, bound: bool) -> float:
+    """Seconds of one pass whose kernels take `kernels_s` (with `charged_s` of per-kernel overhead in it) and
+    whose host work is `host_s` plus `launch_s` of launches: the larger of device and host time on a device
+    that runs asynchronously to its host, their sum on one whose host thread computes (module docstring)."""
+    if not bound:
+        return kernels_s + host_s
+    return max(kernels_s - charged_s, host_s + launch_s)
 
 
 def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
@@ -247,18 +312,25 @@ def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
 
     def seconds() -> StageHost:
         counts = cm.memoised(("host_counts",), lambda: layer_counts(cm.graph))
-        host = cm.models[dtype].host
+        model = cm.models[dtype]
+        host = model.host
         f = b = rc = 0.0
+        kf = kb = krc = 0
         for i in range(a, e):
             lf, lb = layer_host_seconds(counts[i], host)
             f, b = f + lf, b + lb
-            rc += lf if cm.is_block[i] else 0.0
+            kf, kb = kf + counts[i].kernels_fwd, kb + counts[i].kernels_bwd
+            if cm.is_block[i]:
+                rc, krc = rc + lf, krc + counts[i].kernels_fwd
         tensors = sum(counts[i].param_tensors for i in range(a, e))
-        return StageHost(f + host.microbatch_s, b + host.microbatch_s, rc, step_host_seconds(tensors, host))
+        k, o = host.kernel_s, model.overhead
+        return StageHost(f + host.microbatch_s, b + host.microbatch_s, rc, step_host_seconds(tensors, host),
+                         kf * k, kb * k, krc * k, kf * o, kb * o, krc * o, host_bound(model.spec.kind))
 
     return cm.memoised(("host", cm.range_key(a, e), dtype), seconds)
 
 
-__all__ = ["CPU_EAGER", "CUDA_EAGER", "HostCounts", "HostOverhead", "StageHost", "default_host",
-           "graph_host_seconds", "host_overhead", "layer_counts", "layer_host_seconds", "stage_host_seconds",
+__all__ = ["CPU_EAGER", "CUDA_EAGER", "HOST_BOUND_KINDS", "LAUNCH_S", "HostCounts", "HostOverhead", "StageHost",
+           "default_host", "floored", "gpu_host_from_path", "graph_host_seconds", "host_bound", "host_overhead",
+           "layer_counts", "layer_host_seconds", "stage_host_seconds",
            "step_host_seconds"]

@@ -31,7 +31,7 @@ from ...cost_models.memory import (
     runtime_reserve_bytes,
     state_bytes_per_param,
 )
-from ...cost_models.overhead import stage_host_seconds
+from ...cost_models.overhead import floored, stage_host_seconds
 from ...errors import PlanError
 from ...host_memory import UNIFIED_KINDS
 from ...ir.graph import TrainingGraph
@@ -353,7 +353,7 @@ class CostModel(CommPricing):
 
     def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
         t, frac = len(tp_group), n / self.B
-        f = b = fc = bc = rc = act = act_rc = work = transient = workspace = 0.0
+        f = b = fc = bc = rc = rc_comm = act = act_rc = work = transient = workspace = 0.0
         workspaces = [self.bwd_workspace[k] for k in self.device_kinds(tp_group)]
         extra = tp_max = 0.0
         ilp = t > 1 and any(self.is_block[a:e])
@@ -367,17 +367,21 @@ class CostModel(CommPricing):
             tp_max = max(tp_max, self.own_params[i] * c.param_frac)
             ilp = ilp and (c.ilp or not self.is_block[i])
             if self.is_block[i]:
-                rc += c.fwd + c.fwd_comm
+                rc, rc_comm = rc + c.fwd, rc_comm + c.fwd_comm
                 act_rc += self.in_bytes[i] * frac
                 work = max(work, saved)
-                parts.append((c.fwd + c.fwd_comm + stage_host_seconds(self, i, i + 1, dtype).recompute, saved,
-                              self.in_bytes[i] * frac, float(self.cast_own[i])))
+                h = stage_host_seconds(self, i, i + 1, dtype)
+                parts.append((floored(c.fwd, h.recompute, h.launch_recompute, h.charged_recompute, h.bound)
+                              + c.fwd_comm, saved, self.in_bytes[i] * frac, float(self.cast_own[i])))
             else:
                 act_rc += saved
             transient = max(transient, self.bwd_transient[i] * frac / t)
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
-        host = stage_host_seconds(self, a, e, dtype)  # host/framework time (cost_models/overhead.py)
-        f, b, rc = f + host.fwd, b + host.bwd, rc + host.recompute
+        # host/framework time: the floor under the kernels, or added to them on a CPU (cost_models/overhead.py)
+        host = stage_host_seconds(self, a, e, dtype)
+        f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound)
+        b = floored(b, host.bwd, host.launch_bwd, host.charged_bwd, host.bound)
+        rc = floored(rc, host.recompute, host.launch_recompute, host.charged_recompute, host.bound) + rc_comm
         params, biggest = self.range_params(a, e)
         multi = float(sum(n for n, _, us in self.shared if any(a <= u < e for u in us)))
         blocks = float(sum(self.cast_own[i] for i in range(a, e) if self.is_block[i]))

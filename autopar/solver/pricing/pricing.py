@@ -22,8 +22,10 @@ Per micro-batch, stage [a, e) on device type T (`tp_layer_cost`, summed by `Cost
                  compute / t, 2 all-reduces of the block's output activation in forward and 2 in backward
                  (1 + 1 for the layers before/after the blocks), parameters and activations / t
 
-host_f / host_b: host/framework seconds per micro-batch (views, module calls, autograd nodes, the micro-batch's
-setup; cost_models/overhead.py), host_f paid again by recomputed blocks; sync adds the optimizer step's host time.
+host_f / host_b: host/framework seconds per micro-batch (kernel launches, views, module calls, autograd nodes,
+the micro-batch's setup; cost_models/overhead.py), host_f paid again by recomputed blocks; sync adds the optimizer
+step's host time. On a device that runs asynchronously to its host (a GPU) `compute_f + host_f` below stands for
+the larger of the kernels' device time and host_f (`overhead.floored`: the host-bound floor); on a CPU for their sum.
 
 `stage_times` adds the per-stage option costs (AR/RS/AG = all-reduce/reduce-scatter/all-gather over
 the stage's data-parallel group, h2d(x) = host-link latency + x / bandwidth):
