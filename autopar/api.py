@@ -14,6 +14,7 @@ from torch import nn
 from .checks import check_memory_reserve, check_seconds
 from .cluster import Cluster
 from .cost_models.compute import Profile, check_profiles
+from .cost_models.measured_blocks import BlockProfile, load_block_profile
 from .errors import InfeasibleError, PlanError
 from .ir.graph import TrainingGraph
 from .ir.plan import Estimate, Plan, Strategy
@@ -53,11 +54,12 @@ def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, ex
                example_target: Any = None, loss_fn: LossFn | None = None, optimizer: object = "adamw",
                precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto", *,
                captured: TrainingGraph | None = None, compress: str | None = None,
-               profiles: dict[str, Profile] | None = None) -> CostModel:
+               profiles: dict[str, Profile] | None = None,
+               profile: BlockProfile | str | os.PathLike | None = None) -> CostModel:
     """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use).
     `captured`: the model's capture at this batch when the caller has it (`autopar.compile` passes its own,
     so a model is captured once per compile). `compress`: the wire dtype stage sends may be rounded to
-    (`plan`'s), None for never. `profiles`: as in `plan`."""
+    (`plan`'s), None for never. `profiles`, `profile`: as in `plan`."""
     check_memory_reserve(memory_reserve)
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
@@ -66,7 +68,8 @@ def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, ex
         captured = capture(model, tuple(inputs), loss_fn, example_target)
     profiles = check_profiles(profiles, cluster)
     graph = annotate(captured, cluster, precision=precision, kernels=kernels, profiles=profiles)
-    return CostModel(graph, cluster, precision, optimizer, memory_reserve, compress=compress, profiles=profiles)
+    return CostModel(graph, cluster, precision, optimizer, memory_reserve, compress=compress, profiles=profiles,
+                     block_profile=load_block_profile(profile))
 
 
 def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
@@ -75,7 +78,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
          progress: Callable[[int, int, float | None], None] | None = None, kernels: str = "auto",
          graph_options: dict | None = None, captured: TrainingGraph | None = None, sync: str = "sync",
          staleness: int | None = None, objective: str = "time", budget_per_hour: float | None = None,
-         compress: str | None = None, profiles: dict[str, Profile] | None = None) -> Plan:
+         compress: str | None = None, profiles: dict[str, Profile] | None = None,
+         profile: BlockProfile | str | os.PathLike | None = None) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
@@ -111,6 +115,12 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     `profiles`: compute profiles by device type name (`autopar.cost_models.compute.Profile`, e.g.
     `Profile.load(path)` of what `autopar calibrate` wrote), priced instead of the saved ones for those types;
     the other types keep theirs. PlanError for a type the cluster does not have.
+
+    `profile`: measured blocks (`autopar profile ... --out profile.json`, or
+    `autopar.cost_models.measured_blocks.BlockProfile`, e.g. `BlockProfile.from_amp_csv`): the layers, device
+    types and tensor-parallel degrees it has are priced from its measured forward, backward and recompute seconds
+    (host time included), the rest from the analytic model; `explain()` says which. PlanError when it was
+    measured on another model.
     """
     from .graphs.planner import graph_kind
 
@@ -127,7 +137,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
                              memory_reserve=memory_reserve, options=graph_options, profiles=profiles)
     start = time.perf_counter()
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels, captured=captured, compress=compress, profiles=profiles)
+                    memory_reserve, kernels, captured=captured, compress=compress, profiles=profiles,
+                    profile=profile)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
                     budget_per_hour=budget_per_hour)
@@ -167,18 +178,19 @@ def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, stra
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
              optimizer: object = "adamw", precision: str | None = None, *,
              memory_reserve: float = 0.1, kernels: str = "auto", captured: TrainingGraph | None = None,
-             profiles: dict[str, Profile] | None = None) -> Estimate:
+             profiles: dict[str, Profile] | None = None,
+             profile: BlockProfile | str | os.PathLike | None = None) -> Estimate:
     """Price a hand-written Strategy with the planner's cost model (Megatron rank order).
 
     A strategy that does not fit is priced anyway: `predicted["fits"]` is False, `predicted["memory_problems"]`
     says which devices overflow by how much, and `explain()` starts with DOES NOT FIT. `captured`: as in
-    `cost_model`; `profiles`: as in `plan`."""
+    `cost_model`; `profiles`, `profile`: as in `plan`."""
     if not isinstance(strategy, Strategy):
         raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)), got "
                         f"{type(strategy).__name__}.")
     check_memory_reserve(memory_reserve)
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels, captured=captured, profiles=profiles)
+                    memory_reserve, kernels, captured=captured, profiles=profiles, profile=profile)
     est = price_strategy(cm, strategy)
     est.plan.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
     return est

@@ -77,7 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                   optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
                   memory_reserve=args.memory_reserve, progress=progress,
-                  compress=args.compress)
+                  compress=args.compress, profile=args.profile)
     print(("\n" if tty else "") + f"planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(result.explain())
     if args.json:
@@ -104,6 +104,30 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     print(f"saved profile for {prof.device}")
     for kind, curve in sorted(prof.curves.items()):
         print(f"  {kind:12s} {curve}")
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from .runtime.block_profiler import profile_blocks
+
+    model, inputs, loss_fn, target = load_target(args.target)
+    sizes = None
+    if args.microbatch_sizes:
+        try:
+            sizes = [int(x) for x in args.microbatch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise AutoparError(f"--microbatch-sizes must be comma-separated integers (e.g. 1,2,4), got "
+                               f"{args.microbatch_sizes!r}.") from None
+    prof = profile_blocks(model, args.cluster, inputs, target, loss_fn, microbatch_sizes=sizes,
+                          budget_s=args.budget)
+    prof.save(args.out)
+    meta = prof.meta
+    print(f"timed {len({e.layer for e in prof.entries})} layers on {', '.join(meta['devices'].values())} at "
+          f"micro-batch sizes {meta['microbatch_sizes']} in {meta['spent_s']} s (budget {meta['budget_s']} s); "
+          f"wrote {args.out}")
+    for t, why in meta["not_profiled"].items():
+        print(f"  {t}: {why}")
+    for s in meta["skipped"]:
+        print(f"  left out (budget): {s}")
 
 
 CLUSTER_HELP = "cluster file (YAML/JSON) or shorthand like 1x8xA100-80GB"
@@ -248,7 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of each device's memory kept free (default 0.1)")
     s.add_argument("--compress", default=None, choices=["bf16", "fp16"],
                    help="allow stage sends on slow links to be rounded to this dtype (default: never)")
+    s.add_argument("--profile", default=None,
+                   help="measured blocks (`autopar profile --out FILE`): price the layers it has from them")
     s.set_defaults(func=cmd_plan)
+    s = sub.add_parser("profile", help="time each distinct block of a model (forward, backward, recompute, peak "
+                       "memory) on this machine's devices of the cluster's types, for plan --profile")
+    s.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, loss_fn, target])")
+    s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    s.add_argument("--out", required=True, help="the JSON file to write")
+    s.add_argument("--microbatch-sizes", default=None,
+                   help="comma-separated sizes to time (default: powers of two up to the batch, and the batch)")
+    s.add_argument("--budget", type=number(low=0, low_open=True), default=120.0,
+                   help="seconds of timing, about (default 120): larger sizes beyond it are left out")
+    s.set_defaults(func=cmd_profile)
     s = sub.add_parser("run", help="start one process per device of the cluster running a script "
                                    "(independent processes that survive a lost one; torchrun with --max-restarts)",
                        description="Start one process per device of the cluster running a script. "

@@ -307,8 +307,10 @@ def floored(kernels_s: float, host_s: float, launch_s: float, charged_s: float, 
     return max(kernels_s - charged_s, host_s + launch_s)
 
 
-def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
-    """`StageHost` of layers [a, e) on device type `dtype` of a `solver.pricing.CostModel` (memoised in it)."""
+def stage_host_seconds(cm: Any, a: int, e: int, dtype: str, measured: tuple[int, ...] = ()) -> StageHost:
+    """`StageHost` of layers [a, e) on device type `dtype` of a `solver.pricing.CostModel` (memoised in it),
+    without the layers in `measured` (a block profile's times include their host time); the micro-batch's
+    setup and the optimizer step stay (no layer's measurement holds them)."""
 
     def seconds() -> StageHost:
         counts = cm.memoised(("host_counts",), lambda: layer_counts(cm.graph))
@@ -317,6 +319,8 @@ def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
         f = b = rc = 0.0
         kf = kb = krc = 0
         for i in range(a, e):
+            if i in measured:
+                continue
             lf, lb = layer_host_seconds(counts[i], host)
             f, b = f + lf, b + lb
             kf, kb = kf + counts[i].kernels_fwd, kb + counts[i].kernels_bwd
@@ -327,7 +331,8 @@ def stage_host_seconds(cm: Any, a: int, e: int, dtype: str) -> StageHost:
         return StageHost(f + host.microbatch_s, b + host.microbatch_s, rc, step_host_seconds(tensors, host),
                          kf * k, kb * k, krc * k, kf * o, kb * o, krc * o, host_bound(model.spec.kind))
 
-    return cm.memoised(("host", cm.range_key(a, e), dtype), seconds)
+    return cm.memoised(("host", cm.range_key(a, e), dtype, measured) if not measured else
+                       ("host", a, e, dtype, measured), seconds)
 
 
 __all__ = ["CPU_EAGER", "CUDA_EAGER", "HOST_BOUND_KINDS", "LAUNCH_S", "HostCounts", "HostOverhead", "StageHost",

@@ -184,6 +184,13 @@ def explain(plan: Plan) -> str:
                  f"gradient sync")
     lines += sorted({f"tp {s.tp}: {s.predicted['tp_reason']}" for p in plan.pipelines for s in p.stages
                      if s.predicted.get("tp_reason")})  # which tensor-parallel price, and why (intra_op.pricing)
+    sources = [(i, j, s.predicted["compute_source"]) for i, p in enumerate(plan.pipelines)
+               for j, s in enumerate(p.stages) if s.predicted.get("compute_source")]
+    if sources:  # measured blocks (`plan(..., profile=)`): which figures were measured, the rest analytic
+        lines += [f"compute of pipeline {i} stage {j}: {src}" for i, j, src in sources]
+        lines.append("compute of the layers not named here: analytic")
+    else:
+        lines.append("compute: analytic (no block profile: `autopar profile`, `plan(..., profile=)`)")
     if any(s.compress or (wire != "-" and len(p.stages) > 1) for p in plan.pipelines for s in p.stages):
         lines.append("send as: dtype of the activations sent to the next stage and of the gradients sent back "
                      "(cast back on arrival; bf16 keeps 8 mantissa bits, a relative rounding error <= 2^-9 per "

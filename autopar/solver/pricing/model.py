@@ -23,6 +23,7 @@ from ...checks import check_memory_reserve
 from ...cluster import Cluster
 from ...cost_models.compute import ComputeModel, Profile, check_profiles, kernel_flops
 from ...cost_models.conv_workspace import CPU_KIND
+from ...cost_models.measured_blocks import BlockProfile, Measured
 from ...cost_models.memory import (
     activation_corrections,
     autocast_cast_params,
@@ -139,7 +140,8 @@ class CostModel(CommPricing):
     def __init__(self, graph: TrainingGraph, cluster: Cluster, precision: str = "bf16",
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
                  intra_op_time_limit_s: float = 2.0, *, compress: str | None = None,
-                 tp_dp_sync: str = "whole", profiles: dict[str, Profile] | None = None) -> None:
+                 tp_dp_sync: str = "whole", profiles: dict[str, Profile] | None = None,
+                 block_profile: BlockProfile | None = None) -> None:
         check_memory_reserve(memory_reserve)
         check_compress(compress)
         if tp_dp_sync not in TP_DP_SYNCS:
@@ -164,7 +166,14 @@ class CostModel(CommPricing):
         # compute profiles by device type priced instead of the saved ones (`plan(..., profiles=)`)
         self.profiles = check_profiles(profiles, cluster)
         self.models = {t: ComputeModel(spec, self.profiles.get(t), dtype=precision) for t, spec in self.specs.items()}
+        # measured blocks (`plan(..., profile=)`, cost_models/measured_blocks.py): priced instead of the analytic
+        # compute and host terms of the layers, device types and tensor-parallel degrees it has
+        if block_profile is not None:
+            block_profile.check(graph)
+        self.block_profile = block_profile
         self._init_layers()
+        if block_profile is not None and self.uniform:  # blocks measured apart may differ: price each range
+            self.uniform = block_profile.same_for([i for i in range(self.L) if self.is_block[i]])
         self._memo: dict[tuple, object] = {}  # every memoised price, by a key naming what it depends on (`memoised`)
         self._sigs: dict[tuple, int] = {}
         self._sig_of_group: dict[tuple[int, ...], int] = {}
@@ -337,6 +346,28 @@ class CostModel(CommPricing):
                                      sum(c * op_time(k, f * scale, b * scale) for (k, f, b), c in bwd))
         return hit  # type: ignore[return-value]
 
+    def measured(self, layer: int, dtype: str, n: int, tp: int) -> Measured | None:
+        """The block profile's seconds of `layer` per micro-batch of n samples on device type `dtype` at
+        tensor-parallel degree tp, or None where it has none (memoised)."""
+        if self.block_profile is None:
+            return None
+        return self.memoised(("measured", layer, dtype, n, tp), lambda: self.block_profile.times(  # type: ignore[union-attr]
+            dtype, layer, tp, self.precision, n) or False) or None
+
+    def compute_source(self, a: int, e: int, dtype: str, n: int, tp: int) -> str:
+        """Where the compute of layers [a, e) on `dtype` came from (a plan stage's `compute_source`): which layers
+        the block profile measured, or "" when none (all analytic)."""
+        if self.block_profile is None:
+            return ""
+        hits = [(i, m) for i in range(a, e) if (m := self.measured(i, dtype, n, tp)) is not None]
+        if not hits:
+            return (f"analytic: {self.block_profile.name} has no layer on {dtype} at tensor-parallel degree {tp} "
+                    f"(measured: {', '.join(self.block_profile.coverage()) or 'nothing'})")
+        rest = (e - a) - len(hits)
+        span = f"layer {hits[0][0]}" if len(hits) == 1 else f"{len(hits)} layers {hits[0][0]}..{hits[-1][0]}"
+        return (f"{span} from {hits[0][1].source}"
+                + (f"; {rest} other layer(s) analytic" if rest else ""))
+
     def device_kinds(self, group: tuple[int, ...]) -> tuple[str, ...]:
         """The device kinds (`DeviceSpec.kind`) among a group's devices, sorted (memoised)."""
         hit = self._kinds_of_group.get(group)
@@ -358,8 +389,16 @@ class CostModel(CommPricing):
         extra = tp_max = 0.0
         ilp = t > 1 and any(self.is_block[a:e])
         parts = []
+        measured: list[int] = []
+        mf = mb = mrc = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
         for i in range(a, e):
             c = tp_layer_cost(self, i, dtype, n, tp_group)
+            m = self.measured(i, dtype, n, t)
+            if m is not None:
+                measured.append(i)
+                mf, mb = mf + m.fwd_s, mb + m.bwd_s
+                mrc += m.recompute_s if self.is_block[i] else 0.0
+                c = c._replace(fwd=0.0, bwd=0.0)
             f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
             saved = c.act if c.act >= 0 else self.saved[i] * frac / t
             act += saved
@@ -371,17 +410,18 @@ class CostModel(CommPricing):
                 act_rc += self.in_bytes[i] * frac
                 work = max(work, saved)
                 h = stage_host_seconds(self, i, i + 1, dtype)
-                parts.append((floored(c.fwd, h.recompute, h.launch_recompute, h.charged_recompute, h.bound)
-                              + c.fwd_comm, saved, self.in_bytes[i] * frac, float(self.cast_own[i])))
+                again = (m.recompute_s if m is not None else
+                         floored(c.fwd, h.recompute, h.launch_recompute, h.charged_recompute, h.bound))
+                parts.append((again + c.fwd_comm, saved, self.in_bytes[i] * frac, float(self.cast_own[i])))
             else:
                 act_rc += saved
             transient = max(transient, self.bwd_transient[i] * frac / t)
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
         # host/framework time: the floor under the kernels, or added to them on a CPU (cost_models/overhead.py)
-        host = stage_host_seconds(self, a, e, dtype)
-        f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound)
-        b = floored(b, host.bwd, host.launch_bwd, host.charged_bwd, host.bound)
-        rc = floored(rc, host.recompute, host.launch_recompute, host.charged_recompute, host.bound) + rc_comm
+        host = stage_host_seconds(self, a, e, dtype, tuple(measured))
+        f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound) + mf
+        b = floored(b, host.bwd, host.launch_bwd, host.charged_bwd, host.bound) + mb
+        rc = floored(rc, host.recompute, host.launch_recompute, host.charged_recompute, host.bound) + rc_comm + mrc
         params, biggest = self.range_params(a, e)
         multi = float(sum(n for n, _, us in self.shared if any(a <= u < e for u in us)))
         blocks = float(sum(self.cast_own[i] for i in range(a, e) if self.is_block[i]))

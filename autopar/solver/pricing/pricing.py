@@ -206,6 +206,8 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
         preds.append({"fwd_s": tf.fwd, "bwd_s": bwd, "fwd_small_s": ts.fwd, "bwd_small_s": bwd_small,
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
                       "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group),
+                      # which layers' compute the block profile measured (`plan(..., profile=)`), "" for none
+                      "compute_source": cm.compute_source(st.layers[0], st.layers[1], dtype, full, len(tp_group)),
                       "gather_s": tf.gather, "reduce_s": tf.reduce,
                       # the weight-gradient part of bwd_s: a zero-bubble schedule's W (solver/pricing/wgrad.py)
                       "bwd_w_s": bwd_w,

@@ -1,0 +1,233 @@
+"""Time each distinct block of a model on the devices of this machine (`autopar profile`, issue 25 part 2).
+
+The model is captured at each micro-batch size asked for and split into one program per layer
+(codegen/split.py, the programs the runtime runs per stage), so a layer runs exactly as a pipeline stage
+holding it alone would: its parameters, the user inputs it reads, the values it receives. Each distinct
+layer is timed once and its figures given to every layer alike (the repeated blocks of one signature; the
+layers before and after them are their own): forward, backward (autograd from ones at its outputs), the
+forward again as recompute runs it, each the fastest of `repeats` after a warm-up, with a host sync around
+each pass on a GPU (CUDA events would hide the host issuing time the floor is about). Peak memory is what
+the allocator held above the inputs during forward + backward (`torch.cuda.max_memory_allocated`, or
+torch.profiler memory events on the CPU: runtime/memtrace.py).
+
+Device types: a cluster type of kind `cpu` is timed on this host's CPU; a GPU type on a local GPU whose
+name names it (`torch.cuda.get_device_name`). Types this machine has no device of are left out and
+reported (`BlockProfile.meta["not_profiled"]`): the planner prices them analytically. Tensor parallelism
+is not measured (one device per type): degrees above 1 stay analytic.
+
+The work is bounded by `budget_s`: sizes are timed smallest first, and where the budget runs out the
+larger sizes are left out (and listed in meta["skipped"]): the pricing interpolates and extrapolates
+between the sizes measured (cost_models/measured_blocks.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cluster import Cluster
+from ..codegen.split import StageProgram, split_stages
+from ..cost_models.measured_blocks import BlockProfile, Entry, Point
+from ..errors import PlanError
+from ..ir.graph import TrainingGraph
+from ..passes.capture import capture
+from .memtrace import track_memory
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8}
+
+
+def default_sizes(batch: int) -> list[int]:
+    """Micro-batch sizes to time by default: the powers of two below the batch, and the batch itself."""
+    return sorted({2**k for k in range(int(math.log2(batch)) + 1)} | {batch})
+
+
+def local_devices(cluster: Cluster) -> tuple[dict[str, torch.device], dict[str, str]]:
+    """(device type -> the local device it is timed on, device type -> why it is not) for `cluster`'s types."""
+    found: dict[str, torch.device] = {}
+    missing: dict[str, str] = {}
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
+        else []
+    for t in cluster.device_types():
+        spec = cluster.spec(t)
+        if spec.kind == "cpu":
+            found[t] = torch.device("cpu")
+            continue
+        key = spec.name.split("-")[0].lower()
+        hit = next((i for i, g in enumerate(gpus) if key in g.lower().replace(" ", "")), None)
+        if hit is None:
+            missing[t] = (f"no local device of type {t} (local GPUs: {', '.join(gpus) or 'none'}): priced "
+                          f"analytically; profile it on a machine that has one")
+        else:
+            found[t] = torch.device("cuda", hit)
+    return found, missing
+
+
+def _slice(x: Any, batch: int, n: int) -> Any:
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+        return x[:n]
+    return x
+
+
+def _tensor(meta: Any, device: torch.device, grad: bool) -> torch.Tensor:
+    dtype = _DTYPES.get(meta.dtype, torch.float32)
+    if dtype.is_floating_point:
+        t = torch.randn(meta.shape, dtype=dtype, device=device) * 0.02
+        return t.requires_grad_(grad)
+    if dtype == torch.bool:
+        return torch.ones(meta.shape, dtype=dtype, device=device)
+    return torch.zeros(meta.shape, dtype=dtype, device=device)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return {k: v for k, v in named.items() if not v.is_meta}
+
+
+class _Runner:
+    """One layer's program with its arguments on one device."""
+
+    def __init__(self, st: StageProgram, graph: TrainingGraph, weights: dict[str, torch.Tensor],
+                 user: tuple, device: torch.device) -> None:
+        self.st, self.device = st, device
+        metas = {graph.canonical(k): info.meta for k, info in graph.params.items()}
+        args: list[torch.Tensor] = []
+        self.leaves: list[torch.Tensor] = []
+        for name in st.params:
+            w = weights.get(name)
+            t = (w.detach().to(device).clone().requires_grad_(w.dtype.is_floating_point) if w is not None
+                 else _tensor(metas[name], device, True))
+            args.append(t)
+            self.leaves.append(t)
+        for name in st.buffers:
+            w = st.constants.get(name, weights.get(name))
+            args.append(w.to(device) if w is not None else _tensor(metas[name], device, False))
+        for i in st.inputs:
+            x = user[i]
+            args.append(x.to(device) if isinstance(x, torch.Tensor) else x)
+        for name in st.recv:
+            t = _tensor(st.value_meta[name], device, graph.nodes[name].requires_grad)
+            args.append(t)
+            if t.requires_grad:
+                self.leaves.append(t)
+        self.args = args
+
+    def forward(self) -> Any:
+        return self.st.gm(*self.args)
+
+    def backward(self, out: Any) -> None:
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        for t in self.leaves:
+            t.grad = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_layer(run: _Runner, repeats: int) -> tuple[float, float, float, float]:
+    """(forward, backward, recompute seconds, peak bytes) of one layer's program: the fastest of `repeats`."""
+    dev = run.device
+    for _ in range(2):  # warm-up: allocator pools, lazy kernels, autotuning
+        run.backward(run.forward())
+    fwd = bwd = rc = math.inf
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = run.forward()
+        _sync(dev)
+        t1 = time.perf_counter()
+        run.backward(out)
+        _sync(dev)
+        t2 = time.perf_counter()
+        again = run.forward()  # recompute: the forward again, its graph kept for the backward that follows
+        _sync(dev)
+        t3 = time.perf_counter()
+        del again
+        fwd, bwd, rc = min(fwd, t1 - t0), min(bwd, t2 - t1), min(rc, t3 - t2)
+        del out
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        run.backward(run.forward())
+        _sync(dev)
+        peak = float(torch.cuda.max_memory_allocated(dev) - base)
+    else:
+        with track_memory("cpu") as trace:
+            run.backward(run.forward())
+        peak = float(trace.peak_bytes)
+    return fwd, bwd, rc, peak
+
+
+def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple = (),
+                   example_target: Any = None, loss_fn: Any = None, *, precision: str = "fp32",
+                   microbatch_sizes: list[int] | None = None, budget_s: float = 120.0,
+                   repeats: int = 5) -> BlockProfile:
+    """Time each distinct layer of `model` at each micro-batch size (default `default_sizes` of the global
+    batch) on the local devices of `cluster`'s types (module docstring), within about `budget_s`."""
+    if precision != "fp32":
+        raise PlanError(f"autopar profile times fp32 programs only for now (precision={precision!r}); "
+                        f"profile with precision='fp32' and price other precisions analytically.")
+    if budget_s <= 0:
+        raise PlanError(f"budget_s must be positive, got {budget_s!r}.")
+    cluster = Cluster.load(cluster)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    t_start = time.perf_counter()
+    graph = capture(model, inputs, loss_fn, example_target)
+    B = graph.batch_size
+    sizes = sorted(set(microbatch_sizes or default_sizes(B)))
+    bad = [n for n in sizes if not isinstance(n, int) or n < 1 or n > B]
+    if bad:
+        raise PlanError(f"microbatch_sizes {bad} are not between 1 and the batch's {B} samples.")
+    devices, missing = local_devices(cluster)
+    if not devices:
+        raise PlanError("none of the cluster's device types is on this machine: "
+                        + "; ".join(missing.values()))
+    layers = [{"kind": layer.kind, "signature": str(layer.signature)} for layer in graph.layers]
+    classes: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(graph.layers):
+        key = (layer.kind, str(layer.signature)) if layer.kind == "block" else (layer.kind, i)
+        classes.setdefault(key, []).append(i)
+    weights = _weights(model)
+    day = time.strftime("%Y-%m-%d")
+    points: dict[tuple[str, int], list[Point]] = {}
+    skipped: list[str] = []
+    for n in sizes:
+        if time.perf_counter() - t_start > budget_s and any(points.values()):
+            skipped += [f"micro-batch {n} on {t}" for t in devices]
+            continue
+        user = tuple(_slice(x, B, n) for x in inputs) + (_slice(example_target, B, n),)
+        g = graph if n == B else capture(model, user[:-1], loss_fn, user[-1])
+        if len(g.layers) != len(graph.layers):
+            raise PlanError(f"capturing at micro-batch size {n} gave {len(g.layers)} layers, not "
+                            f"{len(graph.layers)}: the model's structure depends on the batch size.")
+        programs = split_stages(g, [(i, i + 1) for i in range(len(g.layers))])
+        for t, dev in devices.items():
+            for members in classes.values():
+                run = _Runner(programs[members[0]], g, weights, user, dev)
+                f, b, r, peak = _time_layer(run, repeats)
+                points.setdefault((t, members[0]), []).append(Point(n, f, b, r, peak))
+                del run
+    prof = BlockProfile(layers, meta={
+        "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "budget_s": budget_s,
+        "spent_s": round(time.perf_counter() - t_start, 2), "microbatch_sizes": sizes, "repeats": repeats,
+        "devices": {t: str(d) for t, d in devices.items()}, "not_profiled": missing, "skipped": skipped,
+        "tensor_parallel": "degree 1 measured; higher degrees priced analytically"}, name="autopar profile")
+    for t, dev in devices.items():
+        for members in classes.values():
+            pts = points.get((t, members[0]), [])
+            for i in members:
+                prof.add(Entry(t, i, 1, precision, list(pts), f"measured by autopar profile on {dev} ({day})"))
+    return prof
+
+
+__all__ = ["default_sizes", "local_devices", "profile_blocks"]

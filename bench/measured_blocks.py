@@ -1,0 +1,98 @@
+"""Measured blocks (issue 25 part 2): does a plan priced from a CPU block profile predict its measured step time?
+
+For each case (a small GPT on 2 gloo ranks standing in for 2 CPU devices), in one run:
+  1. `autopar profile`'s `profile_blocks` times every distinct layer on this CPU at micro-batch sizes 1..batch;
+  2. each strategy is priced twice: from the analytic cost model, and with `profile=` (measured layers);
+  3. the strategy is compiled and trained on 2 gloo processes; the step time is the median of the timed steps.
+Printed: predicted (analytic), predicted (profile), measured, and each ratio; target: the profile's
+prediction within 10 % of the measured step. Predictions are the cost model's beliefs; the measured column is
+the truth. Each rank runs on one thread (launch.spawn_local), as the profile was timed.
+
+Run: cd bench && python measured_blocks.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from common import print_table, write_results
+
+import autopar
+from autopar import models
+from autopar.runtime.block_profiler import profile_blocks
+from autopar.runtime.launch import spawn_local
+
+CLUSTER = "1x2xcpu"
+STEPS = 8
+CASES = {
+    "gpt-small": dict(layers=4, hidden=128, heads=4, seq=32, batch=8, vocab=512),
+    "gpt-wide": dict(layers=4, hidden=256, heads=8, seq=64, batch=8, vocab=1024),
+}
+STRATEGIES = {
+    "pp2 m4": dict(pp=2, microbatch_size=2),
+    "pp2 m2": dict(pp=2, microbatch_size=4),
+    "dp2": dict(dp=2),
+}
+
+
+def build(cfg: dict) -> models.ModelCase:
+    return models.gpt(**cfg, seed=0)
+
+
+def worker(rank: int, world: int, cfg: dict, plans: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for name, plan in plans.items():
+        case = build(cfg)
+        prog = autopar.compile(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
+                               plan=plan, precision="fp32", timeout_s=120)
+        times = []
+        for _ in range(STEPS + 2):
+            t = time.perf_counter()
+            prog.step(*case.example_inputs, target=case.example_target)
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times[2:])  # the first two steps warm up
+    return out
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    for case_name, cfg in CASES.items():
+        case = build(cfg)
+        prof = profile_blocks(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
+                              budget_s=60)
+        plans, priced = {}, {}
+        for name, kw in STRATEGIES.items():
+            s = autopar.Strategy(**kw)
+            analytic = autopar.estimate(case.model, CLUSTER, s, case.example_inputs, case.example_target,
+                                        case.loss_fn, precision="fp32")
+            measured = autopar.estimate(case.model, CLUSTER, s, case.example_inputs, case.example_target,
+                                        case.loss_fn, precision="fp32", profile=prof)
+            plans[name] = measured.plan.to_json()
+            priced[name] = (analytic.plan.predicted["step_time_s"], measured.plan.predicted["step_time_s"])
+        runs = spawn_local(worker, 2, cfg, plans, timeout_s=600)
+        for name in STRATEGIES:
+            meas = max(r[name] for r in runs)  # the slower rank is the step
+            a, p = priced[name]
+            rows.append({"case": case_name, "strategy": name, "predicted_analytic_ms": a * 1e3,
+                         "predicted_profile_ms": p * 1e3, "measured_ms": meas * 1e3, "analytic_ratio": a / meas,
+                         "profile_ratio": p / meas, "within_10pct": abs(p / meas - 1) <= 0.10})
+    print("== step time on 2 gloo ranks (1 thread each): predicted (analytic / from the CPU block profile) vs "
+          "measured ==")
+    print_table(rows, ["case", "strategy", "predicted_analytic_ms", "predicted_profile_ms", "measured_ms",
+                       "analytic_ratio", "profile_ratio", "within_10pct"])
+    hit = sum(r["within_10pct"] for r in rows)
+    med = statistics.median(abs(r["profile_ratio"] - 1) for r in rows)
+    print(f"profile-priced within 10 %: {hit}/{len(rows)}; median |error| {100 * med:.1f} % "
+          f"(analytic {100 * statistics.median(abs(r['analytic_ratio'] - 1) for r in rows):.1f} %)")
+    summary = {"within_10pct": hit, "rows": len(rows), "median_abs_err_profile": med,
+               "elapsed_s": time.perf_counter() - t0}
+    print(f"wrote {write_results('measured_blocks', rows, summary)} in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
