@@ -21,8 +21,8 @@ def _case() -> models.ModelCase:
 
 
 def test_answers_at_measured_between_and_beyond_sizes():
-    p = BlockProfile(entries=[Entry("cpu", 1, 1, "fp32", [Point(2, 2.0, 4.0, 2.5, 100.0), Point(4, 3.0, 7.0, None, 300.0)],
-                                    "bench")], name="p.json")
+    pts = [Point(2, 2.0, 4.0, 2.5, 100.0), Point(4, 3.0, 7.0, None, 300.0)]
+    p = BlockProfile(entries=[Entry("cpu", 1, 1, "fp32", pts, "bench")], name="p.json")
     at = p.times("cpu", 1, 1, "fp32", 2)
     assert (at.fwd_s, at.bwd_s, at.recompute_s, at.peak_bytes) == (2.0, 4.0, 2.5, 100.0)
     mid = p.times("cpu", 1, 1, "fp32", 3)
@@ -87,8 +87,9 @@ def test_measured_layers_are_priced_from_the_profile_host_time_included():
     assert base.fwd == pytest.approx(sum(fwd.values()) + host.microbatch_s, rel=1e-9)
     assert base.bwd == pytest.approx(2 * sum(fwd.values()) + host.microbatch_s, rel=1e-9)
     assert cm.base(0, L, "cpu", 2, (0,)).fwd != pytest.approx(base.fwd)
-    est = autopar.estimate(case.model, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2, layer_split=[2, 1]), case.example_inputs,
-                           case.example_target, case.loss_fn, precision="fp32", profile=prof)
+    strategy = autopar.Strategy(pp=2, microbatch_size=2, layer_split=[2, 1])
+    est = autopar.estimate(case.model, "1x2xcpu", strategy, case.example_inputs, case.example_target, case.loss_fn,
+                           precision="fp32", profile=prof)
     text = est.plan.explain()
     assert "compute of pipeline 0 stage 0:" in text and "synthetic.json: synthetic, measured at micro-batch 2" in text
     assert "compute of pipeline 0 stage 1:" in text
