@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from .checks import check_memory_reserve, check_seconds
+from .checks import check_memory_reserve, check_number, check_seconds
 from .cluster import Cluster
 from .cost_models.compute import Profile, check_profiles
 from .cost_models.measured_blocks import BlockProfile, load_block_profile
@@ -28,7 +28,7 @@ from .solver.asynchronous import choose_async, delay_of, force_async
 from .solver.pricing.plan import check_compress
 from .solver.pricing.pricing import CostModel, price, price_strategy
 from .solver.search.objective import check_objective, score
-from .solver.search.search import search
+from .solver.search.search import WORK_LIMIT, search
 
 
 def analyze(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_inputs: tuple = (),
@@ -79,12 +79,15 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
          graph_options: dict | None = None, captured: TrainingGraph | None = None, sync: str = "sync",
          staleness: int | None = None, objective: str = "time", budget_per_hour: float | None = None,
          compress: str | None = None, profiles: dict[str, Profile] | None = None,
-         profile: BlockProfile | str | os.PathLike | None = None) -> Plan:
+         profile: BlockProfile | str | os.PathLike | None = None, work_limit: int | None = WORK_LIMIT) -> Plan:
     """The fastest plan the cost model finds for training `model` on `cluster`.
 
     `example_inputs` (and `example_target`) are one global batch; meta tensors are fine. Every device's
-    predicted peak memory stays under (1 - memory_reserve) of its capacity. Stops at `time_limit_s`
-    (capture included) with the best plan so far and a warning; raises InfeasibleError when nothing fits.
+    predicted peak memory stays under (1 - memory_reserve) of its capacity. The search solves at most
+    `work_limit` configurations (None: no limit) and returns the best so far with a warning when it stops
+    there: the same inputs give the same plan on any machine. `time_limit_s` (capture included) only guards
+    the wall-clock time: where it stops the search first, the warning says the plan depends on the machine's
+    load. Raises InfeasibleError when nothing fits.
     `progress(done, total, best_step_time)` is called as configurations are evaluated. With
     AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt, timeline.json and the annotated graph (graph.txt/json/dot)
     there. `kernels` is the mode the
@@ -125,6 +128,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     from .graphs.planner import graph_kind
 
     check_seconds("time_limit_s", time_limit_s)
+    check_number("work_limit", work_limit, integer=True, low=1, optional=True,
+                 hint="the most configurations the search solves, or None for no limit")
     check_memory_reserve(memory_reserve)
     delay_of(sync, staleness)
     check_compress(compress)
@@ -141,7 +146,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
                     profile=profile)
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
-                    budget_per_hour=budget_per_hour)
+                    budget_per_hour=budget_per_hour, work_limit=work_limit)
     if score(result.predicted, cm.cluster, objective, budget_per_hour) == math.inf:
         raise InfeasibleError(f"the plan found costs {result.predicted.get('cost_per_hour', 0.0):.4g} per hour, over "
                               f"budget_per_hour={budget_per_hour}: raise the budget or use fewer or cheaper devices.")

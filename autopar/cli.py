@@ -77,7 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                   optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
                   memory_reserve=args.memory_reserve, progress=progress,
-                  compress=args.compress, profile=args.profile)
+                  compress=args.compress, profile=args.profile,
+                  **({} if args.work_limit is None else {"work_limit": args.work_limit}))
     print(("\n" if tty else "") + f"planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(result.explain())
     if args.json:
@@ -263,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     s.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     s.add_argument("--time-limit", type=number(low=0, low_open=True), default=60.0,
-                   help="seconds to search (default 60)")
+                   help="wall-clock guard in seconds (default 60): where it stops the search, the plan depends on "
+                        "the machine's load")
+    s.add_argument("--work-limit", type=number(integer=True, low=1), default=None,
+                   help="configurations the search solves at most (default: the planner's, 2000): the same plan "
+                        "on any machine")
     s.add_argument("--precision", default=None, choices=["fp32", "tf32", "bf16", "fp16"],
                    help="default: bf16 mixed precision, fp16 where a device lacks bf16 (V100, T4, Turing), "
                         "fp32 on CPU-only clusters")

@@ -113,9 +113,12 @@ def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float
     w = 1 + sum(len(x) - 1 for xs in xs_all for x in xs)
     model.minimize(w * sum(cost_terms) + sum(tie_terms))
     solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 8
+    # one worker, a fixed seed and a deterministic time limit: the same strategies under any load (the wall-clock
+    # limit, three times over, only guards)
+    solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = 3 * time_limit_s
     status = solver.solve(model)
     STATS["ilp_solves"] += 1
     if status == cp_model.INFEASIBLE:

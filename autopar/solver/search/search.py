@@ -144,6 +144,10 @@ SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solve
 # the best, at most REFINE of them, fastest first
 REFINE = 8
 REFINE_WINDOW = 0.05
+# the search's work budget: configurations solved before it returns the best so far (deterministic, whatever the
+# machine's load); the wall-clock limit is only a guard that warns
+WORK_LIMIT = 2000
+SHARES_DETERMINISTIC_S = 1.0  # CP-SAT deterministic seconds of the batch split's integer shares
 
 
 def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit], chunks: int, world: int
@@ -212,10 +216,12 @@ def _greedy_split_value(tables: list[list[int | None]], counts: list[int], total
 class Search:
     """One planning run on a cost model (see the module docstring); `run()` returns the best Plan."""
 
-    def __init__(self, cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None) -> None:
+    def __init__(self, cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None,
+                 work_limit: int | None = WORK_LIMIT) -> None:
         self.cm = cm
         self.deadline = time.perf_counter() + time_limit_s
         self.time_limit_s = time_limit_s
+        self.work_limit = work_limit  # configurations solved at most (None: no limit)
         self.progress = progress
         self.splitter = Splitter(cm)
         self.bounds = ConfigBounds(cm, self.splitter)
@@ -343,7 +349,8 @@ class Search:
         # one worker with a fixed seed is deterministic (and on these small models fastest)
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = 0
-        solver.parameters.max_time_in_seconds = max(1.0, min(10.0, self.deadline - time.perf_counter()))
+        solver.parameters.max_deterministic_time = SHARES_DETERMINISTIC_S  # the same answer under any load
+        solver.parameters.max_time_in_seconds = max(1.0, min(10.0, self.deadline - time.perf_counter()))  # guard
         if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         shares: list[int] = [0] * n_pipes
@@ -538,7 +545,7 @@ class Search:
 
     def run(self) -> Plan:
         configs = self._configs()
-        stopped_early = False
+        stopped_early = ""
         finalists: list[tuple[float, int, Config]] = []
         # best first on the work bound; a config's memory bound is computed when it comes up, and a config it
         # raises goes back in its place (the order stays increasing in the larger bound)
@@ -555,8 +562,9 @@ class Search:
                 if bound > cfg.bound:
                     heapq.heappush(heap, (cfg._replace(bound=bound), True))
                     continue
-            if time.perf_counter() > self.deadline and self._incumbents:
-                stopped_early = True
+            out_of_work = self.work_limit is not None and k >= self.work_limit
+            if (out_of_work or time.perf_counter() > self.deadline) and self._incumbents:
+                stopped_early = "work" if out_of_work else "wall"
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
             step = self._consider(cfg)
@@ -580,11 +588,16 @@ class Search:
         if stopped_early:
             # what the unsolved configurations could still win at most, by their lower bounds
             self.gap = max(0.0, best_step / unsolved - 1) if unsolved > 0 else math.inf
-            warnings.warn(f"planning stopped at the time limit ({self.time_limit_s:g} s) after {k} of "
-                          f"{len(configs)} configurations; returning the best plan so far "
-                          f"({fmt_time(best_step)}/step; the unsolved configurations' lower bounds allow one "
-                          f"at most {100 * (1 - 1 / (1 + self.gap)):.1f}% faster). Raise time_limit_s for a "
-                          f"possibly better one.", stacklevel=3)
+            why = (f"its work budget (work_limit={self.work_limit} configurations; the same plan on any machine)"
+                   if stopped_early == "work" else
+                   f"the wall-clock guard ({self.time_limit_s:g} s) before its work budget: this plan depends on "
+                   f"the machine's speed and load")
+            fix = ("Raise work_limit" if stopped_early == "work" else
+                   "Raise time_limit_s (or lower work_limit for a plan that does not depend on the machine)")
+            warnings.warn(f"planning stopped at {why} after {k} of {len(configs)} configurations; returning the "
+                          f"best plan so far ({fmt_time(best_step)}/step; the unsolved configurations' lower bounds "
+                          f"allow one at most {100 * (1 - 1 / (1 + self.gap)):.1f}% faster). {fix} for a possibly "
+                          f"better one.", stacklevel=3)
         return best
 
     def _infeasible_message(self) -> str:
@@ -595,13 +608,15 @@ class Search:
 
 
 def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None, *,
-           objective: str = "time", budget_per_hour: float | None = None) -> Plan:
+           objective: str = "time", budget_per_hour: float | None = None,
+           work_limit: int | None = WORK_LIMIT) -> Plan:
     """The fastest plan that fits; see the module docstring for the formulation. `objective` / `budget_per_hour`:
     what to minimise (solver/search/objective.py `score`: "time" or "cost" per sample, within a budget per hour);
     then every union of device types is searched and the best-scoring plan may leave devices out
-    (solver/search/subsets.py)."""
+    (solver/search/subsets.py). `work_limit`: configurations solved at most per search, the budget that makes the
+    plan the same on any machine; `time_limit_s` only guards the wall-clock time (and warns when it stops it)."""
     def run(c: CostModel, seconds: float) -> Plan:
-        return experts.choose(c, lambda c2, limit: Search(c2, limit, progress).run(), seconds)
+        return experts.choose(c, lambda c2, limit: Search(c2, limit, progress, work_limit).run(), seconds)
 
     if objective == "time" and budget_per_hour is None:
         return run(cm, time_limit_s)
@@ -610,5 +625,5 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
     return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
 
 
-__all__ = ["Config", "Search", "config_microbatch_sizes", "divisors", "groupings", "microbatch_count",
+__all__ = ["WORK_LIMIT", "Config", "Search", "config_microbatch_sizes", "divisors", "groupings", "microbatch_count",
            "microbatch_sizes", "schedules", "search", "tp_units"]
