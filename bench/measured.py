@@ -282,7 +282,7 @@ def amp_rows(pricer: Pricer, kind: str) -> list[dict]:
             split = [int(x) for x in r["transformer_layers_per_stage"].split()]
             ok = r["status"] == "ok" and r["r_cost_s"] != ""
             row: dict[str, Any] = {
-                "dataset": f"amp_{kind}", "id": int(r["trial_idx"]),
+                "dataset": f"amp_{kind}", "id": int(r["trial_idx"]), "tp": tp, "mbs": mbs,
                 "config": f"tp{tp} dp{dp} pp{pp} mbs{mbs} [{' '.join(map(str, split))}]",
                 "status": "ok" if ok else r["status"], "measured_s": float(r["r_cost_s"]) if ok else None,
                 "amp_p_cost_s": float(r["p_cost_s"]), "vocab": megatron_vocab(tp),
@@ -322,7 +322,7 @@ def sailor_rows(pricer: Pricer) -> list[dict]:
             split = [c - (j == 0) - (j == pp - 1) for j, c in enumerate(counts)]
             name = Path(r["plan_file"]).stem.removeprefix("plan_config_")
             row: dict[str, Any] = {
-                "dataset": "sailor_mit", "id": name,
+                "dataset": "sailor_mit", "id": name, "tp": tp, "mbs": mbs,
                 "config": f"tp{tp} dp{dp} pp{pp} mbs{mbs} gbs{gbs} [{' '.join(map(str, split))}] "
                           f"{r['gpu_type_per_stage_replicas'].replace(' ', '')}",
                 "status": "ok", "measured_s": float(r["real_iter_time_s"]),
@@ -358,6 +358,11 @@ def summarize(rows: list[dict], suffix: str = "", with_amp: bool = False) -> dic
     labels = [f"{r['id']}: {r['config']}" for r in scored]
     meas = [r["measured_s"] for r in scored]
     s.update(ranking_stats([r[pred] for r in scored], meas, labels))
+    for key in ("tp", "mbs"):  # signed median error per group (issue 25: no group beyond +-15 %)
+        groups: dict[int, list[float]] = {}
+        for r in scored:
+            groups.setdefault(r[key], []).append(r[pred] / r["measured_s"] - 1)
+        s[f"signed_err_pct_by_{key}"] = {g: round(100 * float(np.median(v)), 1) for g, v in sorted(groups.items())}
     s["measured_best"] = labels[int(np.argmin(meas))] if meas else None
     if with_amp:
         s["refused_by_estimate"] = [f"{r['id']} ({r['status']}): {r['error']}" for r in rows if "error" in r]
@@ -402,6 +407,28 @@ def completed_twins(rows: list[dict], r: dict) -> list[str]:
 TARGETS = {name: [("spearman", 0.8, None), ("median_ratio_pred_over_meas", 0.8, 1.25),
                   ("predicted_best_regret_pct", None, 5.0)] for name in ("amp_het", "amp_homo")}
 TARGETS["sailor_mit"] = [("spearman", 0.6, None), ("predicted_best_regret_pct", None, 5.0)]
+
+
+# issue 25, "Judged by measurement": per data set
+TARGETS_25 = {name: [("mdape_pct", None, 15.0), ("worst_group_signed_err_pct", None, 15.0), ("spearman", 0.9, None),
+                     ("predicted_best_regret_pct", None, 5.0)] for name in ("amp_het", "amp_homo", "sailor_mit")}
+
+
+def target_rows_25(summary: dict) -> list[dict]:
+    """Issue 25's targets next to the figures (worst_group_signed_err_pct: the largest |signed median error| of
+    any tp or micro-batch group)."""
+    out = []
+    for name, checks in TARGETS_25.items():
+        s = summary[name]
+        groups = [*s.get("signed_err_pct_by_tp", {}).values(), *s.get("signed_err_pct_by_mbs", {}).values()]
+        s["worst_group_signed_err_pct"] = max((abs(g) for g in groups), default=math.nan)
+        for metric, lo, hi in checks:
+            v = s.get(metric, math.nan)
+            ok = not math.isnan(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+            want = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"{lo}-{hi}"
+            out.append({"dataset": name, "metric": metric, "value": v, "target": want,
+                        "result": "PASS" if ok else "MISS"})
+    return out
 
 
 def target_rows(summary: dict) -> list[dict]:
@@ -504,6 +531,7 @@ def main() -> None:
                                                      "fits_megatron_attn", "headroom_megatron_attn_GiB",
                                                      "completed_twin", "why")} for c in crashes]
     summary["targets"] = target_rows(summary)
+    summary["targets_issue25"] = target_rows_25(summary)
 
     print("\n== AMP compute check: cost model's per-block forward vs AMP's profiled forward (x mbs) ==")
     print_table([c for c in check if c["mbs"] in (1, 8)],
@@ -539,6 +567,12 @@ def main() -> None:
                   f"flagged) {len(c['false_alarms'])}/{c['completed']} {c['false_alarms']}")
     print("\n== issue 12 targets (primary variant; the lead reruns these once compute and comm prices settle) ==")
     print_table(summary["targets"], ["dataset", "metric", "value", "target", "result"])
+    print("\n== issue 25 targets (primary variant): median |error|, signed error by tp and micro-batch groups, "
+          "Spearman, the top pick's measured regret ==")
+    for name in ("amp_het", "amp_homo", "sailor_mit"):
+        print(f"{name}: signed median error % by tp {summary[name]['signed_err_pct_by_tp']}, by micro-batch "
+              f"{summary[name]['signed_err_pct_by_mbs']}")
+    print_table(summary["targets_issue25"], ["dataset", "metric", "value", "target", "result"])
     for v in ("", "_megatron_attn"):
         m = summary[f"sailor_mit{v}"]["memory"]
         print(f"sailor_mit{v} peak memory predicted/measured: median {m['median_ratio_pred_over_meas']:.2f} "
