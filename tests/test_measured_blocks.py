@@ -12,6 +12,7 @@ from autopar.cli import main
 from autopar.cost_models.measured_blocks import BlockProfile, Entry, Point
 from autopar.errors import PlanError
 from autopar.runtime.block_profiler import profile_blocks
+from autopar.solver.pricing.pricing import Option
 
 GPT = dict(layers=3, hidden=32, heads=2, seq=8, batch=4, vocab=64)
 
@@ -126,3 +127,37 @@ def test_cli_profile_then_plan_with_it(tmp_path, capsys):
     # the plan it picks runs tp 2 on both CPUs, which one device per type cannot measure: explain says so
     assert ("p.json: measured by autopar profile on cpu" in text
             or "analytic: p.json has no layer on cpu at tensor-parallel degree 2 (measured: cpu tp 1)" in text), text
+
+
+def test_a_measured_optimizer_step_replaces_the_analytic_update():
+    """Where every layer's step was measured, a stage's sync is the measured steps (its ZeRO share of them) plus the
+    step's fixed host work; the profiler steps a tied embedding with its first layer only."""
+    case = _case()
+    cm = autopar.api.cost_model(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                                precision="fp32")
+    L = len(cm.graph.layers)
+    layers = [{"kind": layer.kind, "signature": str(layer.signature)} for layer in cm.graph.layers]
+    pts = [Point(2, 1e-3, 2e-3)]
+    prof = BlockProfile(layers, [Entry("cpu", i, 1, "fp32", pts, "synthetic", 0.01 * (i + 1), "adamw")
+                                 for i in range(L)], name="s.json")
+    cm2 = autopar.api.cost_model(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                                 precision="fp32", profile=prof)
+    host = cm2.models["cpu"].host
+    steps = sum(0.01 * (i + 1) for i in range(L))
+    base = cm2.base(0, L, "cpu", 2, (0,))
+    assert cm2.stage_times(base, Option(), "cpu", (0,), (0,)).sync == pytest.approx(steps + host.step_s, rel=1e-9)
+    z1 = cm2.stage_times(base, Option(zero=1), "cpu", (0,), (0, 1))
+    z1_analytic = cm2.stage_times(base, Option(), "cpu", (0,), (0, 1))
+    assert z1.sync < z1_analytic.sync  # each replica steps half of the parameters
+    other = BlockProfile(layers, [Entry("cpu", i, 1, "fp32", [Point(2, 1e-3, 2e-3)], "synthetic", 0.01, "sgd")
+                                  for i in range(L)])
+    cm3 = autopar.api.cost_model(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                                 precision="fp32", profile=other)
+    assert cm3.stage_times(cm3.base(0, L, "cpu", 2, (0,)), Option(), "cpu", (0,), (0,)).sync != pytest.approx(
+        steps + host.step_s)  # another optimizer's step is not this one's: analytic
+    tied = models.CASES["hf_gpt2"](batch=2, seq=8, vocab=64, hidden=32, layers=2, heads=2, seed=0)
+    measured = profile_blocks(tied.model, "1x1xcpu", tied.example_inputs, tied.example_target, tied.loss_fn,
+                              microbatch_sizes=[2], repeats=2)
+    assert all(e.step_s > 0 and e.optimizer == "adamw" for e in measured.entries if e.step_params)
+    # every parameter stepped exactly once: the head's tied weight with the embedding
+    assert sum(e.step_params or 0 for e in measured.entries) == sum(p.numel() for p in tied.model.parameters())

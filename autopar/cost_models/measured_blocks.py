@@ -6,7 +6,9 @@ A `BlockProfile` holds, per (device type, layer index, tensor-parallel degree), 
 micro-batch sizes. `times(..., n)` answers at any size n: the measured point at n, else linear between the two
 nearest measured sizes, else (outside them) along the line through the two nearest, or proportional to n from a
 single point (as AMP's per-sample figures are meant). Measured seconds are wall time on the device, host
-time included: the pricing adds no host terms for a measured layer. `layers` describe the model measured
+time included: the pricing adds no host terms for a measured layer. `step_s`, where measured, is one
+optimizer step over the layer's own parameters (`optimizer` names which), priced instead of the analytic
+update. `layers` describe the model measured
 (kind and signature per layer); `check(graph)` refuses a profile of another model with a PlanError.
 
 JSON (version 1):
@@ -14,7 +16,8 @@ JSON (version 1):
     {"version": 1, "layers": [{"kind": "pre", "signature": "..."}, ...],
      "entries": [{"device_type": "cpu", "layer": 0, "tp": 1, "precision": "fp32",
                   "points": [{"n": 2, "fwd_s": ..., "bwd_s": ..., "recompute_s": ..., "peak_bytes": ...}, ...],
-                  "source": "measured by autopar profile on cpu (2026-12-04)"}, ...],
+                  "source": "measured by autopar profile on cpu (2026-12-04)",
+                  "step_s": ..., "optimizer": "adamw"}, ...],
      "meta": {...}}
 """
 
@@ -62,6 +65,9 @@ class Entry:
     precision: str
     points: list[Point]
     source: str = ""
+    step_s: float | None = None  # one optimizer step over the layer's own parameters (`optimizer`'s), if measured
+    optimizer: str = ""
+    step_params: int | None = None  # elements that step updated (a tied parameter steps with its first layer)
 
 
 @dataclass
@@ -127,6 +133,11 @@ class BlockProfile:
                 return False
         return True
 
+    def step_seconds(self, device_type: str, layer: int, tp: int, precision: str, optimizer: str) -> float | None:
+        """Seconds of one `optimizer` step over `layer`'s parameters, where the profile measured it."""
+        e = self.entry(device_type, layer, tp, precision)
+        return e.step_s if e is not None and e.step_s is not None and e.optimizer == optimizer else None
+
     def check(self, graph: Any) -> None:
         """PlanError unless this profile was measured on a model with `graph`'s layers (kinds and signatures)."""
         if not self.layers:
@@ -157,7 +168,10 @@ class BlockProfile:
             raise PlanError(f"block profile {name!r} is not a version-{VERSION} autopar block profile "
                             f"(`autopar profile` writes one).")
         entries = [Entry(str(e["device_type"]), int(e["layer"]), int(e.get("tp", 1)), str(e.get("precision", "*")),
-                         [Point(**p) for p in e["points"]], str(e.get("source", ""))) for e in d["entries"]]
+                         [Point(**p) for p in e["points"]], str(e.get("source", "")),
+                         None if e.get("step_s") is None else float(e["step_s"]), str(e.get("optimizer", "")),
+                         None if e.get("step_params") is None else int(e["step_params"]))
+                   for e in d["entries"]]
         return BlockProfile(list(d.get("layers") or []), entries, dict(d.get("meta") or {}), name)
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -307,10 +307,12 @@ def floored(kernels_s: float, host_s: float, launch_s: float, charged_s: float, 
     return max(kernels_s - charged_s, host_s + launch_s)
 
 
-def stage_host_seconds(cm: Any, a: int, e: int, dtype: str, measured: tuple[int, ...] = ()) -> StageHost:
+def stage_host_seconds(cm: Any, a: int, e: int, dtype: str, measured: tuple[int, ...] = (),
+                       stepped: tuple[int, ...] = ()) -> StageHost:
     """`StageHost` of layers [a, e) on device type `dtype` of a `solver.pricing.CostModel` (memoised in it),
-    without the layers in `measured` (a block profile's times include their host time); the micro-batch's
-    setup and the optimizer step stay (no layer's measurement holds them)."""
+    without the layers in `measured` (a block profile's times include their host time) and the parameter tensors
+    of those in `stepped` (their measured optimizer step includes its per-tensor work); the micro-batch's setup
+    and the step's fixed host work stay (no layer's measurement holds them)."""
 
     def seconds() -> StageHost:
         counts = cm.memoised(("host_counts",), lambda: layer_counts(cm.graph))
@@ -326,13 +328,13 @@ def stage_host_seconds(cm: Any, a: int, e: int, dtype: str, measured: tuple[int,
             kf, kb = kf + counts[i].kernels_fwd, kb + counts[i].kernels_bwd
             if cm.is_block[i]:
                 rc, krc = rc + lf, krc + counts[i].kernels_fwd
-        tensors = sum(counts[i].param_tensors for i in range(a, e))
+        tensors = sum(counts[i].param_tensors for i in range(a, e) if i not in stepped)
         k, o = host.kernel_s, model.overhead
         return StageHost(f + host.microbatch_s, b + host.microbatch_s, rc, step_host_seconds(tensors, host),
                          kf * k, kb * k, krc * k, kf * o, kb * o, krc * o, host_bound(model.spec.kind))
 
-    return cm.memoised(("host", cm.range_key(a, e), dtype, measured) if not measured else
-                       ("host", a, e, dtype, measured), seconds)
+    return cm.memoised(("host", cm.range_key(a, e), dtype) if not measured else
+                       ("host", a, e, dtype, measured, stepped), seconds)
 
 
 __all__ = ["CPU_EAGER", "CUDA_EAGER", "HOST_BOUND_KINDS", "LAUNCH_S", "HostCounts", "HostOverhead", "StageHost",

@@ -6,7 +6,8 @@ holding it alone would: its parameters, the user inputs it reads, the values it 
 layer is timed once and its figures given to every layer alike (the repeated blocks of one signature; the
 layers before and after them are their own): forward, backward (autograd from ones at its outputs), the
 forward again as recompute runs it, each the fastest of `repeats` after a warm-up, with a host sync around
-each pass on a GPU (CUDA events would hide the host issuing time the floor is about). Peak memory is what
+each pass on a GPU (CUDA events would hide the host issuing time the floor is about), and one optimizer step
+over the layer's own parameters (`optimizer`, as the runtime builds it). Peak memory is what
 the allocator held above the inputs during forward + backward (`torch.cuda.max_memory_allocated`, or
 torch.profiler memory events on the CPU: runtime/memtrace.py).
 
@@ -32,10 +33,12 @@ from torch import nn
 from ..cluster import Cluster
 from ..codegen.split import StageProgram, split_stages
 from ..cost_models.measured_blocks import BlockProfile, Entry, Point
+from ..cost_models.memory import optimizer_name
 from ..errors import PlanError
 from ..ir.graph import TrainingGraph
 from ..passes.capture import capture
 from .memtrace import track_memory
+from .program import make_optimizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8}
@@ -104,6 +107,7 @@ class _Runner:
                  else _tensor(metas[name], device, True))
             args.append(t)
             self.leaves.append(t)
+        self.params = {name: t for name, t in zip(st.params, self.leaves, strict=True) if t.requires_grad}
         for name in st.buffers:
             w = st.constants.get(name, weights.get(name))
             args.append(w.to(device) if w is not None else _tensor(metas[name], device, False))
@@ -132,6 +136,27 @@ class _Runner:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _time_step(run: _Runner, optimizer: Any, repeats: int, owned: set[str]) -> tuple[float, int] | None:
+    """(seconds, elements) of one optimizer step over the layer's parameters in `owned` (a parameter several
+    layers read, a tied embedding, steps with the first: the fastest of `repeats`), or None when it owns none."""
+    params = [nn.Parameter(p.detach()) for name, p in run.params.items() if name in owned]
+    if not params:
+        return None
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = make_optimizer(optimizer, params)
+    for _ in range(2):
+        opt.step()
+    best = math.inf
+    for _ in range(repeats):
+        _sync(run.device)
+        t = time.perf_counter()
+        opt.step()
+        _sync(run.device)
+        best = min(best, time.perf_counter() - t)
+    return best, sum(p.numel() for p in params)
 
 
 def _time_layer(run: _Runner, repeats: int) -> tuple[float, float, float, float]:
@@ -171,15 +196,17 @@ def _time_layer(run: _Runner, repeats: int) -> tuple[float, float, float, float]
 def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple = (),
                    example_target: Any = None, loss_fn: Any = None, *, precision: str = "fp32",
                    microbatch_sizes: list[int] | None = None, budget_s: float = 120.0,
-                   repeats: int = 5) -> BlockProfile:
+                   repeats: int = 5, optimizer: Any = "adamw") -> BlockProfile:
     """Time each distinct layer of `model` at each micro-batch size (default `default_sizes` of the global
-    batch) on the local devices of `cluster`'s types (module docstring), within about `budget_s`."""
+    batch) on the local devices of `cluster`'s types (module docstring), and one `optimizer` step over its
+    parameters, within about `budget_s`."""
     if precision != "fp32":
         raise PlanError(f"autopar profile times fp32 programs only for now (precision={precision!r}); "
                         f"profile with precision='fp32' and price other precisions analytically.")
     if budget_s <= 0:
         raise PlanError(f"budget_s must be positive, got {budget_s!r}.")
     cluster = Cluster.load(cluster)
+    opt_name = optimizer_name(optimizer)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     t_start = time.perf_counter()
     graph = capture(model, inputs, loss_fn, example_target)
@@ -200,6 +227,7 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
     weights = _weights(model)
     day = time.strftime("%Y-%m-%d")
     points: dict[tuple[str, int], list[Point]] = {}
+    steps: dict[tuple[str, int], tuple[float, int] | None] = {}
     skipped: list[str] = []
     for n in sizes:
         if time.perf_counter() - t_start > budget_s and any(points.values()):
@@ -211,11 +239,18 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
             raise PlanError(f"capturing at micro-batch size {n} gave {len(g.layers)} layers, not "
                             f"{len(graph.layers)}: the model's structure depends on the batch size.")
         programs = split_stages(g, [(i, i + 1) for i in range(len(g.layers))])
+        first: dict[str, int] = {}
+        for i, st in enumerate(programs):
+            for name in st.params:
+                first.setdefault(name, i)
         for t, dev in devices.items():
             for members in classes.values():
                 run = _Runner(programs[members[0]], g, weights, user, dev)
                 f, b, r, peak = _time_layer(run, repeats)
                 points.setdefault((t, members[0]), []).append(Point(n, f, b, r, peak))
+                if (t, members[0]) not in steps:  # the step does not depend on the micro-batch
+                    owned = {name for name in run.params if first[name] == members[0]}
+                    steps[(t, members[0])] = _time_step(run, optimizer, repeats, owned)
                 del run
     prof = BlockProfile(layers, meta={
         "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "budget_s": budget_s,
@@ -226,7 +261,9 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
         for members in classes.values():
             pts = points.get((t, members[0]), [])
             for i in members:
-                prof.add(Entry(t, i, 1, precision, list(pts), f"measured by autopar profile on {dev} ({day})"))
+                step = steps.get((t, members[0]))
+                prof.add(Entry(t, i, 1, precision, list(pts), f"measured by autopar profile on {dev} ({day})",
+                               step[0] if step else None, opt_name, step[1] if step else None))
     return prof
 
 

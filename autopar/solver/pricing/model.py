@@ -104,6 +104,9 @@ class StageBase:
     # per repeated block of the range, in layer order: (recompute seconds: forward compute + comm + host,
     # saved activation bytes per micro-batch, its input's bytes, its parameters), for selective recompute
     block_parts: tuple[tuple[float, float, float, float], ...] = ()
+    # the block profile's optimizer step over the measured layers' parameters, and how many parameters it covers
+    measured_step: float = 0.0
+    measured_step_params: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -390,7 +393,8 @@ class CostModel(CommPricing):
         ilp = t > 1 and any(self.is_block[a:e])
         parts = []
         measured: list[int] = []
-        mf = mb = mrc = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
+        stepped: list[int] = []
+        mf = mb = mrc = ms = msp = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
         for i in range(a, e):
             c = tp_layer_cost(self, i, dtype, n, tp_group)
             m = self.measured(i, dtype, n, t)
@@ -398,6 +402,10 @@ class CostModel(CommPricing):
                 measured.append(i)
                 mf, mb = mf + m.fwd_s, mb + m.bwd_s
                 mrc += m.recompute_s if self.is_block[i] else 0.0
+                step = self.block_profile.step_seconds(dtype, i, t, self.precision, self.optimizer)  # type: ignore[union-attr]
+                if step is not None:
+                    stepped.append(i)
+                    ms, msp = ms + step, msp + self.own_params[i]
                 c = c._replace(fwd=0.0, bwd=0.0)
             f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
             saved = c.act if c.act >= 0 else self.saved[i] * frac / t
@@ -418,7 +426,7 @@ class CostModel(CommPricing):
             transient = max(transient, self.bwd_transient[i] * frac / t)
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
         # host/framework time: the floor under the kernels, or added to them on a CPU (cost_models/overhead.py)
-        host = stage_host_seconds(self, a, e, dtype, tuple(measured))
+        host = stage_host_seconds(self, a, e, dtype, tuple(measured), tuple(stepped))
         f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound) + mf
         b = floored(b, host.bwd, host.launch_bwd, host.charged_bwd, host.bound) + mb
         rc = floored(rc, host.recompute, host.launch_recompute, host.charged_recompute, host.bound) + rc_comm + mrc
@@ -432,7 +440,7 @@ class CostModel(CommPricing):
                          bwd_transient=transient, bwd_workspace=workspace,
                          device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
-                         block_parts=tuple(parts))
+                         block_parts=tuple(parts), measured_step=ms, measured_step_params=msp)
         return experts.adjust_base(self, a, e, dtype, n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
@@ -522,6 +530,9 @@ class CostModel(CommPricing):
             if "optimizer" in opt.offload:
                 sync += 0.0 if streamed else h2d(local * g) + h2d(local * w)
                 sync += 2 * (w + g + o) * local / HOST_UPDATE_BANDWIDTH
+            elif base.measured_step and N:  # the profile's measured step over its share, the rest analytic
+                share = min(1.0, base.measured_step_params / base.params) if base.params else 0.0
+                sync += base.measured_step * local / N + 2 * (w + g + o) * local * (1 - share) / bandwidth
             else:
                 sync += 2 * (w + g + o) * local / bandwidth
             fwd = base.fwd + fc
