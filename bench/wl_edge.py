@@ -50,7 +50,7 @@ def edge_workloads(batch: int = BATCH, clusters: tuple[str, ...] = ("edge_orin_e
             warnings.simplefilter("always")
             plan = search(cm, time_limit_s)
         plan_s = time.perf_counter() - t0
-        limit = next((str(w.message) for w in caught if "time limit" in str(w.message)), None)
+        limit = next((str(w.message) for w in caught if "planning stopped" in str(w.message)), None)
         dp_est, _, _ = dp_only(cm)
         speed_est, _, _ = dp_speed(cm)
         grid_est, grid_st, _, _ = megatron_grid(cm)

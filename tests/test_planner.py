@@ -369,7 +369,7 @@ def test_deterministic() -> None:
 
 def test_time_limit_returns_best_so_far_with_warning() -> None:
     cm = cm_for("1x8xA100-80GB", batch=16, layers=4, hidden=64, seq=32)
-    with pytest.warns(UserWarning, match="stopped at the time limit"):
+    with pytest.warns(UserWarning, match="stopped at the wall-clock guard .* depends on the machine"):
         plan = Search(cm, time_limit_s=0.0).run()
     check_plan(plan, cm)
 
