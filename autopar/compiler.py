@@ -132,6 +132,7 @@ class Planning:
     staleness: int | None
     compress: str | None
     profiles: dict | None
+    profile: Any = None  # measured blocks (`plan(..., profile=)`)
 
     @property
     def optimizer_name(self) -> str:
@@ -158,7 +159,7 @@ def plan_phase(model: nn.Module, job: Job, captured: Captured, plan: Any, asked:
             args = dict(example_inputs=captured.capture_inputs, example_target=captured.capture_target,
                         loss_fn=asked.loss_fn, optimizer=asked.optimizer_name, kernels=asked.kernels,
                         precision=asked.precision, captured=captured.graph,  # priced as the program will run
-                        profiles=asked.profiles)
+                        profiles=asked.profiles, profile=asked.profile)
             try:
                 made = (estimate(model, cluster, strategy, **args).plan if strategy is not None
                         else make_plan(model, cluster, time_limit_s=asked.time_limit_s, sync=asked.sync,
@@ -299,6 +300,7 @@ def compile(
     compress: str | None = None,
     seed: int = 0,
     profiles: dict[str, Profile] | None = None,
+    profile: Any = None,
 ) -> TrainingProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -360,7 +362,9 @@ def compile(
     element), so every plan draws the same masks for a sample and trains like the one-device program
     `compile(model, "1x1xcpu", ..., seed=seed)` (passes/randomness.py; torch's generator does not enter).
 
-    `profiles` (device type name -> `autopar.cost_models.compute.Profile`) goes to the planner as
+    `profile` (measured blocks: a `BlockProfile` or the path `autopar profile --out` wrote) goes to the planner as
+    `autopar.plan(..., profile=...)` does. `profiles` (device type name -> `autopar.cost_models.compute.Profile`)
+    goes to the planner as
     `autopar.plan(..., profiles=...)` does: those types are priced with these compute profiles instead of the
     saved ones. A re-plan around stragglers (`adapt=`) passes the slowed types' scaled profiles the same way.
     """
@@ -396,7 +400,8 @@ def compile(
         if job.rank == 0:
             warn_if_batch_split(model, job.world, batch, "replicated data parallelism")
         return ReplicatedProgram(model, job.cluster, batch, loss_fn, optimizer, job.rank, job.world, e, timeout_s)
-    planning = Planning(loss_fn, optimizer, kernels, precision, time_limit_s, sync, staleness, compress, profiles)
+    planning = Planning(loss_fn, optimizer, kernels, precision, time_limit_s, sync, staleness, compress, profiles,
+                        profile)
     building = Building(loss_fn, optimizer, timeout_s, kernels, weights, seed, sync, staleness, check_plan)
     plan, delay = plan_phase(model, job, captured, plan, planning, delay)
     prog = build_phase(model, job, captured, plan, delay, building)

@@ -161,3 +161,13 @@ def test_a_measured_optimizer_step_replaces_the_analytic_update():
     assert all(e.step_s > 0 and e.optimizer == "adamw" for e in measured.entries if e.step_params)
     # every parameter stepped exactly once: the head's tied weight with the embedding
     assert sum(e.step_params or 0 for e in measured.entries) == sum(p.numel() for p in tied.model.parameters())
+
+
+def test_compile_plans_with_the_profile():
+    case = _case()
+    prof = profile_blocks(case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                          microbatch_sizes=[4], repeats=1)
+    prog = autopar.compile(case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                           precision="fp32", profile=prof, timeout_s=60)
+    assert "compute of pipeline 0 stage 0:" in prog.plan.explain() and "autopar profile" in prog.plan.explain()
+    assert prog.step(*case.example_inputs, target=case.example_target) > 0
