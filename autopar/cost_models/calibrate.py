@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import time
 import warnings
@@ -33,7 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from .compute import OP_KINDS, ComputeModel, Profile, host_path_path, load_profile, pointwise_flops, profile_path
+from .compute import (
+    OP_KINDS,
+    ComputeModel,
+    Profile,
+    host_path_path,
+    load_profile,
+    pointwise_flops,
+    profile_path,
+    write_atomic,
+)
 from .gpu_profiles import kind_peak
 from .host import FAULT_THRESHOLD, OtherLoad, Timer, measure_cpu_peaks, measure_framework, page_fault_bandwidth
 
@@ -543,11 +551,7 @@ def calibrate_host(quick: bool = False, save: bool = True) -> dict:
         warnings.warn(f"other processes kept {others:.1f} CPUs busy while the host path was measured, so its "
                       f"figures are pessimistic. Measure on an idle host for faithful ones.", stacklevel=2)
     if save:
-        path = host_path_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(path)
+        write_atomic(host_path_path(), json.dumps(out, indent=1))
     return out
 
 

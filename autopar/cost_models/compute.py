@@ -254,12 +254,7 @@ class Profile:
                        memory_bandwidth=_opt_float(d.get("memory_bandwidth")), meta=dict(d.get("meta") or {}))
 
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(p)  # atomic: a concurrent reader never sees half a file
-        return p
+        return write_atomic(path, self.to_json())
 
     @staticmethod
     def load(path: str | os.PathLike) -> Profile:
@@ -268,6 +263,17 @@ class Profile:
 
 def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` (its folder made) through a process-own temporary file and a rename: ranks
+    starting together, or a concurrent reader, never see half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(p)
+    return p
 
 
 def profile_dir() -> Path:

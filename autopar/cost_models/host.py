@@ -55,11 +55,10 @@ def _probed() -> tuple[float, float]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     flops, bw = _measure()
+    from .compute import write_atomic
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"flops": flops, "bandwidth": bw, "measured": time.time()}))
-        tmp.replace(path)  # atomic: ranks starting together never read half a file
+        write_atomic(path, json.dumps({"flops": flops, "bandwidth": bw, "measured": time.time()}))
     except OSError:
         pass  # a read-only home: measure again next time
     return flops, bw

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+from .compute import write_atomic
 
 VERSION = 1
 
@@ -175,10 +176,7 @@ class BlockProfile:
         return BlockProfile(list(d.get("layers") or []), entries, dict(d.get("meta") or {}), name)
 
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.to_json())
-        return p
+        return write_atomic(path, self.to_json())
 
     @staticmethod
     def load(path: str | os.PathLike) -> BlockProfile:

@@ -38,10 +38,7 @@ from ..errors import PlanError
 from ..ir.graph import TrainingGraph
 from ..passes.capture import capture
 from .memtrace import track_memory
-from .program import make_optimizer
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8}
+from .program import batch_slice, make_optimizer
 
 
 def default_sizes(batch: int) -> list[int]:
@@ -70,14 +67,8 @@ def local_devices(cluster: Cluster) -> tuple[dict[str, torch.device], dict[str, 
     return found, missing
 
 
-def _slice(x: Any, batch: int, n: int) -> Any:
-    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
-        return x[:n]
-    return x
-
-
 def _tensor(meta: Any, device: torch.device, grad: bool) -> torch.Tensor:
-    dtype = _DTYPES.get(meta.dtype, torch.float32)
+    dtype = getattr(torch, meta.dtype)
     if dtype.is_floating_point:
         t = torch.randn(meta.shape, dtype=dtype, device=device) * 0.02
         return t.requires_grad_(grad)
@@ -233,7 +224,7 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
         if time.perf_counter() - t_start > budget_s and any(points.values()):
             skipped += [f"micro-batch {n} on {t}" for t in devices]
             continue
-        user = tuple(_slice(x, B, n) for x in inputs) + (_slice(example_target, B, n),)
+        user = tuple(batch_slice(x, B, 0, n) for x in inputs) + (batch_slice(example_target, B, 0, n),)
         g = graph if n == B else capture(model, user[:-1], loss_fn, user[-1])
         if len(g.layers) != len(graph.layers):
             raise PlanError(f"capturing at micro-batch size {n} gave {len(g.layers)} layers, not "

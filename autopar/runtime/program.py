@@ -83,6 +83,13 @@ class PendingRecv:
         return out
 
 
+def batch_slice(x: Any, batch: int, start: int, size: int) -> Any:
+    """Samples [start, start + size) of an input whose first dimension is the global batch; any other value as is."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+        return x[start:start + size]
+    return x
+
+
 def make_optimizer(optimizer: str | OptimizerFactory, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if callable(optimizer):
         return optimizer(params)
@@ -332,9 +339,7 @@ class Program:
             stacklevel=3)
 
     def _slice(self, x: Any, start: int, size: int) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.layout.global_batch:
-            return x[start:start + size]
-        return x
+        return batch_slice(x, self.layout.global_batch, start, size)
 
     # ---- one training step ------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
