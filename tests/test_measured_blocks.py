@@ -171,3 +171,14 @@ def test_compile_plans_with_the_profile():
                            precision="fp32", profile=prof, timeout_s=60)
     assert "compute of pipeline 0 stage 0:" in prog.plan.explain() and "autopar profile" in prog.plan.explain()
     assert prog.step(*case.example_inputs, target=case.example_target) > 0
+
+
+def test_bad_profiling_requests_are_named():
+    case = _case()
+    args = (case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn)
+    with pytest.raises(PlanError, match=r"microbatch_sizes \[0, 9\] are not between 1 and the batch's 4"):
+        profile_blocks(*args, microbatch_sizes=[0, 2, 9])
+    with pytest.raises(PlanError, match="budget_s must be positive"):
+        profile_blocks(*args, budget_s=0)
+    with pytest.raises(PlanError, match="fp32 programs only"):
+        profile_blocks(*args, precision="bf16")
