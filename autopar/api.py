@@ -26,7 +26,7 @@ from .report import dump_graph
 from .solver.async_memory import async_memory
 from .solver.asynchronous import choose_async, delay_of, force_async
 from .solver.pricing.plan import check_compress
-from .solver.pricing.pricing import CostModel, price, price_strategy
+from .solver.pricing.pricing import CostModel, price, price_plan, price_strategy
 from .solver.search.objective import check_objective, score
 from .solver.search.search import WORK_LIMIT, search
 
@@ -179,23 +179,36 @@ def price_async(plan: Plan, model: nn.Module, example_inputs: tuple = (), exampl
     return force_async(plan, sync, staleness, functools.partial(async_memory, cm))
 
 
-def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy,
+def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy | Plan,
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
              optimizer: object = "adamw", precision: str | None = None, *,
              memory_reserve: float = 0.1, kernels: str = "auto", captured: TrainingGraph | None = None,
              profiles: dict[str, Profile] | None = None,
              profile: BlockProfile | str | os.PathLike | None = None) -> Estimate:
-    """Price a hand-written Strategy with the planner's cost model (Megatron rank order).
+    """Price a hand-written Strategy with the planner's cost model (Megatron rank order), or reprice a Plan
+    (`autopar.plan`'s, or `Plan.from_json` of a saved one: its layout, shares and options as they are, its
+    devices left out idle) on `cluster`; a Plan is priced at its own precision, optimizer and memory reserve
+    unless given others (PlanError when `precision` or `optimizer` differ from the plan's, or the cluster's
+    devices do).
 
     A strategy that does not fit is priced anyway: `predicted["fits"]` is False, `predicted["memory_problems"]`
     says which devices overflow by how much, and `explain()` starts with DOES NOT FIT. `captured`: as in
     `cost_model`; `profiles`, `profile`: as in `plan`."""
-    if not isinstance(strategy, Strategy):
-        raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)), got "
+    if not isinstance(strategy, (Strategy, Plan)):
+        raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)) or a Plan, got "
                         f"{type(strategy).__name__}.")
     check_memory_reserve(memory_reserve)
+    if isinstance(strategy, Plan) and strategy.graph is not None:
+        raise PlanError("estimate() reprices plans of layer chains; a graph workload's plan (plan.graph set) is "
+                        "priced by autopar.plan(..., graph_options=...).")
+    if isinstance(strategy, Plan):
+        precision = precision or strategy.precision
+        if optimizer == "adamw":  # the defaults: the plan's own
+            optimizer = strategy.optimizer
+        if memory_reserve == 0.1:
+            memory_reserve = strategy.memory_reserve
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
                     memory_reserve, kernels, captured=captured, profiles=profiles, profile=profile)
-    est = price_strategy(cm, strategy)
+    est = price_plan(cm, strategy) if isinstance(strategy, Plan) else price_strategy(cm, strategy)
     est.plan.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
     return est

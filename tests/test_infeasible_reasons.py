@@ -1,7 +1,9 @@
 """An InfeasibleError names the constraint that binds (issue 13, item 5): memory only when memory is what
 stops every plan (the same model plans on the same cluster with unlimited memory), the layout rules (every
 device in one stage of one replica: replicas <= batch, stages <= layers, tp inside a node, device types
-split evenly) when no layout exists at all, with the numbers and fixes that work."""
+split evenly) when no layout exists at all, with the numbers and fixes that work. These are the whole cluster's
+refusals (`Search` on every device); `autopar.plan` then falls back onto a subset (issue 29,
+tests/test_idle_fallback.py) and raises them only when no subset trains the model either."""
 
 from __future__ import annotations
 
@@ -14,20 +16,28 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import Cluster, InfeasibleError, models
+from autopar.api import cost_model
+from autopar.solver.search.search import Search
 
 TYPES = ["A100-80GB", "H100-SXM", "V100-16GB", "T4", "L4", "RTX-3090"]
 ISSUE_CLUSTER = "2x4xH100-SXM+2x4xL4+1x4xRTX-3090"
 MEMORY = "no plan fits in memory"
 
 
-def _plan(cluster: object, batch: int, layers: int = 2, hidden: int = 64, seq: int = 16) -> str | None:
-    """None when a plan is found, else the InfeasibleError's message."""
+def _plan(cluster: object, batch: int, layers: int = 2, hidden: int = 64, seq: int = 16,
+          whole: bool = True) -> str | None:
+    """None when a plan is found, else the InfeasibleError's message: of the search on every device of the
+    cluster (`whole`), or of `autopar.plan` (which may leave devices idle)."""
     case = models.gpt(layers=layers, hidden=hidden, seq=seq, batch=batch, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a time-limit warning is no failure here
         try:
-            autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
-                         time_limit_s=5)
+            if whole:
+                Search(cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn),
+                       time_limit_s=5).run()
+            else:
+                autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                             time_limit_s=5)
         except InfeasibleError as e:
             return str(e)
     return None
@@ -64,6 +74,12 @@ def test_the_issue_case_names_the_layout_constraint_and_fixes_that_work(monkeypa
     assert _plan(Cluster.load(ISSUE_CLUSTER).subset(list(range(16))), batch=3) is None
     assert _plan(ISSUE_CLUSTER, batch=3, layers=3) is None  # "a deeper model (at least 5 layers in its chain)"
     assert "at least 5 layers" in msg
+    # autopar.plan does not refuse: it leaves devices idle, saying why and what would use them all
+    case = models.gpt(layers=2, hidden=64, seq=16, batch=3, device="meta")
+    plan = autopar.plan(case.model, ISSUE_CLUSTER, case.example_inputs, case.example_target, case.loss_fn)
+    idle = plan.predicted["idle_devices"]
+    assert idle and all("no parallel layout uses all 20 devices" in why and "at least 5 samples" in why
+                        for why in idle.values())
 
 
 @st.composite
@@ -98,6 +114,9 @@ def test_memory_is_blamed_exactly_when_memory_binds(cluster: dict, batch: int, l
     else:
         assert not msg.startswith(MEMORY) and "memory is not the constraint" in msg, msg
         assert "replicas x stages" in msg and "To plan:" in msg, msg
+    # autopar.plan leaves devices idle rather than refuse, and refuses only for memory
+    user = _plan(cluster, batch, layers=layers, hidden=32, seq=8, whole=False)
+    assert user is None or (MEMORY in user and "usable" in user), user
 
 
 @pytest.mark.parametrize("cluster,batch", [("1x5xA100-80GB+1x2xT4", 1), ("1x1xA100-80GB+4x1xT4", 1)])

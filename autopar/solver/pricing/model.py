@@ -205,6 +205,17 @@ class CostModel(CommPricing):
         out.expert_parallel = replace(self.expert_parallel, degree=ep)
         return out
 
+    def on_subset(self, devices: list[int]) -> CostModel:
+        """This cost model on `cluster.subset(devices)`: the same graph, precision, optimizer, reserve, wire
+        compression, tp/dp sync, intra-op search, compute profiles (of the types the subset keeps) and measured
+        blocks, so a plan that leaves devices out is priced as the whole cluster's would be. Fresh memos."""
+        sub = self.cluster.subset(devices)
+        kept = set(sub.device_types())
+        return CostModel(self.graph, sub, self.precision, self.optimizer, self.reserve, self.intra_op,
+                         self.intra_op_time_limit_s, compress=self.compress, tp_dp_sync=self.tp_dp_sync,
+                         profiles={t: p for t, p in self.profiles.items() if t in kept},
+                         block_profile=self.block_profile)
+
     # ---- layer data ---------------------------------------------------------------------------
     def _init_layers(self) -> None:
         g, L = self.graph, self.L

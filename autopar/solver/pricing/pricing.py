@@ -106,6 +106,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ...cluster import Cluster
+from ...errors import PlanError
 from ...ir.graph import TrainingGraph
 from ...ir.plan import (
     OFFLOAD_KINDS,
@@ -336,9 +338,27 @@ def price_strategy(cm: CostModel, strategy: Strategy) -> Estimate:
     return Estimate(priced.plan, priced.fits, priced.problems)
 
 
+def price_plan(cm: CostModel, plan: Plan) -> Estimate:
+    """`autopar.estimate` of a Plan: its layout, shares and stage options priced afresh on this cost model, its
+    own predictions dropped (the reasons it gives for idle devices kept). PlanError when it does not match the
+    cost model's cluster, precision or optimizer, naming which."""
+    types = [d.spec.name for d in Cluster.load(plan.cluster).devices]
+    for what, mine, theirs in (("devices", [d.spec.name for d in cm.cluster.devices], types),
+                               ("precision", cm.precision, plan.precision),
+                               ("optimizer", cm.optimizer, plan.optimizer)):
+        if mine != theirs:
+            raise PlanError(f"the plan was made for {what} {theirs!r} but is estimated with {mine!r}: pass the plan's "
+                            f"cluster, precision and optimizer (Plan.cluster, .precision, .optimizer).")
+    idle = {int(d): r for d, r in (plan.predicted.get("idle_devices") or {}).items()}
+    fresh = replace(plan, predicted={}, pipelines=[
+        replace(p, stages=[replace(st, predicted={}) for st in p.stages]) for p in plan.pipelines])
+    priced = price(cm, fresh, idle_reasons=idle)
+    return Estimate(priced.plan, priced.fits, priced.problems)
+
+
 # what callers read here (the cost model's types, pricing/model.py; the wire constants, tests/test_edge.py; the
 # plan-level pieces, pricing/plan.py), besides what this module defines
 __all__ = ["ACT_BYTES", "HOST_UPDATE_BANDWIDTH", "SLOW_LINK_BYTES_PER_S", "WIRE_BYTES", "CostModel",
            "Option", "Priced", "StageBase", "StageMemory", "StageTimes", "inflight_closed_form", "lower_bound",
-           "model_summary", "price", "price_strategy", "rank_host", "rank_peak", "stage_option", "tied_sync",
-           "tp_layer_cost"]
+           "model_summary", "price", "price_plan", "price_strategy", "rank_host", "rank_peak", "stage_option",
+           "tied_sync", "tp_layer_cost"]

@@ -119,19 +119,25 @@ def layout_message(cm: Any) -> str:
            f"the others), and, on several device types, replicas holding equal slices of every type or "
            f"pipelines of one type. "
            + "; ".join(_why_not(cm, t) for t in degrees) + ".")
-    fixes = []
+    return msg + " To plan: " + "; or ".join(layout_fixes(cm)) + "."
+
+
+def layout_fixes(cm: Any, subset: bool = True) -> list[str]:
+    """What would give the whole cluster a layout: the least larger global batch, the least deeper chain and
+    (`subset`) a subset of whole nodes that has one, each that exists, in words."""
+    W, fixes = cm.cluster.world_size, []
     batch = next((b for b in range(cm.B + 1, W + 1) if layouts(cm, B=b)), None)
     if batch is not None:
         fixes.append(f"raise the global batch to at least {batch} samples")
     depth = next((n for n in range(cm.L + 1, W + 1) if layouts(cm, L=n)), None)
     if depth is not None:
         fixes.append(f"plan a deeper model (at least {depth} layers in its chain)")
-    sub = _best_subset(cm)
+    sub = _best_subset(cm) if subset else None
     if sub is not None:
         nodes, devices = sub
-        fixes.append(f"plan on a subset of the cluster, e.g. its {_nodes_text(cluster, nodes)} nodes: "
+        fixes.append(f"plan on a subset of the cluster, e.g. its {_nodes_text(cm.cluster, nodes)} nodes: "
                      f"cluster.subset([{_ranges(devices)}]) (or a smaller cluster file)")
-    return msg + " To plan: " + "; or ".join(fixes) + "."
+    return fixes
 
 
 def memory_message(cm: Any, splitter: Any) -> str:
@@ -205,4 +211,4 @@ def _option_text(opt: object) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["layout_message", "layouts", "memory_message", "message"]
+__all__ = ["layout_fixes", "layout_message", "layouts", "memory_message", "message"]

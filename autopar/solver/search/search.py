@@ -217,8 +217,11 @@ class Search:
     """One planning run on a cost model (see the module docstring); `run()` returns the best Plan."""
 
     def __init__(self, cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None,
-                 work_limit: int | None = WORK_LIMIT) -> None:
+                 work_limit: int | None = WORK_LIMIT, cutoff: float = math.inf) -> None:
         self.cm = cm
+        # a step time another search already reached (subsets.py): only faster plans count, and the search
+        # ends, as with an incumbent, when the bounds reach it (InfeasibleError when nothing beats it)
+        self.cutoff = cutoff
         self.deadline = time.perf_counter() + time_limit_s
         self.time_limit_s = time_limit_s
         self.work_limit = work_limit  # configurations solved at most (None: no limit)
@@ -232,7 +235,7 @@ class Search:
         # the last config's pipelines, its data-parallel groups and whether each mixes tensor-parallel degrees
         self._dp_cache: tuple[object, list[Unit], list[bool]] = (None, [], [])
         self._comm_cache: tuple[object, int, dict[int, int]] = (None, 0, {})  # (pipelines, chunks, counts)
-        self.best_step = math.inf  # the incumbent's simulated step
+        self.best_step = cutoff  # the incumbent's simulated step
         self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
         self.refining = False  # in `_refine`: selective recompute (selective.py) on the splits
         self.model_splits = False  # in `_refine`: splits by the CP-SAT stage model too
@@ -553,7 +556,7 @@ class Search:
         k = 0
         while heap:
             cfg, tight = heapq.heappop(heap)
-            if cfg.bound >= self.best_step and self._incumbents:
+            if cfg.bound >= self.best_step and self._bounded():
                 break  # configs come in bound order: none of the rest can win
             # (without an incumbent, configs no device fits are still tried: they fail at once and leave the
             # nearest miss for the infeasibility message, `Splitter.closest`)
@@ -563,7 +566,7 @@ class Search:
                     heapq.heappush(heap, (cfg._replace(bound=bound), True))
                     continue
             out_of_work = self.work_limit is not None and k >= self.work_limit
-            if (out_of_work or time.perf_counter() > self.deadline) and self._incumbents:
+            if (out_of_work or time.perf_counter() > self.deadline) and self._bounded():
                 stopped_early = "work" if out_of_work else "wall"
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
@@ -576,6 +579,8 @@ class Search:
                               self.best_step if self._incumbents else None)
         self._refine(finalists)
         best = self._best_priced()
+        if best is None and self.cutoff < math.inf:
+            raise InfeasibleError(f"no plan faster than the cutoff of {fmt_time(self.cutoff)}/step.")
         if best is None:
             raise InfeasibleError(self._infeasible_message())
         best_step = best.predicted["step_time_s"]
@@ -600,6 +605,11 @@ class Search:
                           f"better one.", stacklevel=3)
         return best
 
+    def _bounded(self) -> bool:
+        """Whether the search may stop on its bounds or budget: once it has an incumbent, or from the start
+        with a cutoff (without either it goes on, so that an infeasible search records its nearest miss)."""
+        return bool(self._incumbents) or self.cutoff < math.inf
+
     def _infeasible_message(self) -> str:
         """Why nothing was found: no layout covers the devices, or what does not fit in memory (infeasible.py)."""
         from . import infeasible  # it enumerates layouts with this module's rules
@@ -615,13 +625,17 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
     then every union of device types is searched and the best-scoring plan may leave devices out
     (solver/search/subsets.py). `work_limit`: configurations solved at most per search, the budget that makes the
     plan the same on any machine; `time_limit_s` only guards the wall-clock time (and warns when it stops it)."""
-    def run(c: CostModel, seconds: float) -> Plan:
-        return experts.choose(c, lambda c2, limit: Search(c2, limit, progress, work_limit).run(), seconds)
+    def run(c: CostModel, seconds: float, cutoff: float = math.inf) -> Plan:
+        return experts.choose(c, lambda c2, limit: Search(c2, limit, progress, work_limit, cutoff).run(), seconds)
+
+    from .subsets import best_subset_plan, fallback_plan  # plans that leave devices out
 
     if objective == "time" and budget_per_hour is None:
-        return run(cm, time_limit_s)
-    from .subsets import best_subset_plan  # the cost objective and budgets may leave device types out
-
+        start = time.perf_counter()
+        try:
+            return run(cm, time_limit_s)
+        except InfeasibleError as e:  # no plan uses every device: leave some idle rather than refuse
+            return fallback_plan(cm, run, max(1.0, time_limit_s - (time.perf_counter() - start)), e)
     return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
 
 

@@ -1,4 +1,5 @@
-"""Plans that may leave devices out: the search over device subsets for a cost objective or a budget.
+"""Plans that may leave devices out: the search over device subsets for a cost objective or a budget, and
+the fallback onto a subset when no plan uses every device, whatever the objective.
 
 The branch and bound of search.py minimises the step time on every device of the cluster. With
 `objective="cost"` or a `budget_per_hour` (solver/search/objective.py), using fewer devices can win: a user with
@@ -8,7 +9,24 @@ each searched for its fastest plan within an equal share of the time limit. Each
 the whole cluster (its device indices mapped, the devices it does not use idle, with the reason) and priced
 there (`pricing.price`), and the best `objective.score` wins. Finer subsets (some devices of a type) are not
 enumerated: within one type a plan on fewer devices is never cheaper per sample under this cost model
-unless memory or the batch forbids using them all, which the full-type search already handles.
+unless memory or the batch forbids using them all, which the fallback below handles.
+
+Fallback (`fallback_plan`): when the search on the whole cluster (or on every union of types) finds no plan,
+the planner leaves devices idle rather than refuse. Two reasons, as infeasible.py words them:
+  layout  no layout uses every device (too small a global batch for the replicas, too few layers for the
+          stages, node sizes tp cannot divide). Candidates (`layout_candidates`): per node group (nodes
+          alike, `Node.group`) its first n nodes with the first c devices of each, every combination that
+          has a layout (`configs.layouts`) and at most B x L x (largest node) devices, the most peak FLOP/s
+          first; each is searched with the best step found so far as its cutoff (`Search(cutoff=)`), so a
+          subset that cannot beat the incumbent ends at its first configuration's bound. At most
+          SUBSET_SEARCHES of them are searched.
+  memory  layouts exist but nothing fits: a device type too small to hold even its smallest share. The
+          candidates are the unions of node groups that leave at least one out (whole groups: within a group
+          fewer devices only hold more each), those with a layout, the most device memory first.
+The fastest plan (or the best `objective.score`) over the candidates is written back on the whole cluster,
+each left-out device idle with the reason in `predicted["idle_devices"]`. Only when no candidate has a plan is
+the whole cluster's InfeasibleError raised, the same reason holding on its subsets (memory), or, for a layout
+refusal whose subsets all run out of memory, the memory message of the largest of them.
 """
 
 from __future__ import annotations
@@ -18,12 +36,17 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+from ...cluster import Cluster
 from ...errors import InfeasibleError
 from ...ir.plan import Plan
 from ..pricing.pricing import CostModel, price
+from . import infeasible
 from .objective import score
 
-Searcher = Callable[[CostModel, float], Plan]
+# (cost model, seconds, cutoff): the fastest plan faster than the cutoff step time, InfeasibleError if none
+Searcher = Callable[[CostModel, float, float], Plan]
+SUBSET_SEARCHES = 48  # candidate sub-clusters the fallback searches at most
+ENUMERATION_LIMIT = 20000  # (nodes, devices per node) combinations the layout fallback looks at at most
 
 
 def type_subsets(cm: CostModel) -> list[list[int]]:
@@ -54,15 +77,15 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
     """The plan with the best `objective.score` among the fastest plans of every device-type subset."""
     subsets = type_subsets(cm)
     share = time_limit_s / len(subsets)
-    best, best_score, last_error = None, math.inf, None
+    best, best_score, last_error, planned = None, math.inf, None, False
     for keep in subsets:
-        sub = cm if len(keep) == cm.cluster.world_size else CostModel(
-            cm.graph, cm.cluster.subset(keep), cm.precision, cm.optimizer, cm.reserve, compress=cm.compress)
+        sub = cm if len(keep) == cm.cluster.world_size else cm.on_subset(keep)
         try:
-            plan = run(sub, share)
+            plan = run(sub, share, math.inf)
         except InfeasibleError as e:
             last_error = e
             continue
+        planned = True
         left = sorted({d.spec.name for i, d in enumerate(cm.cluster.devices) if i not in keep})
         goal = "lowest cost per sample" if objective == "cost" else "fastest"
         budget = f" within {budget_per_hour}/hour" if budget_per_hour is not None else ""
@@ -72,9 +95,125 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
         s = score(whole.predicted, cm.cluster, objective, budget_per_hour)
         if s < best_score:
             best, best_score = whole, s
+    if best is None and planned:  # every union of types costs more than the budget: fewer devices may not
+        over = InfeasibleError(f"every plan found costs more than budget_per_hour={budget_per_hour}, on the whole "
+                               f"cluster and on every subset searched: raise the budget or use cheaper devices.")
+        return fallback_plan(cm, run, time_limit_s, over, objective, budget_per_hour, cause="budget")
     if best is None:
-        raise last_error or InfeasibleError("no device subset of the cluster has a plan that fits.")
+        return fallback_plan(cm, run, time_limit_s, last_error or InfeasibleError("no device subset of the cluster "
+                                                                                  "has a plan that fits."),
+                             objective, budget_per_hour)
     return best
 
 
-__all__ = ["best_subset_plan", "on_whole_cluster", "type_subsets"]
+def _groups(cluster: Cluster) -> list[list[int]]:
+    """Node indices by node group (nodes alike), in cluster order."""
+    groups: dict[int, list[int]] = {}
+    for n in cluster.nodes:
+        groups.setdefault(n.group, []).append(n.index)
+    return list(groups.values())
+
+
+def _devices(cluster: Cluster, choice: tuple[tuple[int, int], ...], groups: list[list[int]]) -> list[int]:
+    """The device indices of a choice of (nodes, devices per node) per node group."""
+    return [d for (n, c), nodes in zip(choice, groups, strict=True) for k in nodes[:n]
+            for d in cluster.nodes[k].devices[:c]]
+
+
+def layout_candidates(cm: CostModel) -> list[list[int]]:
+    """Device subsets for a cluster no layout covers (module docstring, "layout"): the first n nodes of each
+    node group with the first c devices of each, every combination with a layout and at most B x L x the
+    largest node's devices. Ordered so that every size gets its turn before SUBSET_SEARCHES cuts the list: the
+    subsets of each device count by peak FLOP/s (most first), then in rounds over the counts, fewest devices
+    first (the best of each count, then the second best of each, ...)."""
+    cluster, flops = cm.cluster, [d.spec.flops(cm.precision) for d in cm.cluster.devices]
+    groups = _groups(cluster)
+    cap = cm.B * cm.L * max(len(n.devices) for n in cluster.nodes)
+    options = [[(0, 0)] + [(n, c) for n in range(1, len(nodes) + 1)
+                           for c in range(1, min(len(cluster.nodes[k].devices) for k in nodes) + 1)]
+               for nodes in groups]
+    by_count: dict[int, list[tuple[float, int, list[int]]]] = {}
+    for i, choice in enumerate(itertools.islice(itertools.product(*options), ENUMERATION_LIMIT)):
+        count = sum(n * c for n, c in choice)
+        if count == 0 or count > cap or count == cluster.world_size:
+            continue
+        devices = _devices(cluster, choice, groups)
+        if infeasible.layouts(cm, cluster=cluster.subset(devices)):
+            by_count.setdefault(count, []).append((-sum(flops[d] for d in devices), i, devices))
+    ranked = [sorted(v) for _, v in sorted(by_count.items())]
+    return [r[k][2] for k in range(max(map(len, ranked), default=0)) for r in ranked if k < len(r)]
+
+
+def memory_candidates(cm: CostModel) -> list[list[int]]:
+    """Device subsets for a cluster on which nothing fits (module docstring, "memory"): every union of whole
+    node groups that leaves one out and has a layout, the most device memory first."""
+    cluster, groups = cm.cluster, _groups(cm.cluster)
+    scored = []
+    for k in range(len(groups) - 1, 0, -1):
+        for i, combo in enumerate(itertools.combinations(range(len(groups)), k)):
+            devices = sorted(d for g in combo for n in groups[g] for d in cluster.nodes[n].devices)
+            if infeasible.layouts(cm, cluster=cluster.subset(devices)):
+                scored.append((-sum(cluster.devices[d].spec.memory for d in devices), -len(devices), k, i, devices))
+    return [devices for *_, devices in sorted(scored)]
+
+
+def _layout_limits(cm: CostModel) -> str:
+    return (f"no parallel layout uses all {cm.cluster.world_size} devices (a global batch of {cm.B} allows at "
+            f"most {cm.B} data-parallel replica(s), the {cm.L}-layer chain at most {cm.L} stages each, and tp "
+            f"stays inside a node)")
+
+
+def _idle_reason(cm: CostModel, cause: str, searched: int, objective: str, budget: float | None) -> str:
+    """Why the fallback's plan leaves a device idle (`predicted["idle_devices"]`)."""
+    if cause == "layout":
+        why = _layout_limits(cm)
+        fixes = infeasible.layout_fixes(cm, subset=False)
+        if fixes:
+            why += f"; to use them all, {' or '.join(fixes)}"
+    elif cause == "memory":
+        why = "no plan using every device of the cluster fits in memory"
+    else:
+        why = f"the plans using more devices cost more than budget_per_hour={budget}"
+    goal = "cheapest plan per sample" if objective == "cost" else "fastest plan"
+    within = f" within budget_per_hour={budget}" if budget is not None else ""
+    return f"{why}. The {goal}{within} over the {searched} device subset(s) searched leaves it idle"
+
+
+def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: InfeasibleError,
+                  objective: str = "time", budget_per_hour: float | None = None, cause: str | None = None) -> Plan:
+    """The best plan on a subset of the cluster when none uses every device (module docstring, "Fallback"),
+    on the whole cluster with the devices it leaves out idle and why; `error` (the whole cluster's refusal)
+    when no candidate has a plan either. `cause`: "layout" or "memory" (default: which one refused the whole
+    cluster), or "budget" (every union of types over `budget_per_hour`: its finer subsets, as for "layout")."""
+    cause = cause or ("layout" if not infeasible.layouts(cm) else "memory")
+    cands = (memory_candidates if cause == "memory" else layout_candidates)(cm)[:SUBSET_SEARCHES]
+    if not cands:
+        raise error
+    share = max(1.0, time_limit_s / len(cands))
+    found: list[tuple[float, int, list[int], Plan]] = []
+    largest: tuple[int, InfeasibleError] | None = None
+    for i, keep in enumerate(cands):
+        cutoff = min((f[0] for f in found), default=math.inf) if objective == "time" else math.inf
+        try:
+            plan = run(cm.on_subset(keep), share, cutoff)
+        except InfeasibleError as e:
+            memory = sum(cm.cluster.devices[d].spec.memory for d in keep)
+            if not found and (largest is None or memory > largest[0]):
+                largest = (memory, e)
+            continue
+        s = score(plan.predicted, cm.cluster.subset(keep), objective, budget_per_hour)
+        if s < math.inf:
+            found.append((s, i, keep, plan))
+    if not found:
+        if cause != "layout" or largest is None:
+            raise error
+        sub = cm.cluster.subset(max(cands, key=lambda k: sum(cm.cluster.devices[d].spec.memory for d in k)))
+        raise InfeasibleError(f"no plan on {cm.cluster.describe()}: {_layout_limits(cm)}, and on each of the "
+                              f"{len(cands)} device subset(s) with a layout searched nothing fits in memory. On "
+                              f"the one with the most device memory ({sub.describe()}): {largest[1]}") from error
+    _, _, keep, plan = min(found, key=lambda f: f[:2])
+    return on_whole_cluster(cm, plan, keep, _idle_reason(cm, cause, len(cands), objective, budget_per_hour))
+
+
+__all__ = ["ENUMERATION_LIMIT", "SUBSET_SEARCHES", "best_subset_plan", "fallback_plan", "layout_candidates",
+           "memory_candidates", "on_whole_cluster", "type_subsets"]
