@@ -40,8 +40,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 UPWARD: dict[tuple[str, str], str] = {
-    ("ir.plan", "views.plan"): "Plan.explain() and Plan.timeline() are thin methods over the views (issue #23 part 2 "
-                            "keeps them on the plan); the import is inside those two methods",
+    ("ir.plan", "views.plan"): "Plan.explain(), timeline(), report() and plot() are thin methods over the views (issue "
+                            "#23 part 2 keeps them on the plan; report() and plot() reach html_report.py and plot.py "
+                            "through views/plan.py); the import is inside those methods",
     ("ir.plan", "lowering"): "Plan.simulate() prices the lowered action list with its memory actions "
                           "(lowering.priced_schedule), so a plan read back from JSON simulates as it runs; the "
                           "import is inside simulate_pipeline",

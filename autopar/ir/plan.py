@@ -26,7 +26,7 @@ simulated from those times (`stage_times`, `simulate_pipeline`) and the hand-wri
 `autopar.estimate` prices (`Strategy`, `plan_from_strategy`, `Estimate`). One part lives beside it and is
 re-exported here: plan_simulate.py, the simulation of one step from per-stage times (`simulate_stages`,
 `simulated_step_time`, `cached_schedule`, `wgrad_times`: the planner's hot path, which knows no `Plan`).
-How a plan is shown (`explain`, `timeline_trace`) is views/plan.py, above this module.
+How a plan is shown (`explain`, `timeline_trace`, `report`, `plot`) is views/, above this module.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class Plan:
             pipelines = [Pipeline(p["batch_share"], p["microbatch_size"], p["num_microbatches"],
                                   [Stage(**s) for s in p["stages"]]) for p in d["pipelines"]]
             predicted = dict(d.get("predicted", {}))
-            for key in ("peak_memory_bytes", "memory_capacity_bytes", "host_overlap_bytes", "idle_devices"):
+            for key in ("peak_memory_bytes", "memory_capacity_bytes", "host_overlap_bytes", "idle_devices",
+                        "peak_memory_parts_bytes"):
                 if key in predicted:  # JSON object keys are strings; device indices are ints
                     predicted[key] = {int(k): v for k, v in predicted[key].items()}
             return Plan(d["global_batch"], d["precision"], d["optimizer"], d["schedule"], d["chunks"],
@@ -209,6 +210,22 @@ class Plan:
         if d is not None:
             (d / "timeline.json").write_text(text)
         return trace
+
+    def report(self, path: str | Path | None = None, measured: Any = None) -> str:
+        """One self-contained HTML page (no network) of the plan: the device map per node, memory per device
+        against its capacity, the simulated step as a Gantt chart per device group, the devices left idle and
+        why, `explain()`'s text and, with `measured=prog.report()`, measured next to predicted (views/
+        html_report.py). Written to `path` when given; returns the page."""
+        from ..views.plan import report  # as explain()
+
+        return report(self, path, measured)
+
+    def plot(self, path: str | Path) -> Path:
+        """The device map and the simulated timeline as a picture (PNG, SVG or PDF by `path`'s suffix), for papers
+        and issues; needs matplotlib (`pip install autopar[plot]`; views/plot.py). Returns the path."""
+        from ..views.plan import plot  # as explain()
+
+        return plot(self, path)
 
 
 def layerwise_stages(pipelines: list[tuple[int, list[tuple[tuple[int, int], int]]]]) -> set[tuple[int, int]]:

@@ -1,40 +1,25 @@
-"""How a plan is shown: `Plan.explain()`'s table of stages x device groups and `Plan.timeline()`'s trace.
+"""How a plan is shown: `Plan.explain()`'s table of stages x device groups and `Plan.timeline()`'s trace, and the
+entry points of `Plan.report()` (html_report.py: a page to open in a browser) and `Plan.plot()` (plot.py: a
+picture, with matplotlib).
 
-Both read only what a `Plan` carries (its stages' predictions, the embedded cluster and model summary), so a
+All read only what a `Plan` carries (its stages' predictions, the embedded cluster and model summary), so a
 plan read back from JSON shows the same. The plan itself, and how its step is simulated, are plan.py and
-plan_simulate.py; `Plan.explain()` and `Plan.timeline()` are thin methods over this module.
+plan_simulate.py; `Plan.explain()`, `timeline()`, `report()` and `plot()` are thin methods over this module
+(the one view module the plan imports: tests/test_layers.py `UPWARD`).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..ir.precision import compute_description
 from ..report import fmt_bytes, fmt_count, fmt_time, render_table
+from .layout import layer_label, ranges, recompute_label
 
 if TYPE_CHECKING:
     from ..ir.plan import Pipeline, Plan
-
-
-def recompute_label(recompute: bool | int) -> str:
-    """The `explain()` cell of a stage's recompute: yes, no, or 'first k'."""
-    if isinstance(recompute, bool) or not recompute:
-        return "yes" if recompute else "no"
-    return f"first {recompute}"
-
-
-def ranges(xs: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    out: list[str] = []
-    xs = sorted(xs)
-    i = 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _pipeline_key(p: Pipeline) -> tuple:
@@ -42,13 +27,6 @@ def _pipeline_key(p: Pipeline) -> tuple:
     return (p.batch_share, p.microbatch_size, p.num_microbatches,
             tuple((tuple(s.layers), len(s.devices), s.zero, repr(s.recompute), tuple(s.offload), s.compress,
                    tuple(sorted(s.predicted.items()))) for s in p.stages))
-
-
-def _layer_label(plan: Plan, start: int, end: int) -> str:
-    names = plan.model.get("layer_names") or []
-    if len(names) < end:
-        return f"{start}-{end - 1}" if end - start > 1 else str(start)
-    return names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]} ({end - start})"
 
 
 MAX_PROBLEM_LINES = 8  # the rest are in predicted["memory_problems"]
@@ -169,7 +147,7 @@ def explain(plan: Plan) -> str:
             capacity = min((cap.get(d, 0) for d in devs), default=0)
             sp = s.predicted
             rows.append([
-                label, str(j), _layer_label(plan, *s.layers), ranges(devs), names.get(s.devices[0], "?"),
+                label, str(j), layer_label(plan, *s.layers), ranges(devs), names.get(s.devices[0], "?"),
                 str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
                 f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), recompute_label(s.recompute),
                 "+".join(s.offload) or "-", s.compress or (wire if j + 1 < len(p.stages) else "-"),
@@ -220,4 +198,22 @@ def timeline_trace(plan: Plan) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["MAX_PROBLEM_LINES", "explain", "ranges", "recompute_label", "timeline_trace"]
+def report(plan: Plan, path: str | os.PathLike | None, measured: Any = None) -> str:
+    """`Plan.report()`: the plan as one self-contained HTML page (html_report.py), written to `path` when given;
+    returns the page."""
+    from .html_report import render
+
+    page = render(plan, measured)
+    if path is not None:
+        Path(path).write_text(page, encoding="utf-8")
+    return page
+
+
+def plot(plan: Plan, path: str | os.PathLike) -> Path:
+    """`Plan.plot()`: the device map and the simulated timeline as a picture (plot.py, matplotlib)."""
+    from .plot import plot_plan
+
+    return plot_plan(plan, path)
+
+
+__all__ = ["MAX_PROBLEM_LINES", "explain", "plot", "ranges", "recompute_label", "report", "timeline_trace"]
