@@ -162,6 +162,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
         (d / "plan.json").write_text(result.to_json())
         (d / "plan.txt").write_text(result.explain() + "\n")
         result.timeline()
+        result.report(d / "plan.html")
         dump_graph(cm.graph, d)
     return result
 

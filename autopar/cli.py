@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .checks import describe_range, in_range
@@ -57,6 +58,64 @@ def cmd_analyze(args: argparse.Namespace) -> None:
     print(layer_table(g))
 
 
+# a progress bar appears on work longer than this, and only on a terminal (stderr): logs stay quiet
+PROGRESS_DELAY_S = 2.0
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, unit: str, status: str = "") -> Iterator[Any]:
+    """A tqdm bar on stderr, shown after PROGRESS_DELAY_S and redrawn twice a second (so the elapsed time moves
+    while nothing is counted yet, e.g. while the model is captured), or None where stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    import threading
+    import time
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+               delay=PROGRESS_DELAY_S)
+    bar.set_postfix_str(status, refresh=False)
+    stop = threading.Event()
+    shown_from = time.monotonic() + PROGRESS_DELAY_S
+
+    def tick() -> None:
+        while not stop.wait(0.5):
+            if time.monotonic() >= shown_from:
+                bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+
+
+def count(bar: Any, done: int, total: int, status: str) -> None:
+    """Set `bar` to `done` of `total` with `status` beside it (drawn by the bar's next redraw)."""
+    bar.total = total
+    bar.n = done
+    bar.set_postfix_str(status, refresh=False)
+
+
+def plan_progress(bar: Any) -> Callable[..., None]:
+    """The planner's `progress(done, total, best[, bound])` drawn on `bar`: configurations searched, the best step
+    so far and, where the search passes the least lower bound of the configurations left, the bound gap."""
+    def progress(done: int, total: int, best: float | None, bound: float | None = None) -> None:
+        if bar is None:
+            return
+        text = f"best {best * 1e3:.4g} ms/step" if best is not None else "no plan fits yet"
+        if best is not None and bound is not None and bound > 0:
+            text += f", bound gap {100 * max(0.0, best / bound - 1):.1f}%"
+        count(bar, done, total, text)
+
+    return progress
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     import time
 
@@ -64,27 +123,27 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     model, inputs, loss_fn, target = load_target(args.target)
     start = time.perf_counter()
-    tty = sys.stderr.isatty()
-
-    def progress(done: int, total: int, best: float | None) -> None:
-        if not tty and done not in (1, total) and done % 100:
-            return
-        best_txt = f"best {best:.4g} s/step" if best is not None else "no plan fits yet"
-        line = f"planning: {done}/{total} configurations, {best_txt}, {time.perf_counter() - start:.1f} s"
-        # on a terminal, redraw one status line; in logs, print a line now and then
-        print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-
-    result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                  optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
-                  memory_reserve=args.memory_reserve, progress=progress,
-                  compress=args.compress, profile=args.profile,
-                  **({} if args.work_limit is None else {"work_limit": args.work_limit}))
-    print(("\n" if tty else "") + f"planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    with progress_bar("planning", "config", "capturing and pricing the model") as bar:
+        result = plan(model, args.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                      optimizer=args.optimizer, time_limit_s=args.time_limit, precision=args.precision,
+                      memory_reserve=args.memory_reserve, progress=plan_progress(bar) if bar is not None else None,
+                      compress=args.compress, profile=args.profile,
+                      **({} if args.work_limit is None else {"work_limit": args.work_limit}))
+    print(f"planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(result.explain())
     if args.json:
         with open(args.json, "w") as f:
             f.write(result.to_json())
         print(f"plan written to {args.json}", file=sys.stderr)
+    if args.html:
+        result.report(args.html)
+        print(f"report written to {args.html} (open it in a browser)", file=sys.stderr)
+
+
+def cmd_diff(args: argparse.Namespace) -> None:
+    from .views.diff import diff_files
+
+    print(diff_files(args.a, args.b))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -118,8 +177,10 @@ def cmd_profile(args: argparse.Namespace) -> None:
         except ValueError:
             raise AutoparError(f"--microbatch-sizes must be comma-separated integers (e.g. 1,2,4), got "
                                f"{args.microbatch_sizes!r}.") from None
-    prof = profile_blocks(model, args.cluster, inputs, target, loss_fn, microbatch_sizes=sizes,
-                          budget_s=args.budget)
+    with progress_bar("profiling", "timing", "capturing the model") as bar:
+        prof = profile_blocks(model, args.cluster, inputs, target, loss_fn, microbatch_sizes=sizes,
+                              budget_s=args.budget,
+                              progress=(lambda done, total, what: count(bar, done, total, what)) if bar else None)
     prof.save(args.out)
     meta = prof.meta
     print(f"timed {len({e.layer for e in prof.entries})} layers on {', '.join(meta['devices'].values())} at "
@@ -218,8 +279,11 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     if not args.script:
         raise AutoparError("autopar run needs a script: autopar run train.py --cluster CLUSTER [args...]")
-    code = run(args.script, args.cluster, nproc=args.nproc, node_rank=args.node_rank, master=args.master,
-               max_restarts=args.max_restarts, dry_run=args.dry_run)
+    with progress_bar("autopar run", "worker", "starting") as bar:
+        code = run(args.script, args.cluster, nproc=args.nproc, node_rank=args.node_rank, master=args.master,
+                   max_restarts=args.max_restarts, dry_run=args.dry_run,
+                   progress=(lambda done, total: count(bar, done, total, f"{total - done} running"))
+                   if bar is not None and not args.dry_run else None)
     if code:
         raise SystemExit(code)
 
@@ -241,7 +305,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from .demo import DEMO_CLUSTER
     from .demo import main as demo_main
 
-    code = demo_main(args.cluster or DEMO_CLUSTER, args.steps)
+    code = demo_main(args.cluster or DEMO_CLUSTER, args.steps, html=args.html)
     if code:
         raise SystemExit(code)
 
@@ -279,7 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow stage sends on slow links to be rounded to this dtype (default: never)")
     s.add_argument("--profile", default=None,
                    help="measured blocks (`autopar profile --out FILE`): price the layers it has from them")
+    s.add_argument("--html", default=None,
+                   help="also write the plan as a page to open in a browser (device map, memory, timeline)")
     s.set_defaults(func=cmd_plan)
+    s = sub.add_parser("diff", help="what changed between two plans (layers, shares, options, predicted time and "
+                       "memory per device)")
+    s.add_argument("a", help="a plan file (`autopar plan ... --json a.json`, plan.to_json())")
+    s.add_argument("b", help="the plan to compare it with")
+    s.set_defaults(func=cmd_diff)
     s = sub.add_parser("profile", help="time each distinct block of a model (forward, backward, recompute, peak "
                        "memory) on this machine's devices of the cluster's types, for plan --profile")
     s.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, loss_fn, target])")
@@ -315,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "check it against single-process training")
     s.add_argument("--cluster", default=None, help="default: 1x2xA100-80GB+1x2xT4")
     s.add_argument("--steps", type=number(integer=True, low=1), default=5)
+    s.add_argument("--html", default=None,
+                   help="where to write the plan's report page (default: autopar-demo/plan.html in the temp dir)")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("calibrate", help="time kernels on the local device and save a cost profile")
     s.add_argument("--device", default="local")

@@ -48,7 +48,12 @@ def worker(out_dir: str, cluster: str, steps: int) -> None:
     shutdown()
 
 
-def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:
+def report_path(html: str | None = None) -> Path:
+    """Where the demo writes its plan's report page: `html`, else autopar-demo/plan.html in the temp directory."""
+    return Path(html) if html else Path(tempfile.gettempdir()) / "autopar-demo" / "plan.html"
+
+
+def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS, html: str | None = None) -> int:
     import autopar
 
     from .runtime.run import run
@@ -72,6 +77,10 @@ def main(cluster: str = DEMO_CLUSTER, steps: int = STEPS) -> int:
     print(f"(planned in fp32, as the CPU stand-ins compute; on the real devices autopar would default to "
           f"{autopar.default_precision(autopar.Cluster.load(cluster))})\n")
     print(plan.explain())
+    page = report_path(html)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    plan.report(page)
+    print(f"\nthe same plan as a page (device map, memory, timeline): open {page.resolve().as_uri()}\n")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "plan.json").write_text(plan.to_json())
         code = run(

@@ -162,7 +162,7 @@ def test_one_gpu_node_without_node_rank_trains_locally(monkeypatch) -> None:
     monkeypatch.delenv("AUTOPAR_BACKEND", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     started: list = []
-    monkeypatch.setattr(run, "launch_workers", lambda script, n, env: started.append((script, n, env)) or 0)
+    monkeypatch.setattr(run, "launch_workers", lambda script, n, env, **kw: started.append((script, n, env)) or 0)
     monkeypatch.setattr(run.subprocess, "call", lambda *a, **k: pytest.fail(f"printed/ran torchrun: {a}"))
     assert run.run(["train.py"], "1x2xA100-80GB") == 0
     assert len(started) == 1 and started[0][1] == 2
@@ -173,7 +173,7 @@ def test_one_gpu_node_without_node_rank_trains_locally(monkeypatch) -> None:
 def test_nproc_forces_gloo_only_without_gpus(monkeypatch) -> None:
     monkeypatch.delenv("AUTOPAR_BACKEND", raising=False)
     started: list = []
-    monkeypatch.setattr(run, "launch_workers", lambda script, n, env: started.append(env) or 0)
+    monkeypatch.setattr(run, "launch_workers", lambda script, n, env, **kw: started.append(env) or 0)
     fake_cuda(monkeypatch, [A100, A100])
     run.run(["train.py"], "1x2xA100-80GB", nproc=2)
     fake_cuda(monkeypatch, [])

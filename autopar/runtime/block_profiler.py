@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -187,10 +188,12 @@ def _time_layer(run: _Runner, repeats: int) -> tuple[float, float, float, float]
 def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple = (),
                    example_target: Any = None, loss_fn: Any = None, *, precision: str = "fp32",
                    microbatch_sizes: list[int] | None = None, budget_s: float = 120.0,
-                   repeats: int = 5, optimizer: Any = "adamw") -> BlockProfile:
+                   repeats: int = 5, optimizer: Any = "adamw",
+                   progress: Callable[[int, int, str], None] | None = None) -> BlockProfile:
     """Time each distinct layer of `model` at each micro-batch size (default `default_sizes` of the global
     batch) on the local devices of `cluster`'s types (module docstring), and one `optimizer` step over its
-    parameters, within about `budget_s`."""
+    parameters, within about `budget_s`. `progress(done, total, what)` is called after each layer timed (and
+    for those the budget leaves out): timings done of the total, and what was timed."""
     if precision != "fp32":
         raise PlanError(f"autopar profile times fp32 programs only for now (precision={precision!r}); "
                         f"profile with precision='fp32' and price other precisions analytically.")
@@ -220,9 +223,14 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
     points: dict[tuple[str, int], list[Point]] = {}
     steps: dict[tuple[str, int], tuple[float, int] | None] = {}
     skipped: list[str] = []
+    total = len(sizes) * len(devices) * len(classes)
+    done = 0
     for n in sizes:
         if time.perf_counter() - t_start > budget_s and any(points.values()):
             skipped += [f"micro-batch {n} on {t}" for t in devices]
+            done += len(devices) * len(classes)
+            if progress is not None:
+                progress(done, total, f"micro-batch {n} left out (budget)")
             continue
         user = tuple(batch_slice(x, B, 0, n) for x in inputs) + (batch_slice(example_target, B, 0, n),)
         g = graph if n == B else capture(model, user[:-1], loss_fn, user[-1])
@@ -243,6 +251,9 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
                     owned = {name for name in run.params if first[name] == members[0]}
                     steps[(t, members[0])] = _time_step(run, optimizer, repeats, owned)
                 del run
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{t}, micro-batch {n}, layer {members[0]}")
     prof = BlockProfile(layers, meta={
         "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "budget_s": budget_s,
         "spent_s": round(time.perf_counter() - t_start, 2), "microbatch_sizes": sizes, "repeats": repeats,

@@ -261,8 +261,20 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, out_dir: str, timeou
                 p.terminate()
 
 
+def _wait_all(procs: list[subprocess.Popen], progress: Callable[[int, int], None] | None) -> list[int]:
+    """Every process's exit code, telling `progress` how many have exited as they do."""
+    if progress is None:
+        return [p.wait() for p in procs]
+    while True:
+        finished = sum(p.poll() is not None for p in procs)
+        progress(finished, len(procs))
+        if finished == len(procs):
+            return [p.returncode for p in procs]
+        time.sleep(0.5)
+
+
 def launch_workers(script: list[str], nproc: int, env: dict[str, str] | None = None, host: str = "127.0.0.1",
-                   ) -> int:
+                   progress: Callable[[int, int], None] | None = None) -> int:
     """Run `script` (a path or `-m module`, then its arguments) as `nproc` worker processes of one job, each its
     own process with no agent over it, meeting in a TCPStore this launcher hosts (torchrun's environment:
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT with TORCHELASTIC_USE_AGENT_STORE=True, so an unchanged
@@ -271,7 +283,8 @@ def launch_workers(script: list[str], nproc: int, env: dict[str, str] | None = N
     unless the caller set it) and keep the store, which does not die with any worker.
 
     Returns 0 when every worker exited 0 or died with its loss re-routed by the survivors (reported on
-    stderr), else the first other worker's exit code (128 + signal for a killed one)."""
+    stderr), else the first other worker's exit code (128 + signal for a killed one). `progress(finished, nproc)`
+    is called about twice a second while they run."""
     from .reroute import ENV, absorbed
 
     port = free_port()
@@ -286,7 +299,7 @@ def launch_workers(script: list[str], nproc: int, env: dict[str, str] | None = N
                           TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
         procs.append(subprocess.Popen([sys.executable, *script], env=worker_env))
     try:
-        codes = [p.wait() for p in procs]
+        codes = _wait_all(procs, progress)
     except BaseException:  # Ctrl-C / SIGTERM of the launcher: take the workers down with it
         for p in procs:
             if p.poll() is None:

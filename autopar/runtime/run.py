@@ -21,6 +21,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -112,9 +113,11 @@ def run(
     max_restarts: int = 0,
     dry_run: bool = False,
     gpus: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Launch `script` (path and its arguments) on the cluster; returns the exit code. `gpus`: this machine's
-    GPU count (default `torch.cuda.device_count()`)."""
+    GPU count (default `torch.cuda.device_count()`). `progress(finished, total)`: called about twice a second
+    with the workers that have exited, where this launcher hosts them (no --max-restarts, one machine)."""
     c = Cluster.load(cluster)
     check_number("nproc", nproc, integer=True, low=1, optional=True)
     check_number("node_rank", node_rank, integer=True, low=0, high=len(c.nodes) - 1, optional=True,
@@ -143,7 +146,7 @@ def run(
                 print(f"{n} worker processes of {shlex.join([sys.executable, *script])} sharing a TCPStore "
                       f"hosted by autopar run (no torchrun agent; lost workers are re-routed around)")
                 return 0
-            return launch_workers(script, n, env)
+            return launch_workers(script, n, env, progress=progress)
         if dry_run:
             print(shlex.join(cmd))
             return 0
