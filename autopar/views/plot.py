@@ -66,11 +66,13 @@ def plot_plan(plan: Plan, path: str | os.PathLike) -> Path:
     top.set_yticks(range(len(roles)), labels, fontsize=7)
     top.invert_yaxis()
     top.set_xlim(0, total)
+    layer_names = plan.model.get("layer_names") or []
+    if len(layer_names) == total <= 24:  # name the layers where they fit
+        top.set_xticks([i + 0.5 for i in range(total)], layer_names, fontsize=7)
     top.set_xlabel("layers of the coarse chain", fontsize=8)
     top.set_title(f"{plan.model.get('name', '?')} on {plan.cluster.get('name', '?')}: "
                   f"{plan.world_size} of {len(roles)} devices, {plan.schedule}, "
                   f"predicted {fmt_time(plan.predicted.get('step_time_s', step))}/step", fontsize=9)
-    top.tick_params(axis="x", labelsize=7)
     # timeline: one simulated step per device group
     names = plan.device_names()
     ylabels = []
@@ -93,9 +95,9 @@ def plot_plan(plan: Plan, path: str | os.PathLike) -> Path:
     bottom.set_xlim(0, step * 1e3 * 1.01 if step > 0 else 1)
     bottom.set_xlabel("ms of one simulated step", fontsize=8)
     bottom.tick_params(axis="x", labelsize=7)
-    bottom.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLOURS.items() if k != "recv"], fontsize=7,
-                  ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35 if rank_rows < 4 else -0.15), frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLOURS.items() if k != "recv"], fontsize=7,
+               ncol=6, loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     plt.close(fig)
