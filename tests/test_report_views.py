@@ -63,6 +63,19 @@ def idle_plan() -> Plan:
     return priced.plan
 
 
+@pytest.fixture(scope="module")
+def tp_plan() -> Plan:
+    """One GPipe pipeline of two tensor-parallel stages over all four devices, priced: what `idle_plan` is diffed
+    against (both hand-made, so the diff does not follow the planner's choices)."""
+    cm = cm_for(MIXED, layers=4, batch=8)
+    pipes = [Pipeline(8, 2, 4, [Stage([0, 2], [0, 1]), Stage([2, cm.L], [2, 3])])]
+    plan = Plan(cm.B, cm.precision, cm.optimizer, "gpipe", 1, cm.cluster.to_dict(), model_summary(cm.graph), pipes,
+                {}, cm.reserve)
+    priced = price(cm, plan)
+    assert priced.fits
+    return priced.plan
+
+
 # ---- reading a page back ---------------------------------------------------------------------------------------
 
 VOID = {"meta", "br", "img", "input", "link", "hr", "line", "rect", "path", "circle"}
@@ -338,18 +351,19 @@ def test_plot_without_matplotlib_says_how_to_get_it(idle_plan: Plan, tmp_path: P
 # ---- diff --------------------------------------------------------------------------------------------------------
 
 
-def test_diff_names_what_changed(planned: Plan, idle_plan: Plan, tmp_path: Path, capsys) -> None:
+def test_diff_names_what_changed(tp_plan: Plan, idle_plan: Plan, tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(planned.to_json())
+    a.write_text(tp_plan.to_json())
     b.write_text(idle_plan.to_json())
     assert main(["diff", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    assert f"schedule: {planned.schedule} -> 1f1b" in out
+    assert "schedule: gpipe -> 1f1b" in out
     assert "data-parallel pipelines: 1 -> 2" in out and "devices used: 4 of 4 -> 3 of 4" in out
-    sa, sb = planned.predicted["step_time_s"], idle_plan.predicted["step_time_s"]
+    sa, sb = tp_plan.predicted["step_time_s"], idle_plan.predicted["step_time_s"]
     assert f"({100 * (sb / sa - 1):+.1f}%)" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line[:1].isdigit()}
     assert sorted(rows) == ["0", "1", "2", "3"]
+    assert "p0 s1 layers 2-5 tp2; batch 8 (4 x 2)" in rows["3"] and rows["3"].split()[-1] == "-"
     assert "idle" in rows["3"] and "p1 s0 layers 0-5; batch 2 (2 x 1)" in rows["1"]
     pb = idle_plan.predicted["peak_memory_bytes"]
     assert f"-> {fmt_bytes(pb[2])}" in rows["2"]
@@ -360,9 +374,9 @@ def test_diff_names_what_changed(planned: Plan, idle_plan: Plan, tmp_path: Path,
 
 @pytest.mark.parametrize("content, why", [("[1, 2]", "a JSON list"), ("not json", "not JSON"), (None, "no such"),
                                           (json.dumps({"pipelines": []}), "not a valid autopar plan")])
-def test_diff_of_a_file_that_is_not_a_plan(planned: Plan, tmp_path: Path, capsys, content, why) -> None:
+def test_diff_of_a_file_that_is_not_a_plan(tp_plan: Plan, tmp_path: Path, capsys, content, why) -> None:
     good, bad = tmp_path / "a.json", tmp_path / "b.json"
-    good.write_text(planned.to_json())
+    good.write_text(tp_plan.to_json())
     if content is not None:
         bad.write_text(content)
     assert main(["diff", str(good), str(bad)]) == 2

@@ -266,7 +266,7 @@ def _timeline(plan: Plan, groups: list[GanttGroup], step: float) -> str:
     heights = {"compute": 22, "comm": 12, "recv": 12}
     scale = plot_w / step if step > 0 else 0.0
     for g in groups:
-        who = "pipeline " + ranges(g.pipelines) if len(g.pipelines) > 1 else f"pipeline {g.pipelines[0]}"
+        who = "pipelines " + ranges(g.pipelines) if len(g.pipelines) > 1 else f"pipeline {g.pipelines[0]}"
         rows.append(f'<text x="4" y="{y + 11}" style="font-weight:600">{_e(who)}</text>')
         y += 16
         for r, devs in enumerate(g.devices):
