@@ -88,7 +88,8 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     there: the same inputs give the same plan on any machine. `time_limit_s` (capture included) only guards
     the wall-clock time: where it stops the search first, the warning says the plan depends on the machine's
     load. Raises InfeasibleError when nothing fits.
-    `progress(done, total, best_step_time)` is called as configurations are evaluated. With
+    `progress(done, total, best_step_time)` is called as configurations are evaluated, with a fourth argument,
+    the least lower bound of the configurations left (the bound gap is best / bound - 1), when it takes one. With
     AUTOPAR_DUMP=<dir>, writes plan.json, plan.txt, timeline.json and the annotated graph (graph.txt/json/dot)
     there. `kernels` is the mode the
     program will run with (`autopar.compile(kernels=...)`): compute is priced with fused regions on the

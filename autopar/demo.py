@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_CLUSTER = "1x2xA100-80GB+1x2xT4"
+DEMO_CLUSTER = "1x2xA100-80GB+1x2xV100-32GB"
 STEPS = 5
 
 

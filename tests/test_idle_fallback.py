@@ -1,8 +1,9 @@
-"""Issue 29: a plan for every cluster that can train the model. When no layout uses every device (too small a
-batch, too few layers, node sizes tp cannot divide), when every plan using them all runs out of memory (a device
-too small to pay for itself) or costs more than the budget, `autopar.plan` plans on the best subset and says in
-`predicted["idle_devices"]` / `explain()` which devices idle and why; it refuses only when no subset trains the
-model. The figures of a plan are what `estimate` reprices, and the plan trains like one process on gloo."""
+"""Issue 29: a plan for every cluster that can train the model. When no layout uses every device (too small
+a batch, too few layers, node sizes tp cannot divide), when every plan using them all runs out of memory (a
+device too small for any share), is slower than one without a slow device type, or costs more than the budget,
+`autopar.plan` plans on the best subset and says in `predicted["idle_devices"]` / `explain()` which devices
+idle and why; it refuses only when no subset trains the model. The figures of a plan are what `estimate`
+reprices, and the plan trains like one process on gloo."""
 
 from __future__ import annotations
 
@@ -138,6 +139,26 @@ def test_a_device_too_small_to_hold_a_stage_is_left_idle() -> None:
     assert _used(plan) == [0] and plan.predicted["fits"]
     assert "no plan using every device of the cluster fits in memory" in plan.predicted["idle_devices"][1]
     assert_reprices_to_the_same_figures(sizes, cluster, plan)
+
+
+def test_a_device_type_too_slow_to_pay_for_itself_is_left_idle() -> None:
+    """A Jetson beside four A100s over a 1 GB/s network: every plan using it is slower than the A100s alone, so
+    the default objective leaves it out and says both step times. Where every type pays (the demo's A100s and
+    V100s in fp32), nothing is left out."""
+    sizes = dict(batch=8, layers=4, hidden=256, seq=128)
+    cluster = {"nodes": [{"device": "A100-80GB", "devices_per_node": 4},
+                         {"device": "Jetson-AGX-Orin", "devices_per_node": 1}], "network": _net(1)}
+    case, graph = _gpt(json.dumps(sizes, sort_keys=True))
+    whole = Search(cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
+                              captured=graph)).run()
+    plan = _plan(sizes, cluster)
+    assert _used(plan) == [0, 1, 2, 3]
+    assert plan.predicted["step_time_s"] < whole.predicted["step_time_s"]
+    why = plan.predicted["idle_devices"][4]
+    assert "too slow to pay for itself" in why and "without the Jetson-AGX-Orin devices" in why
+    assert_reprices_to_the_same_figures(sizes, cluster, plan)
+    demo = dict(batch=8, seq=32, vocab=128, hidden=64, layers=4, heads=4)
+    assert _plan(demo, "1x2xA100-80GB+1x2xV100-32GB", precision="fp32").predicted["idle_devices"] == {}
 
 
 def test_a_budget_no_whole_device_type_meets_plans_on_fewer_devices() -> None:

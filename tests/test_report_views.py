@@ -446,3 +446,35 @@ def test_report_escapes_what_it_shows(idle_plan: Plan) -> None:
     plan.model["name"] = "<script>alert(1)</script>"
     page = plan.report()
     assert "<script>" not in page and html.escape("<script>alert(1)</script>") in page
+
+
+def test_the_planner_itemizes_each_peak() -> None:
+    """`predicted["peak_memory_parts_bytes"]` sums to each device's peak, and its state parts are what the model
+    holds, counted from its parameters here: fp32 AdamW keeps 4 bytes of weight, 4 of gradient and 8 of moments
+    per parameter on one device, and ZeRO-1 over two replicas halves the moments."""
+    c = gpt(batch=4, layers=2, hidden=64, seq=16)
+    numel = sum(p.numel() for p in c.model.parameters())
+    args = (c.example_inputs, c.example_target, c.loss_fn)
+    one = autopar.estimate(c.model, "1x1xA100-80GB", autopar.Strategy(), *args, precision="fp32").plan
+    two = autopar.estimate(c.model, "1x2xA100-80GB", autopar.Strategy(dp=2, zero=1), *args, precision="fp32").plan
+    for plan in (one, two, Plan.from_json(two.to_json())):
+        pr = plan.predicted
+        for d, parts in pr[MEMORY_PARTS].items():
+            assert sum(parts.values()) == pr["peak_memory_bytes"][d]
+            assert parts["parameters"] == 4 * numel and parts["gradients"] == 4 * numel
+            assert parts["activations"] > 0
+    assert one.predicted[MEMORY_PARTS][0]["optimizer state"] == 8 * numel
+    assert all(two.predicted[MEMORY_PARTS][d]["optimizer state"] == pytest.approx(4 * numel, abs=1) for d in (0, 1))
+
+
+def test_the_search_reports_the_least_bound_left_to_a_callback_that_takes_it() -> None:
+    c = gpt(batch=8, layers=4, hidden=64, seq=32, device="meta")
+    args = (c.example_inputs, c.example_target, c.loss_fn)
+    four: list[tuple] = []
+    three: list[tuple] = []
+    plan = autopar.plan(c.model, "1x4xA100-80GB", *args, progress=lambda d, t, b, bound: four.append((d, t, b, bound)))
+    autopar.plan(c.model, "1x4xA100-80GB", *args, progress=lambda d, t, b: three.append((d, t, b)))
+    assert four and [x[:3] for x in four] == three  # a three-argument callback still works, and sees the same
+    bounds = [bound for *_, bound in four if bound is not None]
+    assert bounds and bounds == sorted(bounds)  # best-first: the least bound left only grows
+    assert four[-1][2] == pytest.approx(plan.predicted["step_time_s"], rel=0.5)

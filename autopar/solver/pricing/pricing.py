@@ -220,6 +220,25 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
     return preds, vals, mems
 
 
+def peak_parts(mems: list[StageMemory], need: float, peak: int) -> dict[str, int]:
+    """A device's predicted peak (`peak` bytes; `need` of them its own device tensors, the rest what a unified
+    device holds of its host share) by part: the parameters, gradients and optimizer state its stages keep, the
+    rest of their static bytes (prefetched layers, gradients in flight, other modes' extra state) as buffers, and
+    what the peak adds on top: in-flight activations with the recompute workspace and transient buffers
+    ("activations"), and the host share. The parts sum to `peak`."""
+    params, grads, optim = (math.ceil(sum(getattr(m, k) for m in mems)) for k in ("params", "grads", "optim"))
+    static = math.ceil(sum(m.static for m in mems))
+    out = {"parameters": params, "gradients": grads, "optimizer state": optim,
+           "buffers": max(0, static - params - grads - optim)}
+    out["activations"] = max(0, math.ceil(need) - sum(out.values()))
+    host = peak - sum(out.values())
+    if host > 0:
+        out["host share"] = host
+    elif host < 0:  # rounding, or a peak the allocator model puts below the parts' sum: the activations give way
+        out["activations"] = max(0, out["activations"] + host)
+    return {k: v for k, v in out.items() if v}
+
+
 def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None) -> Priced:
     """Fill in `plan`'s predictions: stage times, per-device peak memory, the simulated step.
 
@@ -234,6 +253,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
     devices = cm.cluster.devices
     pipes: list[Pipeline] = []
     peak: dict[int, int] = {}
+    parts: dict[int, dict[str, int]] = {}  # device -> its peak by part (`peak_parts`)
     host: dict[int, float] = {}  # device -> host bytes it fills
     overlap: dict[int, int] = {}  # device -> what its host share adds in one CPU allocator
     problems: list[str] = []
@@ -284,6 +304,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
                 # the blocks the step frees, so the two add up
                 total = (one if cm.host_allocator(d) else need + on_host) if cm.unified(d) else need
                 peak[d] = math.ceil(total)
+                parts[d] = peak_parts(mems[r::ranks], need, peak[d])
                 overlap[d] = math.ceil(one) - peak[d]
                 if total > cm.usable(d, comms.get(d)):
                     problems.append(memory_problem(cm, d, i, r, total, mems[r::ranks], inflight[r], total - need,
@@ -313,6 +334,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
         "replica_wait_fraction": sum(idle[2]) / len(idle[2]) / step,
         "fits": not problems, "memory_problems": list(problems),
         "peak_memory_bytes": dict(sorted(peak.items())),
+        "peak_memory_parts_bytes": dict(sorted(parts.items())),
         # per device: what a rank computing it on the CPU holds beyond its peak, its host share being in the
         # same allocator (`rank_shared`; 0 on the cpu device, whose peak includes it; runtime/plan_check.py)
         "host_overlap_bytes": dict(sorted(overlap.items())),
@@ -360,5 +382,5 @@ def price_plan(cm: CostModel, plan: Plan) -> Estimate:
 # plan-level pieces, pricing/plan.py), besides what this module defines
 __all__ = ["ACT_BYTES", "HOST_UPDATE_BANDWIDTH", "SLOW_LINK_BYTES_PER_S", "WIRE_BYTES", "CostModel",
            "Option", "Priced", "StageBase", "StageMemory", "StageTimes", "inflight_closed_form", "lower_bound",
-           "model_summary", "price", "price_plan", "price_strategy", "rank_host", "rank_peak", "stage_option",
-           "tied_sync", "tp_layer_cost"]
+           "model_summary", "peak_parts", "price", "price_plan", "price_strategy", "rank_host", "rank_peak",
+           "stage_option", "tied_sync", "tp_layer_cost"]

@@ -87,6 +87,11 @@ class StageMemory:
     # of `sync`: what the device's own optimizer step allocates beside its state (it comes after the
     # reductions; a DDP-style bucketed plan, whose reductions pack nothing, keeps this part)
     step: float = 0.0
+    # of `static`: the parameters, gradients and optimizer state the stage keeps (the rest of it, prefetched
+    # layers and gradients in flight, are buffers): how a device's peak divides (`pricing.peak_parts`)
+    params: float = 0.0
+    grads: float = 0.0
+    optim: float = 0.0
 
     def peak(self, inflight: int) -> float:
         act = (min(inflight, 1) if self.offload_act else inflight) * self.act + self.work
@@ -135,11 +140,13 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
         and not base.moe_layers
     whole = base.multi_layer / tp  # tied parameters: never per layer
     if streamed:
-        static = whole * (w + g)
+        params, grads = whole * w, whole * g
     else:
-        static = N * w / (dp if zm == 3 else 1) + N * g / (dp if zm >= 2 else 1)
-        static += whole * (w * (zm == 3) + g * (zm >= 2)) * (1 - 1 / dp) if dp > 1 else 0.0
-    static += 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
+        spread = (1 - 1 / dp) if dp > 1 else 0.0
+        params = N * w / (dp if zm == 3 else 1) + whole * w * (zm == 3) * spread
+        grads = N * g / (dp if zm >= 2 else 1) + whole * g * (zm >= 2) * spread
+    optim = 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
+    static = params + grads + optim
     if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
         static += experts.zero_bytes(cm, base, opt._replace(zero=zm), dp)
     if zm == 3:
@@ -186,7 +193,7 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     step = 0.0 if "optimizer" in opt.offload else \
         optimizer_step_bytes(cm.optimizer, base.device_kind, owned, base.max_param / tp)
     return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, max(sync, step), host_step,
-                       step_freed, host_work, step)
+                       step_freed, host_work, step, params, grads, optim)
 
 
 def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:

@@ -110,6 +110,7 @@ plan found so far with a warning.
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
 import time
 import warnings
@@ -138,7 +139,7 @@ from .configs import (
     tp_units,
 )
 
-Progress = Callable[[int, int, float | None], None]
+Progress = Callable[..., None]  # (done, total, best step or None[, least lower bound left or None])
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
 # configs whose splits and options are re-solved exactly (`_refine`): those simulating within REFINE_WINDOW of
 # the best, at most REFINE of them, fastest first
@@ -210,6 +211,17 @@ def _greedy_split_value(tables: list[list[int | None]], counts: list[int], total
     return value
 
 
+def _takes_four(fn: Callable[..., object]) -> bool:
+    """Whether a progress callback takes a fourth positional argument (the least lower bound left), so that
+    callbacks written for `progress(done, total, best)` keep working."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
 # ---- the search -----------------------------------------------------------------------------------
 
 
@@ -226,6 +238,7 @@ class Search:
         self.time_limit_s = time_limit_s
         self.work_limit = work_limit  # configurations solved at most (None: no limit)
         self.progress = progress
+        self._progress_bound = progress is not None and _takes_four(progress)
         self.splitter = Splitter(cm)
         self.bounds = ConfigBounds(cm, self.splitter)
         self._types: dict[int, tuple[tuple, list[tuple]]] = {}
@@ -575,8 +588,11 @@ class Search:
                 finalists.append((step, k, cfg))
             k += 1
             if self.progress is not None:
-                self.progress(len(configs) - len(heap), len(configs),
-                              self.best_step if self._incumbents else None)
+                best = self.best_step if self._incumbents else None
+                if self._progress_bound:  # the least lower bound left: the bound gap's denominator
+                    self.progress(len(configs) - len(heap), len(configs), best, heap[0][0].bound if heap else None)
+                else:
+                    self.progress(len(configs) - len(heap), len(configs), best)
         self._refine(finalists)
         best = self._best_priced()
         if best is None and self.cutoff < math.inf:
@@ -628,14 +644,15 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
     def run(c: CostModel, seconds: float, cutoff: float = math.inf) -> Plan:
         return experts.choose(c, lambda c2, limit: Search(c2, limit, progress, work_limit, cutoff).run(), seconds)
 
-    from .subsets import best_subset_plan, fallback_plan  # plans that leave devices out
+    from .subsets import best_subset_plan, fallback_plan, without_slow_types  # plans that leave devices out
 
     if objective == "time" and budget_per_hour is None:
         start = time.perf_counter()
         try:
-            return run(cm, time_limit_s)
+            whole = run(cm, time_limit_s)
         except InfeasibleError as e:  # no plan uses every device: leave some idle rather than refuse
             return fallback_plan(cm, run, max(1.0, time_limit_s - (time.perf_counter() - start)), e)
+        return without_slow_types(cm, run, whole, max(1.0, time_limit_s - (time.perf_counter() - start)))
     return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
 
 

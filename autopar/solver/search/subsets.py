@@ -12,21 +12,29 @@ enumerated: within one type a plan on fewer devices is never cheaper per sample 
 unless memory or the batch forbids using them all, which the fallback below handles.
 
 Fallback (`fallback_plan`): when the search on the whole cluster (or on every union of types) finds no plan,
-the planner leaves devices idle rather than refuse. Two reasons, as infeasible.py words them:
+the planner leaves devices idle rather than refuse. Three reasons, the first two as infeasible.py words them:
   layout  no layout uses every device (too small a global batch for the replicas, too few layers for the
           stages, node sizes tp cannot divide). Candidates (`layout_candidates`): per node group (nodes
           alike, `Node.group`) its first n nodes with the first c devices of each, every combination that
-          has a layout (`configs.layouts`) and at most B x L x (largest node) devices, the most peak FLOP/s
-          first; each is searched with the best step found so far as its cutoff (`Search(cutoff=)`), so a
-          subset that cannot beat the incumbent ends at its first configuration's bound. At most
-          SUBSET_SEARCHES of them are searched.
+          has a layout (`configs.layouts`) and at most B x L x (largest node) devices, taking turns by device
+          count (the most peak FLOP/s first within a count), at most SUBSET_SEARCHES of them. Each is
+          searched with the best step found so far as its cutoff (`Search(cutoff=)`), so a subset that
+          cannot beat the incumbent ends at its first configuration's bound.
   memory  layouts exist but nothing fits: a device type too small to hold even its smallest share. The
           candidates are the unions of node groups that leave at least one out (whole groups: within a group
           fewer devices only hold more each), those with a layout, the most device memory first.
+  budget  every union of device types costs more than `budget_per_hour`: the layout candidates, scored.
 The fastest plan (or the best `objective.score`) over the candidates is written back on the whole cluster,
 each left-out device idle with the reason in `predicted["idle_devices"]`. Only when no candidate has a plan is
 the whole cluster's InfeasibleError raised, the same reason holding on its subsets (memory), or, for a layout
 refusal whose subsets all run out of memory, the memory message of the largest of them.
+
+Too slow to pay for itself (`without_slow_types`): with the default objective, a plan on every device can
+still be slower than one without a slow device type (a Jetson beside A100s over a 1 GB/s network holds the
+pipeline back; a split gives it at least a whole layer or sample). The fastest k device types by peak FLOP/s
+(`fastest_types`, k = types - 1 down to 1) are searched with the best step so far as the cutoff, so a subset
+that cannot win ends at its bounds. Only the slowest types are left out: a slow type beside faster ones is
+what may not pay for itself, and 2^k - 2 searches per plan would cost too much planning time.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from dataclasses import replace
 from ...cluster import Cluster
 from ...errors import InfeasibleError
 from ...ir.plan import Plan
+from ...report import fmt_time
 from ..pricing.pricing import CostModel, price
 from . import infeasible
 from .objective import score
@@ -104,6 +113,40 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
                                                                                   "has a plan that fits."),
                              objective, budget_per_hour)
     return best
+
+
+def fastest_types(cm: CostModel) -> list[list[int]]:
+    """The devices of the fastest k device types (by peak FLOP/s at the plan's precision), for k = 1 .. all
+    types - 1, most types first: the subsets that leave the slowest types out."""
+    speed: dict[str, float] = {}
+    for d in cm.cluster.devices:
+        speed[d.spec.name] = d.spec.flops(cm.precision)
+    ranked = sorted(speed, key=lambda t: -speed[t])
+    return [[d.index for d in cm.cluster.devices if d.spec.name in ranked[:k]] for k in range(len(ranked) - 1, 0, -1)]
+
+
+def without_slow_types(cm: CostModel, run: Searcher, whole: Plan, time_limit_s: float) -> Plan:
+    """`whole` (the fastest plan on every device), or a faster one that leaves device types out (module
+    docstring, "Too slow to pay for itself"): each union of types that leaves one out, searched with the best
+    step so far as its cutoff, the devices it drops idle with both step times as the reason."""
+    subsets = fastest_types(cm)
+    if not subsets:
+        return whole
+    share = max(1.0, time_limit_s / len(subsets))
+    best, best_keep = whole, None
+    for keep in subsets:
+        try:
+            best = run(cm.on_subset(keep), share, best.predicted["step_time_s"])
+        except InfeasibleError:
+            continue
+        best_keep = keep
+    if best_keep is None:
+        return best
+    left = sorted({d.spec.name for i, d in enumerate(cm.cluster.devices) if i not in best_keep})
+    why = (f"a device too slow to pay for itself: the fastest plan using every device takes "
+           f"{fmt_time(whole.predicted['step_time_s'])}/step, the fastest without the {'/'.join(left)} devices "
+           f"{fmt_time(best.predicted['step_time_s'])}")
+    return on_whole_cluster(cm, best, best_keep, why)
 
 
 def _groups(cluster: Cluster) -> list[list[int]]:
@@ -216,4 +259,4 @@ def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: Infe
 
 
 __all__ = ["ENUMERATION_LIMIT", "SUBSET_SEARCHES", "best_subset_plan", "fallback_plan", "layout_candidates",
-           "memory_candidates", "on_whole_cluster", "type_subsets"]
+           "memory_candidates", "on_whole_cluster", "fastest_types", "type_subsets", "without_slow_types"]
