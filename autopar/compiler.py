@@ -301,6 +301,7 @@ def compile(
     seed: int = 0,
     profiles: dict[str, Profile] | None = None,
     profile: Any = None,
+    graph_data: str | os.PathLike | None = None,
 ) -> TrainingProgram:
     """Plan (unless `plan` is given, as a Plan or its JSON) and build this rank's training program.
 
@@ -326,6 +327,12 @@ def compile(
     planner as `autopar.plan(..., precision=...)` does; a given plan must say the same. bf16/fp16 plans run
     each stage forward under torch.autocast with fp32 weights, optimizer state and gradient reduction, fp16
     with dynamic loss scaling (runtime/precision.py).
+
+    `graph_data` (graph workloads): a directory written by `autopar.graphs.partition(x, edge_index, y, plan,
+    out_dir)`; each rank reads only its own part of the graph (its nodes' features, labels and in-edges, its
+    halo's ids and owners), trains with `prog.step(target=None)` (no graph argument) and measures its memory
+    against the plan. `plan` may be left out (the directory's plan is used); example inputs are not given.
+    Layout and guarantees: docs/workloads.md, "Graphs bigger than one device".
 
     A model built on the meta device trains without ever being allocated whole: each rank allocates only its
     stages' parameters (its tensor-parallel shards) and reads only those from `weights` (a .safetensors file,
@@ -381,14 +388,14 @@ def compile(
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     from .graphs.planner import graph_kind
 
-    if graph_kind(model, inputs) is not None or getattr(plan, "graph", None):
+    if graph_kind(model, inputs) is not None or getattr(plan, "graph", None) or graph_data is not None:
         if delay:
             raise PlanError(f"sync={sync!r}: delayed updates are not supported for graph workloads; use sync='sync'.")
         # GNNs: partitioned full-graph or sampled data-parallel program (graphs/); TGN: temporal data parallel
         from .graphs.entry import compile_graph
 
         return compile_graph(model, job.cluster, inputs, example_target, loss_fn, optimizer, plan, job.rank,
-                             job.world, timeout_s, graph_options, precision, profiles)
+                             job.world, timeout_s, graph_options, precision, profiles, graph_data, check_plan)
     try:
         captured = capture_model(model, inputs, example_target, loss_fn)
     except CaptureError as e:

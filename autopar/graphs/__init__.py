@@ -1,6 +1,11 @@
 """Graph neural network workloads: generated graphs, GNN model cases, graph partitioning with halo exchange,
 sampled mini-batch data parallelism, their cost model and planner, and a memory-based temporal GNN.
 
+`autopar.graphs.partition(x, edge_index, y, plan, out_dir)` writes partition-local data (store.py) that
+`autopar.compile(model, cluster, loss_fn=..., graph_data=out_dir)` trains from, each rank reading only its part.
+(`autopar.graphs.partition` is that function; the module of partitioning helpers stays importable as
+`autopar.graphs.partition`'s file, `from autopar.graphs.partition import partition_graph`.)
+
 `autopar.plan` / `autopar.compile` route graph models here (planner.graph_kind); see docs/architecture.md.
 """
 
@@ -13,5 +18,9 @@ from .program import GraphProgram, TemporalProgram
 from .sampling import sampled_graph, seeds_for_step
 from .tgn import TGN, random_events
 
-__all__ = ["GRAPH_CASES", "IGNORE", "TGN", "GraphData", "GraphProgram", "TemporalProgram", "graph_kind",
-           "locality_order", "plan_graph", "random_events", "random_graph", "sampled_graph", "seeds_for_step"]
+from .partitioners import PARTITIONERS, metis_parts, partition_quality  # isort: skip
+from .store import write_parts as partition  # isort: skip  (after .partition: the name is this function)
+
+__all__ = ["GRAPH_CASES", "IGNORE", "PARTITIONERS", "TGN", "GraphData", "GraphProgram", "TemporalProgram",
+           "graph_kind", "locality_order", "metis_parts", "partition", "partition_quality", "plan_graph",
+           "random_events", "random_graph", "sampled_graph", "seeds_for_step"]

@@ -14,9 +14,14 @@ Node-wise layers outside message-passing layers (encoder, head) are dense on the
 partition (rank r owns n_r nodes, h_r halo nodes, E_r = in-edges of its nodes, R = n_r + h_r):
     step    = max_r(fwd_r + bwd_r) + sum over layers 2 all_to_all(max_r h_r d_in b') + all_reduce(P g) + optim
               (b' = the features' bytes for a first layer reading x, else b; every rank takes part)
-    memory  = P (w + g + o + c) + R F b + 16 E_r + sum over layers (R (d_in + 2 d_out) b + E_r w b)
-    halo    = exact from the graph when its edge_index holds data (contiguous ranges of the locality order),
+    memory  = P (w + g + o + c) + graph_r + sum over layers (R (d_in + 2 d_out) b + E_r w b)
+    graph_r = n_r (F b' + 16) + 16 h_r + 16 E_r + 8 R + 8 s_r + max over layers (s_r + h_r) d_in b
+              (`graph_bytes`: the rank's part as store.py writes it, s_r = rows it sends, and the widest
+              layer's exchange buffers; b' the features' bytes for a first layer reading x)
+    halo    = exact from the graph when its edge_index holds data (contiguous ranges of the partitioner's order),
               else the uniform random-graph expectation (N - n_r)(1 - exp(-E_r / N))
+    order   = the locality order, METIS's parts or a random one (partitioners.py), the fastest predicted step
+              that fits memory (`_partitioners`), once the shares are balanced on the locality order
     shares  = `balanced_shares`: per-rank time fitted as fixed + n x per-node (launch overheads are paid
               whatever the share), max over ranks minimised, capped by memory; refitted once with the halos
 sampled_dp (rank r takes b_r seeds, fanout f, expected sampled in-degree k = mean min(f, deg)):
@@ -47,7 +52,17 @@ from ..cost_models.compute import ComputeModel, check_profiles
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from .data import in_degree, locality_order
 from .layers import layer_kind, message_passing_layers
-from .partition import balanced_shares, partition_graph, proportional_shares
+from .partition import balanced_shares, proportional_shares
+from .partitioners import (
+    METIS_UFACTOR,
+    PARTITIONERS,
+    WEIGHT_SCALE,
+    metis_parts,
+    node_weights,
+    order_of_parts,
+    partition_quality,
+    random_order,
+)
 
 
 @dataclass(frozen=True)
@@ -202,6 +217,7 @@ class GraphCostModel:
         # the one forward in flight keeps for its backward (GraphProgram runs the plan's precision)
         self.state = self._state_total + per_param.cast_copy * self.params
         self._cm: dict[str, ComputeModel] = {}
+        self._halo_cache: dict[int, float] = {}
         world = list(range(cluster.world_size))
         self.sync_s = (collective_time("all_reduce", self.params * per_param.grads, world, cluster)
                        + max(self._opt_time(d) for d in world))
@@ -223,17 +239,49 @@ class GraphCostModel:
         s = self.stats
         return (s.num_nodes - n) * (1 - math.exp(-n * s.avg_degree / max(s.num_nodes, 1)))
 
+    def _chunk_halo(self, chunk: float) -> float:
+        """The halo of a rank owning `chunk` nodes, for the memory caps: with the graph's data, the mean halo of
+        an equal split into N / chunk parts by the better of the locality order and METIS (a clustered graph's
+        parts have far smaller halos than a random graph's); else the random-graph expectation."""
+        s = self.stats
+        parts = max(1, round(s.num_nodes / max(chunk, 1.0)))
+        if s.edge_index is None or parts < 2:
+            return self.expected_halo(chunk)
+        if parts not in self._halo_cache:
+            equal = proportional_shares(s.num_nodes, [1.0] * parts)
+            part, _ = metis_parts(s.edge_index, s.num_nodes, [1.0 / parts] * parts)
+            metis_order = order_of_parts(part, parts)[0]
+            halos = [partition_quality(s.edge_index, s.num_nodes, o, equal, cut=False)["halo_volume"] / parts
+                     for o in (locality_order(s.edge_index, s.num_nodes), metis_order)]
+            self._halo_cache[parts] = float(min(halos))
+        return self._halo_cache[parts]
+
     def _partition_time(self, d: int, n: float) -> float:
         work, _ = self._partition_rank(d, n, self.expected_halo(n), n * self.stats.avg_degree)
         return work.fwd + work.bwd
 
-    def _partition_rank(self, d: int, n: float, halo: float, edges: float) -> tuple[Work, float]:
-        s, rows = self.stats, n + halo
+    def _partition_rank(self, d: int, n: float, halo: float, edges: float,
+                        send: float | None = None) -> tuple[Work, float]:
+        rows = n + halo
         # message-passing layers read owned + halo rows; node-wise layers run on owned rows only
         work = forward_work(self.cm(d), self.shapes, [rows] * self.layers + [n], [edges] * self.layers, self.b,
                             [n] * (self.layers + 1))
-        memory = self.state + rows * s.features * s.feature_bytes + 16 * edges + work.act
+        memory = self.state + sum(self.graph_bytes(n, halo, edges, halo if send is None else send)) + work.act
         return work, memory
+
+    def graph_bytes(self, n: float, halo: float, edges: float, send: float) -> tuple[float, float]:
+        """The graph bytes a rank owning n nodes holds: its part (store.py's tensors: owned features, labels and
+        ids; halo ids and owners; local edges; global degrees of its rows; the send index) and the halo
+        exchange's buffers of its widest message-passing layer (the rows it sends and those it receives; the
+        [owned; halo] rows a layer reads are its input activation, in `Work.act`): (part, exchange buffers)."""
+        s = self.stats
+        part = n * (s.features * s.feature_bytes + 16) + 16 * halo + 16 * edges + 8 * (n + halo) + 8 * send
+        widest, elem = 0.0, s.feature_bytes  # a first layer reading x exchanges the features' dtype
+        for sh in self.shapes:
+            if sh.kind != "dense":
+                widest = max(widest, (send + halo) * sh.d_in * elem)
+            elem = self.b
+        return part, widest
 
     def partition(self) -> Candidate:
         s, world = self.stats, self.cluster.world_size
@@ -245,7 +293,7 @@ class GraphCostModel:
             t2 = self._partition_time(d, 2 * chunk)
             marginal.append(max((t2 - t1) / chunk, 1e-15))
             fixed.append(max(t1 - marginal[-1] * chunk, 0.0))
-            _, mem = self._partition_rank(d, chunk, self.expected_halo(chunk), chunk * s.avg_degree)
+            _, mem = self._partition_rank(d, chunk, self._chunk_halo(chunk), chunk * s.avg_degree)
             per_node = max(mem - self.state, 1.0) / chunk
             caps.append(max(0.0, (self.usable(d) - self.state) / per_node))
         if sum(int(c) for c in caps) < s.num_nodes:
@@ -269,7 +317,8 @@ class GraphCostModel:
                     best, best_t, best_marginal = priced, t, rates
                 rates = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else rates[d]
                          for d in devices]
-        shares, halos, compute, mems, flops, owner_edges, exact = best
+        best, order, chosen = self._partitioners(best, order)
+        shares, halos, compute, mems, flops, owner_edges, exact, graph_bytes = best
         problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
                     for d in devices if mems[d] > self.usable(d)]
         comm = self._halo_comm(halos)
@@ -280,9 +329,71 @@ class GraphCostModel:
             return priced[2], self._halo_comm(priced[1])
 
         extra = {"halo": [int(h) for h in halos], "local_edges": [int(e) for e in owner_edges], "halo_exact": exact,
-                 "idle": self._idle(shares, compute, comm, fixed, best_marginal, caps, price)}
+                 "idle": self._idle(shares, compute, comm, fixed, best_marginal, caps, price),
+                 "graph_bytes": [sum(b) for b in graph_bytes], "graph_part_bytes": [b[0] for b in graph_bytes],
+                 **chosen}
         return Candidate("partition", shares, not problems, step, s.labelled, compute, comm, self.sync_s, mems,
                          flops, problems, extra)
+
+    def metis_weights(self) -> list[float]:
+        """[a, b] of the METIS node weight a + b x in-degree: a node's compute (its rows through every layer,
+        its in-edges through every message-passing layer) on the fastest device, scaled to a = WEIGHT_SCALE."""
+        d = min(range(self.cluster.world_size), key=lambda i: self._partition_time(i, 1e4))
+        n, b = 1e4, self.b
+
+        def t(rows: float, edges: float) -> float:
+            work = forward_work(self.cm(d), self.shapes, [rows] * (self.layers + 1), [edges] * self.layers, b)
+            return work.fwd + work.bwd
+
+        per_row, per_edge = (t(2 * n, 0) - t(n, 0)) / n, (t(n, n) - t(n, 0)) / n
+        return [float(WEIGHT_SCALE), WEIGHT_SCALE * max(per_edge, 0.0) / max(per_row, 1e-30)]
+
+    def _partitioners(self, best: tuple, order: torch.Tensor | None) -> tuple[tuple, torch.Tensor | None, dict]:
+        """Price the locality order's partition `best` against METIS's and a random one's on the same graph;
+        the fastest predicted step that fits memory wins (ties keep the locality order). Returns the winner's
+        priced partition, its order, and the plan entries: `partitioner`, `partitioners` (per partitioner its
+        step, edge cut, crossing edges, halos and shares) and, for METIS, its inputs (`metis`), from which every
+        rank recomputes the same parts."""
+        s, world = self.stats, self.cluster.world_size
+        shares = best[0]
+        if s.edge_index is None or order is None or sum(1 for x in shares if x) < 2:
+            why = "no graph data to compare partitioners on" if s.edge_index is None else "one rank owns every node"
+            return best, order, {"partitioner": "locality", "partitioners": {}, "partitioner_why": why}
+        ei, n = s.edge_index, s.num_nodes
+        rnd = random_order(n, 0)
+        cands: dict[str, tuple] = {"locality": (order, best), "random": (rnd, self._price_partition(shares, rnd))}
+        coeffs = self.metis_weights()
+        weights = node_weights(ei, n, coeffs)
+        targets = [x / n for x in shares]
+        for _ in range(4):  # a part over its rank's memory: aim lower and partition again
+            part, cut = metis_parts(ei, n, targets, weights, 0, METIS_UFACTOR)
+            m_order, m_shares = order_of_parts(part, world)
+            priced = self._price_partition(m_shares, m_order)
+            over = [d for d in range(world) if priced[3][d] > self.usable(d) and m_shares[d]]
+            if not over:
+                break
+            for d in over:
+                targets[d] *= 0.97 * max(self.usable(d) - self.state, 0.0) / max(priced[3][d] - self.state, 1.0)
+        cands["metis"] = (m_order, priced)
+        metis = {"targets": targets, "weights": coeffs, "seed": 0, "ufactor": METIS_UFACTOR, "edge_cut": cut}
+        table = {}
+        for name in PARTITIONERS:
+            o, p = cands[name]
+            q = partition_quality(ei, n, o, p[0])
+            fits = all(p[3][d] <= self.usable(d) for d in range(world))
+            table[name] = {"step_time_s": max(p[2]) + self._halo_comm(p[1]) + self.sync_s, "fits": fits,
+                           "shares": list(p[0]), **q}
+        ok = [m for m in PARTITIONERS if table[m]["fits"]] or list(PARTITIONERS)
+        name = min(ok, key=lambda m: (table[m]["step_time_s"], PARTITIONERS.index(m)))
+        runner = min((m for m in ok if m != name), key=lambda m: table[m]["step_time_s"], default=None)
+        why = (f"fastest predicted step ({table[name]['step_time_s'] * 1e3:.3g} ms, halo volume "
+               f"{table[name]['halo_volume']} rows per layer against {runner}'s "
+               f"{table[runner]['step_time_s'] * 1e3:.3g} ms, {table[runner]['halo_volume']})" if runner else
+               "the only partition that fits memory")
+        extra = {"partitioner": name, "partitioners": table, "partitioner_why": why}
+        if name == "metis":
+            extra["metis"] = metis
+        return cands[name][1], cands[name][0], extra
 
     def _owner_sets(self, marginal: list[float]) -> list[frozenset[int]]:
         """Device sets that may own nodes: the fastest device types (1, 2, ... of them, by per-node time), each
@@ -320,19 +431,21 @@ class GraphCostModel:
     def _price_partition(self, shares: list[int], order: torch.Tensor | None) -> tuple:
         s = self.stats
         if s.edge_index is not None:
-            part = partition_graph(s.edge_index, s.num_nodes, shares, 0, order)
-            halos = [float(h) for h in part.halo_sizes]
-            owner_edges = [float(e) for e in part.edge_counts]
+            order = locality_order(s.edge_index, s.num_nodes) if order is None else order
+            q = partition_quality(s.edge_index, s.num_nodes, order, shares, cut=False)
+            halos, owner_edges, sends = ([float(v) for v in q[k]] for k in ("halo", "edges", "send"))
         else:
             halos = [self.expected_halo(n) for n in shares]
             owner_edges = [n * s.avg_degree for n in shares]
-        compute, mems, flops = [], [], 0.0
+            sends = halos
+        compute, mems, flops, graph = [], [], 0.0, []
         for d in range(self.cluster.world_size):
-            work, mem = self._partition_rank(d, shares[d], halos[d], owner_edges[d])
+            work, mem = self._partition_rank(d, shares[d], halos[d], owner_edges[d], sends[d])
             compute.append(work.fwd + work.bwd)
             mems.append(int(mem))
+            graph.append([int(b) for b in self.graph_bytes(shares[d], halos[d], owner_edges[d], sends[d])])
             flops += work.flops
-        return shares, halos, compute, mems, flops, owner_edges, s.edge_index is not None
+        return shares, halos, compute, mems, flops, owner_edges, s.edge_index is not None, graph
 
     # ---- sampled data parallel ----------------------------------------------------------------------
     def sampled_degree(self, fanout: int) -> float:

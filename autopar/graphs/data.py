@@ -54,6 +54,42 @@ def random_graph(nodes: int, avg_degree: float, features: int = 16, classes: int
     return GraphData(x, edge_index, y)
 
 
+def clustered_graph(nodes: int, blocks: int, avg_degree: float, features: int = 16, classes: int = 4, *,
+                    inside: float = 0.95, seed: int = 0, labelled: float = 1.0) -> GraphData:
+    """A stochastic-block-model-like directed graph: nodes fall into `blocks` communities at random (ids carry
+    no hint of them); each of about `nodes * avg_degree` edges has a uniform source and, with probability
+    `inside`, a destination in the source's community, else anywhere. Features and labels as `random_graph`'s.
+    What a min-cut partitioner (METIS) splits with few cut edges and a node order without the communities
+    does not."""
+    if nodes < 2 or blocks < 1 or avg_degree <= 0 or not 0.0 <= inside <= 1.0:
+        raise PlanError(f"clustered_graph needs nodes >= 2, blocks >= 1, avg_degree > 0 and 0 <= inside <= 1, "
+                        f"got {nodes}, {blocks}, {avg_degree}, {inside}.")
+    g = torch.Generator().manual_seed(seed)
+    block = torch.randperm(nodes, generator=g) % blocks
+    members = torch.argsort(block, stable=True)
+    start = torch.cumsum(torch.bincount(block, minlength=blocks), 0) - torch.bincount(block, minlength=blocks)
+    size = torch.bincount(block, minlength=blocks)
+    edges = int(round(nodes * avg_degree))
+    src = torch.randint(0, nodes, (edges,), generator=g)
+    pick = (torch.rand(edges, generator=g, dtype=torch.float64) * size[block[src]]).long()
+    dst = torch.where(torch.rand(edges, generator=g) < inside, members[start[block[src]] + pick],
+                      torch.randint(0, nodes, (edges,), generator=g))
+    keep = src != dst
+    return _with_labels(torch.stack([src[keep], dst[keep]]), nodes, features, classes, g, labelled)
+
+
+def _with_labels(edge_index: torch.Tensor, nodes: int, features: int, classes: int, g: torch.Generator,
+                 labelled: float) -> GraphData:
+    x = torch.randn(nodes, features, generator=g)
+    proj = torch.randn(features, classes, generator=g)
+    deg = torch.zeros(nodes).index_add_(0, edge_index[1], torch.ones(edge_index.shape[1])).clamp(min=1)
+    neigh = torch.zeros_like(x).index_add_(0, edge_index[1], x[edge_index[0]]) / deg[:, None]
+    y = ((x + neigh) @ proj).argmax(dim=1)
+    if labelled < 1.0:
+        y[torch.rand(nodes, generator=g) >= labelled] = IGNORE
+    return GraphData(x, edge_index, y)
+
+
 def in_degree(edge_index: torch.Tensor, num_nodes: int, *, exclude_self_loops: bool = False) -> torch.Tensor:
     """(N,) int64 number of edges into each node."""
     dst = edge_index[1]
@@ -116,4 +152,5 @@ def check_graph_inputs(x: torch.Tensor, edge_index: torch.Tensor) -> None:
         raise PlanError(f"edge_index refers to node ids outside 0..{x.shape[0] - 1} (x has {x.shape[0]} rows).")
 
 
-__all__ = ["IGNORE", "GraphData", "check_graph_inputs", "in_degree", "locality_order", "random_graph"]
+__all__ = ["IGNORE", "GraphData", "check_graph_inputs", "clustered_graph", "in_degree", "locality_order",
+           "random_graph"]

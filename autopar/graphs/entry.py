@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -38,11 +40,20 @@ def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_input
 
 def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
                   optimizer: str | OptimizerFactory, plan: Any, rank: int, world: int, timeout_s: float,
-                  options: dict | None = None, precision: str | None = None, profiles: dict | None = None
+                  options: dict | None = None, precision: str | None = None, profiles: dict | None = None,
+                  graph_data: str | os.PathLike | None = None, check_plan: bool = True
                   ) -> GraphProgram | TemporalProgram:
     """This rank's graph program; rank 0 plans (unless `plan` is given; with `profiles` as `autopar.plan` takes
     them) and broadcasts the plan (or the planning error, raised on every rank). The program computes in the
-    plan's precision."""
+    plan's precision.
+
+    `graph_data`: a directory written by `autopar.graphs.partition(x, edge_index, y, plan, out_dir)`
+    (store.py). The plan is the directory's (or the given one, which must be it), nothing is planned, and this
+    rank reads only its own part; with `check_plan` its peak memory over reading it and the first steps is
+    measured against the plan (runtime/plan_check.py, PlanDriftWarning on drift)."""
+    if graph_data is not None:
+        return _compile_local(model, cluster, inputs, example_target, loss_fn, optimizer, plan, rank, world,
+                              timeout_s, precision, graph_data, check_plan)
     if plan is None:
         box: list[Any] = [None]
         if rank == 0:
@@ -70,6 +81,40 @@ def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_tar
     if plan.graph["mode"] == "temporal_dp":
         return TemporalProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
     return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s)
+
+
+def _compile_local(model: nn.Module, cluster: Cluster, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
+                   optimizer: str | OptimizerFactory, plan: Any, rank: int, world: int, timeout_s: float,
+                   precision: str | None, graph_data: str | os.PathLike, check_plan: bool) -> GraphProgram:
+    from ..runtime.plan_check import PlanCheck
+    from .store import open_part, plan_of
+
+    if inputs or example_target is not None:
+        raise PlanError("compile(..., graph_data=dir) reads each rank's part from the directory: leave "
+                        "example_inputs and example_target out (no rank holds the whole graph).")
+    written = plan_of(graph_data)
+    if plan is None:
+        plan = written
+    elif isinstance(plan, (str, bytes)):
+        plan = Plan.from_json(plan)
+    if not plan.graph or plan.graph.get("mode") != "partition":
+        raise PlanError("graph_data= trains a partition-mode graph plan; this plan has none.")
+    if len(plan.graph["shares"]) != world or cluster.world_size != world:
+        raise PlanError(f"the plan of {graph_data} splits the graph over {len(plan.graph['shares'])} ranks but "
+                        f"{world} run: launch {len(plan.graph['shares'])} ranks, or plan and write the parts for "
+                        f"this cluster.")
+    if precision is not None and plan.precision != precision:
+        raise PlanError(f"compile(precision={precision!r}) but the plan computes in {plan.precision!r}: drop "
+                        f"precision= to train as the plan says, or plan again with precision={precision!r}.")
+    device = next((p.device for p in model.parameters()), None) or torch.device("cpu")
+    check = PlanCheck(plan, rank, device).open() if check_plan else None
+    try:
+        data = open_part(graph_data, plan, rank, world)
+        return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s, data=data, plan_check=check)
+    except BaseException:
+        if check is not None:
+            check.abandon()
+        raise
 
 
 __all__ = ["compile_graph", "graph_kind", "plan_workload"]

@@ -114,6 +114,17 @@ def to_plan(model: nn.Module, cluster: Cluster, cost: GraphCostModel, best: Cand
         graph.update(batch_size=best.extra["batch_size"], fanout=best.extra["fanout"])
     else:
         graph.update(halo=best.extra["halo"], local_edges=best.extra["local_edges"])
+        # which partitioner cut the nodes (partitioners.py), why, and every one's figures; METIS's inputs
+        # let every rank recompute the same parts
+        name = best.extra.get("partitioner", "locality")
+        graph.update(partitioner=name, order={"locality": "bfs"}.get(name, name),
+                     partitioners=best.extra.get("partitioners", {}),
+                     partitioner_why=best.extra.get("partitioner_why", ""), partition_seed=0)
+        if "metis" in best.extra:
+            graph["metis"] = best.extra["metis"]
+        # per rank: its graph bytes (part + exchange buffers) and its part alone (what graph_data files hold)
+        graph.update(graph_bytes=best.extra.get("graph_bytes", []),
+                     graph_part_bytes=best.extra.get("graph_part_bytes", []))
     pipes = []
     for r, share in enumerate(best.shares):
         c = best.compute_s[r]

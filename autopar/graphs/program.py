@@ -29,9 +29,12 @@ from ..runtime.whole_model import WholeModelState
 from .data import check_graph_inputs
 from .layers import LocalGraph, local_layers, message_passing_layers
 from .partition import halo_exchange, partition_graph
+from .partitioners import partition_order
 from .sampling import InEdges, build_minibatch, labelled_nodes, seeds_for_step
 
 if TYPE_CHECKING:
+    from ..runtime.plan_check import PlanCheck
+    from .store import LocalPart
     from .tgn import TGN
 
 
@@ -79,8 +82,15 @@ class GraphProgram(WholeModelState):
     """One rank's program for full-graph partitioned or sampled data-parallel GNN training."""
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: LossFn | None, optimizer: str | OptimizerFactory,
-                 rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, data: LocalPart | None = None,
+                 plan_check: PlanCheck | None = None) -> None:
+        """`data`: this rank's part of partition-local graph data (store.py, `compile(graph_data=)`): the
+        program then trains on it alone, `step()` without the graph. `plan_check`: the window measuring this
+        rank's memory against the plan (opened before `data` was read; closed after its first steps)."""
         g = plan.graph or {}
+        if data is not None and g.get("mode") != "partition":
+            raise PlanError("graph_data= trains partition-mode plans; this plan is "
+                            f"{g.get('mode')!r}.")
         if g.get("mode") not in ("partition", "sampled_dp"):
             raise PlanError(f"plan.graph mode must be 'partition' or 'sampled_dp', got {g.get('mode')!r}.")
         if len(g["shares"]) != world_size:
@@ -95,9 +105,18 @@ class GraphProgram(WholeModelState):
         self.step_count = 0
         self._key: tuple | None = None
         self._part_key: tuple | None = None  # the graph `part` was made for (`_partition`)
+        self.data, self.plan_check = data, plan_check
         sync_replicas(model, world_size, timeout_s)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params)
+        if data is not None:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.part = replace(data.part, **{k: getattr(data.part, k).to(device)
+                                              for k in ("owned", "edges", "degree", "send_index")})
+            self.x_local, self.y_local = data.x.to(device), data.y.to(device)
+            self.local_labelled = int((data.y != -100).sum())
+            self.device = device
+            self.policy = PrecisionPolicy.of_plan(plan, device, timeout_s)
 
     def _check(self, x: torch.Tensor, edge_index: torch.Tensor) -> None:
         check_graph_inputs(x, edge_index)
@@ -111,7 +130,9 @@ class GraphProgram(WholeModelState):
         (index bookkeeping on the CPU)."""
         key = (edge_index.data_ptr(), tuple(edge_index.shape), x.shape[0])
         if key != self._part_key:
-            part = partition_graph(edge_index.cpu(), x.shape[0], self.shares, self.rank)
+            cpu = edge_index.cpu()
+            part = partition_graph(cpu, x.shape[0], self.shares, self.rank,
+                                   partition_order(cpu, x.shape[0], self.plan.graph))
             self.part = replace(part, **{k: getattr(part, k).to(x.device)
                                          for k in ("owned", "edges", "degree", "send_index")})
             self._part_key = key
@@ -144,13 +165,22 @@ class GraphProgram(WholeModelState):
         unit = "nodes owned" if self.mode == "partition" else "seeds per step"
         return f"the whole model, {self.shares[self.rank]} {unit} ({self.mode})"
 
-    def eval_step(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only, no gradient and no update: the model's output for every node of the graph, the same on
         every rank. Partitioned: each rank computes its own nodes with the halo exchange, as in training, and
         the rows are gathered in node order; sampled: the model as written on the full graph (every neighbour,
-        on every rank: what a sampled-trained GNN is evaluated with). Collective."""
+        on every rank: what a sampled-trained GNN is evaluated with). With graph_data (`eval_step()`): this
+        rank's owned rows only, in the order of `prog.part.owned` (their global ids); no rank gathers the
+        whole graph's output. Collective."""
         from ..runtime.eval import concat_from
 
+        if self.data is not None:
+            self._no_graph(x, edge_index, None)
+            with torch.no_grad(), local_layers(self.model, self._partitioned(self.part)), self.policy.forward():
+                return self.model(self.x_local, self.part.edges)
+        if x is None or edge_index is None:
+            raise PlanError("eval_step(x, edge_index): this program was compiled without graph_data=, so it "
+                            "needs the graph.")
         self._check(x, edge_index)
         policy = PrecisionPolicy.of_plan(self.plan, x.device, self.timeout_s)
         with torch.no_grad():
@@ -166,14 +196,35 @@ class GraphProgram(WholeModelState):
             full[owned.to(full.device)] = rows.to(full.device)
             return full
 
-    def step(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor | None = None) -> float:
-        """One optimizer step on the graph; returns the global loss (mean over labelled nodes or seeds)."""
+    def step(self, x: torch.Tensor | None = None, edge_index: torch.Tensor | None = None,
+             target: torch.Tensor | None = None) -> float:
+        """One optimizer step on the graph; returns the global loss (mean over labelled nodes or seeds).
+        Compiled with graph_data=: `step()` / `step(target=None)` trains on this rank's part."""
+        if self.plan_check is not None:
+            self.plan_check.step_started()
         with self.timed_step():
-            return self._step(x, edge_index, target)
+            value = self._step(x, edge_index, target)
+        if self.plan_check is not None:
+            self.plan_check.step_done()
+        return value
 
-    def _step(self, x: torch.Tensor, edge_index: torch.Tensor, target: torch.Tensor | None) -> float:
+    def _no_graph(self, x: Any, edge_index: Any, target: Any) -> None:
+        if x is not None or edge_index is not None or target is not None:
+            raise PlanError(f"this program trains on rank {self.rank}'s part of graph_data= "
+                            f"({self.data.meta.get('num_nodes')} nodes written by autopar.graphs.partition): call "
+                            f"prog.step() / prog.step(target=None) without x, edge_index or target, or compile "
+                            f"without graph_data= to train on a graph every rank holds.")
+
+    def _step(self, x: torch.Tensor | None, edge_index: torch.Tensor | None, target: torch.Tensor | None) -> float:
+        if self.data is not None:
+            self._no_graph(x, edge_index, target)
+            return self._local_step()
         if target is None:
-            raise PlanError("graph training needs target= (per-node labels, -100 for unlabelled nodes).")
+            raise PlanError("graph training needs target= (per-node labels, -100 for unlabelled nodes), or a "
+                            "program compiled with graph_data= (prog.step(target=None) then trains on its part).")
+        if x is None or edge_index is None:
+            raise PlanError("step(x, edge_index, target=y): this program was compiled without graph_data=, so it "
+                            "needs the graph.")
         self._prepare(x, edge_index, target)
         if self.mode == "partition":
             part = self._partition(x, edge_index)
@@ -207,6 +258,32 @@ class GraphProgram(WholeModelState):
                            self.world_size, self.timeout_s, f"gradient all-reduce of graph training ({self.mode})")
         self.step_count += 1
         return value
+
+    def _local_step(self) -> float:
+        """A partition step on this rank's part of graph_data (the same arithmetic as `_step` on the full
+        graph: the part's rows are the rows partition_graph gives this rank)."""
+        assert self.data is not None
+        count, total = self.local_labelled, self.data.labelled
+        with local_layers(self.model, self._partitioned(self.part)), self.policy.forward():
+            out = self.model(self.x_local, self.part.edges)
+        if not isinstance(out, torch.Tensor) or out.shape[0] != self.x_local.shape[0]:
+            raise PlanError(f"the model returned {getattr(out, 'shape', type(out))} for {self.x_local.shape[0]} "
+                            f"nodes: graph training expects one output row per node.")
+        with self.policy.forward():
+            loss = self.loss_fn(out, self.y_local) if count else out.sum() * 0.0
+        value = train_step(self.policy, self.params, self.optimizer, loss.float() * (count / max(total, 1)),
+                           self.world_size, self.timeout_s, "gradient all-reduce of graph training (graph_data)")
+        self.step_count += 1
+        return value
+
+    def report(self) -> Any:
+        """As `WholeModelState.report`, with this rank's measured peak when the plan's check measured it
+        (graph_data programs). Collective."""
+        if self.plan_check is None:
+            return super().report()
+        self.plan_check.close()
+        self.plan_check.figures.stages = [self.what_runs()]
+        return self.plan_check.report(self.world_size if dist.is_initialized() else 1)
 
 
 class TemporalProgram(WholeModelState):
