@@ -239,6 +239,12 @@ def test_planner_picks_the_partitioner_with_the_fastest_predicted_step() -> None
     assert table["metis"]["edge_cut"] < table["locality"]["edge_cut"] < table["random"]["edge_cut"]
     assert "fastest predicted step" in g["partitioner_why"]
     assert roomy.predicted["step_time_s"] == pytest.approx(table["metis"]["step_time_s"])
+    # explain() names the partitioner, why, and every one's figures (also from JSON)
+    for text in (roomy.explain(), autopar.Plan.from_json(roomy.to_json()).explain()):
+        assert f"partitioner: metis ({g['partitioner_why']})" in text
+        row = next(line for line in text.splitlines() if line.startswith("metis (chosen)"))
+        assert str(table["metis"]["edge_cut"]) in row and str(table["metis"]["halo_volume"]) in row
+        assert all(any(line.startswith(name) for line in text.splitlines()) for name in ("locality", "random"))
     # every rank recomputes METIS's parts from the plan: the same order as the planner's
     from autopar.graphs.partitioners import partition_order
 

@@ -13,8 +13,8 @@ import torch
 import autopar
 from autopar.errors import InfeasibleError, PlanError
 from autopar.graphs.cost import GraphCostModel
+from autopar.graphs.halo import partition_graph, proportional_shares
 from autopar.graphs.models import GRAPH_CASES
-from autopar.graphs.partition import partition_graph, proportional_shares
 from autopar.graphs.planner import graph_stats, plan_graph
 from autopar.graphs.program import GraphProgram
 from autopar.graphs.sampling import labelled_nodes, sampled_graph, seeds_for_step

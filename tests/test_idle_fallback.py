@@ -105,7 +105,15 @@ def test_the_issue_cases_plan_on_a_subset_and_say_why(name: str) -> None:
         assert "device subset(s) searched leaves it idle" in why
     text = plan.explain()
     assert f"{len(used)} devices of its {W} used" in text
-    assert all(f"device {d} (" in text for d in idle)
+    # one line per device type and reason, naming its devices
+    lines = [line for line in text.splitlines() if " left out: " in line]
+    named = set()
+    for line in lines:
+        which = line.split(" (")[0].split(" ", 1)[1]
+        for part in which.split(","):
+            lo, _, hi = part.partition("-")
+            named |= set(range(int(lo), int(hi or lo) + 1))
+    assert named == set(idle) and len(lines) == len({(plan.device_names()[d], idle[d]) for d in idle})
     assert_reprices_to_the_same_figures(sizes, cluster, plan)
 
 

@@ -27,7 +27,7 @@ PACKAGE = ROOT / "autopar"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "checks", "report", "catalog", "host_memory", "cluster_files", "cluster_links")),
     ("ir", ("ir", "ir.*")),
-    ("zoo", ("model_case", "models", "hf_models", "graphs.data", "graphs.sampling", "graphs.partition",
+    ("zoo", ("model_case", "models", "hf_models", "graphs.data", "graphs.sampling", "graphs.halo",
              "graphs.partitioners", "graphs.store", "graphs.layers", "graphs.models")),
     ("hardware", ("cluster", "cost_models", "cost_models.*")),
     ("passes", ("passes", "passes.*", "codegen", "codegen.*")),

@@ -3,8 +3,7 @@ sampled mini-batch data parallelism, their cost model and planner, and a memory-
 
 `autopar.graphs.partition(x, edge_index, y, plan, out_dir)` writes partition-local data (store.py) that
 `autopar.compile(model, cluster, loss_fn=..., graph_data=out_dir)` trains from, each rank reading only its part.
-(`autopar.graphs.partition` is that function; the module of partitioning helpers stays importable as
-`autopar.graphs.partition`'s file, `from autopar.graphs.partition import partition_graph`.)
+The node ranges, halos and their exchange are halo.py's.
 
 `autopar.plan` / `autopar.compile` route graph models here (planner.graph_kind); see docs/architecture.md.
 """
@@ -13,13 +12,12 @@ from __future__ import annotations
 
 from .data import IGNORE, GraphData, locality_order, random_graph
 from .models import GRAPH_CASES
+from .partitioners import PARTITIONERS, metis_parts, partition_quality
 from .planner import graph_kind, plan_graph
 from .program import GraphProgram, TemporalProgram
 from .sampling import sampled_graph, seeds_for_step
+from .store import write_parts as partition
 from .tgn import TGN, random_events
-
-from .partitioners import PARTITIONERS, metis_parts, partition_quality  # isort: skip
-from .store import write_parts as partition  # isort: skip  (after .partition: the name is this function)
 
 __all__ = ["GRAPH_CASES", "IGNORE", "PARTITIONERS", "TGN", "GraphData", "GraphProgram", "TemporalProgram",
            "graph_kind", "locality_order", "metis_parts", "partition", "partition_quality", "plan_graph",

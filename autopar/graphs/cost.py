@@ -51,8 +51,8 @@ from ..cost_models.comm import collective_time
 from ..cost_models.compute import ComputeModel, check_profiles
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
 from .data import in_degree, locality_order
+from .halo import balanced_shares, proportional_shares
 from .layers import layer_kind, message_passing_layers
-from .partition import balanced_shares, proportional_shares
 from .partitioners import (
     METIS_UFACTOR,
     PARTITIONERS,

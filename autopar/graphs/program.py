@@ -27,8 +27,8 @@ from ..runtime.precision import PrecisionPolicy
 from ..runtime.program import OptimizerFactory, make_optimizer
 from ..runtime.whole_model import WholeModelState
 from .data import check_graph_inputs
+from .halo import halo_exchange, partition_graph
 from .layers import LocalGraph, local_layers, message_passing_layers
-from .partition import halo_exchange, partition_graph
 from .partitioners import partition_order
 from .sampling import InEdges, build_minibatch, labelled_nodes, seeds_for_step
 

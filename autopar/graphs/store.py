@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from ..errors import PlanError
 from ..ir.plan import Plan
 from .data import IGNORE, in_degree
-from .partition import Partition
+from .halo import Partition
 from .partitioners import owners, partition_order
 
 FORMAT = "autopar-graph-parts/1"

@@ -154,7 +154,7 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
     from ..cost_models.memory import optimizer_name, state_bytes_per_param
     from ..ir.plan import Pipeline, Plan, Stage
     from ..ir.precision import resolve_precision
-    from .partition import balanced_shares
+    from .halo import balanced_shares
 
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)

@@ -41,6 +41,7 @@ def explain_graph(graph: dict) -> str:
                          fmt_bytes(chosen.get("peak_memory_bytes", [0] * (r + 1))[r]) if chosen else "-"])
         lines.append(render_table(rows, right={1, 2, 3, 4}))
     lines += idle_lines(graph.get("idle", []), graph.get("unit", "share"))
+    lines += partitioner_lines(graph)
     for m, c in cand.items():
         status = "fits" if c.get("fits") else "does not fit: " + "; ".join(c.get("problems", []))
         rate = f"{c['samples_per_s']:.4g} samples/s, {fmt_time(c['step_time_s'])}/step" if c.get("fits") else ""
@@ -49,6 +50,22 @@ def explain_graph(graph: dict) -> str:
             f"mode={m!r} asks for it)" if mode in GRAPH_MODES else "")
         lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
     return "\n".join(lines)
+
+
+def partitioner_lines(graph: dict) -> list[str]:
+    """Which partitioner cut the nodes and why, and each one priced (graphs/partitioners.py, graphs/cost.py)."""
+    if "partitioner" not in graph:
+        return []
+    lines = [f"partitioner: {graph['partitioner']} ({graph.get('partitioner_why', '')})"]
+    table = graph.get("partitioners") or {}
+    if table:
+        rows = [["partitioner", "step (predicted)", "fits", "edge cut", "halo volume", "largest halo"]]
+        for name, t in table.items():
+            rows.append([name + (" (chosen)" if name == graph["partitioner"] else ""), fmt_time(t["step_time_s"]),
+                         "yes" if t.get("fits") else "no", str(t.get("edge_cut", "-")),
+                         str(t.get("halo_volume", "-")), str(max(t.get("halo", [0]) or [0]))])
+        lines.append(render_table(rows, right={1, 3, 4, 5}))
+    return lines
 
 
 def _count(n: int, unit: str) -> str:
@@ -97,4 +114,4 @@ def idle_lines(idle: list[dict], unit: str) -> list[str]:
     return lines
 
 
-__all__ = ["explain_graph", "idle_lines"]
+__all__ = ["explain_graph", "idle_lines", "partitioner_lines"]

@@ -70,8 +70,13 @@ def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
     if pr.get("cost_per_hour") is not None:
         out.append(f"cost (predicted): {pr['cost_per_hour']:.4g} per hour for the devices used, "
                    f"{pr['cost_per_sample']:.4g} per sample")
+    # devices of one type left out for one reason share a line ('devices 0-1,4 (RTX-3090) left out: ...')
+    groups: dict[tuple[str, str], list[int]] = {}
     for d, why in sorted((pr.get("idle_devices") or {}).items(), key=lambda kv: int(kv[0])):
-        out.append(f"device {d} ({names.get(int(d), '?')}) left out: {why}")
+        groups.setdefault((names.get(int(d), "?"), why), []).append(int(d))
+    for (name, why), ds in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        which = f"device {ds[0]}" if len(ds) == 1 else f"devices {ranges(ds)}"
+        out.append(f"{which} ({name}) left out: {why}")
     return out
 
 
