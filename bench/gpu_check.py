@@ -17,7 +17,7 @@ any section failed):
    `torch.cuda.set_sync_debug_mode("warn")` (more than the step's one loss read is a finding); and the time
    autopar's `dist.wait` holds the host on an all-reduce queued behind ~0.1 s of matmuls (a wait that
    blocks the host fails the section).
-3. kernels: bench/kernels.py's region cases compiled by Triton for real (not interpreted): max relative
+3. kernels: bench/fused_kernels.py's region cases compiled by Triton for real (not interpreted): max relative
    error against torch, median ms fused vs eager (`--inductor` adds torch.compile, ~1 min more).
 4. calibrate: `autopar calibrate --quick --device cuda` (profile under <out>_files/profiles, used by the
    plans below), then the fitted model against a matmul and an add it did not time.
@@ -515,7 +515,7 @@ def section_nccl_ready(ctx: Context) -> dict:
 
 def _load_kernel_bench() -> Any:
     # by path: a package called `kernels` may be installed, and bench/ is not a package
-    spec = importlib.util.spec_from_file_location("autopar_bench_kernels", BENCH / "kernels.py")
+    spec = importlib.util.spec_from_file_location("autopar_bench_kernels", BENCH / "fused_kernels.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -524,7 +524,7 @@ def _load_kernel_bench() -> Any:
 
 def section_kernels(ctx: Context) -> dict:
     if ctx.cpu:
-        raise Skip("no CUDA: the generated kernels compile for a GPU (bench/kernels.py checks them on the CPU "
+        raise Skip("no CUDA: the generated kernels compile for a GPU (bench/fused_kernels.py checks them on the CPU "
                    "in the Triton interpreter)")
     kb = _load_kernel_bench()
     rows, cut = [], None

@@ -1,7 +1,9 @@
 """Loading a bench/ script into a test (bench/ is not a package): by path, under the name bench_<name>, with
-sys.path exactly as it was afterwards. A bench script puts bench/ on sys.path to import bench/common.py; left
-there, bench/kernels.py shadows Hugging Face's `kernels` package (which transformers imports when it is
-installed) in this process and in every process it spawns after, and every transformers model fails."""
+sys.path exactly as it was afterwards. A bench script puts bench/ on sys.path to import bench/common.py; a
+module there named like an installed package would shadow it in this process and in every process it spawns
+after (bench/kernels.py did Hugging Face's `kernels`, which transformers imports: `cd bench && python
+planner.py` failed at its BERT case; it is bench/fused_kernels.py now, and tests/test_bench_names.py keeps
+bench/'s names clear of installed packages)."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def test_release_storage_frees_the_models_copy(gpu_check):
 
 
 class FakeKernelBench:
-    """bench/kernels.py's interface with fixed figures: the kernel section's summary without a GPU."""
+    """bench/fused_kernels.py's interface with fixed figures: the kernel section's summary without a GPU."""
 
     def __init__(self, ran: str) -> None:
         self.ran = ran

@@ -19,7 +19,7 @@ from .test_kernels import capture, check
 pytest.importorskip("triton")
 
 
-bench_cases = bench_scripts.load("kernels").cases
+bench_cases = bench_scripts.load("fused_kernels").cases
 
 LIMIT = triton_gen.ROW_BLOCK
 SPILL_LIMIT = 64  # bytes of spill stores per thread an autotune candidate may have
@@ -34,7 +34,7 @@ def _regions(fn, shapes, ints=None) -> list:
 
 
 def _programs() -> list[tuple[str, triton_gen.KernelProgram]]:
-    """Every distinct kernel the tests' models make: bench/kernels.py's region kinds (short rows, a
+    """Every distinct kernel the tests' models make: bench/fused_kernels.py's region kinds (short rows, a
     vocabulary-size row of 50257, a 32768 row), and a GPT's stage program."""
     out: dict[str, tuple[str, triton_gen.KernelProgram]] = {}
     for rows, hidden, classes in ((16, 1024, 50257), (4, 32768, 512)):

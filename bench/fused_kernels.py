@@ -141,7 +141,7 @@ def main() -> None:
                            "kernels ran in the Triton interpreter, correctness only")
         print("\nNo CUDA device: kernels ran in the Triton interpreter, so only correctness is reported "
               "(max abs error vs eager, forward and gradients); GPU timings are not available here.")
-    print("wrote", write_results("kernels", rows, summary))
+    print("wrote", write_results("fused_kernels", rows, summary))
 
 
 if __name__ == "__main__":
