@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("passes", ("passes", "passes.*", "codegen", "codegen.*")),
     ("lowering", ("lowering",)),
     ("solver", ("solver", "solver.*", "graphs.cost", "graphs.planner", "graphs.tgn")),
-    ("runtime", ("runtime", "runtime.*", "graphs.program")),
+    ("runtime", ("runtime", "runtime.*", "graphs.program", "graphs.pipeline")),
     ("views", ("views", "views.*")),
     ("api", ("", "api", "compiler", "backend", "backend_dist", "graphs", "graphs.entry")),
     ("tools", ("cli", "demo")),

@@ -50,6 +50,7 @@ from ..cluster import Cluster
 from ..cost_models.comm import collective_time
 from ..cost_models.compute import ComputeModel, check_profiles
 from ..cost_models.memory import optimizer_name, state_bytes_per_param
+from ..errors import PlanError
 from .data import in_degree, locality_order
 from .halo import balanced_shares, proportional_shares
 from .layers import layer_kind, message_passing_layers
@@ -219,7 +220,8 @@ class GraphCostModel:
         self._cm: dict[str, ComputeModel] = {}
         self._halo_cache: dict[int, float] = {}
         world = list(range(cluster.world_size))
-        self.sync_s = (collective_time("all_reduce", self.params * per_param.grads, world, cluster)
+        self._grad_bytes = self.params * per_param.grads
+        self.sync_s = (collective_time("all_reduce", self._grad_bytes, world, cluster)
                        + max(self._opt_time(d) for d in world))
 
     def cm(self, d: int) -> ComputeModel:
@@ -317,6 +319,21 @@ class GraphCostModel:
                     best, best_t, best_marginal = priced, t, rates
                 rates = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else rates[d]
                          for d in devices]
+            # the affine fit at N / world overstates a slow device's fixed time where its time per node falls
+            # with its share (a CPU's efficiency, halos growing slower than shares), leaving it idle where a small
+            # part would shorten the step: balance the priced times themselves too, then once more with each
+            # rank's time scaled by the exact halos' price at its share
+            scale = [1.0] * world
+            for _ in range(2):
+                shares = self._level_shares(s.num_nodes, allowed, scale)
+                priced = self._price_partition(shares, order)
+                t = max(priced[2]) + self._halo_comm(priced[1])
+                if t < best_t:
+                    best, best_t = priced, t
+                    best_marginal = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else marginal[d]
+                                     for d in devices]
+                scale = [priced[2][d] / max(self._partition_time(d, shares[d]), 1e-15) if shares[d] else 1.0
+                         for d in devices]
         best, order, chosen = self._partitioners(best, order)
         shares, halos, compute, mems, flops, owner_edges, exact, graph_bytes = best
         problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
@@ -334,6 +351,33 @@ class GraphCostModel:
                  **chosen}
         return Candidate("partition", shares, not problems, step, s.labelled, compute, comm, self.sync_s, mems,
                          flops, problems, extra)
+
+    def _level_shares(self, total: int, caps: list[float], scale: list[float]) -> list[int]:
+        """Shares minimising the slowest rank's priced compute time (`_partition_time` x `scale`, increasing in
+        the share): bisect the level T at which the largest shares each rank finishes within T cover `total`."""
+        world = len(caps)
+        kinds = {d: (self.cluster.devices[d].spec.name, scale[d], min(caps[d], total)) for d in range(world)}
+
+        def most(d: int, level: float, memo: dict) -> float:
+            if kinds[d] in memo:  # devices of one type with one scale and cap take the same share
+                return memo[kinds[d]]
+            lo, hi = 0.0, float(kinds[d][2])
+            if hi >= 1 and self._partition_time(d, 1.0) * scale[d] <= level:
+                for _ in range(20):
+                    mid = (lo + hi) / 2
+                    lo, hi = (mid, hi) if self._partition_time(d, mid) * scale[d] <= level else (lo, mid)
+            memo[kinds[d]] = lo
+            return lo
+
+        usable = [d for d in range(world) if caps[d] >= 1]
+        lo, hi = 0.0, max(self._partition_time(d, total) * scale[d] for d in usable)
+        for _ in range(24):
+            mid, memo = (lo + hi) / 2, {}
+            lo, hi = (lo, mid) if sum(most(d, mid, memo) for d in usable) >= total else (mid, hi)
+        memo: dict = {}
+        ideal = [most(d, hi, memo) if d in usable else 0.0 for d in range(world)]
+        return proportional_shares(total, ideal if sum(ideal) > 0 else [1.0 if d in usable else 0.0
+                                                                         for d in range(world)], caps)
 
     def metis_weights(self) -> list[float]:
         """[a, b] of the METIS node weight a + b x in-degree: a node's compute (its rows through every layer,
@@ -515,6 +559,94 @@ class GraphCostModel:
                          problems, {"batch_size": batch, "fanout": fanout, "sampled_degree": k,
                                     "features_on": where,
                                     "idle": self._idle(shares, compute, 0.0, fixed, marginal, caps, price)})
+
+    # ---- sampled pipeline: cpu ranks sample and gather, accelerator ranks train --------------------------
+    def pipeline_roles(self) -> tuple[list[int], list[int]]:
+        """(samplers, trainers): the cluster's cpu devices and the others; PlanError unless both exist."""
+        devs = self.cluster.devices
+        samplers = [d.index for d in devs if d.spec.kind == "cpu"]
+        trainers = [d.index for d in devs if d.spec.kind != "cpu"]
+        if not samplers or not trainers:
+            has = "no cpu devices" if not samplers else "only cpu devices"
+            raise PlanError(f"graph mode 'sampled_pipeline' needs cpu devices beside accelerators (the cpu ranks "
+                            f"sample and gather, the accelerators train); this cluster has {has}. Add cpu devices "
+                            f"(e.g. '1x2xA100-80GB+1x2xcpu') or use graph_options={{'mode': 'sampled_dp'}}.")
+        return samplers, trainers
+
+    @staticmethod
+    def sampler_of(samplers: list[int], trainers: list[int]) -> dict[int, int]:
+        """Which sampler feeds which trainer: round robin."""
+        return {t: samplers[i % len(samplers)] for i, t in enumerate(trainers)}
+
+    def _batch_bytes(self, sizes: list[float], edges: list[float]) -> float:
+        """What a sampler sends a trainer per step: gathered features, local edges, degrees, labels, sizes."""
+        return sizes[0] * self.stats.features * self.stats.feature_bytes + 16 * sum(edges) + 8 * sizes[0] \
+            + 8 * sizes[-1] + 8 * (2 * len(sizes) + 2)
+
+    def _pipeline_sampler(self, d: int, seeds: float, k: float) -> float:
+        """Seconds sampler `d` takes to sample one trainer's mini-batch of `seeds` seeds and gather its features."""
+        sizes, _ = self.levels(seeds, k)
+        feat = sizes[0] * self.stats.features * self.stats.feature_bytes
+        sample = self.cm(d).op_time("other", 0, 16 * sum(sizes[1:]) * max(self.stats.avg_degree, 1.0))
+        return sample + self.cm(d).op_time("gather", 0, 2 * feat)
+
+    def _pipeline_trainer(self, d: int, seeds: float, k: float) -> tuple[float, float, Work]:
+        """(training seconds, memory, work) of trainer `d` on a received mini-batch of `seeds` seeds."""
+        sizes, edges = self.levels(seeds, k)
+        work = forward_work(self.cm(d), self.shapes, sizes, edges, self.b)
+        return work.fwd + work.bwd, self.state + work.act + 2 * self._batch_bytes(sizes, edges), work
+
+    def sampled_pipeline(self, batch_size: int, fanout: int) -> Candidate:
+        """cpu ranks sample and gather each step's mini-batches and send them to the accelerator ranks, which
+        train them data parallel: step = max(sampling + gathering on the busiest sampler, the transfers into the
+        busiest trainer, its training + gradient all-reduce among the trainers + optimizer), the stages of step
+        k + 1 overlapping step k's."""
+        samplers, trainers = self.pipeline_roles()
+        world = self.cluster.world_size
+        batch = max(1, min(batch_size, self.stats.labelled))
+        k = self.sampled_degree(fanout)
+        feeds = self.sampler_of(samplers, trainers)
+        chunk = max(1.0, batch / len(trainers))
+        fixed, marginal, caps = [0.0] * world, [1.0] * world, [0.0] * world
+        for d in trainers:
+            t1, mem, _ = self._pipeline_trainer(d, chunk, k)
+            t2 = self._pipeline_trainer(d, 2 * chunk, k)[0]
+            marginal[d] = max((t2 - t1) / chunk, 1e-15)
+            fixed[d] = max(t1 - marginal[d] * chunk, 0.0)
+            caps[d] = batch if mem <= self.usable(d) else max(0.0, math.floor(chunk * self.usable(d) / mem))
+        if sum(int(c) for c in caps) < batch:
+            return self._infeasible("sampled_pipeline",
+                                    [f"a mini-batch of {batch} seeds does not fit the accelerators' memory"])
+        shares = balanced_shares(batch, fixed, marginal, caps)
+        sync = collective_time("all_reduce", self._grad_bytes, trainers, self.cluster) + max(
+            self._opt_time(d) for d in trainers)
+        train, transfer, mems, flops, problems = [0.0] * world, [0.0] * world, [0] * world, 0.0, []
+        sample = [0.0] * world
+        s = self.stats
+        graph_bytes = s.num_nodes * s.features * s.feature_bytes + 16 * s.num_edges
+        for d in trainers:
+            if shares[d]:
+                t, mem, work = self._pipeline_trainer(d, shares[d], k)
+                sizes, edges = self.levels(shares[d], k)
+                transfer[d] = collective_time("p2p", self._batch_bytes(sizes, edges), [feeds[d], d], self.cluster)
+                sample[feeds[d]] += self._pipeline_sampler(feeds[d], shares[d], k)
+                train[d], flops = t, flops + work.flops
+                mems[feeds[d]] = max(mems[feeds[d]], int(graph_bytes))
+            else:
+                mem = self.state
+            mems[d] = int(mem)
+        for d in range(world):
+            if mems[d] > self.usable(d):
+                problems.append(_mem_problem(self.cluster, d, mems[d], self.usable(d),
+                                             f"{shares[d]} seeds" if d in trainers else "the graph it samples"))
+        stages = {"sample_s": max(sample), "transfer_s": max(transfer), "train_s": max(train) + sync}
+        step = max(stages.values())
+        compute = [sample[d] if d in samplers else train[d] for d in range(world)]
+        return Candidate("sampled_pipeline", shares, not problems, step, batch, compute, max(transfer), sync,
+                         mems, flops, problems,
+                         {"batch_size": batch, "fanout": fanout, "sampled_degree": k, "samplers": samplers,
+                          "trainers": trainers, "sampler_of": {str(t): f for t, f in feeds.items()},
+                          "stages": stages, "idle": []})
 
     def _idle(self, shares: list[int], compute: list[float], comm: float, fixed: list[float],
               marginal: list[float], caps: list[float],

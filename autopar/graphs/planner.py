@@ -20,8 +20,9 @@ from .layers import message_passing_layers
 from .sampling import labelled_nodes
 
 # partition: full-graph training, the model as written (the default). sampled_dp: mini-batch training on
-# sampled neighbourhoods, a different estimator, only when graph_options asks for it.
-GRAPH_MODES = ("partition", "sampled_dp")
+# sampled neighbourhoods, a different estimator, only when graph_options asks for it. sampled_pipeline: the same
+# sampled algorithm with a division of labour (cpu ranks sample and gather, accelerator ranks train), on request.
+GRAPH_MODES = ("partition", "sampled_dp", "sampled_pipeline")
 DEFAULTS = {"mode": "partition", "batch_size": None, "fanout": 10, "seed": 0}
 
 
@@ -72,8 +73,11 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     neighbourhoods (a different estimator, only on request): each step takes batch_size labelled seeds
     (default min(labelled nodes, 1024 per device)), every node aggregates at most `fanout` (default 10)
     in-neighbours drawn per step from `seed`; it equals one process training model(x, sampled_graph(...)) on
-    the same seeds (sampling.py). Both modes are priced (`plan.graph["candidates"]`); only the requested one
-    is considered.
+    the same seeds (sampling.py). mode "sampled_pipeline" trains the same sampled algorithm (same options, the
+    same one-process equivalent) with a division of labour on a cluster with cpu devices beside accelerators:
+    the cpu ranks sample each step's mini-batches and gather their features, the accelerator ranks receive them
+    and train data parallel among themselves, sampling step k + 1 while they train step k. The modes are priced
+    (`plan.graph["candidates"]`); only the requested one is considered.
     """
     from ..ir.precision import resolve_precision
 
@@ -92,10 +96,15 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     stats = graph_stats(x, edge_index, example_target)
     cost = GraphCostModel(model, stats, cluster, precision, optimizer, memory_reserve, profiles)
     batch = int(opts["batch_size"] or min(stats.labelled, 1024 * cluster.world_size))
+    if opts["mode"] == "sampled_pipeline":
+        samplers, trainers = cost.pipeline_roles()  # PlanError naming the fix on a cluster without both kinds
+        batch = int(opts["batch_size"] or min(stats.labelled, 1024 * len(trainers)))
     cands = {"partition": cost.partition(), "sampled_dp": cost.sampled_dp(batch, int(opts["fanout"]))}
+    if opts["mode"] == "sampled_pipeline":
+        cands["sampled_pipeline"] = cost.sampled_pipeline(batch, int(opts["fanout"]))
     best = cands[opts["mode"]]
     if not best.fits:
-        other = "sampled_dp" if best.mode == "partition" else "partition"
+        other = "partition" if best.mode != "partition" else "sampled_dp"
         alt = (f" {other} would fit, but it trains a different algorithm; ask for it with "
                f"graph_options={{'mode': {other!r}}} if that is what you want." if cands[other].fits else "")
         raise InfeasibleError(f"graph training mode {best.mode} does not fit memory: {', '.join(best.problems)}."
@@ -112,6 +121,9 @@ def to_plan(model: nn.Module, cluster: Cluster, cost: GraphCostModel, best: Cand
              "candidates": {m: c.summary() for m, c in cands.items()}, "idle": best.extra.get("idle", [])}
     if best.mode == "sampled_dp":
         graph.update(batch_size=best.extra["batch_size"], fanout=best.extra["fanout"])
+    elif best.mode == "sampled_pipeline":
+        graph.update({k: best.extra[k] for k in ("batch_size", "fanout", "samplers", "trainers", "sampler_of",
+                                                 "stages")})
     else:
         graph.update(halo=best.extra["halo"], local_edges=best.extra["local_edges"])
         # which partitioner cut the nodes (partitioners.py), why, and every one's figures; METIS's inputs

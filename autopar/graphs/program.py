@@ -5,7 +5,9 @@ partition: rank r owns a range of nodes (plan.graph["shares"]), runs the model o
     (local labelled mean) x (local labelled / global labelled) = the global labelled mean.
 sampled_dp: every step takes a global mini-batch of seeds (sampling.seeds_for_step); rank r takes its share
     and runs the layered subgraph of per-node deterministic samples; loss weighted by seeds share.
-Both: parameters replicated (rank 0's weights at start), gradients summed with one all-reduce, then the
+sampled_pipeline: the sampled_dp algorithm with cpu ranks sampling and gathering for the accelerator ranks
+    (pipeline.py); only the trainers hold a share of seeds, compute gradients and step their optimizer.
+All: parameters replicated (rank 0's weights at start), gradients summed with one all-reduce, then the
 optimizer steps identically everywhere. The plan's precision runs as everywhere else (runtime/precision.py):
 bf16/fp16 autocast around the forward with fp32 weights, optimizer state and gradient reduction, fp16 with
 dynamic loss scaling; fp32 plans compute in fp32.
@@ -13,6 +15,7 @@ dynamic loss scaling; fp32 plans compute in fp32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,7 @@ from .data import check_graph_inputs
 from .halo import halo_exchange, partition_graph
 from .layers import LocalGraph, local_layers, message_passing_layers
 from .partitioners import partition_order
+from .pipeline import pipeline_groups, recv_batch, send_batches, step_batches
 from .sampling import InEdges, build_minibatch, labelled_nodes, seeds_for_step
 
 if TYPE_CHECKING:
@@ -46,7 +50,7 @@ def sync_replicas(model: nn.Module, world: int, timeout_s: float) -> None:
 
 
 def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: int, timeout_s: float,
-                what: str) -> float:
+                what: str, group: object | None = None) -> float:
     """Sum every parameter's gradient and the weighted loss over ranks (one flat all-reduce); the global loss.
 
     A parameter no rank computed a gradient for keeps grad None, as in single-process training (the optimizer
@@ -57,7 +61,7 @@ def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: 
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                      + [has, weighted_loss.detach().reshape(1).to(dtype)])
     if world > 1:
-        all_reduce(flat, dist.group.WORLD, what, timeout_s)
+        all_reduce(flat, dist.group.WORLD if group is None else group, what, timeout_s)
     offset, total = 0, sum(p.numel() for p in params)
     used = (flat[total:total + len(params)] > 0).tolist()  # one device sync, not one per parameter
     for i, p in enumerate(params):
@@ -67,11 +71,12 @@ def reduce_step(params: list[nn.Parameter], weighted_loss: torch.Tensor, world: 
 
 
 def train_step(policy: PrecisionPolicy, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-               weighted_loss: torch.Tensor, world: int, timeout_s: float, what: str) -> float:
+               weighted_loss: torch.Tensor, world: int, timeout_s: float, what: str,
+               group: object | None = None) -> float:
     """Backward of this rank's weighted loss (loss-scaled under fp16), the gradient all-reduce, the optimizer
     step (skipped on every rank alike when fp16 gradients overflow); the global loss."""
     policy.scale(weighted_loss).backward()
-    value = reduce_step(params, weighted_loss, world, timeout_s, what)
+    value = reduce_step(params, weighted_loss, world, timeout_s, what, group)
     if policy.unscale(params, optimizer, world):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -91,8 +96,9 @@ class GraphProgram(WholeModelState):
         if data is not None and g.get("mode") != "partition":
             raise PlanError("graph_data= trains partition-mode plans; this plan is "
                             f"{g.get('mode')!r}.")
-        if g.get("mode") not in ("partition", "sampled_dp"):
-            raise PlanError(f"plan.graph mode must be 'partition' or 'sampled_dp', got {g.get('mode')!r}.")
+        if g.get("mode") not in ("partition", "sampled_dp", "sampled_pipeline"):
+            raise PlanError(f"plan.graph mode must be 'partition', 'sampled_dp' or 'sampled_pipeline', got "
+                            f"{g.get('mode')!r}.")
         if len(g["shares"]) != world_size:
             raise PlanError(f"the plan has {len(g['shares'])} graph shares but {world_size} ranks run; plan for "
                             f"this cluster.")
@@ -109,6 +115,12 @@ class GraphProgram(WholeModelState):
         sync_replicas(model, world_size, timeout_s)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, self.params)
+        if self.mode == "sampled_pipeline":
+            self.trainers = [int(t) for t in g["trainers"]]
+            self.sampler_of = {int(t): int(f) for t, f in g["sampler_of"].items()}
+            self.role = "trainer" if rank in self.trainers else "sampler"
+            self.groups = pipeline_groups(self.trainers)
+            self._ahead: tuple | None = None  # (graph key, step, batches) sampled during the last step
         if data is not None:
             device = self.params[0].device if self.params else torch.device("cpu")
             self.part = replace(data.part, **{k: getattr(data.part, k).to(device)
@@ -157,11 +169,14 @@ class GraphProgram(WholeModelState):
             is_lab = torch.zeros(n, dtype=torch.bool)
             is_lab[self.labelled] = True
             self.local_labelled = int(is_lab[self._partition(x, edge_index).owned.cpu()].sum())
-        else:
+        elif not (self.mode == "sampled_pipeline" and self.role == "trainer"):  # trainers receive their batches
             self.in_edges = InEdges(edge_index.cpu(), n)
         self._key = key
 
     def what_runs(self) -> str:
+        if self.mode == "sampled_pipeline" and self.role == "sampler":
+            fed = [t for t, f in self.sampler_of.items() if f == self.rank]
+            return f"samples and gathers the mini-batches of ranks {fed} (sampled_pipeline)"
         unit = "nodes owned" if self.mode == "partition" else "seeds per step"
         return f"the whole model, {self.shares[self.rank]} {unit} ({self.mode})"
 
@@ -226,6 +241,8 @@ class GraphProgram(WholeModelState):
             raise PlanError("step(x, edge_index, target=y): this program was compiled without graph_data=, so it "
                             "needs the graph.")
         self._prepare(x, edge_index, target)
+        if self.mode == "sampled_pipeline":
+            return self._pipeline_step(x, target)
         if self.mode == "partition":
             part = self._partition(x, edge_index)
             ctx = self._partitioned(part)
@@ -256,6 +273,43 @@ class GraphProgram(WholeModelState):
             loss = self.loss_fn(out, labels) if count else out.sum() * 0.0
         value = train_step(self.policy, self.params, self.optimizer, loss.float() * (count / total),
                            self.world_size, self.timeout_s, f"gradient all-reduce of graph training ({self.mode})")
+        self.step_count += 1
+        return value
+
+    def _pipeline_step(self, x: torch.Tensor, target: torch.Tensor) -> float:
+        """sampled_pipeline. A sampler sends this step's batches (sampled during the last step), samples the
+        next step's while the trainers train, and returns nan (the loss is known on the trainers). A trainer
+        receives its batch and trains it, the gradients all-reduced among the trainers."""
+        g, step = self.plan.graph, self.step_count
+        if self.role == "sampler":
+            fed = [t for t, f in self.sampler_of.items() if f == self.rank]
+            if self._ahead is not None and self._ahead[:2] == (self._key, step):
+                batches = self._ahead[2]
+            else:
+                batches = step_batches(self.in_edges, x, target, self.labelled, g, self.shares, fed, self.layers,
+                                       step)
+            works = send_batches(batches, self.groups.transfer)
+            self._ahead = (self._key, step + 1, step_batches(self.in_edges, x, target, self.labelled, g,
+                                                             self.shares, fed, self.layers, step + 1))
+            for w in works:
+                w.wait()
+            self.step_count += 1
+            return math.nan
+        batch = recv_batch(self.sampler_of[self.rank], self.layers, x.cpu(), target.cpu(), self.groups.transfer)
+        sizes, edges, degree = batch.minibatch(self.layers)
+        edges = [e.to(self.device) for e in edges]
+        ctx = LocalGraph(edges, sizes[:-1], sizes[1:], degree.to(self.device), lambda h: h)
+        count, total = self.shares[self.rank], sum(self.shares)
+        with local_layers(self.model, ctx), self.policy.forward():
+            out = self.model(batch.features.to(self.device), edges[0])
+        if not isinstance(out, torch.Tensor) or out.shape[0] != count:
+            raise PlanError(f"the model returned {getattr(out, 'shape', type(out))} for {count} seeds: graph "
+                            f"training expects one output row per node (node classification / regression).")
+        with self.policy.forward():
+            loss = self.loss_fn(out, batch.labels.to(self.device)) if count else out.sum() * 0.0
+        value = train_step(self.policy, self.params, self.optimizer, loss.float() * (count / total),
+                           len(self.trainers), self.timeout_s, "gradient all-reduce among the trainers "
+                           "(sampled_pipeline)", self.groups.trainers)
         self.step_count += 1
         return value
 

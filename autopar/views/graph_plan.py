@@ -27,6 +27,16 @@ def explain_graph(graph: dict) -> str:
                      f"aggregating at most {graph.get('fanout')} in-neighbours sampled per step with seed "
                      f"{graph.get('seed')}); it equals one process training model(x, sampled_graph(...)) on the "
                      f"same seeds, not full-graph training. Asked for with graph_options mode='sampled_dp'.")
+    elif mode == "sampled_pipeline":
+        st = graph.get("stages", {})
+        lines[0] += f" ({graph.get('batch_size')} seeds/step, fanout {graph.get('fanout')})"
+        lines.append(f"sampled mini-batch training with fanout {graph.get('fanout')} (the sampled_dp algorithm, "
+                     f"not full-graph training) in a pipeline: cpu ranks {graph.get('samplers')} sample and gather "
+                     f"each step's mini-batches and send them to ranks {graph.get('trainers')}, which train data "
+                     f"parallel; step k + 1 is sampled while step k trains. Stages: sample + gather "
+                     f"{fmt_time(st.get('sample_s', 0.0))}, transfer {fmt_time(st.get('transfer_s', 0.0))}, "
+                     f"train + all-reduce {fmt_time(st.get('train_s', 0.0))}; the step is the slowest. Asked for "
+                     f"with graph_options mode='sampled_pipeline'.")
     elif mode == "temporal_dp":
         lines[0] += f" ({graph.get('batch_size')} events/step split across ranks, node memory replicated)"
     cand = graph.get("candidates", {})
