@@ -7,12 +7,15 @@
 * sampled_pipeline: on 2 'A100' ranks + 1 cpu rank the cpu rank samples and gathers every mini-batch (counted
   by patching the sampler in every rank) and the A100 ranks, which sample nothing, train: their losses and
   parameters equal one process training model(x, sampled_graph(...)) on the same seeds; the sampler's model
-  is never updated; priced as the slowest pipeline stage; a cluster without both kinds is a clear error.
+  is never updated, until eval_step / save hand it the trainers' (the checkpoint, written by a trainer, loads
+  into the plain model as the reference's state); priced as the slowest pipeline stage; a cluster without both
+  kinds is a clear error.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from autopar.graphs.models import GRAPH_CASES, PyGNet
 from autopar.graphs.planner import graph_stats, plan_graph
 from autopar.graphs.sampling import labelled_nodes, sampled_graph, seeds_for_step
 from autopar.model_case import ModelCase, train_reference
+from autopar.runtime.checkpoint import load_into_model
 from autopar.runtime.launch import spawn_local
 
 from .runtime_cases import assert_matches_reference
@@ -101,7 +105,7 @@ def test_cpu_and_accelerator_partitions_train_like_one_process() -> None:
     assert ref_losses[-1] != ref_losses[0]
 
 
-def train_pipeline(rank: int, world: int) -> tuple:
+def train_pipeline(rank: int, world: int, ckpt: str) -> tuple:
     from autopar.graphs import sampling
 
     calls = {"sample": 0}
@@ -116,7 +120,10 @@ def train_pipeline(rank: int, world: int) -> tuple:
     prog = autopar.compile(case.model, PIPE_CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
                            optimizer=optimizer, timeout_s=120, precision="fp32", graph_options=PIPE)
     losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(PIPE_STEPS)]
-    return losses, prog.state_dict()["model"], calls["sample"], prog.plan.graph, prog.what_runs()
+    trained = prog.state_dict()["model"]  # before eval_step / save hand the trainers' model to the sampler
+    out = prog.eval_step(*case.example_inputs)
+    prog.save(ckpt)
+    return losses, trained, calls["sample"], prog.plan.graph, prog.what_runs(), out, prog.state_dict()["model"]
 
 
 def train_sampled_reference(case: ModelCase, opts: dict, steps: int) -> tuple[list[float], dict]:
@@ -135,21 +142,31 @@ def train_sampled_reference(case: ModelCase, opts: dict, steps: int) -> tuple[li
 
 
 @pytest.mark.timeout(600)
-def test_cpu_ranks_sample_for_accelerator_ranks_like_one_process() -> None:
-    results = spawn_local(train_pipeline, 3, timeout_s=300)
+def test_cpu_ranks_sample_for_accelerator_ranks_like_one_process(tmp_path: Path) -> None:
+    results = spawn_local(train_pipeline, 3, str(tmp_path / "ckpt"), timeout_s=300)
     graph = results[0][3]
     assert graph["mode"] == "sampled_pipeline" and graph["samplers"] == [2] and graph["trainers"] == [0, 1]
     ref_losses, ref_state = train_sampled_reference(pipe_case(), PIPE, PIPE_STEPS)
     for rank in graph["trainers"]:
-        losses, state, calls, _, _ = results[rank]
+        losses, state, calls = results[rank][:3]
         assert calls == 0, f"trainer rank {rank} sampled {calls} times"
         assert_matches_reference(losses, state, ref_losses, ref_state, f"rank {rank}")
-    losses, state, calls, _, what = results[2]
+    losses, state, calls, _, what, out, shared = results[2]
     # the sampler: every layer of both trainers' batches of every step, and the next step's sampled ahead
     assert calls == 2 * 2 * (PIPE_STEPS + 1), calls
     assert all(math.isnan(v) for v in losses) and "samples and gathers" in what
     untrained = pipe_case().model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in untrained.items()), "the sampler's model should not train"
+    # eval_step and save hand the trainers' model to the sampler; the checkpoint holds the trained model
+    for k, v in results[0][1].items():
+        assert torch.equal(shared[k], v), f"sampler param {k} after eval_step"
+    assert torch.equal(out, results[0][5]) and torch.equal(out, results[1][5])
+    model = pipe_case().model
+    opt = optimizer(list(model.parameters()))
+    assert load_into_model(model, tmp_path / "ckpt", opt) == PIPE_STEPS
+    assert len(opt.state) == len(list(model.parameters())), "the checkpoint should hold a trainer's AdamW state"
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-5, msg=f"checkpoint param {k}")
     assert ref_losses[-1] != ref_losses[0]
 
 

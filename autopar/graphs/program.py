@@ -173,6 +173,21 @@ class GraphProgram(WholeModelState):
             self.in_edges = InEdges(edge_index.cpu(), n)
         self._key = key
 
+    def checkpoint_writer(self) -> int:
+        return self.trainers[0] if self.mode == "sampled_pipeline" else 0
+
+    def share_trained(self) -> None:
+        """sampled_pipeline: sampler ranks take the first trainer's parameters and buffers (they never train
+        theirs). `save`, `load` and `eval_step` call it; call it before reading `state_dict()` on a sampler.
+        Collective; nothing in the other modes."""
+        if self.mode == "sampled_pipeline" and self.world_size > 1:
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                broadcast(t.data, self.trainers[0], "trained parameters to the sampler ranks", self.timeout_s)
+
+    def save(self, path: Any) -> None:
+        self.share_trained()
+        super().save(path)
+
     def what_runs(self) -> str:
         if self.mode == "sampled_pipeline" and self.role == "sampler":
             fed = [t for t, f in self.sampler_of.items() if f == self.rank]
@@ -197,6 +212,7 @@ class GraphProgram(WholeModelState):
             raise PlanError("eval_step(x, edge_index): this program was compiled without graph_data=, so it "
                             "needs the graph.")
         self._check(x, edge_index)
+        self.share_trained()
         policy = PrecisionPolicy.of_plan(self.plan, x.device, self.timeout_s)
         with torch.no_grad():
             if self.mode != "partition":

@@ -3,7 +3,8 @@ the protocol members they share (protocol.py) on `self.model`, `self.optimizer`,
 
 - `state_dict` / `load_state_dict`: the model's and optimizer's own state dicts and the step;
 - `save` / `load`: the same torch.distributed.checkpoint layout as `Program.save` (checkpoint.py: ``model.<fqn>``,
-  ``optim.state.<fqn>.<key>``, ``step``), written by rank 0 alone (every rank holds the same values) and read
+  ``optim.state.<fqn>.<key>``, ``step``), written by one training rank alone (rank 0 unless the program says;
+  every training rank holds the same values) and read
   by every rank, so a checkpoint moves between these programs, a `Program` and the plain model
   (`checkpoint.load_into_model`);
 - `report`: each rank's predicted peak and step time from the plan against its measured step times. Their
@@ -52,9 +53,9 @@ class WholeModelState:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write the model, optimizer state and step to checkpoint directory `path` (checkpoint.py's layout;
-        rank 0 writes every entry). Collective."""
+        `checkpoint_writer()` writes every entry). Collective."""
         entries: dict[str, Any] = {}
-        if self.rank == 0:
+        if self.rank == self.checkpoint_writer():
             names: dict[int, str] = {}  # a tied weight once, under its first name
             for fqn, t in self.model.state_dict(keep_vars=True).items():
                 if id(t) not in names:
@@ -71,6 +72,10 @@ class WholeModelState:
         distributed = self.world_size > 1 and dist.is_initialized()
         with checkpoint.quiet_dcp():
             dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not distributed)
+
+    def checkpoint_writer(self) -> int:
+        """The rank whose model and optimizer state `save` writes (one that trains)."""
+        return 0
 
     def load(self, path: str | os.PathLike) -> None:
         """Load a checkpoint written by any program's `save` (every rank reads the whole model). Collective."""
