@@ -192,3 +192,21 @@ def test_pipeline_without_both_kinds_is_a_clear_error(cluster: str, has: str) ->
     with pytest.raises(PlanError, match=f"needs cpu devices beside accelerators.*{has}.*sampled_dp"):
         autopar.plan(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
                      precision="fp32", graph_options=PIPE)
+
+
+def test_sampled_dp_on_a_mixed_cluster_prices_the_pipeline_beside_it() -> None:
+    case = pipe_case()
+    args = (case.model, PIPE_CLUSTER, case.example_inputs, case.example_target, case.loss_fn)
+    dp = autopar.plan(*args, precision="fp32", graph_options={**PIPE, "mode": "sampled_dp"})
+    pipe = autopar.plan(*args, precision="fp32", graph_options=PIPE)
+    assert dp.graph["mode"] == "sampled_dp" and set(dp.graph["candidates"]) == {"partition", "sampled_dp",
+                                                                                 "sampled_pipeline"}
+    # the same mini-batch priced the same way whichever of the two was asked for
+    for m in ("sampled_dp", "sampled_pipeline"):
+        assert dp.graph["candidates"][m]["step_time_s"] == pytest.approx(pipe.graph["candidates"][m]["step_time_s"])
+    faster = pipe.predicted["step_time_s"] < dp.predicted["step_time_s"]
+    assert (f"sampled_pipeline (the same sampled algorithm, {'faster' if faster else 'not faster'} on this "
+            f"cluster: cpu ranks sample for the accelerator ranks") in dp.explain()
+    assert "sampled_pipeline" not in autopar.plan(case.model, "1x2xA100-80GB", case.example_inputs,
+                                                  case.example_target, case.loss_fn, precision="fp32",
+                                                  graph_options={**PIPE, "mode": "sampled_dp"}).graph["candidates"]

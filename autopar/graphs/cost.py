@@ -26,8 +26,9 @@ partition (rank r owns n_r nodes, h_r halo nodes, E_r = in-edges of its nodes, R
               whatever the share), max over ranks minimised, capped by memory; refitted once with the halos
 sampled_dp (rank r takes b_r seeds, fanout f, expected sampled in-degree k = mean min(f, deg)):
     levels  n_L = b_r, n_{l-1} = n_l + (N - n_l)(1 - exp(-n_l k / N)), E_l = n_l k
-    step    = max_r(fwd_r + bwd_r + fetch_r) + all_reduce(P g) + optim; fetch_r = gathering n_0 F b feature
-              bytes on the device when the graph and features fit in its memory, else over its host link
+    step    = max_r(sample_r + fwd_r + bwd_r + fetch_r) + all_reduce(P g) + optim; fetch_r = gathering n_0 F b
+              feature bytes on the device when the graph and features fit in its memory, else over its host link;
+              sample_r = walking the sampled in-edges on the host CPU (`host_cm`: sampling.py runs on CPU tensors)
     memory  = P (w + g + o + c) + [N F b + 16 E if on the device] + sum over layers (n_{l-1}(d_in + 2 d_out) b
               + E_l w b) + 16 sum E_l
     shares  = seeds by `balanced_shares` (fixed + per-seed time), capped by memory
@@ -229,6 +230,18 @@ class GraphCostModel:
         if spec.name not in self._cm:
             self._cm[spec.name] = ComputeModel(spec, self.profiles.get(spec.name), dtype=self.precision)
         return self._cm[spec.name]
+
+    def host_cm(self) -> ComputeModel:
+        """The compute model of the CPU that samples (sampling.py runs on CPU tensors on every rank): a cluster's
+        cpu device, else this host (`host.cpu_spec`, what a cluster's cpu devices resolve to)."""
+        cpus = [d.index for d in self.cluster.devices if d.spec.kind == "cpu"]
+        if cpus:
+            return self.cm(cpus[0])
+        if "cpu" not in self._cm:
+            from ..cost_models.host import cpu_spec
+
+            self._cm["cpu"] = ComputeModel(cpu_spec(), self.profiles.get("cpu"), dtype=self.precision)
+        return self._cm["cpu"]
 
     def usable(self, d: int) -> float:
         return self.cluster.devices[d].spec.memory * (1 - self.reserve)
@@ -523,7 +536,8 @@ class GraphCostModel:
             where, mem = "host", base
             link = self.cluster.devices[d].spec.host_link
             fetch = link.latency + feat / link.bandwidth
-        sample = self.cm(d).op_time("other", 0, 16 * sum(sizes[1:]) * max(self.stats.avg_degree, 1.0))
+        # the program samples on the host CPU, then trains: in sampled_dp the two are serial on every rank
+        sample = self.host_cm().op_time("other", 0, 16 * sum(sizes[1:]) * max(self.stats.avg_degree, 1.0))
         return work.fwd + work.bwd + fetch + sample, mem, work, where
 
     def sampled_dp(self, batch_size: int, fanout: int) -> Candidate:

@@ -100,7 +100,11 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
         samplers, trainers = cost.pipeline_roles()  # PlanError naming the fix on a cluster without both kinds
         batch = int(opts["batch_size"] or min(stats.labelled, 1024 * len(trainers)))
     cands = {"partition": cost.partition(), "sampled_dp": cost.sampled_dp(batch, int(opts["fanout"]))}
-    if opts["mode"] == "sampled_pipeline":
+    kinds = {d.spec.kind == "cpu" for d in cluster.devices}
+    if opts["mode"] == "sampled_pipeline" or (opts["mode"] == "sampled_dp" and kinds == {True, False}):
+        # the same sampled algorithm with cpu ranks sampling for the accelerators: priced beside sampled_dp on
+        # the same mini-batch, planned only when asked for (its ranks do different work: samplers return no
+        # loss and hold no trained model between eval_step / save)
         cands["sampled_pipeline"] = cost.sampled_pipeline(batch, int(opts["fanout"]))
     best = cands[opts["mode"]]
     if not best.fits:

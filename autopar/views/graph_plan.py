@@ -7,6 +7,8 @@ from __future__ import annotations
 from ..graphs.planner import GRAPH_MODES
 from ..report import fmt_bytes, fmt_time, render_table
 
+SAMPLED_MODES = {"sampled_dp", "sampled_pipeline"}  # one algorithm, two divisions of labour
+
 
 def explain_graph(graph: dict) -> str:
     """The graph section of Plan.explain(): mode, per-rank shares, and both modes' predictions."""
@@ -55,9 +57,16 @@ def explain_graph(graph: dict) -> str:
     for m, c in cand.items():
         status = "fits" if c.get("fits") else "does not fit: " + "; ".join(c.get("problems", []))
         rate = f"{c['samples_per_s']:.4g} samples/s, {fmt_time(c['step_time_s'])}/step" if c.get("fits") else ""
-        tag = " (chosen)" if m == mode else (
-            " (not considered: a different algorithm than the one asked for; graph_options "
-            f"mode={m!r} asks for it)" if mode in GRAPH_MODES else "")
+        if m == mode:
+            tag = " (chosen)"
+        elif {m, mode} <= SAMPLED_MODES:
+            faster = c.get("fits") and chosen.get("step_time_s") and c["step_time_s"] < chosen["step_time_s"]
+            tag = (f" (the same sampled algorithm, {'faster' if faster else 'not faster'} on this cluster: "
+                   + ("cpu ranks sample for the accelerator ranks" if m == "sampled_pipeline" else
+                      "every rank samples its own seeds") + f"; graph_options mode={m!r} asks for it)")
+        else:
+            tag = (" (not considered: a different algorithm than the one asked for; graph_options "
+                   f"mode={m!r} asks for it)" if mode in GRAPH_MODES else "")
         lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
     return "\n".join(lines)
 
