@@ -4,7 +4,7 @@
   the T4's, the two ranks' priced compute balanced, the step faster than with the cpu idle), and 2 gloo ranks
   trained with that plan equal one process on the whole graph (fp32, 3 AdamW steps, every loss and
   parameter); beside an A100 the same cpu is left idle with its reason;
-* sampled_pipeline: on 2 'A100' ranks + 1 cpu rank the cpu rank samples and gathers every mini-batch (counted
+* sampled_pipeline: on 2 'A100' ranks + 1 or 2 cpu ranks the cpu ranks sample and gather every mini-batch (counted
   by patching the sampler in every rank) and the A100 ranks, which sample nothing, train: their losses and
   parameters equal one process training model(x, sampled_graph(...)) on the same seeds; the sampler's model
   is never updated, until eval_step / save hand it the trainers' (the checkpoint, written by a trainer, loads
@@ -105,7 +105,7 @@ def test_cpu_and_accelerator_partitions_train_like_one_process() -> None:
     assert ref_losses[-1] != ref_losses[0]
 
 
-def train_pipeline(rank: int, world: int, ckpt: str) -> tuple:
+def train_pipeline(rank: int, world: int, cluster: str, ckpt: str) -> tuple:
     from autopar.graphs import sampling
 
     calls = {"sample": 0}
@@ -117,7 +117,7 @@ def train_pipeline(rank: int, world: int, ckpt: str) -> tuple:
 
     sampling.InEdges.sample = counted  # every caller of the sampler in this process
     case = pipe_case()
-    prog = autopar.compile(case.model, PIPE_CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
+    prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn,
                            optimizer=optimizer, timeout_s=120, precision="fp32", graph_options=PIPE)
     losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(PIPE_STEPS)]
     trained = prog.state_dict()["model"]  # before eval_step / save hand the trainers' model to the sampler
@@ -142,25 +142,30 @@ def train_sampled_reference(case: ModelCase, opts: dict, steps: int) -> tuple[li
 
 
 @pytest.mark.timeout(600)
-def test_cpu_ranks_sample_for_accelerator_ranks_like_one_process(tmp_path: Path) -> None:
-    results = spawn_local(train_pipeline, 3, str(tmp_path / "ckpt"), timeout_s=300)
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_cpu_ranks_sample_for_accelerator_ranks_like_one_process(tmp_path: Path, cpus: int) -> None:
+    cluster = f"1x2xA100-80GB+1x{cpus}xcpu"  # ranks 0, 1: A100 (trainers); ranks 2..: cpu (samplers)
+    results = spawn_local(train_pipeline, 2 + cpus, cluster, str(tmp_path / "ckpt"), timeout_s=300)
     graph = results[0][3]
-    assert graph["mode"] == "sampled_pipeline" and graph["samplers"] == [2] and graph["trainers"] == [0, 1]
+    samplers = list(range(2, 2 + cpus))
+    assert graph["mode"] == "sampled_pipeline" and graph["samplers"] == samplers and graph["trainers"] == [0, 1]
     ref_losses, ref_state = train_sampled_reference(pipe_case(), PIPE, PIPE_STEPS)
     for rank in graph["trainers"]:
         losses, state, calls = results[rank][:3]
         assert calls == 0, f"trainer rank {rank} sampled {calls} times"
         assert_matches_reference(losses, state, ref_losses, ref_state, f"rank {rank}")
-    losses, state, calls, _, what, out, shared = results[2]
-    # the sampler: every layer of both trainers' batches of every step, and the next step's sampled ahead
-    assert calls == 2 * 2 * (PIPE_STEPS + 1), calls
-    assert all(math.isnan(v) for v in losses) and "samples and gathers" in what
     untrained = pipe_case().model.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in untrained.items()), "the sampler's model should not train"
-    # eval_step and save hand the trainers' model to the sampler; the checkpoint holds the trained model
-    for k, v in results[0][1].items():
-        assert torch.equal(shared[k], v), f"sampler param {k} after eval_step"
-    assert torch.equal(out, results[0][5]) and torch.equal(out, results[1][5])
+    for rank in samplers:
+        losses, state, calls, _, what, out, shared = results[rank]
+        # every layer of its trainers' batches of every step, and the next step's sampled ahead
+        fed = 2 // cpus
+        assert calls == 2 * fed * (PIPE_STEPS + 1), f"sampler rank {rank} sampled {calls} times"
+        assert all(math.isnan(v) for v in losses) and "samples and gathers" in what
+        assert all(torch.equal(state[k], v) for k, v in untrained.items()), "a sampler's model should not train"
+        # eval_step and save hand the trainers' model to the sampler; the checkpoint holds the trained model
+        for k, v in results[0][1].items():
+            assert torch.equal(shared[k], v), f"sampler rank {rank} param {k} after eval_step"
+        assert torch.equal(out, results[0][5]) and torch.equal(out, results[1][5])
     model = pipe_case().model
     opt = optimizer(list(model.parameters()))
     assert load_into_model(model, tmp_path / "ckpt", opt) == PIPE_STEPS
