@@ -77,6 +77,27 @@ def test_cpu_owns_a_part_sized_to_its_speed() -> None:
     assert plan.predicted["step_time_s"] < alone_step
 
 
+def test_a_share_the_idle_check_prices_faster_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both balancers made to leave the cpu out: the idle check's faster priced share for it is adopted, so no
+    device stays idle with reason 'balance' (a faster plan the planner knew of)."""
+    import autopar.graphs.cost as cost_module
+
+    def without_cpu(fn):  # noqa: ANN001, ANN202 (a wrapper for either balancer)
+        def wrapped(total, *args):  # noqa: ANN001, ANN202
+            *rest, caps = args
+            return fn(total, *rest, [c if d == 0 else 0.0 for d, c in enumerate(caps)])
+        return wrapped
+
+    monkeypatch.setattr(cost_module, "balanced_shares", without_cpu(cost_module.balanced_shares))
+    original = GraphCostModel._level_shares
+    monkeypatch.setattr(GraphCostModel, "_level_shares",
+                        lambda self, total, caps, scale: without_cpu(lambda t, c: original(self, t, c, scale))(
+                            total, caps))
+    case = full_case()
+    plan = plan_graph(case.model, T4_CPU, case.example_inputs, case.example_target, precision="fp32")
+    assert plan.graph["shares"][1] > 0 and plan.graph["idle"] == [], (plan.graph["shares"], plan.graph["idle"])
+
+
 def test_cpu_beside_a_faster_accelerator_is_idle_with_its_reason() -> None:
     case = full_case()
     plan = plan_graph(case.model, A100_CPU, case.example_inputs, case.example_target, precision="fp32")

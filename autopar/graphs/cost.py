@@ -348,18 +348,31 @@ class GraphCostModel:
                 scale = [priced[2][d] / max(self._partition_time(d, shares[d]), 1e-15) if shares[d] else 1.0
                          for d in devices]
         best, order, chosen = self._partitioners(best, order)
-        shares, halos, compute, mems, flops, owner_edges, exact, graph_bytes = best
-        problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
-                    for d in devices if mems[d] > self.usable(d)]
-        comm = self._halo_comm(halos)
-        step = max(compute) + comm + self.sync_s
 
         def price(alt: list[int]) -> tuple[list[float], float]:
             priced = self._price_partition(alt, order)
             return priced[2], self._halo_comm(priced[1])
 
+        idle = self._idle(best[0], best[2], self._halo_comm(best[1]), fixed, best_marginal, caps, price)
+        # a zero-share device whose priced share makes the step faster takes it (the balancers' time models
+        # missed it), one device at a time, as long as that keeps paying
+        for _ in range(world):
+            better = [i for i in idle if i["why"] == "balance"]
+            if not better:
+                break
+            best = self._price_partition(min(better, key=lambda i: i["step_s"])["shares"], order)
+            idle = self._idle(best[0], best[2], self._halo_comm(best[1]), fixed, best_marginal, caps, price)
+            table = chosen.get("partitioners", {}).get(chosen.get("partitioner"))
+            if table is not None and s.edge_index is not None and order is not None:
+                table.update(step_time_s=max(best[2]) + self._halo_comm(best[1]) + self.sync_s,
+                             shares=list(best[0]), **partition_quality(s.edge_index, s.num_nodes, order, best[0]))
+        shares, halos, compute, mems, flops, owner_edges, exact, graph_bytes = best
+        problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
+                    for d in devices if mems[d] > self.usable(d)]
+        comm = self._halo_comm(halos)
+        step = max(compute) + comm + self.sync_s
         extra = {"halo": [int(h) for h in halos], "local_edges": [int(e) for e in owner_edges], "halo_exact": exact,
-                 "idle": self._idle(shares, compute, comm, fixed, best_marginal, caps, price),
+                 "idle": [{k: v for k, v in i.items() if k != "shares"} for i in idle],
                  "graph_bytes": [sum(b) for b in graph_bytes], "graph_part_bytes": [b[0] for b in graph_bytes],
                  **chosen}
         return Candidate("partition", shares, not problems, step, s.labelled, compute, comm, self.sync_s, mems,
@@ -689,7 +702,7 @@ class GraphCostModel:
                 alt_step = max(alt_compute) + alt_comm + self.sync_s
                 if not best or alt_step < best["step_s"]:
                     best = {"share": k, "step_s": alt_step, "compute_s": max(alt_compute), "comm_s": alt_comm,
-                            "own_compute_s": alt_compute[d]}
+                            "own_compute_s": alt_compute[d], "shares": alt}
             rel = best["step_s"] / step - 1 if step > 0 else 0.0
             why = "slower" if rel > 1e-3 else ("no_gain" if rel >= -1e-3 else "balance")
             out.append({**info, **best, "why": why, "fixed_s": fixed[d], "chosen_step_s": step,
