@@ -98,7 +98,9 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     Graph workloads (an integer (2, E) edge_index input and message-passing layers, or a temporal GNN) get
     the graph planner (autopar/graphs): partitioned full-graph training by default, sampled mini-batch data
     parallelism (a different estimator) only with `graph_options={"mode": "sampled_dp", ...}` (batch_size,
-    fanout, seed; see graphs.planner.plan_graph); `plan.graph` set. `captured`: as in `cost_model`.
+    fanout, seed; see graphs.planner.plan_graph), or with "mode": "sampled_pipeline" on a cluster with cpu
+    devices beside accelerators (the same sampled training; the cpu ranks sample and gather, the accelerators
+    train); `plan.graph` set. `captured`: as in `cost_model`.
 
     `sync="2bw"` or `"wsp"` (with `staleness`) allows asynchronous training (runtime/asynchronous.py): the
     plan is searched as for synchronous training and `predicted["async"]` holds the predicted step time with
