@@ -179,6 +179,20 @@ def test_a_budget_no_whole_device_type_meets_plans_on_fewer_devices() -> None:
         _plan(sizes, cluster, budget_per_hour=0.3)
 
 
+def test_a_model_that_needs_most_devices_gets_a_large_subset() -> None:
+    """On 6 one-device nodes with 0.5 MiB each, a 4-layer chain at batch 1 has no layout using all 6, and two
+    devices cannot hold it (three can): the fallback finds a plan on 3-4 of them, not a refusal."""
+    sizes = dict(layers=2, hidden=64, seq=16, batch=1)
+    chip = {"name": "chip", "based_on": "T4", "memory_GiB": 0.0005}
+    cluster = {"nodes": [{"device": chip, "devices_per_node": 1, "count": 6}]}
+    pair = {"nodes": [{"device": chip, "devices_per_node": 1, "count": 2}]}
+    with pytest.raises(InfeasibleError, match="no plan fits in memory"):
+        _plan(sizes, pair, precision="fp32")
+    plan = _plan(sizes, cluster, precision="fp32")
+    assert 3 <= len(_used(plan)) <= 4 and plan.predicted["fits"]
+    assert all("no parallel layout uses all 6 devices" in why for why in plan.predicted["idle_devices"].values())
+
+
 def test_nothing_fits_on_any_subset_refuses_for_memory() -> None:
     """No layout uses all 6 devices (batch 1: one replica; a 4-layer chain: 4 stages; one-device nodes: tp 1),
     and no subset holds the model: a memory refusal that says so, with the memory message of the largest."""
@@ -215,14 +229,16 @@ def test_estimate_of_a_plan_names_a_mismatch() -> None:
 
 
 def test_candidates_cover_every_device_count_before_the_cap() -> None:
-    """The layout fallback's candidates take turns by device count, so the cap never drops the small subsets
-    (one A100 alone is the fastest plan of a tiny model on 160 devices)."""
+    """The layout fallback's candidates take turns by device count, the largest and the smallest first, so the
+    cap drops neither the small subsets (one A100 alone is the fastest plan of a tiny model on 160 devices) nor
+    the large ones (a big model needs many)."""
     case, graph = _gpt(json.dumps(dict(layers=2, hidden=64, seq=16, batch=2), sort_keys=True))
     cluster = "16x8xA100-80GB+8x4xV100-16GB"
     cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn, captured=graph)
     cands = subsets.layout_candidates(cm)
     counts = [len(c) for c in cands[:subsets.SUBSET_SEARCHES]]
-    assert counts[0] == 1 and cm.cluster.devices[cands[0][0]].spec.name == "A100-80GB"
+    assert counts[1] == 1 and cm.cluster.devices[cands[1][0]].spec.name == "A100-80GB"
+    assert counts[0] == max(len(c) for c in cands)
     assert sorted(set(counts)) == sorted({len(c) for c in cands})  # every count within the cap
     assert max(len(c) for c in cands) <= cm.B * cm.L * 8
 

@@ -140,6 +140,13 @@ def layout_fixes(cm: Any, subset: bool = True) -> list[str]:
     return fixes
 
 
+def least_state_bytes(cm: Any) -> float:
+    """The fewest bytes the training state takes wherever it is kept: every parameter's state lives on a device
+    (state.total bytes) or, offloaded, on its host (the optimizer's fp32 copy, its gradient and moments)."""
+    host_per_param = offload_host_bytes(cm.optimizer, cm.state.weights, 1.0, 1.0, 0, ("optimizer", "params"))
+    return cm.graph.num_params() * min(cm.state.total, host_per_param)
+
+
 def memory_message(cm: Any, splitter: Any) -> str:
     """What does not fit, device or host memory, with the bytes needed and what would fix it."""
     devices, nodes = cm.cluster.devices, cm.cluster.nodes
@@ -154,9 +161,8 @@ def memory_message(cm: Any, splitter: Any) -> str:
            f"in all ({fmt_bytes(total * (1 - cm.reserve))} usable with the {100 * cm.reserve:.0f}% "
            f"reserve) and {fmt_bytes(host_total)} of host memory in its {len(nodes)} node(s) "
            f"({fmt_bytes(host_total * (1 - cm.reserve))} usable).")
-    # every parameter's state lives on a device (state.total bytes) or, offloaded, on its host
     host_per_param = offload_host_bytes(cm.optimizer, cm.state.weights, 1.0, 1.0, 0, ("optimizer", "params"))
-    least = P * min(cm.state.total, host_per_param)
+    least = least_state_bytes(cm)
     dev, host = splitter.closest, splitter.closest_host
     fixes = []
     if least > (total + host_total) * (1 - cm.reserve):
@@ -211,4 +217,4 @@ def _option_text(opt: object) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["layout_fixes", "layout_message", "layouts", "memory_message", "message"]
+__all__ = ["layout_fixes", "layout_message", "layouts", "least_state_bytes", "memory_message", "message"]

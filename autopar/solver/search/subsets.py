@@ -16,8 +16,9 @@ the planner leaves devices idle rather than refuse. Three reasons, the first two
   layout  no layout uses every device (too small a global batch for the replicas, too few layers for the
           stages, node sizes tp cannot divide). Candidates (`layout_candidates`): per node group (nodes
           alike, `Node.group`) its first n nodes with the first c devices of each, every combination that
-          has a layout (`configs.layouts`) and at most B x L x (largest node) devices, taking turns by device
-          count (the most peak FLOP/s first within a count), at most SUBSET_SEARCHES of them. Each is
+          has a layout (`configs.layouts`), at most B x L x (largest node) devices and memory enough for the
+          training state, taking turns by device count (the largest and the smallest first, the most peak
+          FLOP/s first within a count), at most SUBSET_SEARCHES of them. Each is
           searched with the best step found so far as its cutoff (`Search(cutoff=)`), so a subset that
           cannot beat the incumbent ends at its first configuration's bound.
   memory  layouts exist but nothing fits: a device type too small to hold even its smallest share. The
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -163,16 +166,36 @@ def _devices(cluster: Cluster, choice: tuple[tuple[int, int], ...], groups: list
             for d in cluster.nodes[k].devices[:c]]
 
 
+def _node_counts(count: int) -> list[int]:
+    """How many of a group's `count` nodes a candidate takes: 1-4, the powers of two and all of them."""
+    return sorted({n for n in range(1, min(count, 4) + 1)} | {1 << k for k in range(count.bit_length())
+                                                              if 1 << k <= count} | {count})
+
+
+def _alternate(xs: list) -> list:
+    """[a, b, c, d, e] -> [e, a, d, b, c]: the largest and the smallest first, then inwards."""
+    out, lo, hi = [], 0, len(xs) - 1
+    while lo <= hi:
+        out.append(xs[hi])
+        if lo < hi:
+            out.append(xs[lo])
+        lo, hi = lo + 1, hi - 1
+    return out
+
+
 def layout_candidates(cm: CostModel) -> list[list[int]]:
     """Device subsets for a cluster no layout covers (module docstring, "layout"): the first n nodes of each
-    node group with the first c devices of each, every combination with a layout and at most B x L x the
-    largest node's devices. Ordered so that every size gets its turn before SUBSET_SEARCHES cuts the list: the
-    subsets of each device count by peak FLOP/s (most first), then in rounds over the counts, fewest devices
-    first (the best of each count, then the second best of each, ...)."""
+    node group (n = 1-4, the powers of two and all) with the first c devices of each, every combination with
+    a layout, at most B x L x the largest node's devices and memory enough for the training state
+    (`infeasible.least_state_bytes`). Ordered so that every size gets its turn before SUBSET_SEARCHES cuts
+    the list: the subsets of each device count by peak FLOP/s (most first), then in rounds over the counts,
+    the largest and the smallest first and inwards (a big model needs many devices, a small one is fastest
+    on few), the best of each count, then the second best of each, ..."""
     cluster, flops = cm.cluster, [d.spec.flops(cm.precision) for d in cm.cluster.devices]
     groups = _groups(cluster)
     cap = cm.B * cm.L * max(len(n.devices) for n in cluster.nodes)
-    options = [[(0, 0)] + [(n, c) for n in range(1, len(nodes) + 1)
+    least = infeasible.least_state_bytes(cm) / (1 - cm.reserve)
+    options = [[(0, 0)] + [(n, c) for n in _node_counts(len(nodes))
                            for c in range(1, min(len(cluster.nodes[k].devices) for k in nodes) + 1)]
                for nodes in groups]
     by_count: dict[int, list[tuple[float, int, list[int]]]] = {}
@@ -180,10 +203,15 @@ def layout_candidates(cm: CostModel) -> list[list[int]]:
         count = sum(n * c for n, c in choice)
         if count == 0 or count > cap or count == cluster.world_size:
             continue
+        memory = sum(n * c * cluster.devices[cluster.nodes[nodes[0]].devices[0]].spec.memory
+                     + sum(cluster.nodes[k].host_memory for k in nodes[:n])
+                     for (n, c), nodes in zip(choice, groups, strict=True) if n)
+        if memory < least:  # not even the training state fits, wherever it is kept
+            continue
         devices = _devices(cluster, choice, groups)
         if infeasible.layouts(cm, cluster=cluster.subset(devices)):
             by_count.setdefault(count, []).append((-sum(flops[d] for d in devices), i, devices))
-    ranked = [sorted(v) for _, v in sorted(by_count.items())]
+    ranked = [sorted(v) for _, v in _alternate(sorted(by_count.items()))]
     return [r[k][2] for k in range(max(map(len, ranked), default=0)) for r in ranked if k < len(r)]
 
 
@@ -233,9 +261,15 @@ def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: Infe
     if not cands:
         raise error
     share = max(1.0, time_limit_s / len(cands))
+    deadline = time.perf_counter() + time_limit_s
     found: list[tuple[float, int, list[int], Plan]] = []
     largest: tuple[int, InfeasibleError] | None = None
     for i, keep in enumerate(cands):
+        if found and time.perf_counter() > deadline:
+            warnings.warn(f"planning stopped at the wall-clock guard ({time_limit_s:.3g} s left for the device "
+                          f"subsets) after {i} of the {len(cands)} subsets: this plan depends on the machine's speed "
+                          f"and load. Raise time_limit_s for every subset to be searched.", stacklevel=4)
+            break
         cutoff = min((f[0] for f in found), default=math.inf) if objective == "time" else math.inf
         try:
             plan = run(cm.on_subset(keep), share, cutoff)
