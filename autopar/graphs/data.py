@@ -43,15 +43,7 @@ def random_graph(nodes: int, avg_degree: float, features: int = 16, classes: int
     else:
         dst = torch.randint(0, nodes, (edges,), generator=g)
     keep = src != dst
-    edge_index = torch.stack([src[keep], dst[keep]])
-    x = torch.randn(nodes, features, generator=g)
-    proj = torch.randn(features, classes, generator=g)
-    deg = torch.zeros(nodes).index_add_(0, edge_index[1], torch.ones(edge_index.shape[1])).clamp(min=1)
-    neigh = torch.zeros_like(x).index_add_(0, edge_index[1], x[edge_index[0]]) / deg[:, None]
-    y = ((x + neigh) @ proj).argmax(dim=1)
-    if labelled < 1.0:
-        y[torch.rand(nodes, generator=g) >= labelled] = IGNORE
-    return GraphData(x, edge_index, y)
+    return _with_labels(torch.stack([src[keep], dst[keep]]), nodes, features, classes, g, labelled)
 
 
 def clustered_graph(nodes: int, blocks: int, avg_degree: float, features: int = 16, classes: int = 4, *,
@@ -80,6 +72,7 @@ def clustered_graph(nodes: int, blocks: int, avg_degree: float, features: int = 
 
 def _with_labels(edge_index: torch.Tensor, nodes: int, features: int, classes: int, g: torch.Generator,
                  labelled: float) -> GraphData:
+    """Gaussian features and labels from them and the in-neighbours' mean (a fraction `labelled` kept)."""
     x = torch.randn(nodes, features, generator=g)
     proj = torch.randn(features, classes, generator=g)
     deg = torch.zeros(nodes).index_add_(0, edge_index[1], torch.ones(edge_index.shape[1])).clamp(min=1)
