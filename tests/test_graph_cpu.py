@@ -28,12 +28,12 @@ from autopar.graphs.cost import GraphCostModel
 from autopar.graphs.data import clustered_graph
 from autopar.graphs.models import GRAPH_CASES, PyGNet
 from autopar.graphs.planner import graph_stats, plan_graph
-from autopar.graphs.sampling import labelled_nodes, sampled_graph, seeds_for_step
 from autopar.model_case import ModelCase, train_reference
 from autopar.runtime.checkpoint import load_into_model
 from autopar.runtime.launch import spawn_local
 
 from .runtime_cases import assert_matches_reference
+from .test_graphs import optimizer, train_sampled_reference
 
 pytest.importorskip("torch_geometric")
 
@@ -45,10 +45,6 @@ A100_CPU = {"nodes": [{"device": "A100-80GB"}, {"device": "cpu"}]}
 PIPE_CLUSTER = "1x2xA100-80GB+1x1xcpu"  # ranks 0, 1: A100 (trainers); rank 2: cpu (sampler)
 PIPE = {"mode": "sampled_pipeline", "batch_size": 48, "fanout": 3, "seed": 5}
 PIPE_STEPS = 4
-
-
-def optimizer(params: list) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
 def full_case() -> ModelCase:
@@ -145,21 +141,6 @@ def train_pipeline(rank: int, world: int, cluster: str, ckpt: str) -> tuple:
     out = prog.eval_step(*case.example_inputs)
     prog.save(ckpt)
     return losses, trained, calls["sample"], prog.plan.graph, prog.what_runs(), out, prog.state_dict()["model"]
-
-
-def train_sampled_reference(case: ModelCase, opts: dict, steps: int) -> tuple[list[float], dict]:
-    """One process training the plain model on each step's whole sampled graph, loss on that step's seeds."""
-    x, edge_index = case.example_inputs
-    y, opt, losses = case.example_target, optimizer(list(case.model.parameters())), []
-    for step in range(steps):
-        seeds = seeds_for_step(labelled_nodes(y), opts["batch_size"], step, opts["seed"])
-        graph = sampled_graph(edge_index, x.shape[0], opts["fanout"], step, opts["seed"])
-        loss = case.loss_fn(case.model(x, graph)[seeds], y[seeds])
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
 
 
 @pytest.mark.timeout(600)
