@@ -185,15 +185,15 @@ def price_async(plan: Plan, model: nn.Module, example_inputs: tuple = (), exampl
 
 def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, strategy: Strategy | Plan,
              example_inputs: tuple = (), example_target: Any = None, loss_fn: LossFn | None = None,
-             optimizer: object = "adamw", precision: str | None = None, *,
-             memory_reserve: float = 0.1, kernels: str = "auto", captured: TrainingGraph | None = None,
+             optimizer: object = None, precision: str | None = None, *,
+             memory_reserve: float | None = None, kernels: str = "auto", captured: TrainingGraph | None = None,
              profiles: dict[str, Profile] | None = None,
              profile: BlockProfile | str | os.PathLike | None = None) -> Estimate:
     """Price a hand-written Strategy with the planner's cost model (Megatron rank order), or reprice a Plan
     (`autopar.plan`'s, or `Plan.from_json` of a saved one: its layout, shares and options as they are, its
     devices left out idle) on `cluster`; a Plan is priced at its own precision, optimizer and memory reserve
     unless given others (PlanError when `precision` or `optimizer` differ from the plan's, or the cluster's
-    devices do).
+    devices do). A Strategy is priced with `optimizer` "adamw" and `memory_reserve` 0.1 unless given.
 
     A strategy that does not fit is priced anyway: `predicted["fits"]` is False, `predicted["memory_problems"]`
     says which devices overflow by how much, and `explain()` starts with DOES NOT FIT. `captured`: as in
@@ -201,16 +201,14 @@ def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, stra
     if not isinstance(strategy, (Strategy, Plan)):
         raise PlanError(f"strategy must be an autopar.Strategy (e.g. Strategy(dp=2, pp=2)) or a Plan, got "
                         f"{type(strategy).__name__}.")
-    check_memory_reserve(memory_reserve)
     if isinstance(strategy, Plan) and strategy.graph is not None:
         raise PlanError("estimate() reprices plans of layer chains; a graph workload's plan (plan.graph set) is "
                         "priced by autopar.plan(..., graph_options=...).")
-    if isinstance(strategy, Plan):
-        precision = precision or strategy.precision
-        if optimizer == "adamw":  # the defaults: the plan's own
-            optimizer = strategy.optimizer
-        if memory_reserve == 0.1:
-            memory_reserve = strategy.memory_reserve
+    own = strategy if isinstance(strategy, Plan) else None  # a Plan's own settings, where none are given
+    precision = precision or (own.precision if own else None)
+    optimizer = optimizer if optimizer is not None else (own.optimizer if own else "adamw")
+    memory_reserve = check_memory_reserve(memory_reserve if memory_reserve is not None
+                                          else (own.memory_reserve if own else 0.1))
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
                     memory_reserve, kernels, captured=captured, profiles=profiles, profile=profile)
     est = price_plan(cm, strategy) if isinstance(strategy, Plan) else price_strategy(cm, strategy)

@@ -226,6 +226,12 @@ def test_estimate_of_a_plan_names_a_mismatch() -> None:
     with pytest.raises(PlanError, match="made for precision"):
         autopar.estimate(case.model, "1x2xA100-80GB", plan, case.example_inputs, case.example_target,
                          case.loss_fn, precision="fp32", captured=graph)
+    # a plan made for SGD is priced for SGD, and an optimizer named otherwise (even the default's) is a mismatch
+    sgd = _plan(sizes, "1x2xA100-80GB", optimizer="sgd")
+    assert _estimate(sizes, "1x2xA100-80GB", sgd).plan.optimizer == "sgd"
+    with pytest.raises(PlanError, match="made for optimizer 'sgd'"):
+        autopar.estimate(case.model, "1x2xA100-80GB", sgd, case.example_inputs, case.example_target,
+                         case.loss_fn, "adamw", captured=graph)
 
 
 def test_candidates_cover_every_device_count_before_the_cap() -> None:

@@ -129,9 +129,9 @@ def fastest_types(cm: CostModel) -> list[list[int]]:
 
 
 def without_slow_types(cm: CostModel, run: Searcher, whole: Plan, time_limit_s: float) -> Plan:
-    """`whole` (the fastest plan on every device), or a faster one that leaves device types out (module
-    docstring, "Too slow to pay for itself"): each union of types that leaves one out, searched with the best
-    step so far as its cutoff, the devices it drops idle with both step times as the reason."""
+    """`whole` (the fastest plan on every device), or a faster one that leaves the slowest device types out
+    (module docstring, "Too slow to pay for itself"): the fastest k types (`fastest_types`), each searched with
+    the best step so far as its cutoff, the devices it drops idle with both step times as the reason."""
     subsets = fastest_types(cm)
     if not subsets:
         return whole
@@ -271,14 +271,15 @@ def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: Infe
                           f"and load. Raise time_limit_s for every subset to be searched.", stacklevel=4)
             break
         cutoff = min((f[0] for f in found), default=math.inf) if objective == "time" else math.inf
+        sub = cm.on_subset(keep)
         try:
-            plan = run(cm.on_subset(keep), share, cutoff)
+            plan = run(sub, share, cutoff)
         except InfeasibleError as e:
             memory = sum(cm.cluster.devices[d].spec.memory for d in keep)
             if not found and (largest is None or memory > largest[0]):
                 largest = (memory, e)
             continue
-        s = score(plan.predicted, cm.cluster.subset(keep), objective, budget_per_hour)
+        s = score(plan.predicted, sub.cluster, objective, budget_per_hour)
         if s < math.inf:
             found.append((s, i, keep, plan))
     if not found:
