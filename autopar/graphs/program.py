@@ -29,7 +29,7 @@ from ..runtime.dist import DEFAULT_TIMEOUT_S, all_reduce, broadcast
 from ..runtime.precision import PrecisionPolicy
 from ..runtime.program import OptimizerFactory, make_optimizer
 from ..runtime.whole_model import WholeModelState
-from .data import check_graph_inputs
+from .data import IGNORE, check_graph_inputs
 from .halo import halo_exchange, partition_graph
 from .layers import LocalGraph, local_layers, message_passing_layers
 from .partitioners import partition_order
@@ -126,7 +126,7 @@ class GraphProgram(WholeModelState):
             self.part = replace(data.part, **{k: getattr(data.part, k).to(device)
                                               for k in ("owned", "edges", "degree", "send_index")})
             self.x_local, self.y_local = data.x.to(device), data.y.to(device)
-            self.local_labelled = int((data.y != -100).sum())
+            self.local_labelled = int((data.y != IGNORE).sum())
             self.device = device
             self.policy = PrecisionPolicy.of_plan(plan, device, timeout_s)
 
