@@ -261,7 +261,7 @@ def test_item7_strategy_that_does_not_fit_trains_with_a_warning(strategy_results
 
 def test_item7_inconsistent_strategy_is_a_clear_error_on_every_rank(strategy_results: list) -> None:
     for res in strategy_results:
-        assert res[3].startswith("PlanError: dp * tp * pp = 3 * 1 * 1 = 3, but the cluster has 2"), res[3]
+        assert res[3].startswith("PlanError: dp * tp * cp * pp = 3 * 1 * 1 * 1 = 3, but the cluster has 2"), res[3]
 
 
 # ---- item 8: `autopar run train.py --cluster c.yaml` ----------------------------------------------------

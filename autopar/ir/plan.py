@@ -44,6 +44,7 @@ from .schedule import SCHEDULES
 from .simulate import SimResult
 
 OFFLOAD_KINDS = ("optimizer", "activations", "params")
+CP_ATTENTION = ("ring", "ulysses")
 
 
 def recompute_count(recompute: bool | int, blocks: int, where: str = "Stage.recompute") -> int:
@@ -79,6 +80,12 @@ class Stage:
     # tensor-parallel placements the intra-op ILP chose for the stage's repeated blocks (predicted
     # tp_source "ilp"): model parameter name -> "replicate" | "shard(d)"; None runs Megatron's placements
     sharding: dict[str, str] | None = None
+    # context parallelism: `devices` is cp tensor-parallel groups of tp devices each (tp fastest); cp rank c
+    # runs devices[c * tp:(c + 1) * tp] on its zigzag share of every sequence's tokens (runtime/
+    # ring_attention.py), attention exchanging keys and values around the group by `cp_attention`
+    # ("ring" | "ulysses"). Every stage of a pipeline has the same cp.
+    cp: int = 1
+    cp_attention: str = "ring"
     # fwd_s/bwd_s: one full micro-batch; fwd_small_s/bwd_small_s: one of microbatch_size - 1 samples;
     # send_s: activation transfer to the next stage; sync_s: end-of-step gradient sync and optimizer step;
     # compute_s, comm_s, bubble_s (pipeline bubble, see Plan.predicted): per step. Seconds throughout.
@@ -86,7 +93,12 @@ class Stage:
 
     @property
     def tp(self) -> int:
-        return len(self.devices)
+        return len(self.devices) // max(self.cp, 1)
+
+    def cp_groups(self) -> list[list[int]]:
+        """The stage's tensor-parallel groups, one per cp rank (one group without context parallelism)."""
+        tp = self.tp
+        return [list(self.devices[c * tp:(c + 1) * tp]) for c in range(self.cp)]
 
 
 @dataclass
@@ -290,12 +302,16 @@ class Strategy:
     offload: tuple[str, ...] = ()
     compress: str | None = None
     ep: int = 1  # expert-parallel degree: consecutive groups of ep replicas share their MoE experts
+    cp: int = 1  # context-parallel degree: each sequence's tokens split over cp groups of tp devices
+    cp_attention: str = "ring"  # "ring" (keys/values travel around the group) | "ulysses" (all-to-all by heads)
 
     def check(self) -> None:
         """PlanError naming the field when a count or size is not a number of the right kind (ranges that
         need the model and the cluster to judge are `plan_from_strategy`'s, which calls this)."""
-        for name in ("dp", "tp", "pp", "ep"):
+        for name in ("dp", "tp", "pp", "ep", "cp"):
             check_number(f"Strategy.{name}", getattr(self, name), integer=True, low=1)
+        if self.cp_attention not in CP_ATTENTION:
+            raise PlanError(f"Strategy.cp_attention = {self.cp_attention!r}; choose one of {list(CP_ATTENTION)}.")
         for name in ("microbatch_size", "chunks"):
             check_number(f"Strategy.{name}", getattr(self, name), integer=True, low=1, optional=True)
         check_number("Strategy.zero", self.zero, integer=True)
@@ -317,10 +333,10 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
     """The Plan (without predictions) a Strategy describes; PlanError when it is inconsistent."""
     st = strategy
     st.check()
-    if st.dp * st.tp * st.pp != world_size:
-        raise PlanError(f"dp * tp * pp = {st.dp} * {st.tp} * {st.pp} = {st.dp * st.tp * st.pp}, but the "
-                        f"cluster has {world_size} devices; every device must get one tensor-parallel "
-                        f"rank of one stage.")
+    if st.dp * st.tp * st.cp * st.pp != world_size:
+        raise PlanError(f"dp * tp * cp * pp = {st.dp} * {st.tp} * {st.cp} * {st.pp} = "
+                        f"{st.dp * st.tp * st.cp * st.pp}, but the cluster has {world_size} devices; every "
+                        f"device must get one tensor-parallel rank of one stage.")
     if st.schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {st.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     chunks = (st.chunks or 2) if st.schedule == "interleaved_1f1b" else 1
@@ -370,11 +386,12 @@ def plan_from_strategy(strategy: Strategy, *, world_size: int, global_batch: int
         if chunks > 1 and m % st.pp:
             raise PlanError(f"interleaved_1f1b needs the micro-batch count ({m} for replica {d}) to be a "
                             f"multiple of pp={st.pp}; change microbatch_size or the batch split.")
+        width = st.tp * st.cp  # Megatron's order: tp fastest, then cp, then dp, then pp
         stages = [Stage([edges[j], edges[j + 1]],
-                        [(j % st.pp) * st.dp * st.tp + d * st.tp + k for k in range(st.tp)],
+                        [(j % st.pp) * st.dp * width + d * width + k for k in range(width)],
                         st.zero, st.recompute if isinstance(st.recompute, bool) else min(st.recompute, split[j]),
                         [k for k in OFFLOAD_KINDS if k in st.offload],
-                        st.compress if j + 1 < stages_per_pipe else None)
+                        st.compress if j + 1 < stages_per_pipe else None, cp=st.cp, cp_attention=st.cp_attention)
                   for j in range(stages_per_pipe)]
         pipelines.append(Pipeline(share, mbs, m, stages))
     return Plan(global_batch=global_batch, schedule=st.schedule, chunks=chunks, pipelines=pipelines,
@@ -398,7 +415,7 @@ class Estimate:
         return self.plan.explain()
 
 
-__all__ = ["OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule",
+__all__ = ["CP_ATTENTION", "OFFLOAD_KINDS", "Estimate", "Pipeline", "Plan", "Stage", "Strategy", "cached_schedule",
            "even_split", "layerwise_stages", "plan_from_strategy",
            "recompute_count", "simulate_pipeline", "simulate_stages", "simulate_times",
            "simulated_step_time", "stage_times", "wgrad_times"]
