@@ -71,7 +71,17 @@ def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: 
     """Check a layout for consistency and index rank positions."""
     positions: dict[int, Position] = {}
     covered = 0
-    for p in sorted(pipelines, key=lambda p: p.batch_offset):
+    for p in sorted(pipelines, key=lambda p: (p.batch_offset, p.seq_part[0])):
+        c, cp = p.seq_part
+        if not (isinstance(cp, int) and cp >= 1 and 0 <= c < cp):
+            raise PlanError(f"pipeline {p.index}: context-parallel part {p.seq_part} is not (c, cp) with 0 <= c < cp.")
+        if c > 0:  # a cp sibling takes the same samples as its group's first pipeline
+            first = next(q for q in pipelines if q.batch_offset == p.batch_offset and q.seq_part == (0, cp))
+            if (p.batch_size, p.num_microbatches, p.bounds(), p.schedule, p.chunks) != \
+                    (first.batch_size, first.num_microbatches, first.bounds(), first.schedule, first.chunks):
+                raise PlanError(f"pipeline {p.index} is context-parallel rank {c} of pipeline {first.index} but "
+                                f"differs from it in batch, micro-batches, stages or schedule.")
+            covered -= p.batch_size
         if p.batch_offset != covered:
             raise PlanError(f"pipeline {p.index} takes samples from {p.batch_offset}, expected {covered}: batch "
                             f"shares must tile the global batch.")
@@ -104,6 +114,26 @@ def make_layout(pipelines: list[PipelineLayout], world_size: int, global_batch: 
     return Layout(tuple(pipelines), world_size, global_batch, positions, ep)
 
 
+def _pipeline_cp(index: int, p: Pipeline) -> int:
+    """The context-parallel degree of plan pipeline `index` (every stage's; PlanError when they differ or a
+    stage's devices are not cp groups of equal size)."""
+    cps = {s.cp for s in p.stages}
+    if len(cps) != 1:
+        raise PlanError(f"pipeline {index}: its stages have context-parallel degrees {sorted(cps)}; every stage of "
+                        f"a pipeline splits the sequence the same way (one cp for the pipeline).")
+    cp = cps.pop()
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise PlanError(f"pipeline {index}: Stage.cp must be an integer >= 1, got {cp!r}.")
+    for j, s in enumerate(p.stages):
+        if len(s.devices) % cp:
+            raise PlanError(f"pipeline {index} stage {j}: {len(s.devices)} devices are not cp={cp} tensor-parallel "
+                            f"groups of equal size; give it a multiple of {cp} devices.")
+        if s.cp_attention not in ("ring", "ulysses"):
+            raise PlanError(f"pipeline {index} stage {j}: cp_attention={s.cp_attention!r}; choose 'ring' or "
+                            f"'ulysses'.")
+    return cp
+
+
 def layout_of(plan: Plan, num_layers: int) -> Layout:
     """The rank-level layout of a Plan (pipelines in order take consecutive slices of the batch)."""
     if plan.model.get("num_layers") not in (None, num_layers):
@@ -111,13 +141,15 @@ def layout_of(plan: Plan, num_layers: int) -> Layout:
                         f"this model has {num_layers}: plan again for this model.")
     pipelines, offset = [], 0
     for i, p in enumerate(plan.pipelines):
-        stages = tuple(
-            StageLayout((int(s.layers[0]), int(s.layers[1])), tuple(s.devices), s.zero, s.recompute,
-                        tuple(s.offload), s.compress,
-                        None if s.sharding is None else tuple(sorted(s.sharding.items())))
-            for s in p.stages)
-        pipelines.append(PipelineLayout(i, stages, offset, p.batch_share, p.num_microbatches, plan.schedule,
-                                        plan.chunks))
+        cp = _pipeline_cp(i, p)
+        for c in range(cp):
+            stages = tuple(
+                StageLayout((int(s.layers[0]), int(s.layers[1])), tuple(s.cp_groups()[c]), s.zero, s.recompute,
+                            tuple(s.offload), s.compress,
+                            None if s.sharding is None else tuple(sorted(s.sharding.items())))
+                for s in p.stages)
+            pipelines.append(PipelineLayout(len(pipelines), stages, offset, p.batch_share, p.num_microbatches,
+                                            plan.schedule, plan.chunks, (c, cp), i))
         offset += p.batch_share
     world = Cluster.load(plan.cluster).world_size
     ep = int((plan.experts or {}).get("degree", 1))
@@ -304,11 +336,12 @@ def lower(plan: Plan, graph: TrainingGraph, rank: int) -> RankProgram:
 
 
 def process_groups(layout: Layout, holders: dict[str, tuple[Group, ...]]) -> tuple[Group, ...]:
-    """The rank sets the runtime makes process groups of: every stage's tensor-parallel group and, per
-    parameter, the set of its holding groups' first ranks (its data-parallel replicas)."""
+    """The rank sets the runtime makes process groups of: every stage's tensor-parallel group, per
+    parameter the set of its holding groups' first ranks (its data-parallel and context-parallel replicas),
+    and every context-parallel group (`Layout.cp_groups`: the ring of ranks exchanging keys and values)."""
     tp_groups = {tuple(st.ranks) for p in layout.pipelines for st in p.stages}
     reps = {tuple(g[0] for g in groups) for groups in holders.values()}
-    return tuple(sorted(tp_groups | reps))
+    return tuple(sorted(tp_groups | reps | set(layout.cp_groups())))
 
 
 def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int

@@ -73,7 +73,8 @@ def conditioning(name: str, kwargs: dict, micro: tuple[int, ...] = (1, 4), steps
 
 def plan_for(graph: Any, world: int, spec: dict) -> Plan:
     """The Plan a test spec describes, as `autopar.plan` would write it (no predictions): Megatron rank order
-    from `plan_from_strategy` (dp, tp, pp, layer_split, batch_split, zero, recompute, chunks, offload,
+    from `plan_from_strategy` (dp, tp, cp, cp_attention, pp, layer_split, batch_split, zero, recompute, chunks,
+    offload,
     compress; "m": micro-batches per replica, at most its share, sizes as even as possible), or explicit
     replicas (`"pipelines": [{"batch": n, "m": k, "stages": [(blocks, ranks), ...]}]`: the first stage also
     takes the layers before the blocks, the last those after); "ep": expert-parallel degree, "sharding": an
@@ -106,6 +107,7 @@ def plan_for(graph: Any, world: int, spec: dict) -> Plan:
                             layer_split=spec.get("layer_split"), batch_split=spec.get("batch_split"),
                             chunks=spec.get("chunks") if schedule == "interleaved_1f1b" else None,
                             offload=tuple(spec.get("offload", ())), compress=spec.get("compress"),
+                            cp=spec.get("cp", 1), cp_attention=spec.get("cp_attention", "ring"),
                             microbatch_size=1)  # micro-batch counts are set below from "m"
         plan = plan_from_strategy(strategy, world_size=world, global_batch=batch, num_layers=n_layers,
                                   first_block=1, num_blocks=blocks, **fields)

@@ -49,6 +49,16 @@ class PipelineLayout:
     num_microbatches: int
     schedule: str = "1f1b"
     chunks: int = 1
+    # context parallelism: (c, cp) for cp rank c of a plan pipeline whose stages have cp > 1. The lowering
+    # makes one PipelineLayout per cp rank, each on its tensor-parallel groups, all taking the same samples;
+    # this one computes on zigzag share c of every sequence's tokens (runtime/context_parallel.py)
+    seq_part: tuple[int, int] = (0, 1)
+    origin: int = -1  # the index of the plan's pipeline this one lowers (-1: `index`)
+
+    @property
+    def plan_index(self) -> int:
+        """The index of this pipeline in `Plan.pipelines` (cp siblings share one)."""
+        return self.index if self.origin < 0 else self.origin
 
     @property
     def num_groups(self) -> int:
@@ -104,6 +114,26 @@ class Layout:
 
     def position(self, rank: int) -> Position | None:
         return self.positions.get(rank)
+
+    def cp_siblings(self, pipeline: int) -> tuple[PipelineLayout, ...]:
+        """The pipelines of `pipeline`'s context-parallel group in cp order (itself alone without cp)."""
+        p = self.pipelines[pipeline]
+        if p.seq_part[1] == 1:
+            return (p,)
+        return tuple(sorted((q for q in self.pipelines if q.batch_offset == p.batch_offset
+                             and q.seq_part[1] == p.seq_part[1]), key=lambda q: q.seq_part[0]))
+
+    def cp_groups(self) -> list[Group]:
+        """Every context-parallel group of ranks: per cp pipeline group, stage and tensor-parallel index,
+        the rank of each cp sibling (ring order)."""
+        out: set[Group] = set()
+        for p in self.pipelines:
+            if p.seq_part[1] > 1 and p.seq_part[0] == 0:
+                sib = self.cp_siblings(p.index)
+                for s, st in enumerate(p.stages):
+                    for t in range(len(st.ranks)):
+                        out.add(tuple(q.stages[s].ranks[t] for q in sib))
+        return sorted(out)
 
 
 

@@ -321,6 +321,24 @@ def _random(target: Any, args: tuple, kwargs: dict) -> bool:
     return p is None or p > 0
 
 
+def _draws(target: Any, args: tuple, kwargs: dict) -> bool:
+    """`_random`, with dropouts of p = 0 or train=False drawing nothing."""
+    if not _random(target, args, kwargs):
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "p" in names and "train" in names:
+        p, train = (args[names.index(k)] if len(args) > names.index(k) else kwargs.get(k, d)
+                    for k, d in (("p", 0.5), ("train", True)))
+        return bool(p) and train is not False
+    return True
+
+
+def draws_random(gm: fx.GraphModule) -> list[str]:
+    """The random ops `gm` calls that draw values (a dropout with p = 0 draws none), sorted and distinct."""
+    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and _draws(n.target, n.args,
+                                                                                             n.kwargs)})
+
+
 def keyed_randomness(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` with every random op drawing from the keyed stream (in place; returned). An op not covered
     warns once per program (RandomnessWarning) and keeps torch's generator."""
@@ -346,5 +364,5 @@ def keyed_randomness(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-__all__ = ["Draws", "block_of", "draws", "keyed_attention", "keyed_call", "keyed_dropout",
+__all__ = ["Draws", "block_of", "draws", "draws_random", "keyed_attention", "keyed_call", "keyed_dropout",
            "keyed_randomness", "op_key", "remembering", "uniform_like"]

@@ -42,10 +42,36 @@ def eval_step(prog: Program, inputs: tuple) -> Any:
             prog.zero.prepare(whole=True)
             local = _forward(prog, inputs)
             prog.zero.release()
-        sources = [p.stages[-1].ranks[0] for p in sorted(prog.layout.pipelines, key=lambda p: p.batch_offset)]
+        pipes = sorted(prog.layout.pipelines, key=lambda p: (p.batch_offset, p.seq_part[0]))
+        sources = [p.stages[-1].ranks[0] for p in pipes]
         mine = local if prog.rank in sources else None
         out = concat_from(mine, sources, prog.world_size, prog.timeout_s, prog.device, prog.comm.world)
+        if any(p.seq_part[1] > 1 for p in pipes):
+            out = [_join_tokens(t, pipes, int(inputs[0].shape[1])) for t in out]
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _join_tokens(t: torch.Tensor, pipes: list, seq: int) -> torch.Tensor:
+    """The whole batch's output from the concatenated parts of every pipeline (in `pipes` order): a
+    context-parallel group's parts each hold their rank's tokens on dimension 1, put back in sequence order."""
+    from .context_parallel import ContextParallel
+
+    parts, at = [], 0
+    for p in pipes:
+        if p.seq_part[0] == 0:
+            parts.append([])
+        parts[-1].append(t[at:at + p.batch_size])
+        at += p.batch_size
+    joined = []
+    for group in parts:
+        if len(group) == 1:
+            joined.append(group[0])
+            continue
+        whole = group[0].new_empty((group[0].shape[0], seq, *group[0].shape[2:]))
+        for piece, pos in zip(group, ContextParallel.parts(seq, len(group)), strict=True):
+            whole[:, pos.to(whole.device)] = piece
+        joined.append(whole)
+    return torch.cat(joined)
 
 
 def _has_model_output(prog: Program) -> bool:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import implicit_replication
 
-from ..codegen.split import StageProgram, split_stages
+from ..codegen.split import StageProgram, model_outputs, split_stages
 from ..errors import FusedKernelWarning, PlanError
 from ..ir.graph import TrainingGraph
 from ..ir.lowered import PipelineLayout, RankProgram
@@ -35,7 +35,9 @@ from ..ir.schedule import MEMORY_OF, Action
 from ..ir.schedule_nccl import TRANSFER_KINDS
 from ..lowering import lower
 from ..passes.capture import LossFn, capture
-from ..passes.randomness import Draws, draws, keyed_randomness, remembering
+from ..passes.randomness import Draws, draws, draws_random, keyed_randomness, remembering
+from ..passes.sequence_split import loss_is_token_mean, sequence_roles
+from .context_parallel import ContextParallel
 from .devices import CommDevices, check_one_device_kind, move_to, plan_rank_device
 from .dist import (
     DEFAULT_TIMEOUT_S,
@@ -176,6 +178,7 @@ class Program:
                 self.tp = TPStage(mesh, spec)
                 if self.experts:
                     self.experts.adapt_tp(self.tp, spec_graph)
+        self.cp = self._context_parallel(example_inputs)  # None without context parallelism
         self._stages: dict[tuple[int, int], StageProgram] = {}  # (stage, micro-batch size) -> program
         self.params: dict[str, nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
@@ -286,10 +289,29 @@ class Program:
         return BucketedGradSync(self.params, first_use_order(self.graph, set(self.params)),
                                 self.groups.get(group), self.timeout_s, carry_loss, self.comm.of(group))
 
+    def _context_parallel(self, inputs: tuple) -> ContextParallel | None:
+        """This rank's context-parallel part (runtime/context_parallel.py), or None when its pipeline has cp 1."""
+        if self.position is None or self.pipeline.seq_part[1] == 1:
+            return None
+        c, cp = self.pipeline.seq_part
+        first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+        if first is None:
+            raise PlanError(f"context parallelism (cp={cp}) splits each sequence along dimension 1 of the model's "
+                            f"inputs, but no input has two dimensions (batch, seq): use cp=1 for this model.")
+        if self.experts:
+            raise PlanError("context parallelism with expert parallelism is not supported: use cp=1 or ep=1.")
+        pos = self.position
+        group = tuple(q.stages[pos.stages[0]].ranks[pos.tp_index] for q in self.layout.cp_siblings(pos.pipeline))
+        plan_stage = self.plan.pipelines[self.pipeline.plan_index].stages[pos.stages[0]]
+        return ContextParallel(int(first.shape[1]), cp, c, self.groups.get(group), plan_stage.cp_attention,
+                               self.device)
+
     def _capture_stages(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
                         size: int) -> list[StageProgram]:
         mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
         mb_target = self._slice(target, 0, size) if target is not None else None
+        if self.cp is not None:
+            return self._capture_tokens(model, mb_inputs, mb_target, pipe, size)
         with self.experts.swapped(model) if self.experts else contextlib.nullcontext():
             g = self.graph if size == self.layout.global_batch and not self.experts \
                 else capture(model, mb_inputs, self.loss_fn, mb_target)
@@ -305,6 +327,61 @@ class Program:
             if st.eval_gm is not None:
                 st.eval_gm = keyed_randomness(st.eval_gm)
         return programs
+
+    def _capture_tokens(self, model: nn.Module, mb_inputs: tuple, mb_target: Any, pipe: PipelineLayout,
+                        size: int) -> list[StageProgram]:
+        """Stage programs on this rank's tokens: captured at the local sequence length, checked against the
+        capture at the full length (`sequence_roles`), their token aranges and attentions replaced."""
+        cp = self.cp
+        assert cp is not None
+        full = self.graph if size == self.layout.global_batch \
+            else capture(model, mb_inputs, self.loss_fn, mb_target)
+        local_in = tuple(cp.tokens(x) for x in mb_inputs)
+        local_target = cp.tokens(mb_target)
+        g = capture(model, local_in, self.loss_fn, local_target)
+        if len(g.layers) != len(self.graph.layers):
+            raise PlanError(f"capturing at {cp.seq_local} tokens per sequence gave {len(g.layers)} layers, not "
+                            f"{len(self.graph.layers)}; the model's structure depends on the sequence length: "
+                            f"use cp=1.")
+        random = draws_random(g.gm)
+        if random:
+            raise PlanError(f"context parallelism (cp={cp.cp}) with random ops in training ({', '.join(random)}) is "
+                            f"not supported: their masks would differ from the one-device program's. Set dropout to "
+                            f"0 or use cp=1.")
+        roles = sequence_roles(full, g, cp.seq, cp.seq_local, cp.cp, model_outputs(g.gm) or None)
+        if self._has_target and not self._loss_checked:
+            self._check_token_mean(full, mb_target)
+        programs = split_stages(g, pipe.bounds())
+        layer_of = {name: node.layer for name, node in g.nodes.items()}
+        for st in programs:
+            st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
+            st.node_layers = layer_of  # type: ignore[attr-defined]
+            st.gm = cp.rewrite(st.gm, roles)
+            if st.eval_gm is not None:
+                st.eval_gm = cp.rewrite(st.eval_gm, roles)
+        return programs
+
+    _loss_checked = False
+
+    def _check_token_mean(self, full: TrainingGraph, target: Any) -> None:
+        """PlanError unless the loss of the example batch is the mean of each cp rank's loss on its tokens
+        (what weighing each rank's loss by 1 / cp computes), with random stand-ins for the model's output."""
+        cp = self.cp
+        assert cp is not None
+        outs = model_outputs(full.gm)
+        metas = [full.nodes[o].outputs[0] for o in outs if o in full.nodes]
+        if len(metas) != 1 or not isinstance(target, torch.Tensor):
+            raise PlanError(f"context parallelism (cp={cp.cp}) splits the loss by tokens, which it checks for a model "
+                            f"with one output tensor and one target tensor; this one has {len(metas)} output(s). "
+                            f"Use cp=1.")
+        gen = torch.Generator().manual_seed(0)
+        stand_in = torch.randn(metas[0].shape, generator=gen, dtype=torch.float64)
+        if not loss_is_token_mean(self.loss_fn, stand_in, target.cpu(), ContextParallel.parts(cp.seq, cp.cp)):
+            raise PlanError(f"context parallelism (cp={cp.cp}) weighs each rank's loss by its share of the tokens "
+                            f"(1/{cp.cp}), which equals the loss only for a mean over tokens in which every rank "
+                            f"holds as many counted tokens; on the example batch this loss_fn is not (a sum, a "
+                            f"per-sample weighting, or ignored tokens unevenly spread). Use cp=1.")
+        self._loss_checked = True
 
     def _with_kernels(self, st: StageProgram, stage: int, size: int) -> None:
         """Swap fusible regions of a stage program for generated Triton kernels (see codegen/kernels.py);
@@ -340,6 +417,11 @@ class Program:
 
     def _slice(self, x: Any, start: int, size: int) -> Any:
         return batch_slice(x, self.layout.global_batch, start, size)
+
+    def _inputs_of(self, x: Any, start: int, size: int) -> Any:
+        """A micro-batch's slice of a step input or target: its samples, and under cp this rank's tokens."""
+        x = self._slice(x, start, size)
+        return x if self.cp is None else self.cp.tokens(x)
 
     # ---- one training step ------------------------------------------------------------------------
     def step(self, *inputs: Any, target: Any = None) -> float:
@@ -406,7 +488,7 @@ class Program:
             # the steps after the memory window (the profiler slows those inside it on the CPU), else all
             timed = self.step_count - check.figures.window_steps
             after = recorded[max(0, len(recorded) - timed):] if timed > 0 else []
-            check.figures.stage_times = stage_times(self.plan, self.pipeline.index, self.rank,
+            check.figures.stage_times = stage_times(self.plan, self.pipeline.plan_index, self.rank,
                                                     after or recorded)
         return check.report(self.world_size, self._object_group if self.world_size > 1 else None)
 
@@ -506,7 +588,7 @@ class Program:
             if kind == "F":
                 if isinstance(recv_in.get(key), PendingRecv):
                     recv_in[key] = recv_in[key].take(self.timeout_s)
-                mb_args = [self._slice(args[i], starts[m], sizes[m]) for i in st.inputs]
+                mb_args = [self._inputs_of(args[i], starts[m], sizes[m]) for i in st.inputs]
                 held = [self.params[p] if p in self.params else self.experts.placeholder for p in st.params]
                 received = recv_in.get(key, []) if train else recv_in.pop(key, [])  # SEND_B reads them
                 vals = held + [self.buffers[b] for b in st.buffers] + mb_args + received
@@ -532,7 +614,8 @@ class Program:
                 else:
                     outputs[key] = out
             elif kind == "B":
-                weight = sizes[m] / self.layout.global_batch
+                # the micro-batch's share of the samples and, under cp, of their tokens (1 / cp each rank)
+                weight = sizes[m] / self.layout.global_batch / pipe.seq_part[1]
                 if self.grad_sync is not None:  # all-reduce buckets launch during the last backward
                     self.grad_sync.final = i == last_b
                 if self.layers is not None:  # per-layer memory actions: REDUCE as each layer's backward ends

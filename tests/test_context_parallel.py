@@ -1,0 +1,102 @@
+"""Context parallelism (issue 27): each rank of a cp group trains on 1/cp of every sequence's tokens, and the
+program equals one process (fp32, losses and every parameter after 3 AdamW steps), alone and composed with
+data, tensor and pipeline parallelism, ZeRO, recompute and Ulysses attention; what cannot be split is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.errors import PlanError
+from autopar.runtime.launch import spawn_local
+
+from .runtime_cases import assert_ranks_match_reference, compile_case, reference_eval, run_cases, run_eval_cases
+
+SEQ = 16
+GPT = {"layers": 2, "batch": 4, "seq": SEQ}
+CASES_4 = [
+    ("gpt", GPT, {"cp": 4}),
+    ("gpt", GPT, {"cp": 2, "dp": 2, "m": 2}),
+    ("gpt", GPT, {"cp": 2, "tp": 2}),
+    ("gpt", {**GPT, "layers": 3}, {"cp": 2, "pp": 2, "m": 2, "layer_split": [1, 2]}),
+    ("gpt", GPT, {"cp": 2, "dp": 2, "zero": 3}),
+    ("gpt", GPT, {"cp": 2, "dp": 2, "recompute": True}),
+    ("gpt", GPT, {"cp": 4, "cp_attention": "ulysses"}),
+    ("llama", GPT, {"cp": 2, "dp": 2}),
+]
+
+
+def run_cp_cases(rank: int, world: int, cases: list) -> list:
+    """run_cases, plus the token positions and local sequence length this rank's stages ran on."""
+    out = []
+    for (losses, params, work), (name, kwargs, spec) in zip(run_cases(rank, world, cases), cases, strict=True):
+        _, prog = compile_case(name, kwargs, spec, rank, world)
+        seen = sorted({tuple(m.shape) for st in prog._stages.values() for m in st.value_meta.values()})
+        out.append((losses, params, work, prog.cp.positions.tolist(), seen))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results_4() -> list:
+    return spawn_local(run_cp_cases, 4, CASES_4, timeout_s=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES_4)), ids=[str(c[2]) for c in CASES_4])
+def test_cp_equals_one_process(results_4: list, index: int) -> None:
+    name, kwargs, spec = CASES_4[index]
+    per_rank = [[r[index][:3]] for r in results_4]
+    assert_ranks_match_reference(per_rank, 0, name, kwargs, who=f"{spec} ")
+    # the work was split: the cp ranks of a group hold disjoint token positions that tile the sequence
+    cp = spec["cp"]
+    positions = [tuple(r[index][3]) for r in results_4]
+    assert all(len(p) == SEQ // cp for p in positions)
+    groups = {}
+    for rank, p in enumerate(positions):
+        groups.setdefault(frozenset(positions[rank]), []).append(rank)
+    assert len(groups) == cp
+    assert sorted(t for g in groups for t in g) == list(range(SEQ))
+    # activations crossing stage boundaries carry the local tokens only
+    for r in results_4:
+        for shape in r[index][4]:
+            assert SEQ not in shape[1:2], shape
+
+
+def _refused(rank: int, world: int, name: str, kwargs: dict, spec: dict, unfused: bool = False) -> str:
+    import autopar
+    from autopar import models
+    from autopar.runtime.program import Program
+
+    from .runtime_cases import build, optimizer, plan_for
+
+    case = build(name, **kwargs)
+    if unfused:
+        for block in case.model.blocks:
+            block.attn = models.MatmulAttention(kwargs.get("hidden", 64), kwargs.get("heads", 4))
+    try:
+        g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+        Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target, case.loss_fn,
+                optimizer, rank, world, timeout_s=60, graph=g)
+    except PlanError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cp_refuses_what_it_cannot_split() -> None:
+    """An unfused attention (a mask built from the sequence), dropout, and a sequence not divisible by 2 * cp
+    are refused with the reason and the fix, on every rank (no hang)."""
+    msgs = spawn_local(_refused, 2, "gpt", GPT, {"cp": 2}, True, timeout_s=120)
+    assert all("mixes tokens" in m and "scaled_dot_product_attention" in m for m in msgs), msgs
+    msgs = spawn_local(_refused, 2, "gpt", {**GPT, "dropout": 0.1}, {"cp": 2}, timeout_s=120)
+    assert all("random ops" in m and "dropout" in m for m in msgs), msgs
+    msgs = spawn_local(_refused, 2, "gpt", {**GPT, "seq": 6}, {"cp": 2}, timeout_s=120)
+    assert all("divisible by 4" in m for m in msgs), msgs
+
+
+def test_cp_eval_step_returns_the_whole_output() -> None:
+    """eval_step under cp (with dp) gives every rank the model's full output, tokens back in sequence order."""
+    case = ("gpt", GPT, {"cp": 2, "dp": 2})
+    before, losses, after = reference_eval(case[0], case[1])
+    for b, ls, a, _ in (r[0] for r in spawn_local(run_eval_cases, 4, [case], timeout_s=120)):
+        torch.testing.assert_close(b, before, rtol=1e-5, atol=1e-6)
+        assert ls == pytest.approx(losses, rel=1e-4, abs=1e-5)
+        torch.testing.assert_close(a, after, rtol=1e-4, atol=1e-5)
