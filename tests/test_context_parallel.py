@@ -50,9 +50,7 @@ def test_cp_equals_one_process(results_4: list, index: int) -> None:
     cp = spec["cp"]
     positions = [tuple(r[index][3]) for r in results_4]
     assert all(len(p) == SEQ // cp for p in positions)
-    groups = {}
-    for rank, p in enumerate(positions):
-        groups.setdefault(frozenset(positions[rank]), []).append(rank)
+    groups = {frozenset(p) for p in positions}
     assert len(groups) == cp
     assert sorted(t for g in groups for t in g) == list(range(SEQ))
     # activations crossing stage boundaries carry the local tokens only
