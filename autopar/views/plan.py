@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def _pipeline_key(p: Pipeline) -> tuple:
     """What makes two replicas look the same in the table: everything but their devices."""
     return (p.batch_share, p.microbatch_size, p.num_microbatches,
-            tuple((tuple(s.layers), len(s.devices), s.zero, repr(s.recompute), tuple(s.offload), s.compress,
+            tuple((tuple(s.layers), len(s.devices), s.cp, s.zero, repr(s.recompute), tuple(s.offload), s.compress,
                    tuple(sorted(s.predicted.items()))) for s in p.stages))
 
 
@@ -62,6 +62,37 @@ def _async_line(a: dict[str, Any] | None) -> list[str]:
     return [f"asynchrony (predicted): sync={a['sync']!r}, staleness {a['staleness']} (each gradient computed on "
             f"weights {a['staleness']} update(s) old): {a['step_time_s'] * 1e3:.4g} ms/step against {sync_ms}, "
             f"x{a['speedup']:.3g}" + memory]
+
+
+def _cp_line(pred: dict[str, Any] | None) -> list[str]:
+    """`predicted["cp"]` (context parallelism, solver/pricing/context.py) in one line: the degree and attention chosen
+    and what the exchange costs (per attention call, per ring step against the block computation it hides behind,
+    exposed per training step), or why cp was not chosen."""
+    if not pred:
+        return []
+    cp = pred.get("chosen", 1)
+    if cp == 1:
+        # (only where cp > 1 was considered: every attention model's plan says why not in predicted["cp"])
+        return [f"context parallelism: cp=1, {pred['reason']}"] if pred.get("considered") else []
+    line = f"context parallelism: cp={cp}, {pred.get('attention', 'ring')} attention"
+    ex = pred.get("exchange")
+    if ex:
+        line += (f", {ex['tokens_per_rank']} tokens of each sequence per rank; per attention call each rank sends "
+                 f"{fmt_bytes(ex['bytes_per_call']['forward'])} forward, {fmt_bytes(ex['bytes_per_call']['backward'])} "
+                 f"backward")
+        ring = ex.get("ring_step")
+        if ring:
+            f, b = ring["forward"], ring["backward"]
+            line += (f"; per ring step ({ring['steps']} per call each way, then the dK/dV sent home) "
+                     f"{fmt_bytes(f['bytes'])} in "
+                     f"{fmt_time(f['transfer_s'])} beside a {fmt_time(f['block_compute_s'])} forward block, "
+                     f"{fmt_bytes(b['bytes'])} in {fmt_time(b['transfer_s'])} beside a "
+                     f"{fmt_time(b['block_compute_s'])} backward block")
+        line += (f"; {fmt_bytes(ex['bytes_per_step'])} sent and {fmt_time(ex['exposed_s_per_step'])} exposed per "
+                 f"step and device (predicted)")
+    if pred.get("reason"):
+        line += f"; {pred['reason']}"
+    return [line]
 
 
 def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:
@@ -132,6 +163,7 @@ def explain(plan: Plan) -> str:
                      f"pipeline bubble {100 * pr.get('bubble_fraction', 0.0):.1f}%"
                      + _idle_tail(pr))
     lines += _cost_and_idle(pr, names) + _async_line(pr.get("async")) + _reroute_line(pr.get("reroute"))
+    lines += _cp_line(pr.get("cp"))
     if plan.experts:
         ex = plan.experts
         lines.append(f"experts: ep={ex['degree']}, {ex['experts_per_rank']} of {ex['experts']} experts (top-"
@@ -139,6 +171,9 @@ def explain(plan: Plan) -> str:
                      f"{', '.join(ex['replicated']) or 'none'}")
     head = ["pipeline", "stage", "layers", "devices", "type", "tp", "dp", "batch", "micro-batches", "ZeRO",
             "recompute", "offload", "send as", "compute", "comm", "bubble", "peak mem / capacity"]
+    with_cp = any(s.cp > 1 for p in plan.pipelines for s in p.stages)  # a cp column only where a stage has one
+    if with_cp:
+        head.insert(6, "cp")
     rows = [head]
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(plan.pipelines):
@@ -151,7 +186,7 @@ def explain(plan: Plan) -> str:
             mem = max((peak.get(d, 0) for d in devs), default=0)
             capacity = min((cap.get(d, 0) for d in devs), default=0)
             sp = s.predicted
-            rows.append([
+            row = [
                 label, str(j), layer_label(plan, *s.layers), ranges(devs), names.get(s.devices[0], "?"),
                 str(s.tp), str(n_dp), str(p.batch_share) + (" each" if len(members) > 1 else ""),
                 f"{p.num_microbatches} x {p.microbatch_size}", str(s.zero), recompute_label(s.recompute),
@@ -160,8 +195,11 @@ def explain(plan: Plan) -> str:
                 fmt_time(sp.get("comm_s", 0.0)), fmt_time(sp.get("bubble_s", 0.0)),
                 f"{fmt_bytes(mem)} / {fmt_bytes(capacity)}"
                 + (f" ({100 * mem / capacity:.0f}%)" if capacity else ""),
-            ])
-    lines += ["", render_table(rows, right={5, 6, 7, 13, 14, 15})]
+            ]
+            if with_cp:
+                row.insert(6, str(s.cp))
+            rows.append(row)
+    lines += ["", render_table(rows, right={5, 6, 7, 8, 14, 15, 16} if with_cp else {5, 6, 7, 13, 14, 15})]
     lines.append(f"memory reserve {100 * plan.memory_reserve:.0f}% of each device's capacity; "
                  f"comm = tensor-parallel all-reduces + ZeRO/offload transfers + pipeline sends + "
                  f"gradient sync")

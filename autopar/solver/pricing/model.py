@@ -41,7 +41,7 @@ from ...ir.plan_simulate import cached_schedule
 from ...ir.schedule import peak_inflight
 from ...lowering import plan_communicators
 from ..intra_op.pricing import LayerPricer, tp_layer_cost
-from . import experts
+from . import context, experts
 from .comm import CommPricing
 from .plan import check_compress
 from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memory
@@ -107,6 +107,13 @@ class StageBase:
     # the block profile's optimizer step over the measured layers' parameters, and how many parameters it covers
     measured_step: float = 0.0
     measured_step_params: float = 0.0
+    # context parallelism (cp > 1, context.py): the range's attention calls, per micro-batch and rank the bytes its
+    # exchange sends (forward, backward) and its exposed seconds (in fwd_comm / bwd_comm), and the largest transient
+    # one attention holds (K/V blocks in flight, all-to-all buffers)
+    cp_calls: int = 0
+    cp_bytes: tuple[float, float] = (0.0, 0.0)
+    cp_exposed: tuple[float, float] = (0.0, 0.0)
+    cp_work: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,11 @@ class CostModel(CommPricing):
         self.expert_parallel: experts.ExpertParallel = experts.ExpertParallel.of(graph)
         """The expert-parallel degree priced and the graph's MoE layers (experts.py): degree 1 when built;
         `with_expert_degree` gives a copy at another degree (prices depend on it, so it is never set in place)."""
+        self.context: context.ContextParallel = context.ContextParallel.of(graph)
+        """The context-parallel degree and attention mode priced, the graph's attention calls and whether the model
+        can run cp > 1 (context.py): degree 1 when built; `with_context` gives a copy at another degree. At cp > 1
+        every group naming a stage (the `tp_group` arguments) is the stage's devices, cp tensor-parallel groups
+        (`tp_part`: the first of them)."""
 
     def memoised(self, key: tuple, compute: Callable[[], T]) -> T:
         """The cost model's memo entry `key`, computed by `compute` and stored when absent (or None): how the
@@ -204,6 +216,21 @@ class CostModel(CommPricing):
         out._memo = {}
         out.expert_parallel = replace(self.expert_parallel, degree=ep)
         return out
+
+    def with_context(self, cp: int, attention: str = "ring") -> CostModel:
+        """A copy of this cost model pricing context-parallel degree cp with `attention` ("ring" | "ulysses"),
+        with a fresh memo (prices depend on them); the rest is shared. `context.with_degree` checks the model can
+        run it and returns this model itself at its own degree."""
+        out = copy.copy(self)
+        out._memo = {}
+        out.context = replace(self.context, degree=cp, mode=attention)
+        return out
+
+    def tp_part(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        """The tensor-parallel group of a stage named by `group`: the group itself at cp = 1, else its first
+        len(group) / cp devices (cp rank 0's; the others are alike)."""
+        cp = self.context.degree
+        return group if cp == 1 else group[:len(group) // cp]
 
     def on_subset(self, devices: list[int]) -> CostModel:
         """This cost model on `cluster.subset(devices)`: the same graph, precision, optimizer, reserve, wire
@@ -371,7 +398,7 @@ class CostModel(CommPricing):
     def compute_source(self, a: int, e: int, dtype: str, n: int, tp: int) -> str:
         """Where the compute of layers [a, e) on `dtype` came from (a plan stage's `compute_source`): which layers
         the block profile measured, or "" when none (all analytic)."""
-        if self.block_profile is None:
+        if self.block_profile is None or self.context.degree > 1:  # cp: measured on whole sequences, not used
             return ""
         hits = [(i, m) for i in range(a, e) if (m := self.measured(i, dtype, n, tp)) is not None]
         if not hits:
@@ -396,8 +423,11 @@ class CostModel(CommPricing):
             hit = self._memo[key] = self._base(a, e, dtype, n, tp_group)
         return hit  # type: ignore[return-value]
 
-    def _base(self, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> StageBase:
-        t, frac = len(tp_group), n / self.B
+    def _base(self, a: int, e: int, dtype: str, n: int, group: tuple[int, ...]) -> StageBase:
+        cp = self.context.degree  # cp > 1: each rank computes n / cp samples' worth of tokens (context.py)
+        tp_group = self.tp_part(group)
+        t, frac = len(tp_group), n / (self.B * cp)
+        cp_calls, cp_f, cp_b, cp_xf, cp_xb, cp_work = 0, 0.0, 0.0, 0.0, 0.0, 0.0
         f = b = fc = bc = rc = rc_comm = act = act_rc = work = transient = workspace = 0.0
         workspaces = [self.bwd_workspace[k] for k in self.device_kinds(tp_group)]
         extra = tp_max = 0.0
@@ -407,8 +437,15 @@ class CostModel(CommPricing):
         stepped: list[int] = []
         mf = mb = mrc = ms = msp = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
         for i in range(a, e):
-            c = tp_layer_cost(self, i, dtype, n, tp_group)
-            m = self.measured(i, dtype, n, t)
+            if cp > 1:
+                x = context.layer_cost(self, i, dtype, n, group)
+                c, m = x.cost, None
+                cp_calls, cp_f, cp_b, cp_xf, cp_xb = (cp_calls + x.calls, cp_f + x.bytes_f, cp_b + x.bytes_b,
+                                                      cp_xf + x.exposed_f, cp_xb + x.exposed_b)
+                cp_work = max(cp_work, x.work)
+            else:
+                c = tp_layer_cost(self, i, dtype, n, tp_group)
+                m = self.measured(i, dtype, n, t)
             if m is not None:
                 measured.append(i)
                 mf, mb = mf + m.fwd_s, mb + m.bwd_s
@@ -451,8 +488,9 @@ class CostModel(CommPricing):
                          bwd_transient=transient, bwd_workspace=workspace,
                          device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
-                         block_parts=tuple(parts), measured_step=ms, measured_step_params=msp)
-        return experts.adjust_base(self, a, e, dtype, n, t, base)
+                         block_parts=tuple(parts), measured_step=ms, measured_step_params=msp,
+                         cp_calls=cp_calls, cp_bytes=(cp_f, cp_b), cp_exposed=(cp_xf, cp_xb), cp_work=cp_work)
+        return experts.adjust_base(self, a, e, dtype, n / cp if cp > 1 else n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
         """The intra-op ILP's per-layer pricer for a tensor-parallel group (None when it is switched off)."""
@@ -490,6 +528,7 @@ class CostModel(CommPricing):
         """`stage_times` of one stage under each of `opts` (not memoised): what does not depend on the option
         (the data-parallel collectives, the host link, the all-to-alls) is computed once for all of them."""
         w, g, o = self.state.weights, self.state.grads, self.state.optimizer
+        tp_group = self.tp_part(tp_group)  # (at cp > 1 the stage's devices name it: `context`)
         t, D = len(tp_group), len(dp_group)
         N = base.params / t + base.tp_extra
         key = ("dp", N, self.group_sig(dp_group) if dp_sig is None else dp_sig, t)  # same for every option
@@ -573,7 +612,9 @@ class CostModel(CommPricing):
 
     def stage_memory(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool = True) -> StageMemory:
         """Peak device (and host) bytes of a stage, as the runtime keeps them (solver/pricing/stage_memory.py); memoised
-        as `stage_times` is."""
+        as `stage_times` is. `tp`: the devices of the group naming the stage (at cp > 1, cp tensor-parallel groups:
+        the tensor-parallel degree is tp / cp); `dp`: its parameters' replicas (at cp > 1, dp x cp)."""
+        tp = max(1, tp // self.context.degree)
         key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
         hit = self._memo.get(key)
         if hit is None or hit[0] is not base:  # type: ignore[index]

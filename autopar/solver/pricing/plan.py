@@ -129,7 +129,7 @@ def tied_sync(cm: CostModel, stages: list[tuple[int, int, tuple[int, ...], tuple
         if len(holders) < 2 or len(union) < 2:
             continue
         for j in holders:
-            nbytes = numel * g / len(stages[j][2])
+            nbytes = numel * g / len(cm.tp_part(stages[j][2]))
             out[j] += max(0.0, cm.collective("all_reduce", nbytes, union)
                           - cm.collective("all_reduce", nbytes, stages[j][3]))
     return out

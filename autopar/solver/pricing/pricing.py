@@ -63,6 +63,32 @@ tensors (Mixtral), which the runtime keeps out of ZeRO. So ZeRO-partitioned stat
 of the optimizer step) is (N - X) / D + Xp / H + Xs per device, and every AR/RS/AG(N) above is
 AR/RS/AG(N - X) over the dp group + AR/RS/AG(Xp) over the H holders + AR(Xs g) over them in sync.
 
+Context parallelism (cp > 1, solver/pricing/context.py; bytes in cost_models/context.py): a stage's devices are cp
+tensor-parallel groups of t; cp rank c computes the stage on T / cp tokens of each of the micro-batch's n samples.
+With blk = n (Hkv / t) (T / cp) D x itemsize, one K or V block of an attention call (compute dtype), and c_f, c_b
+one ring block's computation (the call's kernels at 1/cp of the rank's FLOPs), per micro-batch:
+
+    compute      every layer at n / cp samples' worth of tokens (kernels at n / (B t cp)); t > 1: Megatron's
+                 closed form on T / cp tokens (all-reduces of 1/cp of the bytes), not the ILP
+    ring         per attention call: the call's kernels priced as cp blocks (cp c_f forward, cp c_b backward) and
+                 the exposed exchange, x(b) = the slowest p2p link between cp neighbours for b bytes (the t
+                 tensor-parallel indices sending at once):
+                     forward   (cp - 1) max(0, x(2 blk) - c_f)
+                     backward  (cp - 1) max(0, x(4 blk) - c_b) + x(2 blk)          (the dK/dV sent home)
+                 bytes sent per call: forward (cp - 1) 2 blk, backward (cp - 1) 4 blk + 2 blk (`cp_exchange_bytes`)
+    ulysses      the call unchanged (all T tokens, 1/cp of the heads) + all-to-alls over the cp ranks at one
+                 tensor-parallel index: forward A(q + k + v) + A(out), backward A(out) + A(q + k + v)
+    act          saved activations x n / (B cp t), + per ring call the fp32 log-sum-exp (and output) the captured
+                 attention does not already save; work + the largest in-flight exchange of one call (ring: 4 blk
+                 forward, 8 blk backward with the dK/dV accumulators; Ulysses: the all-to-all buffers)
+    send         the boundary's T / cp tokens, each cp rank to its own peer
+    sync         a parameter's replicas are its dp x cp holders: D above (and ZeRO's partitions) = dp x cp, the
+                 stage's data-parallel group being the first device of every cp rank's tensor-parallel group
+                 of every replica; ZeRO-2/3 run per layer as for dp x cp pipelines at tensor-parallel degree t
+
+`predicted["cp"]` holds the degree, the mode and the exchange (per call, per ring step against c_f / c_b, per step);
+each stage's predictions its calls, `cp_exchange_bytes` (per full micro-batch and rank) and `cp_exchange_s` (exposed).
+
 The in-flight count per device is `schedule.peak_inflight` (for interleaved schedules, the most
 micro-batch chunks held at once times the largest chunk's activations). A device fits when its peak is
 at most (1 - memory_reserve) of its capacity.
@@ -124,7 +150,7 @@ from ...ir.plan_simulate import cached_schedule
 from ...ir.schedule import SPLIT_SCHEDULES
 from ..intra_op.pricing import stage_sharding, tp_layer_cost, tp_reason
 from ..search.objective import cost_figures, idle_devices
-from . import experts
+from . import context, experts
 from .comm import boundary_copies
 from .model import HOST_UPDATE_BANDWIDTH, CostModel, Option, StageBase, StageTimes, inflight_closed_form
 from .plan import (
@@ -207,7 +233,8 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
         m_full = len(sizes) - n_small
         preds.append({"fwd_s": tf.fwd, "bwd_s": bwd, "fwd_small_s": ts.fwd, "bwd_small_s": bwd_small,
                       "send_s": send, "sync_s": sync, "tp_source": base.tp_source,
-                      "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group),
+                      "tp_reason": tp_reason(cm, st.layers[0], st.layers[1], dtype, full, tp_group)
+                      if st.cp == 1 else _cp_tp_reason(cm, st),
                       # which layers' compute the block profile measured (`plan(..., profile=)`), "" for none
                       "compute_source": cm.compute_source(st.layers[0], st.layers[1], dtype, full, len(tp_group)),
                       "gather_s": tf.gather, "reduce_s": tf.reduce,
@@ -216,8 +243,17 @@ def _stage_values(cm: CostModel, pipe: Pipeline, dp_groups: list[tuple[int, ...]
                       "compute_s": m_full * (tf.fwd + bwd - tf.comm)
                       + n_small * (ts.fwd + bwd_small - ts.comm),
                       "comm_s": m_full * tf.comm + n_small * ts.comm + sync
-                      + len(sizes) * (send + (vals[j - 1][4] if j else 0.0))})
+                      + len(sizes) * (send + (vals[j - 1][4] if j else 0.0)),
+                      **context.stage_predictions(cm, base)})
     return preds, vals, mems
+
+
+def _cp_tp_reason(cm: CostModel, st: Stage) -> str:
+    """A cp > 1 stage's `tp_reason`: its tensor parallelism is Megatron's closed form (context.py)."""
+    if st.tp < 2 or not any(cm.is_block[st.layers[0]:st.layers[1]]):
+        return ""
+    return (f"Megatron's closed form: with context parallelism (cp={st.cp}) the blocks run Megatron's placements "
+            f"on T/{st.cp} tokens")
 
 
 def peak_parts(mems: list[StageMemory], need: float, peak: int) -> dict[str, int]:
@@ -249,7 +285,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
     predicts `cost_per_hour` and `cost_per_sample` (solver/search/objective.py)."""
     check_plan(cm, plan)
     reasons = {**{int(d): r for d, r in (plan.predicted.get("idle_devices") or {}).items()}, **(idle_reasons or {})}
-    cm = experts.checked(cm, plan)
+    cm = context.for_plan(experts.checked(cm, plan), plan)
     devices = cm.cluster.devices
     pipes: list[Pipeline] = []
     peak: dict[int, int] = {}
@@ -258,12 +294,14 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
     overlap: dict[int, int] = {}  # device -> what its host share adds in one CPU allocator
     problems: list[str] = []
     bound = 0.0
-    dp_groups = [tuple(p.stages[j].devices[0] for p in plan.pipelines if j < len(p.stages))
+    # a stage's data-parallel group: the first device of every tensor-parallel group holding its parameters (at
+    # cp > 1 each cp rank's: dp x cp replicas, context.py)
+    dp_groups = [tuple(g[0] for p in plan.pipelines if j < len(p.stages) for g in p.stages[j].cp_groups())
                  for j in range(max(len(p.stages) for p in plan.pipelines))]
-    # which stages' ZeRO runs per layer: the same stages in every pipeline, or none (plan.layerwise_stages)
-    layerwise = {j for _, j in layerwise_stages([(p.num_microbatches, [(tuple(st.layers), len(st.devices))
-                                                                        for st in p.stages])
-                                                 for p in plan.pipelines])
+    # which stages' ZeRO runs per layer: the same stages in every pipeline, or none (plan.layerwise_stages; the
+    # runtime lowers each cp rank of a pipeline as a pipeline of its own)
+    layerwise = {j for _, j in layerwise_stages([(p.num_microbatches, [(tuple(st.layers), st.tp) for st in p.stages])
+                                                 for p in plan.pipelines for _ in range(p.stages[0].cp)])
                  if plan.schedule not in SPLIT_SCHEDULES}  # zero-bubble: whole-step ZeRO (lowering.lower)
     # stages whose data-parallel peers run at different tensor-parallel degrees (a tp per pipeline class)
     mixed_tp = {j for j in range(len(dp_groups))
@@ -284,7 +322,7 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
         preds, vals, mems = seen[key]
         stages = [replace(st, offload=list(stage_option(st).offload), predicted=dict(pr),
                           sharding=stage_sharding(cm, st.layers[0], st.layers[1], devices[st.devices[0]].spec.name,
-                                                  pipe.microbatch_size, tuple(st.devices)))
+                                                  pipe.microbatch_size, tuple(st.devices)) if st.cp == 1 else None)
                   for st, pr in zip(pipe.stages, preds, strict=True)]
         sizes = pipe.microbatch_sizes()
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
@@ -345,6 +383,9 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
         "idle_devices": idle_devices(cm.cluster, out, reasons),
         **cost_figures(cm.cluster, sorted(peak), cm.B / step),
     }
+    cp = context.plan_prediction(cm, out)  # context parallelism: its degree, mode and exchange (context.py)
+    if cp is not None:
+        out.predicted["cp"] = cp
     return Priced(out, not problems, problems, bound)
 
 

@@ -174,7 +174,8 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
     # gradients above never coexist. An op's backward buffer (a CPU convolution's weight gradient in
     # oneDNN's layout) comes later, with those gradients, and never with the loss's transient: one op at a time
-    work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace)
+    # so does a context-parallel attention's transient (K/V blocks in flight, all-to-all buffers: `StageBase.cp_work`)
+    work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace, base.cp_work)
     # autocast keeps a low-precision copy of each weight a matmul / linear / conv reads for the backward;
     # embedding tables and norm weights are never cast (`StageBase.cast_params`)
     cast = cm.state.cast_copy
@@ -199,7 +200,9 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
 def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
     """Whether the runtime syncs this plan's gradients DDP-style (runtime/grad_sync.py: gradients are views of
     the buckets, so the sync packs nothing): one chunk, no ZeRO, tp 1, no parameter or optimizer offload, no
-    experts, and no parameter shared by layers on different stages (whose holders would differ)."""
+    experts, and no parameter shared by layers on different stages (whose holders would differ). Context-parallel
+    siblings are replicas there (runtime/grad_sync.py sees one pipeline per cp rank): tp 1 is one device per cp rank,
+    and ZeRO partitions over dp x cp holders."""
     if plan.chunks != 1 or (plan.experts or {}).get("degree", 1) > 1:
         return False
     for pipe in plan.pipelines:
@@ -207,8 +210,8 @@ def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
         if any(len({stage_of[u] for u in us}) > 1 for _, _, us in cm.shared):
             return False
         for st in pipe.stages:
-            zero = st.zero and len(plan.pipelines) > 1
-            if zero or len(st.devices) != 1 or {"params", "optimizer"} & set(st.offload):
+            zero = st.zero and len(plan.pipelines) * st.cp > 1
+            if zero or st.tp != 1 or {"params", "optimizer"} & set(st.offload):
                 return False
     return True
 

@@ -1,0 +1,140 @@
+"""Context parallelism (cp): what one rank of a cp group sends per attention call, and what it holds.
+
+A cp group of cp ranks splits every sequence of T tokens into 2 cp chunks; rank c holds chunks c and
+2cp-1-c (zigzag), T_l = T / cp tokens. Per attention call (one causal self-attention over B samples, Hq query
+heads, Hkv key/value heads of head_dim D, elements of `itemsize` bytes in the compute dtype; heads and samples
+as the rank holds them, i.e. after tensor parallelism split the heads) let
+
+    blk = B x Hkv x T_l x D x itemsize        the bytes of one K (or V) block
+
+Ring attention ("ring", the default)
+    forward   cp - 1 ring steps; in each the rank sends its current K and V block to the next rank (and receives
+              one from the previous), overlapped with the block computation on the block it holds:
+              (cp - 1) x 2 blk
+    backward  the K/V blocks travel around the ring again with the dK/dV accumulators (same sizes), cp - 1
+              steps of 4 blk each, plus one final send of the dK/dV accumulators home (2 blk, not overlapped):
+              (cp - 1) x 4 blk + 2 blk = (cp - 1) x 2 blk (K, V) + cp x 2 blk (dK, dV)
+    memory    kept for the backward: the attention's output (B x Hq x T_l x D x itemsize) and an fp32
+              log-sum-exp (B x Hq x T_l x 4); in flight while an attention runs: the K/V block computed on and
+              the one arriving (4 blk) in forward, and in backward also the dK/dV accumulators, computed on
+              and arriving (8 blk)
+
+Ulysses ("ulysses": all-to-all by heads; needs Hq and Hkv divisible by cp)
+    forward   an all-to-all of q, k, v (tokens -> heads) and one of the output back (heads -> tokens)
+    backward  the mirror: the output's gradient in, dq, dk, dv back
+    In an all-to-all a rank keeps 1/cp of each tensor it moves and sends (cp - 1)/cp of it: forward
+    (cp - 1)/cp x (q + k + v + out), backward the same sizes again, q and out being B x Hq x T_l x D x itemsize
+    and k, v B x Hkv x T_l x D x itemsize each.
+    memory    the all-to-all's send and receive buffers (2 x the tensors it moves) while it runs
+
+`cp_exchange_bytes` gives the totals, `exchange_steps` the steps a time model needs (bytes one rank sends per
+step, in order, and how many of them overlap a block computation), `attention_memory` the bytes above.
+Pure integer arithmetic: the runtime's own count (runtime/ring_attention.py `exchange_bytes`) must agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanError
+
+RING, ULYSSES = "ring", "ulysses"
+MODES = (RING, ULYSSES)
+LSE_BYTES = 4  # the log-sum-exp ring attention keeps per query row and head is fp32
+
+
+def _check(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int, mode: str,
+           heads_q: int) -> None:
+    for name, v in (("batch", batch), ("heads_kv", heads_kv), ("t_local", t_local), ("head_dim", head_dim),
+                    ("cp", cp), ("itemsize", itemsize), ("heads_q", heads_q)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"cp_exchange_bytes: {name} must be a positive integer, got {v!r}.")
+    if mode not in MODES:
+        raise PlanError(f"cp_exchange_bytes: mode {mode!r}; choose one of {list(MODES)}.")
+    if mode == ULYSSES and (heads_q % cp or heads_kv % cp):
+        raise PlanError(f"Ulysses attention moves whole heads: cp={cp} must divide the local query heads ({heads_q}) "
+                        f"and key/value heads ({heads_kv}).")
+
+
+def kv_block_bytes(batch: int, heads_kv: int, t_local: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of one K (or V) block a rank holds: B x Hkv x T_l x D x itemsize."""
+    return batch * heads_kv * t_local * head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class ExchangeSteps:
+    """One attention call's exchange as a time model prices it: per direction, the bytes one rank sends in each
+    step, in order; the first `overlapped_*` steps run beside a block computation (ring: the transfer of step i
+    overlaps the computation on the block the rank holds), the rest are exposed. `kind`: "p2p" (ring: one send to
+    the next rank and one receive from the previous per step) or "all_to_all" (Ulysses: bytes = what the rank
+    sends to the others, (cp - 1)/cp of its buffer; `buffers` the whole buffers, as collectives are priced)."""
+
+    mode: str
+    kind: str
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    overlapped_forward: int
+    overlapped_backward: int
+    buffers_forward: tuple[int, ...] = ()
+    buffers_backward: tuple[int, ...] = ()
+
+
+def exchange_steps(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
+                   mode: str = RING, *, heads_q: int | None = None) -> ExchangeSteps:
+    """The steps of one attention call's exchange (module docstring); `heads_q` defaults to `heads_kv`."""
+    hq = heads_kv if heads_q is None else heads_q
+    _check(batch, heads_kv, t_local, head_dim, cp, itemsize, mode, hq)
+    blk = kv_block_bytes(batch, heads_kv, t_local, head_dim, itemsize)
+    if cp == 1:
+        return ExchangeSteps(mode, "p2p" if mode == RING else "all_to_all", (), (), 0, 0)
+    if mode == RING:
+        return ExchangeSteps(RING, "p2p", (2 * blk,) * (cp - 1), (4 * blk,) * (cp - 1) + (2 * blk,), cp - 1, cp - 1)
+    q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
+    qkv, out = q + 2 * blk, q
+    sent = lambda x: (cp - 1) * x // cp  # noqa: E731  (exact: the heads divide by cp)
+    return ExchangeSteps(ULYSSES, "all_to_all", (sent(qkv), sent(out)), (sent(out), sent(qkv)), 0, 0,
+                         (qkv, out), (out, qkv))
+
+
+def cp_exchange_bytes(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
+                      mode: str = RING, *, heads_q: int | None = None) -> dict[str, int]:
+    """Bytes one rank sends per attention call: {"forward": ..., "backward": ...} (module docstring). `batch`
+    samples, `heads_kv` key/value heads (and `heads_q` query heads, for Ulysses; default `heads_kv`) as the rank
+    holds them, `t_local` = T / cp tokens, `head_dim`, `itemsize` bytes per element in the compute dtype."""
+    s = exchange_steps(batch, heads_kv, t_local, head_dim, cp, itemsize, mode, heads_q=heads_q)
+    return {"forward": sum(s.forward), "backward": sum(s.backward)}
+
+
+def attention_memory(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
+                     mode: str = RING, *, heads_q: int | None = None) -> dict[str, int]:
+    """Bytes one rank holds for one attention call beyond the plain attention on its tokens (module docstring):
+    "saved" (ring: the output and the fp32 log-sum-exp kept for the backward; a pricing subtracts what the
+    captured attention already saves of them), "forward" and "backward" (transient while the call runs)."""
+    hq = heads_kv if heads_q is None else heads_q
+    _check(batch, heads_kv, t_local, head_dim, cp, itemsize, mode, hq)
+    if cp == 1:
+        return {"saved": 0, "forward": 0, "backward": 0}
+    blk = kv_block_bytes(batch, heads_kv, t_local, head_dim, itemsize)
+    q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
+    if mode == RING:
+        return {"saved": q + batch * hq * t_local * LSE_BYTES, "forward": 4 * blk, "backward": 8 * blk}
+    return {"saved": 0, "forward": 2 * (q + 2 * blk), "backward": 2 * (q + 2 * blk)}
+
+
+def ring_call_seconds(compute_f: float, compute_b: float, steps: ExchangeSteps, seconds: dict[int, float]
+                      ) -> tuple[float, float, float, float]:
+    """One ring attention call's (forward compute, forward exposed exchange, backward compute, backward exposed
+    exchange) seconds from the block computation of one step (`compute_f`, `compute_b`: 1/cp of the rank's
+    attention) and the transfer seconds of each step size (`seconds`: bytes -> seconds over the slowest ring
+    link). cp block computations; each overlapped step costs max(block, transfer), so the exposed part is the
+    excess of the transfer over the block; the final homecoming send is exposed."""
+    cp = len(steps.forward) + 1
+    fwd = sum(max(0.0, seconds[x] - compute_f) for x in steps.forward[:steps.overlapped_forward])
+    fwd += sum(seconds[x] for x in steps.forward[steps.overlapped_forward:])
+    bwd = sum(max(0.0, seconds[x] - compute_b) for x in steps.backward[:steps.overlapped_backward])
+    bwd += sum(seconds[x] for x in steps.backward[steps.overlapped_backward:])
+    return cp * compute_f, fwd, cp * compute_b, bwd
+
+
+__all__ = ["LSE_BYTES", "MODES", "RING", "ULYSSES", "ExchangeSteps", "attention_memory", "cp_exchange_bytes",
+           "exchange_steps", "kv_block_bytes", "ring_call_seconds"]
