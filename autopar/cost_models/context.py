@@ -19,7 +19,8 @@ Ring attention ("ring", the default)
               the one arriving (4 blk) in forward, and in backward also the dK/dV accumulators, computed on
               and arriving (8 blk)
 
-Ulysses ("ulysses": all-to-all by heads; needs Hq and Hkv divisible by cp)
+Ulysses ("ulysses": all-to-all by heads; needs Hq divisible by cp, and k, v are repeated to lcm(Hkv, cp) heads
+where cp does not divide Hkv: Hkv below stands for that)
     forward   an all-to-all of q, k, v (tokens -> heads) and one of the output back (heads -> tokens)
     backward  the mirror: the output's gradient in, dq, dk, dv back
     In an all-to-all a rank keeps 1/cp of each tensor it moves and sends (cp - 1)/cp of it: forward
@@ -34,6 +35,7 @@ Pure integer arithmetic: the runtime's own count (runtime/ring_attention.py `exc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import PlanError
@@ -51,9 +53,13 @@ def _check(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, item
             raise PlanError(f"cp_exchange_bytes: {name} must be a positive integer, got {v!r}.")
     if mode not in MODES:
         raise PlanError(f"cp_exchange_bytes: mode {mode!r}; choose one of {list(MODES)}.")
-    if mode == ULYSSES and (heads_q % cp or heads_kv % cp):
-        raise PlanError(f"Ulysses attention moves whole heads: cp={cp} must divide the local query heads ({heads_q}) "
-                        f"and key/value heads ({heads_kv}).")
+    if mode == ULYSSES and heads_q % cp:
+        raise PlanError(f"Ulysses attention moves whole heads: cp={cp} must divide the local query heads ({heads_q}).")
+
+
+def ulysses_kv_heads(heads_kv: int, cp: int) -> int:
+    """The key/value heads Ulysses moves: Hkv, or lcm(Hkv, cp) where cp does not divide it (k and v repeated)."""
+    return heads_kv if heads_kv % cp == 0 else math.lcm(heads_kv, cp)
 
 
 def kv_block_bytes(batch: int, heads_kv: int, t_local: int, head_dim: int, itemsize: int) -> int:
@@ -90,7 +96,7 @@ def exchange_steps(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: i
     if mode == RING:
         return ExchangeSteps(RING, "p2p", (2 * blk,) * (cp - 1), (4 * blk,) * (cp - 1) + (2 * blk,), cp - 1, cp - 1)
     q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
-    qkv, out = q + 2 * blk, q
+    qkv, out = q + 2 * kv_block_bytes(batch, ulysses_kv_heads(heads_kv, cp), t_local, head_dim, itemsize), q
     sent = lambda x: (cp - 1) * x // cp  # noqa: E731  (exact: the heads divide by cp)
     return ExchangeSteps(ULYSSES, "all_to_all", (sent(qkv), sent(out)), (sent(out), sent(qkv)), 0, 0,
                          (qkv, out), (out, qkv))
@@ -118,7 +124,8 @@ def attention_memory(batch: int, heads_kv: int, t_local: int, head_dim: int, cp:
     q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
     if mode == RING:
         return {"saved": q + batch * hq * t_local * LSE_BYTES, "forward": 4 * blk, "backward": 8 * blk}
-    return {"saved": 0, "forward": 2 * (q + 2 * blk), "backward": 2 * (q + 2 * blk)}
+    qkv = q + 2 * kv_block_bytes(batch, ulysses_kv_heads(heads_kv, cp), t_local, head_dim, itemsize)
+    return {"saved": 0, "forward": 2 * qkv, "backward": 2 * qkv}
 
 
 def ring_call_seconds(compute_f: float, compute_b: float, steps: ExchangeSteps, seconds: dict[int, float]
@@ -137,4 +144,4 @@ def ring_call_seconds(compute_f: float, compute_b: float, steps: ExchangeSteps, 
 
 
 __all__ = ["LSE_BYTES", "MODES", "RING", "ULYSSES", "ExchangeSteps", "attention_memory", "cp_exchange_bytes",
-           "exchange_steps", "kv_block_bytes", "ring_call_seconds"]
+           "exchange_steps", "kv_block_bytes", "ring_call_seconds", "ulysses_kv_heads"]

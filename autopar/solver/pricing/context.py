@@ -33,15 +33,14 @@ sync         cp siblings hold the same parameters (per tensor-parallel shard), s
 Which models (`ContextParallel.blocker`): every attention is torch's scaled_dot_product_attention, self-attention
 (queries and keys of one length T) that is causal or unmasked, T divisible by 2 cp, the first input (batch, T, ...);
 no random op in training (dropout > 0, bernoulli, rand...: the runtime's keyed masks would not be the one-device
-program's). Ulysses also needs the local query and key/value heads divisible by cp. One cp and one mode per plan.
+program's); no expert parallelism. Ulysses also needs the local query heads divisible by cp (k and v are repeated to
+lcm(Hkv, cp) heads where cp does not divide Hkv). One cp and one mode per plan. What the runtime checks beyond these
+when it captures the stages at T / cp tokens (passes/sequence_split.py: no other op mixes tokens; the loss is a mean
+over tokens) needs a second capture or the loss function, which the cost model has not: a model failing them is
+refused at compile time.
 
-Choice (`choose`, called by search.search): the search runs at cp = 1 first. cp > 1 is considered only where it can
-pay, i.e. where one sample is what limits the plan: no cp = 1 plan fits, or the cp = 1 plan runs 1-sample
-micro-batches and still splits a sample's work or memory (tensor or pipeline parallelism, recompute, offloaded
-activations). Then the search runs once per candidate (cp = 2, 4, ... dividing the world, 2 cp dividing T) with ring
-attention and the cp = 1 step as its cutoff (only faster plans count; a search whose bounds reach it ends at once);
-the best plan's Ulysses variant is priced too where its heads allow. The fastest wins; `predicted["cp"]` says
-which cp and attention it chose, the exchange it pays and, where cp was not chosen, why.
+Choice: solver/search/context.py (`choose`, around every search): cp = 1 first, cp > 1 only where one sample is what
+limits the plan. `candidates` are the degrees tried.
 """
 
 from __future__ import annotations
@@ -258,10 +257,9 @@ def check(cm: CostModel, cp: int, attention: str = RING, tp: int | None = None) 
     if attention == ULYSSES and tp is not None:
         for calls in ctx.calls.values():
             for c in calls:
-                if (c.heads_q // tp) % cp or (c.heads_kv // tp) % cp or c.heads_q % tp or c.heads_kv % tp:
-                    raise PlanError(f"Ulysses attention moves whole heads: cp={cp} must divide the local heads of "
-                                    f"{c.node} ({c.heads_q} query, {c.heads_kv} key/value heads over tp={tp}); "
-                                    f"use cp_attention='ring'.")
+                if c.heads_q % tp or (c.heads_q // tp) % cp:
+                    raise PlanError(f"Ulysses attention moves whole heads: cp={cp} must divide the local query heads "
+                                    f"of {c.node} ({c.heads_q} over tp={tp}); use cp_attention='ring'.")
 
 
 def candidates(cm: Any) -> list[int]:

@@ -8,7 +8,7 @@ import itertools
 import math
 from typing import Any
 
-from ..pricing import experts
+from ..pricing import context, experts
 from ..pricing.pricing import CostModel
 from ..split.split import Unit
 
@@ -36,6 +36,9 @@ def layouts(cm: Any) -> list[tuple[int, str, tuple[tuple[Unit, ...], ...]]]:
     plan (`tp_degrees`) or one per device type (`mixed_tp_layouts`), each grouping the experts admit
     (`experts.config_ok`). `cm`: a cost model, or any object with its cluster, B, L and expert_parallel
     (infeasible.py asks about other batches, depths and clusters)."""
+    cp = context.degree(cm)
+    if cp > 1:  # context parallelism: units of cp tensor-parallel groups, one degree for the plan
+        return [(t, name, pipes) for t in tp_degrees(cm.cluster) for name, pipes in groupings(cm, cp_units(cm, t, cp))]
     uniform = [(t, name, pipes) for t in tp_degrees(cm.cluster) for name, pipes in groupings(cm, tp_units(cm, t))]
     return [(t, name, pipes) for t, name, pipes in uniform + mixed_tp_layouts(cm) if experts.config_ok(cm, t, pipes)]
 
@@ -43,6 +46,28 @@ def layouts(cm: Any) -> list[tuple[int, str, tuple[tuple[Unit, ...], ...]]]:
 def tp_units(cm: CostModel, t: int) -> list[Unit]:
     """The tensor-parallel groups of degree t: consecutive devices of one node."""
     return [tuple(node.devices[i:i + t]) for node in cm.cluster.nodes for i in range(0, len(node.devices), t)]
+
+
+def cp_units(cm: Any, t: int, cp: int) -> list[Unit]:
+    """The stage device groups of a context-parallel search: cp tensor-parallel groups of degree t, consecutive
+    devices (tp fastest, then cp, as `Stage.cp_groups` reads them): inside each node where cp t divides every
+    node's device count, else spanning consecutive whole nodes of one device type where every node has the same
+    count k and cp t is a multiple of it (a cp ring across nodes); none otherwise."""
+    width = cp * t
+    nodes = cm.cluster.nodes
+    if all(len(node.devices) % width == 0 for node in nodes):
+        return [tuple(node.devices[i:i + width]) for node in nodes for i in range(0, len(node.devices), width)]
+    k = len(nodes[0].devices)
+    if any(len(node.devices) != k for node in nodes) or width % k or len(nodes) % (width // k):
+        return []
+    span = width // k
+    units = []
+    for i in range(0, len(nodes), span):
+        devices = [d for node in nodes[i:i + span] for d in node.devices]
+        if len({cm.cluster.devices[d].spec.name for d in devices}) > 1:
+            return []
+        units.append(tuple(devices))
+    return units
 
 
 def groupings(cm: CostModel, units: list[Unit]) -> list[tuple[str, tuple[tuple[Unit, ...], ...]]]:
@@ -141,6 +166,6 @@ def microbatch_count(share: int, b: int, ranks: int, schedule: str) -> int | Non
     return m if m <= share else None
 
 
-__all__ = ["CHUNKS", "MICROBATCH_ENUMERATION", "MIXED_TP_SPAN_TYPES", "config_microbatch_sizes", "divisors",
+__all__ = ["CHUNKS", "MICROBATCH_ENUMERATION", "MIXED_TP_SPAN_TYPES", "config_microbatch_sizes", "cp_units", "divisors",
            "groupings", "layouts", "microbatch_count", "microbatch_sizes", "mixed_tp_layouts", "schedules",
            "tp_degrees", "tp_units"]

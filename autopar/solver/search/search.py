@@ -101,6 +101,14 @@ Then each stage recomputing all its blocks tries recomputing only its first k (s
 level and offload set, the fewest that fit, by bisection). The simulator judges: a refined plan replaces
 the incumbent only if it simulates faster.
 
+Context parallelism (cp, solver/pricing/context.py): one search per degree. The search above runs at cp = 1; where
+cp can pay (search/context.py: nothing fits, or a long sequence whose plan runs one-sample micro-batches and still
+splits a sample), `search` runs it again on the cost model at each candidate cp > 1, with the best step so far as
+its cutoff. There a unit is cp tensor-parallel groups of t consecutive devices (`configs.cp_units`, inside a node or
+spanning whole nodes), priced as one stage position (the cost model reads it as cp groups), a stage's data-parallel
+group is the first device of every tensor-parallel group of its replicas (dp x cp holders), ZeRO-2/3 run per
+layer where t = 1, and the plan's stages carry cp and the attention mode.
+
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
 fixed, the batch split's and the stage models' CP-SAT run single-threaded with a fixed seed (the stage
 models under a deterministic time limit), so equal inputs give equal plans. A time limit returns the best
@@ -123,7 +131,7 @@ from ...ir.plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
 from ...lowering import communicator_sets
 from ...report import fmt_time
-from ..pricing import experts
+from ..pricing import context, experts
 from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from ..split.selective import selective
 from ..split.split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, priced_surrogate, rank_fits
@@ -138,6 +146,7 @@ from .configs import (
     schedules,
     tp_units,
 )
+from .context import choose as choose_context
 
 Progress = Callable[..., None]  # (done, total, best step or None[, least lower bound left or None])
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
@@ -151,13 +160,18 @@ WORK_LIMIT = 2000
 SHARES_DETERMINISTIC_S = 1.0  # CP-SAT deterministic seconds of the batch split's integer shares
 
 
-def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit], chunks: int, world: int
-                         ) -> dict[int, int]:
+def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit], chunks: int, world: int,
+                         cp: int = 1) -> dict[int, int]:
     """Device -> NCCL communicators its process creates under a config (`lowering.communicator_sets` on the
     config's tensor-parallel groups, data-parallel groups and pipeline neighbours), as `price` counts them
-    for the plan (which also counts a tied weight's replica group across stages)."""
-    stages = [[tuple(pl[s % len(pl)]) for s in range(len(pl) * chunks)] for pl in pipelines]
-    groups = sorted({tuple(u) for pl in pipelines for u in pl} | {tuple(sorted(g)) for g in dp})
+    for the plan (which also counts a tied weight's replica group across stages). At cp > 1 (units of cp
+    tensor-parallel groups) each cp rank is a pipeline of its own, and every cp ring is a group too."""
+    stages = [[tuple(pl[s % len(pl)][c * (len(pl[s % len(pl)]) // cp):(c + 1) * (len(pl[s % len(pl)]) // cp)])
+               for s in range(len(pl) * chunks)] for pl in pipelines for c in range(cp)]
+    groups = {tuple(u[c * (len(u) // cp):(c + 1) * (len(u) // cp)]) for pl in pipelines for u in pl for c in range(cp)}
+    if cp > 1:
+        groups |= {tuple(u[k::len(u) // cp]) for pl in pipelines for u in pl for k in range(len(u) // cp)}
+    groups = sorted(groups | {tuple(sorted(g)) for g in dp})
     sets = communicator_sets(stages, groups, world)
     return {d: len(sets[d]) for pl in pipelines for u in pl for d in u}
 
@@ -314,20 +328,24 @@ class Search:
         """The stage positions of one pipeline; `alike`: every replica of the config gets the same split and
         micro-batch count, so its ZeRO-2/3 can run per layer (`Slot.layerwise`)."""
         cm, p, v = self.cm, len(pipe), cfg.chunks
+        cp = context.degree(cm)  # cp > 1: a unit is cp tensor-parallel groups (pricing/context.py)
         inflight = inflight_closed_form(cfg.schedule, p, m, v)
         if self._dp_cache[0] is not cfg.pipelines:
-            groups = [tuple(other[r][0] for other in cfg.pipelines) for r in range(p)]
+            # a stage's replicas: the first device of every tensor-parallel group holding it (dp x cp of them)
+            groups = [tuple(other[r][c * (len(other[r]) // cp)] for other in cfg.pipelines for c in range(cp))
+                      for r in range(p)]
             mixed = [len({len(other[r]) for other in cfg.pipelines}) > 1 for r in range(p)]
             self._dp_cache = (cfg.pipelines, groups, mixed)
         dp, mixed = self._dp_cache[1], self._dp_cache[2]
         if self._comm_cache[0] is not cfg.pipelines or self._comm_cache[1] != v:
-            self._comm_cache = (cfg.pipelines, v, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size))
+            self._comm_cache = (cfg.pipelines, v, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size,
+                                                                       cp))
         comms = self._comm_cache[2]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
                      min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
                      min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
-                     alike and len(pipe[j % p]) == 1, mixed[j % p])
+                     alike and len(pipe[j % p]) == cp, mixed[j % p])
                 for j in range(p * v)]
 
     # -- batch split --
@@ -479,6 +497,8 @@ class Search:
                 if bound >= self.best_step:
                     return None  # `_consider` would drop it: the replicas left need not be split
 
+        cp, attention = context.degree(cm), context.mode(cm)
+
         def build() -> Plan:
             out = []
             for pipe, key in zip(pipes, keys, strict=True):
@@ -486,7 +506,8 @@ class Search:
                 last = len(splits[key][1].stages) - 1
                 stages = [Stage([a, e], list(pipe[j % p]), c.option.zero, c.option.recompute,
                                 list(c.option.offload), None if j == last else
-                                cm.compress_choice(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0]))
+                                cm.compress_choice(c.out_bytes, pipe[j % p][0], pipe[(j + 1) % p][0]),
+                                cp=cp, cp_attention=attention)
                           for j, (a, e, c) in enumerate(splits[key][1].stages)]
                 out.append(Pipeline(share, -(-share // m), m, stages))
             return Plan(cm.B, cm.precision, cm.optimizer, cfg.schedule, cfg.chunks, cm.cluster.to_dict(),
@@ -641,8 +662,13 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
     then every union of device types is searched and the best-scoring plan may leave devices out
     (solver/search/subsets.py). `work_limit`: configurations solved at most per search, the budget that makes the
     plan the same on any machine; `time_limit_s` only guards the wall-clock time (and warns when it stops it)."""
-    def run(c: CostModel, seconds: float, cutoff: float = math.inf) -> Plan:
+    def one(c: CostModel, seconds: float, cutoff: float) -> Plan:
+        if context.degree(c) > 1:  # (context parallelism runs without expert parallelism)
+            return Search(c, seconds, progress, work_limit, cutoff).run()
         return experts.choose(c, lambda c2, limit: Search(c2, limit, progress, work_limit, cutoff).run(), seconds)
+
+    def run(c: CostModel, seconds: float, cutoff: float = math.inf) -> Plan:
+        return choose_context(c, one, seconds, cutoff)  # cp = 1, and cp > 1 where it can pay (context.py)
 
     from .subsets import best_subset_plan, fallback_plan, without_slow_types  # plans that leave devices out
 

@@ -1,0 +1,131 @@
+"""Choosing the context-parallel degree (cp) of a plan: which searches run, and what `predicted["cp"]` says.
+
+search.search runs `choose` around every search of one cost model (so plans that leave devices out choose too).
+The search runs at cp = 1 first. cp > 1 is tried only where it can pay, i.e. where one sample is what limits
+the plan:
+
+  * no cp = 1 plan fits (InfeasibleError): a sample's activations at T / cp tokens, and ZeRO over dp x cp
+    holders, may fit where nothing did; or
+  * the sequence is long (T >= CP_MIN_TOKENS) and the cp = 1 plan runs micro-batches of one sample and still
+    splits a sample's work or memory (`sample_bound`): tensor or pipeline parallelism, recompute, or offloaded
+    activations. cp divides a sample's tokens, so it can replace those (fewer all-reduces, fewer stages, less
+    recompute). A plan that fits with larger micro-batches, or runs one-sample micro-batches whole on every
+    device, has nothing cp could take over (its data-parallel replicas are at least as good as cp siblings: the
+    same compute, no exchange).
+
+CP_MIN_TOKENS (4096) keeps the pretraining lengths of the usual models (GPT-2/3, LLaMA, BERT: 512-2048 tokens,
+every model of bench/planner.py and the tests) at cp = 1 unless nothing else fits: there a ring block of at
+most 1024 tokens leaves little compute to hide the exchange behind, the runtime's checks that cp needs (no other
+op mixing tokens, a token-mean loss: passes/sequence_split.py) cannot be made by the planner, and their planning
+time stays what it was.
+
+The model must allow cp at all (solver/pricing/context.py `ContextParallel.blocker`: torch SDPA attention, causal or
+unmasked, no random ops in training, ...). Then each candidate (`context.candidates`: cp = 2, 4, ... dividing the
+world, 2 cp dividing T) is searched with ring attention and the best step so far as the search's cutoff (only
+faster plans count; a search whose configurations' lower bounds all reach it stops at once), and a faster plan's
+Ulysses variant is priced too (where the heads allow; the faster kept). So planning time grows only for models
+whose cp = 1 plan is sample-bound, and there by at most one bounded search per candidate.
+
+`predicted["cp"]`: {"chosen": cp, "attention", "exchange" (pricing), "reason": one line, "considered": step per cp
+tried (when any was)}; without attention in the model there is none.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ...errors import InfeasibleError, PlanError
+from ...report import fmt_time
+from ..pricing import context
+from ..pricing.pricing import CostModel, price
+
+CP_MIN_TOKENS = 4096  # sequences at least this long are "long": cp > 1 is considered for them (module docstring)
+
+
+def sample_bound(plan: Any) -> str:
+    """What of one sample the cp = 1 `plan` splits while its micro-batches hold one sample ("" when its micro-batches
+    hold more, or it splits nothing: then cp cannot pay; module docstring)."""
+    if any(p.microbatch_size > 1 for p in plan.pipelines):
+        return ""
+    stages = [st for p in plan.pipelines for st in p.stages]
+    why = [w for w, hit in (("tensor parallelism", any(st.tp > 1 for st in stages)),
+                            ("pipeline stages", any(len(p.stages) > 1 for p in plan.pipelines)),
+                            ("recompute", any(st.recompute for st in stages)),
+                            ("offloaded activations", any("activations" in st.offload for st in stages))) if hit]
+    return " and ".join(why)
+
+
+def _fmt(v: Any) -> str:
+    return f"{fmt_time(v)}/step" if isinstance(v, float) else str(v)
+
+
+def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_limit_s: float,
+           cutoff: float = math.inf) -> Any:
+    """The plan of the fastest degree (module docstring); `run(cost model, seconds, cutoff)` searches one."""
+    ctx = cm.context
+    if not ctx.has_attention:
+        return run(cm, time_limit_s, cutoff)
+    deadline = time.perf_counter() + time_limit_s
+    best, error = None, None
+    try:
+        best = run(cm, time_limit_s, cutoff)
+    except InfeasibleError as e:
+        error = e
+    cands = context.candidates(cm)
+    why_not = ("cp not possible: " + ctx.blocker if ctx.blocker else
+               "" if cands else f"cp not possible: no cp > 1 divides the world with 2 cp dividing the {ctx.seq} tokens")
+    if best is not None and not why_not:
+        if ctx.seq < CP_MIN_TOKENS:
+            why_not = f"not considered: {ctx.seq} tokens per sequence (cp is considered from {CP_MIN_TOKENS} on)"
+        elif not sample_bound(best):
+            why_not = ("not considered: the plan fits with micro-batches of more than one sample"
+                       if any(p.microbatch_size > 1 for p in best.pipelines) else
+                       "not considered: one-sample micro-batches run whole on each device")
+    if why_not:
+        if best is None:
+            raise error  # type: ignore[misc]
+        best.predicted["cp"] = {"chosen": 1, "reason": why_not}
+        return best
+    tried: dict[str, Any] = {"1": best.predicted["step_time_s"] if best is not None else "no plan fits"}
+    for k, cp in enumerate(cands):
+        limit = max(1.0, (deadline - time.perf_counter()) / (len(cands) - k))
+        bar = min(cutoff, best.predicted["step_time_s"]) if best is not None else cutoff
+        try:
+            plan = run(cm.with_context(cp, context.RING), limit, bar)
+        except (InfeasibleError, PlanError):
+            tried[str(cp)] = "no faster plan" if best is not None else "no plan fits"
+            continue
+        tried[str(cp)] = plan.predicted["step_time_s"]
+        if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
+            best = _with_ulysses(cm, plan)
+            tried[str(cp)] = best.predicted["step_time_s"]
+    if best is None:
+        raise error  # type: ignore[misc]
+    chosen = best.pipelines[0].stages[0].cp
+    pred = dict(best.predicted.get("cp") or {"chosen": 1})
+    pred["considered"] = tried
+    others = ", ".join(f"cp {k}: {_fmt(v)}" for k, v in tried.items() if k != str(chosen))
+    pred["reason"] = (f"cp>1 considered ({sample_bound(best) or 'one-sample micro-batches'} at cp=1) and not "
+                      f"faster: {others}" if chosen == 1 else f"chosen over {others}")
+    best.predicted["cp"] = pred
+    return best
+
+
+def _with_ulysses(cm: CostModel, plan: Any) -> Any:
+    """The ring plan, or its Ulysses variant where its heads allow it and it prices faster (and fits)."""
+    other = replace(plan, pipelines=[replace(p, stages=[replace(st, cp_attention=context.ULYSSES, predicted={})
+                                                        for st in p.stages]) for p in plan.pipelines], predicted={})
+    try:
+        priced = price(cm, other)
+    except PlanError:
+        return plan
+    if priced.fits and priced.plan.predicted["step_time_s"] < plan.predicted["step_time_s"]:
+        return priced.plan
+    return plan
+
+
+__all__ = ["CP_MIN_TOKENS", "choose", "sample_bound"]
