@@ -23,6 +23,9 @@ CASES_4 = [
     ("gpt", GPT, {"cp": 2, "dp": 2, "recompute": True}),
     ("gpt", GPT, {"cp": 4, "cp_attention": "ulysses"}),
     ("llama", GPT, {"cp": 2, "dp": 2}),
+    # Hugging Face models build a causal mask from the positions and pass it to SDPA: it runs as is_causal
+    ("hf_llama", GPT, {"cp": 2, "dp": 2}),
+    ("hf_gpt2", GPT, {"cp": 4}),
 ]
 
 
@@ -98,3 +101,67 @@ def test_cp_eval_step_returns_the_whole_output() -> None:
         torch.testing.assert_close(b, before, rtol=1e-5, atol=1e-6)
         assert ls == pytest.approx(losses, rel=1e-4, abs=1e-5)
         torch.testing.assert_close(a, after, rtol=1e-4, atol=1e-5)
+
+
+class _Cumsum(torch.nn.Module):
+    """Token embeddings averaged over the prefix (a cumsum along the sequence), then a causal attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).cumsum(1)
+        return self.head(x)
+
+
+class _Pooled(torch.nn.Module):
+    """A sequence classifier: mean over tokens, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx).mean(1, keepdim=True)).expand(-1, idx.shape[1], -1)
+
+
+def _roles(model: torch.nn.Module, idx: torch.Tensor, cp: int = 2, loss=None):  # noqa: ANN001, ANN202
+    import autopar
+    from autopar.codegen.split import model_outputs
+    from autopar.passes.sequence_split import sequence_roles
+    from autopar.runtime.ring_attention import zigzag_positions
+
+    loss = loss or (lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    full = autopar.capture(model, (idx,), loss, idx)
+    part = idx[:, zigzag_positions(idx.shape[1], cp, 0)]
+    local = autopar.capture(model, (part,), loss, part)
+    return sequence_roles(full, local, idx.shape[1], part.shape[1], cp, model_outputs(local.gm))
+
+
+def test_sequence_roles_find_what_crosses_tokens() -> None:
+    """The check behind every refusal, in process: SDPA and the position arange are found in GPT and HF Llama
+    (whose causal mask runs as is_causal); a cumsum along the sequence, a pooled head, an unfused attention and a
+    sliding-window mask are refused, naming the op."""
+    from autopar import models
+
+    case = models.gpt(layers=1, batch=2, seq=16)
+    roles = _roles(case.model, case.example_inputs[0])
+    assert roles.positions == ["arange"] and len(roles.attentions) == 1 and not roles.causal_masks
+    hf = models.CASES["hf_llama"](layers=1, batch=2, seq=16, seed=0)
+    roles = _roles(hf.model, hf.example_inputs[0], loss=hf.loss_fn)
+    assert len(roles.attentions) == 1 and roles.causal_masks == roles.attentions
+    idx = torch.randint(0, 32, (2, 16))
+    with pytest.raises(PlanError, match=r"cumsum.*works along the sequence"):
+        _roles(_Cumsum(), idx)
+    with pytest.raises(PlanError, match=r"mean.*works along the sequence"):
+        _roles(_Pooled(), idx)
+    unfused = models.gpt(layers=1, batch=2, seq=16)
+    unfused.model.blocks[0].attn = models.MatmulAttention(64, 4)
+    with pytest.raises(PlanError, match="mixes tokens"):
+        _roles(unfused.model, unfused.example_inputs[0])
+    sliding = models.CASES["hf_mistral"](layers=1, batch=2, seq=16, seed=0)
+    with pytest.raises(PlanError, match="not the causal one"):
+        _roles(sliding.model, sliding.example_inputs[0], loss=sliding.loss_fn)

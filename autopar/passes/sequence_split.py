@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 
 from ..errors import PlanError
 from ..ir.graph import TrainingGraph
@@ -36,6 +37,7 @@ class SequenceRoles:
     positions: list[str] = field(default_factory=list)  # aranges numbering the tokens
     attentions: list[str] = field(default_factory=list)  # SDPA calls (causal or unmasked) to run across the group
     reductions: list[str] = field(default_factory=list)  # the loss's reductions over tokens
+    causal_masks: list[str] = field(default_factory=list)  # attentions whose mask is the causal one: run is_causal
 
 
 def _where(n: object) -> str:
@@ -59,51 +61,172 @@ def _token_dim(full: tuple[int, ...], local: tuple[int, ...], seq: int, seq_loca
     return "mixed"
 
 
+# ops that only move or relabel dimensions: acting on the sequence dimension they keep every token whole
+MOVEMENT = {f"aten.{op}" for op in (
+    "transpose.int", "permute.default", "squeeze.dim", "squeeze.dims", "squeeze.default", "unsqueeze.default",
+    "view.default", "reshape.default", "_unsafe_view.default", "expand.default", "clone.default", "contiguous.default",
+    "t.default", "alias.default", "detach.default", "flatten.using_ints", "unflatten.int", "_to_copy.default",
+    "to.dtype", "to.dtype_layout", "to.device", "type_as.default", "_assert_tensor_metadata.default")}
+DIM_ARGS = ("dim", "dims", "dim0", "dim1")
+
+
+def _dims_of(node: fx.Node, ndim: int) -> set[int]:
+    """The dimensions an fx call acts along (its `dim`-like arguments), normalised to [0, ndim)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or ndim == 0:
+        return set()
+    out: set[int] = set()
+    for i, a in enumerate(schema.arguments):
+        if a.name not in DIM_ARGS:
+            continue
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+        for d in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(d, int):
+                out.add(d % ndim)
+    return out
+
+
+def _indexed_dims(node: fx.Node) -> set[int]:
+    """The dimensions `aten.index.Tensor` indexes with a tensor."""
+    if str(node.target) != "aten.index.Tensor" or len(node.args) < 2:
+        return set()
+    return {d for d, ix in enumerate(node.args[1]) if ix is not None}
+
+
+def _ancestors(graph: TrainingGraph, names: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = [n for n in names if n in graph.nodes]
+    while todo:
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            todo += [a for a in graph.nodes[x].args if a in graph.nodes]
+    return seen
+
+
+def _evaluate(gm: fx.GraphModule, name: str, needed: set[str]) -> torch.Tensor | None:
+    """The value of node `name` of `gm`, computing only `needed` (its ancestors); None when one is a placeholder
+    (an input, a parameter or a buffer)."""
+    env: dict[str, object] = {}
+    for node in gm.graph.nodes:
+        if node.name not in needed and node.name != name:
+            continue
+        if node.op == "placeholder":
+            return None
+        if node.op == "get_attr":
+            env[node.name] = getattr(gm, str(node.target))
+        elif node.op == "call_function":
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a.name])
+            env[node.name] = node.target(*args, **kwargs)
+        if node.name == name:
+            value = env[name]
+            return value if isinstance(value, torch.Tensor) else None
+    return None
+
+
+def _is_causal(mask: torch.Tensor | None, seq: int) -> bool:
+    """Whether an attention mask (boolean: True attends; or additive) at `seq` tokens is the causal one."""
+    if mask is None or mask.dim() < 2 or tuple(mask.shape[-2:]) != (seq, seq):
+        return False
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+        return False
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return bool((allowed.to(torch.bool).cpu() == causal).all())
+
+
 def sequence_roles(full: TrainingGraph, local: TrainingGraph, seq: int, seq_local: int, cp: int,
                    model_outputs: list[str] | None = None) -> SequenceRoles:
     """The aranges and attentions to replace in `local` (the capture at `seq_local` tokens per sequence) and
     the loss's reductions; PlanError naming the op when the model mixes tokens any other way. `model_outputs`:
     the nodes the model hands to its loss, which must each carry tokens on dimension 1 (a reduction over tokens
-    belongs to the loss, after them)."""
+    belongs to the loss, after them).
+
+    Beyond shapes, an op acting along a token-carrying value's sequence dimension (a `dim` argument on it: a
+    softmax, cumsum, sort, flip, cat or split there; tensor indexing along it; a convolution over it) mixes
+    tokens and is refused, unless it only builds a causal attention mask: a mask made from the token positions
+    alone that, at the full length, is the causal one (checked by computing it) runs as `is_causal` (what
+    Hugging Face models pass to SDPA)."""
     if set(full.nodes) != set(local.nodes) or any(full.nodes[k].target != local.nodes[k].target for k in full.nodes):
         raise PlanError(f"the model's graph at {seq_local} tokens per sequence differs from its graph at {seq}: its "
                         f"structure depends on the sequence length, so context parallelism (cp={cp}) cannot split "
                         f"it. Use cp=1.")
     roles = SequenceRoles()
-    carries: dict[str, bool] = {k: _token_dim(full.input_meta[k].shape, m.shape, seq, seq_local) is not None
-                                for k, m in local.input_meta.items() if k in full.input_meta}
+    tokdim: dict[str, int | None | str] = {k: _token_dim(full.input_meta[k].shape, m.shape, seq, seq_local)
+                                           for k, m in local.input_meta.items() if k in full.input_meta}
     order = list(local.nodes)
     for name in order:
         n, g = local.nodes[name], full.nodes[name]
         kinds = [_token_dim(a.shape, b.shape, seq, seq_local) for a, b in zip(g.outputs, n.outputs, strict=True)]
-        carries[name] = any(k is not None for k in kinds)
-        reads_tokens = any(carries.get(a, False) for a in n.args)
+        tokdim[name] = "mixed" if "mixed" in kinds else next((k for k in kinds if k is not None), None)
+    carries = {k: v is not None for k, v in tokdim.items()}
+    users: dict[str, list[str]] = {}  # (a capture-time check that outputs nothing is nobody's user)
+    for name in order:
+        for a in local.nodes[name].args if local.nodes[name].outputs else ():
+            users.setdefault(a, []).append(name)
+    attentions = [k for k in order if local.nodes[k].target == ATTENTION]
+    # masks passed to SDPA (its fourth tensor argument), and what only builds them
+    masks = {k: local.nodes[k].args[3] for k in attentions if len(local.nodes[k].args) > 3}
+    builds = _ancestors(local, list(masks.values()))
+    only_masks: set[str] = set()
+    for name in reversed(order):
+        if name in builds and all(u in only_masks or u in masks for u in users.get(name, [])):
+            only_masks.add(name)
+    inputs = set(local.input_meta)
+    params = set(local.params)
+    fx_nodes = {n.name: n for n in local.gm.graph.nodes} if local.gm is not None else {}
+    for sdpa, mask in masks.items():
+        why = None
+        needed = _ancestors(full, [mask])
+        if needed & params or any(a in inputs for x in needed for a in full.nodes[x].args):
+            why = "it depends on the inputs (a padding mask)"
+        elif mask not in only_masks:
+            why = "its mask is used elsewhere too"
+        elif full.gm is None or not _is_causal(_evaluate(full.gm, mask, needed), seq):
+            why = "its mask is not the causal one (a sliding window, padding or another pattern)"
+        if why is not None:
+            raise PlanError(f"context parallelism (cp={cp}) cannot split {_where(local.nodes[sdpa])}: it passes an "
+                            f"attention mask and {why}; ring attention builds the causal mask from the tokens' "
+                            f"global positions. Use is_causal=True without attn_mask, or cp=1.")
+        roles.causal_masks.append(sdpa)
+    # the model's part (what its outputs are made from): the loss after it may reduce over tokens, which
+    # `loss_is_token_mean` checks numerically
+    in_model = _ancestors(local, list(model_outputs)) if model_outputs else set()
+    checked = in_model if model_outputs else set(order)  # a model computing its own loss: every op
+    for name in order:
+        n, g = local.nodes[name], full.nodes[name]
+        if name in only_masks:
+            continue
         if n.target in ARANGES and carries[name]:
             roles.positions.append(name)
             continue
         if n.target == ATTENTION:
             roles.attentions.append(name)
             continue
-        if "mixed" in kinds:
+        if tokdim[name] == "mixed":
             shapes = f"{list(g.outputs[0].shape)} at {seq} tokens, {list(n.outputs[0].shape)} at {seq_local}"
             raise PlanError(f"context parallelism (cp={cp}) cannot split {_where(n)}: its output ({shapes}) mixes "
                             f"tokens, which only torch's scaled_dot_product_attention (is_causal or no mask) may do "
                             f"under cp. Write attention with F.scaled_dot_product_attention(..., is_causal=True) "
                             f"instead of a mask built from the sequence, or use cp=1.")
-        if reads_tokens and not carries[name] and not n.is_view and n.outputs:
+        first = next((a for a in n.args if carries.get(a)), None)
+        node = fx_nodes.get(name)
+        if first is not None and node is not None and n.target not in MOVEMENT and name in checked:
+            t = tokdim[first]
+            ndim = len(local.nodes[first].outputs[0].shape) if first in local.nodes else \
+                len(local.input_meta[first].shape)
+            along = isinstance(t, int) and (t in _dims_of(node, ndim) or t in _indexed_dims(node)
+                                            or (n.target == "aten.convolution.default" and t >= 2))
+            keeps = tokdim[name] is not None and n.outputs and first in local.nodes and \
+                n.outputs[0].shape == local.nodes[first].outputs[0].shape and g.outputs[0].shape == \
+                full.nodes[first].outputs[0].shape
+            if along and not (n.target in ("aten.slice.Tensor", "aten.narrow.default") and keeps):
+                raise PlanError(f"context parallelism (cp={cp}) cannot split {_where(n)}: it works along the "
+                                f"sequence dimension ({t}) of {first}, so a rank's share of the tokens would not "
+                                f"give its part of the result. Only scaled_dot_product_attention may look across "
+                                f"tokens under cp; use cp=1 for this model.")
+        if any(carries.get(a, False) for a in n.args) and not carries[name] and not n.is_view and n.outputs:
             roles.reductions.append(name)
-    users: dict[str, list[str]] = {}
-    for name in order:
-        for a in local.nodes[name].args:
-            users.setdefault(a, []).append(name)
-    params = set(local.params)
-    in_model: set[str] = set()
-    todo = [m for m in model_outputs or () if m in local.nodes]
-    while todo:
-        x = todo.pop()
-        if x not in in_model:
-            in_model.add(x)
-            todo += [a for a in local.nodes[x].args if a in local.nodes]
     for r in roles.reductions:
         why = "the model reduces over the sequence before its output" if r in in_model else None
         seen, todo = set(), [r]
@@ -129,12 +252,6 @@ def sequence_roles(full: TrainingGraph, local: TrainingGraph, seq: int, seq_loca
             raise PlanError(f"context parallelism (cp={cp}) needs the model's output to hold its tokens on dimension "
                             f"1 (batch, seq, ...), but {_where(n)} is {list(g.outputs[0].shape)} at {seq} tokens: "
                             f"the loss could not be split by tokens. Use cp=1.")
-    for name in roles.attentions:
-        n = local.nodes[name]
-        if len(n.args) > 3:  # q, k, v and a mask tensor
-            raise PlanError(f"context parallelism (cp={cp}) cannot split {_where(n)}: it passes an attention mask; "
-                            f"ring attention builds the causal mask from the tokens' global positions. Use "
-                            f"is_causal=True without attn_mask, or cp=1.")
     return roles
 
 

@@ -94,8 +94,12 @@ class ContextParallel:
                 changed = True
             elif node.name in roles.attentions:
                 node.target = self._attention
+                if node.name in roles.causal_masks:  # its mask is the causal one, built from positions
+                    kwargs = {k: v for k, v in node.kwargs.items() if k in ("scale", "enable_gqa")}
+                    node.args, node.kwargs = tuple(node.args[:3]), {**kwargs, "is_causal": True}
                 changed = True
         if changed:
+            gm.graph.eliminate_dead_code()  # what only built causal masks
             gm.recompile()
         return gm
 
