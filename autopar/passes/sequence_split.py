@@ -117,6 +117,8 @@ def _evaluate(gm: fx.GraphModule, name: str, needed: set[str]) -> torch.Tensor |
             env[node.name] = getattr(gm, str(node.target))
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a.name])
+            if "device" in kwargs:  # a model built on meta: positions and masks are computed here, on the host
+                kwargs = {**kwargs, "device": torch.device("cpu")}
             env[node.name] = node.target(*args, **kwargs)
         if node.name == name:
             value = env[name]
@@ -133,6 +135,21 @@ def _is_causal(mask: torch.Tensor | None, seq: int) -> bool:
         return False
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     return bool((allowed.to(torch.bool).cpu() == causal).all())
+
+
+def causal_mask_problem(graph: TrainingGraph, sdpa: str, seq: int) -> str | None:
+    """Why the mask SDPA node `sdpa` of `graph` (captured at `seq` tokens) passes cannot run as is_causal under
+    context parallelism (None: it has none, or it is the causal mask built from the token positions alone)."""
+    node = graph.nodes[sdpa]
+    if len(node.args) <= 3:
+        return None
+    mask = node.args[3]
+    needed = _ancestors(graph, [mask])
+    if needed & set(graph.params) or any(a in graph.input_meta for x in needed for a in graph.nodes[x].args):
+        return "it depends on the inputs (a padding mask)"
+    if graph.gm is None or not _is_causal(_evaluate(graph.gm, mask, needed), seq):
+        return "its mask is not the causal one (a sliding window, padding or another pattern)"
+    return None
 
 
 def sequence_roles(full: TrainingGraph, local: TrainingGraph, seq: int, seq_local: int, cp: int,
@@ -172,18 +189,12 @@ def sequence_roles(full: TrainingGraph, local: TrainingGraph, seq: int, seq_loca
     for name in reversed(order):
         if name in builds and all(u in only_masks or u in masks for u in users.get(name, [])):
             only_masks.add(name)
-    inputs = set(local.input_meta)
     params = set(local.params)
     fx_nodes = {n.name: n for n in local.gm.graph.nodes} if local.gm is not None else {}
     for sdpa, mask in masks.items():
-        why = None
-        needed = _ancestors(full, [mask])
-        if needed & params or any(a in inputs for x in needed for a in full.nodes[x].args):
-            why = "it depends on the inputs (a padding mask)"
-        elif mask not in only_masks:
+        why = causal_mask_problem(full, sdpa, seq)
+        if why is None and mask not in only_masks:
             why = "its mask is used elsewhere too"
-        elif full.gm is None or not _is_causal(_evaluate(full.gm, mask, needed), seq):
-            why = "its mask is not the causal one (a sliding window, padding or another pattern)"
         if why is not None:
             raise PlanError(f"context parallelism (cp={cp}) cannot split {_where(local.nodes[sdpa])}: it passes an "
                             f"attention mask and {why}; ring attention builds the causal mask from the tokens' "
@@ -266,4 +277,4 @@ def loss_is_token_mean(loss_fn: object, output: torch.Tensor, target: torch.Tens
     return bool(torch.allclose(whole.double(), summed.double(), rtol=1e-5, atol=1e-6))
 
 
-__all__ = ["ATTENTION", "SequenceRoles", "loss_is_token_mean", "sequence_roles"]
+__all__ = ["ATTENTION", "SequenceRoles", "causal_mask_problem", "loss_is_token_mean", "sequence_roles"]
