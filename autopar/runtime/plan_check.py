@@ -164,8 +164,10 @@ def stage_options(plan: Any, rank: int) -> list[str]:
             if rank not in st.devices:
                 continue
             opts = [f"schedule {plan.schedule}"] if len(pipe.stages) > 1 else []
-            if len(st.devices) > 1:
-                opts.append(f"tp {len(st.devices)}")
+            if st.tp > 1:
+                opts.append(f"tp {st.tp}")
+            if st.cp > 1:
+                opts.append(f"cp {st.cp} {st.cp_attention}")
             if st.zero:
                 opts.append(f"zero {st.zero}")
             if st.recompute:

@@ -50,7 +50,7 @@ def _runs(role: DeviceRole) -> str:
         return "idle"
     out = []
     for s in role.stages:
-        opts = [f"tp{s.tp}" if s.tp > 1 else "", f"zero{s.zero}" if s.zero else "",
+        opts = [f"tp{s.tp}" if s.tp > 1 else "", f"cp{s.cp}" if s.cp > 1 else "", f"zero{s.zero}" if s.zero else "",
                 f"recompute {s.recompute}" if s.recompute != "no" else "",
                 "offload " + "+".join(s.offload) if s.offload else "", f"send {s.compress}" if s.compress else ""]
         out.append(f"p{s.pipeline} s{s.stage} layers {s.layers[0]}-{s.layers[1] - 1}"

@@ -157,7 +157,8 @@ def _device_card(role: DeviceRole) -> str:
     colour = PIPELINE_COLOURS[role.stages[0].pipeline % len(PIPELINE_COLOURS)]
     lines = []
     for s in role.stages:
-        opts = [f"tp {s.tp} ({ranges(s.tp_group)})" if s.tp > 1 else ""]
+        opts = [f"tp {s.tp} ({ranges(s.tp_group)})" if s.tp > 1 else "",
+                f"cp {s.cp}: 1/{s.cp} of every sequence's tokens" if s.cp > 1 else ""]
         opts += [f"ZeRO-{s.zero}" if s.zero else "", f"recompute {s.recompute}" if s.recompute != "no" else "",
                  "offload " + "+".join(s.offload) if s.offload else "", f"sends {s.compress}" if s.compress else ""]
         extra = ", ".join(o for o in opts if o)

@@ -66,6 +66,7 @@ class StageRole:
     recompute: str  # recompute_label
     offload: list[str]
     compress: str | None
+    cp: int = 1  # context-parallel degree: tp_group is this device's own group among the stage's cp groups
 
 
 @dataclass
@@ -102,9 +103,10 @@ def device_roles(plan: Plan) -> list[DeviceRole]:
         for j, s in enumerate(pipe.stages):
             for d in s.devices:
                 role = roles.setdefault(d, DeviceRole(d, names.get(d, "?"), nodes.get(d, 0)))
+                group = next(g for g in s.cp_groups() if d in g)
                 role.stages.append(StageRole(i, j, (s.layers[0], s.layers[1]), layer_label(plan, *s.layers), s.tp,
-                                             list(s.devices), s.zero, recompute_label(s.recompute),
-                                             list(s.offload), s.compress))
+                                             group, s.zero, recompute_label(s.recompute),
+                                             list(s.offload), s.compress, s.cp))
                 role.batch_share = pipe.batch_share
                 role.microbatches = (pipe.num_microbatches, pipe.microbatch_size)
     idle = {int(d): why for d, why in (plan.predicted.get("idle_devices") or {}).items()}
