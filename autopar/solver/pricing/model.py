@@ -7,8 +7,9 @@ host time, activations, parameters, MoE terms), an option's per-micro-batch time
 (`CostModel.stage_times` -> `StageTimes`), and a stage's peak memory (`CostModel.stage_memory`, the formulas
 in stage_memory.py). Its parts live beside it: the communication half it inherits (pricing/comm.py), the
 tensor-parallel price of a layer (intra_op/pricing.py), expert parallelism (experts.py, which reads the
-`expert_parallel` field and changes it only through `with_expert_degree`), the weight-gradient share
-(wgrad.py). Pricing a whole plan with it is pricing.py (`price`), which re-exports everything here.
+`expert_parallel` field and changes it only through `with_expert_degree`), context parallelism (context.py: the
+`context` field, changed only through `with_context`), the weight-gradient share (wgrad.py). Pricing a whole plan
+with it is pricing.py (`price`), which re-exports everything here.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class CostModel(CommPricing):
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
                  intra_op_time_limit_s: float = 2.0, *, compress: str | None = None,
                  tp_dp_sync: str = "whole", profiles: dict[str, Profile] | None = None,
-                 block_profile: BlockProfile | None = None) -> None:
+                 block_profile: BlockProfile | None = None, context_parallel: context.ContextParallel | None = None
+                 ) -> None:
         check_memory_reserve(memory_reserve)
         check_compress(compress)
         if tp_dp_sync not in TP_DP_SYNCS:
@@ -193,11 +195,11 @@ class CostModel(CommPricing):
         self.expert_parallel: experts.ExpertParallel = experts.ExpertParallel.of(graph)
         """The expert-parallel degree priced and the graph's MoE layers (experts.py): degree 1 when built;
         `with_expert_degree` gives a copy at another degree (prices depend on it, so it is never set in place)."""
-        self.context: context.ContextParallel = context.ContextParallel.of(graph)
+        self.context: context.ContextParallel = context_parallel or context.ContextParallel.of(graph)
         """The context-parallel degree and attention mode priced, the graph's attention calls and whether the model
         can run cp > 1 (context.py): degree 1 when built; `with_context` gives a copy at another degree. At cp > 1
         every group naming a stage (the `tp_group` arguments) is the stage's devices, cp tensor-parallel groups
-        (`tp_part`: the first of them)."""
+        (`tp_part`: the first of them). `context_parallel`: what a cost model of the same graph found (`on_subset`)."""
 
     def memoised(self, key: tuple, compute: Callable[[], T]) -> T:
         """The cost model's memo entry `key`, computed by `compute` and stored when absent (or None): how the
@@ -235,13 +237,14 @@ class CostModel(CommPricing):
     def on_subset(self, devices: list[int]) -> CostModel:
         """This cost model on `cluster.subset(devices)`: the same graph, precision, optimizer, reserve, wire
         compression, tp/dp sync, intra-op search, compute profiles (of the types the subset keeps) and measured
-        blocks, so a plan that leaves devices out is priced as the whole cluster's would be. Fresh memos."""
+        blocks, so a plan that leaves devices out is priced as the whole cluster's would be; at cp = 1 (its attention
+        calls found once). Fresh memos."""
         sub = self.cluster.subset(devices)
         kept = set(sub.device_types())
         return CostModel(self.graph, sub, self.precision, self.optimizer, self.reserve, self.intra_op,
                          self.intra_op_time_limit_s, compress=self.compress, tp_dp_sync=self.tp_dp_sync,
                          profiles={t: p for t, p in self.profiles.items() if t in kept},
-                         block_profile=self.block_profile)
+                         block_profile=self.block_profile, context_parallel=replace(self.context, degree=1))
 
     # ---- layer data ---------------------------------------------------------------------------
     def _init_layers(self) -> None:

@@ -123,8 +123,9 @@ Where it is: this module prices a whole plan (`price` -> `Priced`, `price_strate
 `stage_option`, `model_summary`). The formulas above are computed by `CostModel` in pricing/model.py (with
 its types `Option`, `StageBase`, `StageTimes` and `inflight_closed_form`), whose parts are pricing/comm.py
 (collectives and sends), intra_op/pricing.py (tensor parallelism), stage_memory.py (memory), experts.py
-(expert parallelism) and wgrad.py; the plan-level pieces (`check_plan`, `lower_bound`, `rank_peak`,
-`rank_host`, `tied_sync`, memory problems) are pricing/plan.py. Every name callers read here is re-exported.
+(expert parallelism), context.py (context parallelism) and wgrad.py; the plan-level pieces (`check_plan`,
+`lower_bound`, `rank_peak`, `rank_host`, `tied_sync`, memory problems) are pricing/plan.py. Every name callers
+read here is re-exported.
 """
 
 from __future__ import annotations

@@ -43,7 +43,13 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              or, when larger, `StageBase.bwd_workspace`: the largest buffer one op's backward allocates
              beside autograd's tensors on the stage's device kind, per device whatever the micro-batch (a CPU
              convolution's weight gradient in oneDNN's padded layout: cost_models/conv_workspace.py); the two
-             belong to different ops and never coexist, and the in-flight gradients do not reduce this one
+             belong to different ops and never coexist, and the in-flight gradients do not reduce this one;
+             nor does, at cp > 1, an attention call's context-parallel transient (`StageBase.cp_work`: the K/V
+             blocks in flight, with the dK/dV accumulators in backward, or Ulysses' all-to-all buffers), the larger
+             of the three counting (context.py)
+
+At cp > 1 (solver/pricing/context.py) t is the tensor-parallel degree (the group naming the stage holds cp x t
+devices) and D the dp x cp holders of the stage's parameters; act is per cp rank (T / cp tokens).
 
 The device's capacity is what its tensors may fill: `CostModel.usable` takes the runtime's own device
 memory (CUDA context, cuBLAS workspace, NCCL buffers; cost_models/memory.py) off it on GPUs.

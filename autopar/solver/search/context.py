@@ -1,23 +1,23 @@
 """Choosing the context-parallel degree (cp) of a plan: which searches run, and what `predicted["cp"]` says.
 
 search.search runs `choose` around every search of one cost model (so plans that leave devices out choose too).
-The search runs at cp = 1 first. cp > 1 is tried only where it can pay, i.e. where one sample is what limits
-the plan:
+The search runs at cp = 1 first. cp > 1 is tried only for long sequences (T >= CP_MIN_TOKENS) and only where it
+can pay, i.e. where one sample is what limits the plan:
 
   * no cp = 1 plan fits (InfeasibleError): a sample's activations at T / cp tokens, and ZeRO over dp x cp
-    holders, may fit where nothing did; or
-  * the sequence is long (T >= CP_MIN_TOKENS) and the cp = 1 plan runs micro-batches of one sample and still
-    splits a sample's work or memory (`sample_bound`): tensor or pipeline parallelism, recompute, or offloaded
-    activations. cp divides a sample's tokens, so it can replace those (fewer all-reduces, fewer stages, less
-    recompute). A plan that fits with larger micro-batches, or runs one-sample micro-batches whole on every
-    device, has nothing cp could take over (its data-parallel replicas are at least as good as cp siblings: the
-    same compute, no exchange).
+    holders, may fit where nothing did (unless the training state alone exceeds all device and host memory); or
+  * the cp = 1 plan runs micro-batches of one sample and still splits a sample's work or memory
+    (`sample_bound`): tensor or pipeline parallelism, recompute, or offloaded activations. cp divides a sample's
+    tokens, so it can replace those (fewer all-reduces, fewer stages, less recompute). A plan that fits with
+    larger micro-batches, or runs one-sample micro-batches whole on every device, has nothing cp could take over
+    (its data-parallel replicas are at least as good as cp siblings: the same compute, no exchange).
 
 CP_MIN_TOKENS (4096) keeps the pretraining lengths of the usual models (GPT-2/3, LLaMA, BERT: 512-2048 tokens,
-every model of bench/planner.py and the tests) at cp = 1 unless nothing else fits: there a ring block of at
-most 1024 tokens leaves little compute to hide the exchange behind, the runtime's checks that cp needs (no other
-op mixing tokens, a token-mean loss: passes/sequence_split.py) cannot be made by the planner, and their planning
-time stays what it was.
+every model of bench/planner.py and of the tests before cp) at cp = 1, whatever else happens: their plans and
+planning time stay what they were (an infeasible one included: cp is no fix for a layout or a model too big), a
+ring block of at most 1024 tokens leaves little compute to hide the exchange behind, and the checks the runtime
+makes before it runs cp (no other op mixing tokens, a token-mean loss: passes/sequence_split.py) cannot be made by
+the planner, so cp is not offered where it is not needed. `Strategy(cp=...)` prices any length.
 
 The model must allow cp at all (solver/pricing/context.py `ContextParallel.blocker`: torch SDPA attention, causal or
 unmasked, no random ops in training, ...). Then each candidate (`context.candidates`: cp = 2, 4, ... dividing the
@@ -33,6 +33,7 @@ tried (when any was)}; without attention in the model there is none.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -42,6 +43,7 @@ from ...errors import InfeasibleError, PlanError
 from ...report import fmt_time
 from ..pricing import context
 from ..pricing.pricing import CostModel, price
+from .infeasible import least_state_bytes
 
 CP_MIN_TOKENS = 4096  # sequences at least this long are "long": cp > 1 is considered for them (module docstring)
 
@@ -57,6 +59,12 @@ def sample_bound(plan: Any) -> str:
                             ("recompute", any(st.recompute for st in stages)),
                             ("offloaded activations", any("activations" in st.offload for st in stages))) if hit]
     return " and ".join(why)
+
+
+def _memory(cm: CostModel) -> float:
+    """The usable bytes of the cluster's device and host memory together (infeasible.py's figure)."""
+    return (sum(d.spec.memory for d in cm.cluster.devices) + sum(n.host_memory for n in cm.cluster.nodes)) \
+        * (1 - cm.reserve)
 
 
 def _fmt(v: Any) -> str:
@@ -77,11 +85,13 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
         error = e
     cands = context.candidates(cm)
     why_not = ("cp not possible: " + ctx.blocker if ctx.blocker else
+               f"not considered: {ctx.seq} tokens per sequence (cp is considered from {CP_MIN_TOKENS} on)"
+               if ctx.seq < CP_MIN_TOKENS else
                "" if cands else f"cp not possible: no cp > 1 divides the world with 2 cp dividing the {ctx.seq} tokens")
+    if best is None and not why_not and least_state_bytes(cm) > _memory(cm):
+        raise error  # type: ignore[misc]  # the training state alone fits nowhere: cp cannot help
     if best is not None and not why_not:
-        if ctx.seq < CP_MIN_TOKENS:
-            why_not = f"not considered: {ctx.seq} tokens per sequence (cp is considered from {CP_MIN_TOKENS} on)"
-        elif not sample_bound(best):
+        if not sample_bound(best):
             why_not = ("not considered: the plan fits with micro-batches of more than one sample"
                        if any(p.microbatch_size > 1 for p in best.pipelines) else
                        "not considered: one-sample micro-batches run whole on each device")
@@ -93,7 +103,9 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
     tried: dict[str, Any] = {"1": best.predicted["step_time_s"] if best is not None else "no plan fits"}
     for k, cp in enumerate(cands):
         limit = max(1.0, (deadline - time.perf_counter()) / (len(cands) - k))
-        bar = min(cutoff, best.predicted["step_time_s"]) if best is not None else cutoff
+        # (without a plan yet, a finite cutoff all the same: a search that finds nothing then skips the
+        # infeasibility message, which the cp = 1 search's error already gives)
+        bar = min(cutoff, best.predicted["step_time_s"] if best is not None else sys.float_info.max)
         try:
             plan = run(cm.with_context(cp, context.RING), limit, bar)
         except (InfeasibleError, PlanError):

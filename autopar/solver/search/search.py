@@ -664,7 +664,9 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
     plan the same on any machine; `time_limit_s` only guards the wall-clock time (and warns when it stops it)."""
     def one(c: CostModel, seconds: float, cutoff: float) -> Plan:
         if context.degree(c) > 1:  # (context parallelism runs without expert parallelism)
-            return Search(c, seconds, progress, work_limit, cutoff).run()
+            plan = Search(c, seconds, progress, work_limit, cutoff).run()
+            plan.experts = experts.describe(c, plan)
+            return plan
         return experts.choose(c, lambda c2, limit: Search(c2, limit, progress, work_limit, cutoff).run(), seconds)
 
     def run(c: CostModel, seconds: float, cutoff: float = math.inf) -> Plan:

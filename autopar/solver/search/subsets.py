@@ -76,12 +76,15 @@ def type_subsets(cm: CostModel) -> list[list[int]]:
 
 def on_whole_cluster(cm: CostModel, plan: Plan, keep: list[int], why: str) -> Plan:
     """`plan`, made on `cluster.subset(keep)`, as a plan of the whole cluster (priced there, the devices
-    not in `keep` idle for the reason `why`)."""
+    not in `keep` idle for the reason `why`; the search's word on context parallelism, `predicted["cp"]`, kept)."""
     pipelines = [replace(p, stages=[replace(st, devices=[keep[d] for d in st.devices], predicted={})
                                     for st in p.stages]) for p in plan.pipelines]
     whole = replace(plan, pipelines=pipelines, cluster=cm.cluster.to_dict(), predicted={})
     left = [i for i in range(cm.cluster.world_size) if i not in keep]
-    return price(cm, whole, idle_reasons=dict.fromkeys(left, why)).plan
+    out = price(cm, whole, idle_reasons=dict.fromkeys(left, why)).plan
+    if "cp" in plan.predicted:
+        out.predicted["cp"] = {**plan.predicted["cp"], **out.predicted.get("cp", {})}
+    return out
 
 
 def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objective: str,
