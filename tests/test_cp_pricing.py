@@ -9,12 +9,15 @@ import functools
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import autopar
 from autopar import Plan, PlanError, Strategy
 from autopar.api import cost_model
 from autopar.cost_models.context import cp_exchange_bytes, exchange_steps, kv_block_bytes
-from autopar.models import gpt, mlp
+from autopar.models import gpt, lm_loss, mlp
 from autopar.solver.pricing.context import candidates
 from autopar.solver.pricing.pricing import Option
 from autopar.solver.search.context import CP_MIN_TOKENS
@@ -188,6 +191,52 @@ def test_refusals(kw: dict, strategy: Strategy, match: str) -> None:
     cluster = f"1x{strategy.cp}xA100-80GB"
     with pytest.raises(PlanError, match=match):
         _estimate(strategy, cluster, **kw)
+
+
+class _MaskedBlock(nn.Module):
+    """Attention with an explicit boolean mask built from the token positions (as Hugging Face models pass it):
+    the causal one, or a sliding window of `window` tokens."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, window: int | None = None) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads, self.window = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden), heads, \
+            window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(t, device=x.device)
+        mask = pos[None, :] <= pos[:, None]
+        if self.window:
+            mask = mask & (pos[:, None] - pos[None, :] < self.window)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, h))
+
+
+class _MaskedLM(nn.Module):
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.blocks = nn.ModuleList([_MaskedBlock(window=window), _MaskedBlock(window=window)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_an_explicit_causal_mask_splits_a_sliding_window_does_not(window: int | None) -> None:
+    with torch.device("meta"):
+        model = _MaskedLM(window)
+    idx, target = torch.randint(0, 64, (2, 64)), torch.randint(0, 64, (2, 64))
+    if window is None:
+        est = autopar.estimate(model, "1x2xA100-80GB", Strategy(cp=2), (idx,), target, lm_loss)
+        assert est.plan.pipelines[0].stages[0].predicted["cp_calls"] == 2
+    else:
+        with pytest.raises(PlanError, match="not the causal one"):
+            autopar.estimate(model, "1x2xA100-80GB", Strategy(cp=2), (idx,), target, lm_loss)
 
 
 def test_a_model_without_attention_has_no_cp() -> None:

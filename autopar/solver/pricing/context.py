@@ -31,13 +31,14 @@ sync         cp siblings hold the same parameters (per tensor-parallel shard), s
              group of the stage in every pipeline, and ZeRO partitions over it (`price`, `search`).
 
 Which models (`ContextParallel.blocker`): every attention is torch's scaled_dot_product_attention, self-attention
-(queries and keys of one length T) that is causal or unmasked, T divisible by 2 cp, the first input (batch, T, ...);
-no random op in training (dropout > 0, bernoulli, rand...: the runtime's keyed masks would not be the one-device
-program's); no expert parallelism. Ulysses also needs the local query heads divisible by cp (k and v are repeated to
-lcm(Hkv, cp) heads where cp does not divide Hkv). One cp and one mode per plan. What the runtime checks beyond these
-when it captures the stages at T / cp tokens (passes/sequence_split.py: no other op mixes tokens; the loss is a mean
-over tokens) needs a second capture or the loss function, which the cost model has not: a model failing them is
-refused at compile time.
+(queries and keys of one length T) that is causal or unmasked, or whose mask is the causal one built from the
+token positions alone (what Hugging Face models pass; passes/sequence_split.py `causal_mask_problem`); T divisible
+by 2 cp; the first input (batch, T, ...); no random op in training (dropout > 0, bernoulli, rand...: the runtime's
+keyed masks would not be the one-device program's); no expert parallelism. Ulysses also needs the local query heads
+divisible by cp (k and v are repeated to lcm(Hkv, cp) heads where cp does not divide Hkv). One cp and one mode per
+plan. What the runtime checks beyond these when it captures the stages at T / cp tokens (passes/sequence_split.py:
+no other op mixes tokens; the loss is a mean over tokens) needs a second capture or the loss function, which the
+cost model has not: a model failing them is refused at compile time.
 
 Choice: solver/search/context.py (`choose`, around every search): cp = 1 first, cp > 1 only where one sample is what
 limits the plan. `candidates` are the degrees tried.
@@ -65,6 +66,7 @@ from ...cost_models.context import (
 from ...errors import PlanError
 from ...ir.graph import DTYPE_BYTES, TrainingGraph
 from ...ir.precision import ELEMENT_BYTES
+from ...passes.sequence_split import causal_mask_problem
 from ...passes.tp_patterns import SDPA, attention_cores
 from ..intra_op.pricing import LayerCost, closed_form
 
@@ -198,9 +200,11 @@ def _blocker(graph: TrainingGraph, calls: list[AttentionCall]) -> str:
             return "the captured program is not at hand to check its attention's masking and randomness"
         if c.dropout:
             return f"its attention {c.node} has dropout in training (the ring would not draw the one-device masks)"
-        if c.mask or (c.seq != c.kv_seq):
-            return f"its attention {c.node} has a mask or attends to another sequence (only causal or unmasked " \
-                   f"self-attention splits)"
+        if c.seq != c.kv_seq:
+            return f"its attention {c.node} attends to another sequence (only self-attention splits)"
+        problem = causal_mask_problem(graph, c.node, c.seq) if c.mask else None
+        if problem:  # (a mask built from the token positions alone that is the causal one runs as is_causal)
+            return f"its attention {c.node} has a mask that cp cannot split: {problem}"
     if len({c.seq for c in calls}) > 1:
         return "its attentions run on sequences of different lengths"
     rnd = random_ops(graph)
