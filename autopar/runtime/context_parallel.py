@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..errors import PlanError
 from ..passes.sequence_split import SequenceRoles
 from .ring_attention import ring_attention, ulysses_attention, zigzag_positions
-from .tensor_parallel import _shard_local_layout, full_tensor
+from .tensor_parallel import shard_local_layout, full_tensor
 
 aten = torch.ops.aten
 
@@ -72,7 +72,7 @@ class ContextParallel:
         run = ring_attention if self.mode == "ring" else ulysses_attention
         if not isinstance(q, DTensor):
             return run(q, k, v, group=self.group, causal=is_causal, scale=scale)
-        placement = _shard_local_layout(q, k, v, None)
+        placement = shard_local_layout(q, k, v, None)
         if placement is None or not (isinstance(placement, Replicate) or placement.dim == 1):
             out = run(full_tensor(q), full_tensor(k), full_tensor(v), group=self.group, causal=is_causal, scale=scale)
             return DTensor.from_local(out, q.device_mesh, [Replicate()], run_check=False)

@@ -127,7 +127,7 @@ def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     )[0]
 
 
-def _shard_local_layout(q: Any, k: Any, v: Any, attn_mask: Any) -> Placement | None:
+def shard_local_layout(q: Any, k: Any, v: Any, attn_mask: Any) -> Placement | None:
     """The one placement q, k and v share when attention can run on each rank's local shards alone:
     replicated, or sharded evenly over the batch (dim 0) or the heads (dim 1) with a mask that broadcasts
     over that dim; None otherwise."""
@@ -153,7 +153,7 @@ def _shard_local_layout(q: Any, k: Any, v: Any, attn_mask: Any) -> Placement | N
 def _sdpa_per_shard(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     # Heads (and batch rows) of attention are independent: where q, k and v share a head, batch or replicated
     # layout, each rank runs the fused kernel (the one the planner prices) on its local shards.
-    p = _shard_local_layout(q, k, v, attn_mask)
+    p = shard_local_layout(q, k, v, attn_mask)
     if p is None:
         return _sdpa_math(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mask = attn_mask.to_local() if isinstance(attn_mask, DTensor) else attn_mask
@@ -170,7 +170,7 @@ def _keyed_attention_per_shard(q, k, v, attn_mask=None, dropout_p=0.0, is_causal
     # math formulation fails where it masks (a causal mask is a plain tensor beside DTensor scores: "got mixed
     # torch.Tensor and DTensor"), and per shard its ops run without DTensor's dispatch. The rank draws its
     # block of the whole probabilities' mask.
-    p = _shard_local_layout(q, k, v, attn_mask)
+    p = shard_local_layout(q, k, v, attn_mask)
     if p is None:
         return keyed_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key=key)
     offsets = block_of(q)[2]
