@@ -275,6 +275,21 @@ def dump_phase(prog: Program, plan: Plan, directory: str | os.PathLike | None, m
                 kernels)
 
 
+def _with_context_parallel(plan: Any, delay: int, adapt: Any, reroute: bool | None) -> bool | None:
+    """`reroute` for the plan: context-parallel plans run synchronous, without re-planning or re-routing (which
+    neither price nor rebuild the cp groups); PlanError when those were asked for, re-routing left off when
+    it was only the launcher's default."""
+    cp = max((st.cp for p in plan.pipelines for st in p.stages), default=1)
+    if cp == 1:
+        return reroute
+    asked = [what for what, on in (("delayed updates (sync=)", bool(delay)), ("adapt=", bool(adapt)),
+                                   ("reroute=True", reroute is True)) if on]
+    if asked:
+        raise PlanError(f"the plan splits sequences (cp={cp}); {', '.join(asked)} is not supported with context "
+                        f"parallelism yet: drop it, or use a plan with cp=1 (Strategy(cp=1)).")
+    return False
+
+
 def compile(
     model: nn.Module,
     cluster: Cluster | str | dict | os.PathLike,
@@ -411,6 +426,7 @@ def compile(
                         profile)
     building = Building(loss_fn, optimizer, timeout_s, kernels, weights, seed, sync, staleness, check_plan)
     plan, delay = plan_phase(model, job, captured, plan, planning, delay)
+    reroute = _with_context_parallel(plan, delay, adapt, reroute)
     prog = build_phase(model, job, captured, plan, delay, building)
     dump_phase(prog, plan, dump_dir, model, job, captured, loss_fn, kernels)
     # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)

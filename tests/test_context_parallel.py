@@ -10,7 +10,14 @@ import torch
 from autopar.errors import PlanError
 from autopar.runtime.launch import spawn_local
 
-from .runtime_cases import assert_ranks_match_reference, compile_case, reference_eval, run_cases, run_eval_cases
+from .runtime_cases import (
+    STEPS,
+    assert_ranks_match_reference,
+    compile_case,
+    reference_eval,
+    run_eval_cases,
+    work_of,
+)
 
 SEQ = 16
 GPT = {"layers": 2, "batch": 4, "seq": SEQ}
@@ -30,12 +37,14 @@ CASES_4 = [
 
 
 def run_cp_cases(rank: int, world: int, cases: list) -> list:
-    """run_cases, plus the token positions and local sequence length this rank's stages ran on."""
+    """As runtime_cases.run_cases (losses, final state, work), plus the token positions this rank ran on and the
+    shapes of the values its stages send and receive."""
     out = []
-    for (losses, params, work), (name, kwargs, spec) in zip(run_cases(rank, world, cases), cases, strict=True):
-        _, prog = compile_case(name, kwargs, spec, rank, world)
+    for name, kwargs, spec in cases:
+        case, prog = compile_case(name, kwargs, spec, rank, world)
+        losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         seen = sorted({tuple(m.shape) for st in prog._stages.values() for m in st.value_meta.values()})
-        out.append((losses, params, work, prog.cp.positions.tolist(), seen))
+        out.append((losses, prog.state_dict()["model"], work_of(prog), prog.cp.positions.tolist(), seen))
     return out
 
 
@@ -182,3 +191,26 @@ def test_cp_with_bf16_autocast() -> None:
         assert losses == pytest.approx(ref_losses, rel=2e-4)
         for k, v in ref_params.items():
             torch.testing.assert_close(params[k], v, rtol=0, atol=1e-2, msg=k)
+
+
+def _compile_error(rank: int, world: int, **kwargs: object) -> str:
+    import autopar
+    from autopar import Strategy, models
+
+    case = models.gpt(layers=1, batch=2, seq=16)
+    try:
+        autopar.compile(case.model, f"1x{world}xcpu", case.example_inputs, case.example_target, case.loss_fn,
+                        plan=Strategy(cp=2), timeout_s=60, **kwargs)
+    except PlanError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cp_refuses_delayed_updates() -> None:
+    """A cp plan with sync='2bw' is refused on every rank before any collective, naming the fix."""
+    msgs = spawn_local(_compile_error_2bw, 2, timeout_s=120)
+    assert all("cp=2" in m and "delayed updates" in m for m in msgs), msgs
+
+
+def _compile_error_2bw(rank: int, world: int) -> str:
+    return _compile_error(rank, world, sync="2bw")

@@ -168,7 +168,7 @@ def test_estimate_reports_memory_problems() -> None:
 
 
 @pytest.mark.parametrize("strategy, match", [
-    (Strategy(dp=3), r"dp \* tp \* pp = 3 \* 1 \* 1 = 3, but the cluster has 8 devices"),
+    (Strategy(dp=3), r"dp \* tp \* cp \* pp = 3 \* 1 \* 1 \* 1 = 3, but the cluster has 8 devices"),
     (Strategy(dp=4, pp=2, layer_split=[3, 2]), r"layer_split \[3, 2\] must have 2 non-negative block counts"),
     (Strategy(dp=1, pp=8), r"4 repeated blocks do not divide into 8 stages"),
     (Strategy(dp=2, tp=4, microbatch_size=3), r"batch share 4 is not divisible by microbatch_size=3"),

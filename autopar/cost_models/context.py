@@ -6,26 +6,29 @@ heads, Hkv key/value heads of head_dim D, elements of `itemsize` bytes in the co
 as the rank holds them, i.e. after tensor parallelism split the heads) let
 
     blk = B x Hkv x T_l x D x itemsize        the bytes of one K (or V) block
+    acc = B x Hkv x T_l x D x max(itemsize, 4)  one dK (or dV) accumulator: sums of cp partial gradients are
+                                              kept and sent in fp32 (bf16 sums would lose precision)
 
 Ring attention ("ring", the default)
     forward   cp - 1 ring steps; in each the rank sends its current K and V block to the next rank (and receives
               one from the previous), overlapped with the block computation on the block it holds:
               (cp - 1) x 2 blk
-    backward  the K/V blocks travel around the ring again with the dK/dV accumulators (same sizes), cp - 1
-              steps of 4 blk each, plus one final send of the dK/dV accumulators home (2 blk, not overlapped):
-              (cp - 1) x 4 blk + 2 blk = (cp - 1) x 2 blk (K, V) + cp x 2 blk (dK, dV)
+    backward  the K/V blocks travel around the ring again with the dK/dV accumulators, cp - 1 steps of
+              2 blk + 2 acc each, plus one final send of the dK/dV accumulators home (2 acc, not overlapped):
+              (cp - 1) x 2 blk (K, V) + cp x 2 acc (dK, dV)
     memory    kept for the backward: the attention's output (B x Hq x T_l x D x itemsize) and an fp32
               log-sum-exp (B x Hq x T_l x 4); in flight while an attention runs: the K/V block computed on and
               the one arriving (4 blk) in forward, and in backward also the dK/dV accumulators, computed on
-              and arriving (8 blk)
+              and arriving (4 blk + 4 acc)
 
 Ulysses ("ulysses": all-to-all by heads; needs Hq divisible by cp, and k, v are repeated to lcm(Hkv, cp) heads
 where cp does not divide Hkv: Hkv below stands for that)
     forward   an all-to-all of q, k, v (tokens -> heads) and one of the output back (heads -> tokens)
     backward  the mirror: the output's gradient in, dq, dk, dv back
-    In an all-to-all a rank keeps 1/cp of each tensor it moves and sends (cp - 1)/cp of it: forward
-    (cp - 1)/cp x (q + k + v + out), backward the same sizes again, q and out being B x Hq x T_l x D x itemsize
-    and k, v B x Hkv x T_l x D x itemsize each.
+    The buffers handed to the all-to-alls: forward q + k + v + out, backward the same sizes again, q and out
+    being B x Hq x T_l x D x itemsize and k, v B x Hkv x T_l x D x itemsize each (`cp_exchange_bytes` counts
+    these, as the runtime hands them over; of each a rank keeps 1/cp and sends (cp - 1)/cp over the wire, what
+    `ExchangeSteps.forward` / `backward` hold).
     memory    the all-to-all's send and receive buffers (2 x the tensors it moves) while it runs
 
 `cp_exchange_bytes` gives the totals, `exchange_steps` the steps a time model needs (bytes one rank sends per
@@ -43,6 +46,7 @@ from ..errors import PlanError
 RING, ULYSSES = "ring", "ulysses"
 MODES = (RING, ULYSSES)
 LSE_BYTES = 4  # the log-sum-exp ring attention keeps per query row and head is fp32
+ACC_BYTES = 4  # the dK/dV accumulators travel in fp32 (or the compute dtype where wider)
 
 
 def _check(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int, mode: str,
@@ -84,6 +88,12 @@ class ExchangeSteps:
     buffers_forward: tuple[int, ...] = ()
     buffers_backward: tuple[int, ...] = ()
 
+    def totals(self) -> dict[str, int]:
+        """`cp_exchange_bytes`' figures: the bytes a ring rank sends, the buffers an all-to-all is handed."""
+        if self.kind == "all_to_all":
+            return {"forward": sum(self.buffers_forward), "backward": sum(self.buffers_backward)}
+        return {"forward": sum(self.forward), "backward": sum(self.backward)}
+
 
 def exchange_steps(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
                    mode: str = RING, *, heads_q: int | None = None) -> ExchangeSteps:
@@ -94,7 +104,9 @@ def exchange_steps(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: i
     if cp == 1:
         return ExchangeSteps(mode, "p2p" if mode == RING else "all_to_all", (), (), 0, 0)
     if mode == RING:
-        return ExchangeSteps(RING, "p2p", (2 * blk,) * (cp - 1), (4 * blk,) * (cp - 1) + (2 * blk,), cp - 1, cp - 1)
+        acc = kv_block_bytes(batch, heads_kv, t_local, head_dim, max(itemsize, ACC_BYTES))
+        return ExchangeSteps(RING, "p2p", (2 * blk,) * (cp - 1), (2 * blk + 2 * acc,) * (cp - 1) + (2 * acc,),
+                             cp - 1, cp - 1)
     q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
     qkv, out = q + 2 * kv_block_bytes(batch, ulysses_kv_heads(heads_kv, cp), t_local, head_dim, itemsize), q
     sent = lambda x: (cp - 1) * x // cp  # noqa: E731  (exact: the heads divide by cp)
@@ -107,8 +119,7 @@ def cp_exchange_bytes(batch: int, heads_kv: int, t_local: int, head_dim: int, cp
     """Bytes one rank sends per attention call: {"forward": ..., "backward": ...} (module docstring). `batch`
     samples, `heads_kv` key/value heads (and `heads_q` query heads, for Ulysses; default `heads_kv`) as the rank
     holds them, `t_local` = T / cp tokens, `head_dim`, `itemsize` bytes per element in the compute dtype."""
-    s = exchange_steps(batch, heads_kv, t_local, head_dim, cp, itemsize, mode, heads_q=heads_q)
-    return {"forward": sum(s.forward), "backward": sum(s.backward)}
+    return exchange_steps(batch, heads_kv, t_local, head_dim, cp, itemsize, mode, heads_q=heads_q).totals()
 
 
 def attention_memory(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
@@ -123,7 +134,8 @@ def attention_memory(batch: int, heads_kv: int, t_local: int, head_dim: int, cp:
     blk = kv_block_bytes(batch, heads_kv, t_local, head_dim, itemsize)
     q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
     if mode == RING:
-        return {"saved": q + batch * hq * t_local * LSE_BYTES, "forward": 4 * blk, "backward": 8 * blk}
+        acc = kv_block_bytes(batch, heads_kv, t_local, head_dim, max(itemsize, ACC_BYTES))
+        return {"saved": q + batch * hq * t_local * LSE_BYTES, "forward": 4 * blk, "backward": 4 * blk + 4 * acc}
     qkv = q + 2 * kv_block_bytes(batch, ulysses_kv_heads(heads_kv, cp), t_local, head_dim, itemsize)
     return {"saved": 0, "forward": 2 * qkv, "backward": 2 * qkv}
 
@@ -143,5 +155,5 @@ def ring_call_seconds(compute_f: float, compute_b: float, steps: ExchangeSteps, 
     return cp * compute_f, fwd, cp * compute_b, bwd
 
 
-__all__ = ["LSE_BYTES", "MODES", "RING", "ULYSSES", "ExchangeSteps", "attention_memory", "cp_exchange_bytes",
-           "exchange_steps", "kv_block_bytes", "ring_call_seconds", "ulysses_kv_heads"]
+__all__ = ["ACC_BYTES", "LSE_BYTES", "MODES", "RING", "ULYSSES", "ExchangeSteps", "attention_memory",
+           "cp_exchange_bytes", "exchange_steps", "kv_block_bytes", "ring_call_seconds", "ulysses_kv_heads"]

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..errors import PlanError
 from ..passes.sequence_split import SequenceRoles
 from .ring_attention import ring_attention, ulysses_attention, zigzag_positions
-from .tensor_parallel import shard_local_layout, full_tensor
+from .tensor_parallel import full_tensor, shard_local_layout
 
 aten = torch.ops.aten
 

@@ -52,9 +52,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from ..cost_models.context import MODES, cp_exchange_bytes
 from .dist import wait
-
-MODES = ("ring", "ulysses")
 
 
 def zigzag_positions(seq: int, cp: int, index: int) -> torch.Tensor:
@@ -75,22 +74,13 @@ def zigzag_positions(seq: int, cp: int, index: int) -> torch.Tensor:
 def exchange_bytes(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
                    mode: str, *, heads: int | None = None) -> dict[str, int]:
     """Bytes one rank sends per attention call, {"forward": ..., "backward": ...}, as `ring_attention`
-    (mode "ring") or `ulysses_attention` ("ulysses") send them (the table of the module docstring).
-    `itemsize` is that of the attention's dtype (after autocast); `heads` is q's head count (default
-    `heads_kv`: no grouped-query attention), which only Ulysses sends."""
+    (mode "ring") or `ulysses_attention` ("ulysses") send them: the planner's count
+    (cost_models/context.py `cp_exchange_bytes`, the one formula; the tests check it against the tensors these
+    functions hand to torch.distributed). `itemsize` is that of the attention's dtype (after autocast); `heads`
+    is q's head count (default `heads_kv`: no grouped-query attention), which only Ulysses sends."""
     if mode not in MODES:
         raise ValueError(f"exchange_bytes: mode must be one of {MODES}, got {mode!r}")
-    if cp == 1:
-        return {"forward": 0, "backward": 0}
-    heads = heads_kv if heads is None else heads
-    per_head = batch * t_local * head_dim
-    if mode == "ring":
-        kv = 2 * heads_kv * per_head
-        acc_itemsize = max(itemsize, 4)
-        return {"forward": (cp - 1) * kv * itemsize,
-                "backward": (cp - 1) * kv * itemsize + cp * kv * acc_itemsize}
-    sent = (2 * heads + 2 * math.lcm(heads_kv, cp)) * per_head * itemsize
-    return {"forward": sent, "backward": sent}
+    return cp_exchange_bytes(batch, heads_kv, t_local, head_dim, cp, itemsize, mode, heads_q=heads)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any, causal: bool = True,

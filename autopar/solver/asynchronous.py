@@ -171,7 +171,10 @@ def choose_async(plan: Any, sync: str, staleness: int | None, reprice: Any, memo
     sync_step = plan.predicted["step_time_s"]
     candidate, reason = plan, ""
     problems = plan_problems(plan)
-    if problems and all(p.startswith(("ZeRO", "CPU offload")) for p in problems):
+    cp = max((st.cp for p in plan.pipelines for st in p.stages), default=1)
+    if cp > 1:  # neither priced nor run with delayed updates
+        candidate, reason = None, f"the plan splits sequences (cp={cp}), which trains synchronously"
+    elif problems and all(p.startswith(("ZeRO", "CPU offload")) for p in problems):
         variant = copy.deepcopy(plan)
         for st in (st for p in variant.pipelines for st in p.stages):
             st.zero, st.offload = min(st.zero, 1), []

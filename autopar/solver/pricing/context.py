@@ -379,7 +379,8 @@ def _layer_cost(cm: CostModel, layer: int, dtype: str, n: int, group: tuple[int,
     ring0 = tuple(group[k * t] for k in range(cp))  # the cp ranks at tensor-parallel index 0
     for call in calls:
         steps = call_steps(cm, call, n, t)
-        bytes_f, bytes_b = bytes_f + sum(steps.forward), bytes_b + sum(steps.backward)
+        handed = steps.totals()
+        bytes_f, bytes_b = bytes_f + handed["forward"], bytes_b + handed["backward"]
         size = itemsize(cm, call.dtype)
         hq, hkv = _local(call.heads_q, t), _local(call.heads_kv, t)
         mem = attention_memory(n, hkv, call.seq // cp, call.head_dim, cp, size, attention, heads_q=hq)
@@ -429,7 +430,7 @@ def plan_prediction(cm: CostModel, plan: Any) -> dict[str, Any] | None:
         return out
     call, n, t = calls[0], pipe.microbatch_size, st.tp
     steps = call_steps(cm, call, n, t)
-    per_call = {"forward": sum(steps.forward), "backward": sum(steps.backward)}
+    per_call = steps.totals()
     # per step, on the busiest device group: the bytes scale with the samples (share / full micro-batch), the
     # exposed seconds are taken at the full size for every micro-batch (an upper figure for a smaller last one)
     ranks = len(pipe.stages) // plan.chunks
@@ -447,7 +448,9 @@ def plan_prediction(cm: CostModel, plan: Any) -> dict[str, Any] | None:
         ex["ring_step"] = {"steps": len(steps.forward), **{
             way: {"bytes": x, "transfer_s": ring_link_seconds(cm, group, x), "block_compute_s": block}
             for way, x, block in (("forward", steps.forward[0], blocks[0]),
-                                  ("backward", steps.backward[0], blocks[1]))}}
+                                  ("backward", steps.backward[0], blocks[1]))},
+            # the dK/dV accumulators' send home after the last backward step, exposed
+            "home": {"bytes": steps.backward[-1], "transfer_s": ring_link_seconds(cm, group, steps.backward[-1])}}
     out["exchange"] = ex
     return out
 
