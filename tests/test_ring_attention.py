@@ -59,11 +59,11 @@ def run_attention(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> di
     batch, all_to_all = dist.batch_isend_irecv, dist.all_to_all_single
 
     def counting_attend(q: torch.Tensor, k: torch.Tensor, *args: Any) -> Any:
-        events.append(("block", (q.shape[-2], k.shape[-2], args[-1] is not None)))
+        events.append(("block", (q.shape[-2], k.shape[-2], bool(args[-1]))))
         return attend(q, k, *args)
 
     def counting_attend_backward(q: torch.Tensor, k: torch.Tensor, *args: Any) -> Any:
-        events.append(("block", (q.shape[-2], k.shape[-2], args[-1] is not None)))
+        events.append(("block", (q.shape[-2], k.shape[-2], bool(args[-1]))))
         return attend_backward(q, k, *args)
 
     def counting_batch(ops: list[dist.P2POp]) -> Any:
@@ -177,8 +177,8 @@ def test_causal_ring_work_is_equal_and_skips_the_future(ranks: tuple[int, dict, 
             cp = len(members)
             for phase in ("forward", "backward"):
                 blocks = [[e[1] for e in results[r][name][phase] if e[0] == "block"] for r in members]
-                rows = T_LOCAL // 2 * (H // case["heads_kv"])
-                assert all(q_rows == rows and k_rows == T_LOCAL // 2 for b in blocks for q_rows, k_rows, _ in b)
+                chunk = T_LOCAL // 2  # one chunk of queries (all H heads) against one chunk of keys
+                assert all(q_rows == chunk and k_rows == chunk for b in blocks for q_rows, k_rows, _ in b)
                 masked = [sum(m for *_, m in b) for b in blocks]
                 if case["causal"]:  # 3 pairs with its own block, 2 with each other one; 2 on the diagonal
                     assert [len(b) for b in blocks] == [2 * cp + 1] * cp, (name, phase)

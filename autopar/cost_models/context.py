@@ -19,7 +19,14 @@ Ring attention ("ring", the default)
     memory    kept for the backward: the attention's output (B x Hq x T_l x D x itemsize) and an fp32
               log-sum-exp (B x Hq x T_l x 4); in flight while an attention runs: the K/V block computed on and
               the one arriving (4 blk) in forward, and in backward also the dK/dV accumulators, computed on
-              and arriving (4 blk + 4 acc)
+              and arriving (4 blk + 4 acc); and one chunk pair's block at a time (c = T / (2 cp) tokens of the
+              chunk). On a CPU the block runs torch's fused attention (runtime/ring_attention.py), which holds
+              fp32 rows of the chunk only (Q = B x Hq x c x D x 4): its output, log-sum-exp and the merge in
+              forward (5 Q), the gradients and their fp32 copies in backward (4.5 Q; the kernel's per-thread buffers
+              add a fixed ~1 MiB, more than that at small head sizes). Elsewhere it runs unfused,
+              holding fp32 scores (S = B x Hq x c x c x 4): scores, their shifted copy and probabilities in
+              forward (3 S), scores, probabilities and their gradients in backward (5 S). Measured at the
+              allocator (tests/test_cp_pricing.py)
 
 Ulysses ("ulysses": all-to-all by heads; needs Hq divisible by cp, and k, v are repeated to lcm(Hkv, cp) heads
 where cp does not divide Hkv: Hkv below stands for that)
@@ -47,6 +54,10 @@ RING, ULYSSES = "ring", "ulysses"
 MODES = (RING, ULYSSES)
 LSE_BYTES = 4  # the log-sum-exp ring attention keeps per query row and head is fp32
 ACC_BYTES = 4  # the dK/dV accumulators travel in fp32 (or the compute dtype where wider)
+SCORE_BYTES = 4  # a block's scores, probabilities and merged rows are fp32
+# tensors alive at once in one block's forward / backward: fused (CPU), fp32 [B, Hq, c, D] rows; unfused, fp32
+# [B, Hq, c, c] scores (module docstring)
+FUSED_BLOCK, UNFUSED_BLOCK = (5, 4.5), (3, 5)
 
 
 def _check(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int, mode: str,
@@ -123,7 +134,7 @@ def cp_exchange_bytes(batch: int, heads_kv: int, t_local: int, head_dim: int, cp
 
 
 def attention_memory(batch: int, heads_kv: int, t_local: int, head_dim: int, cp: int, itemsize: int,
-                     mode: str = RING, *, heads_q: int | None = None) -> dict[str, int]:
+                     mode: str = RING, *, heads_q: int | None = None, fused: bool = False) -> dict[str, int]:
     """Bytes one rank holds for one attention call beyond the plain attention on its tokens (module docstring):
     "saved" (ring: the output and the fp32 log-sum-exp kept for the backward; a pricing subtracts what the
     captured attention already saves of them), "forward" and "backward" (transient while the call runs)."""
@@ -135,7 +146,13 @@ def attention_memory(batch: int, heads_kv: int, t_local: int, head_dim: int, cp:
     q = kv_block_bytes(batch, hq, t_local, head_dim, itemsize)
     if mode == RING:
         acc = kv_block_bytes(batch, heads_kv, t_local, head_dim, max(itemsize, ACC_BYTES))
-        return {"saved": q + batch * hq * t_local * LSE_BYTES, "forward": 4 * blk, "backward": 4 * blk + 4 * acc}
+        chunk = t_local // 2
+        if fused:  # fp32 rows of one chunk (module docstring)
+            unit, (fwd, bwd) = batch * hq * chunk * head_dim * SCORE_BYTES, FUSED_BLOCK
+        else:  # one chunk pair's fp32 scores
+            unit, (fwd, bwd) = batch * hq * chunk * chunk * SCORE_BYTES, UNFUSED_BLOCK
+        return {"saved": q + batch * hq * t_local * LSE_BYTES, "forward": 4 * blk + math.ceil(fwd * unit),
+                "backward": 4 * blk + 4 * acc + math.ceil(bwd * unit)}
     qkv = q + 2 * kv_block_bytes(batch, ulysses_kv_heads(heads_kv, cp), t_local, head_dim, itemsize)
     return {"saved": 0, "forward": 2 * qkv, "backward": 2 * qkv}
 
@@ -155,5 +172,6 @@ def ring_call_seconds(compute_f: float, compute_b: float, steps: ExchangeSteps, 
     return cp * compute_f, fwd, cp * compute_b, bwd
 
 
-__all__ = ["ACC_BYTES", "LSE_BYTES", "MODES", "RING", "ULYSSES", "ExchangeSteps", "attention_memory",
-           "cp_exchange_bytes", "exchange_steps", "kv_block_bytes", "ring_call_seconds", "ulysses_kv_heads"]
+__all__ = ["ACC_BYTES", "FUSED_BLOCK", "LSE_BYTES", "MODES", "RING", "SCORE_BYTES", "ULYSSES", "UNFUSED_BLOCK",
+           "ExchangeSteps", "attention_memory", "cp_exchange_bytes", "exchange_steps", "kv_block_bytes",
+           "ring_call_seconds", "ulysses_kv_heads"]

@@ -16,11 +16,15 @@ always posted together, as NCCL requires). Per (q chunk, kv chunk) pair: entirel
 entirely in the past -> no mask, the same chunk -> a lower-triangular mask. Causal, each rank computes 2*cp+1
 pairs per call (3 with its own block, 2 with each other one), of which 2 masked; non-causal, all 4*cp.
 Partial results merge by online softmax: each block yields its output and log-sum-exp (fp32), and
-out = sum_b exp(lse_b - lse) out_b with lse = logsumexp_b lse_b. Grouped-query attention (Hkv < H) folds the
-H/Hkv query heads of a kv head into the rows of one matrix product, so K/V travel with their Hkv heads only.
+out = sum_b exp(lse_b - lse) out_b with lse = logsumexp_b lse_b. A block runs torch's fused CPU attention
+(flash attention for CPU, which returns the log-sum-exp and never holds the block's scores) on CPU ranks, and
+an unfused fp32 formulation elsewhere (one chunk pair's scores at a time; priced so by cost_models/context.py).
+Grouped-query attention (Hkv < H): K/V travel with their Hkv heads only; a block repeats them for its query
+heads and adds the query heads' gradients back up.
 
 The backward recomputes each block's probabilities from the saved q, k, v, output and log-sum-exp (nothing
-per block is kept from the forward) and rings K/V again; the dK/dV of a block are accumulated (fp32, or the
+per block is kept from the forward: the fused kernel's backward takes the call's final output and
+log-sum-exp, as ring flash attention does) and rings K/V again; the dK/dV of a block are accumulated (fp32, or the
 input's dtype when wider) into buffers that travel with it, one rank behind: after computing on a block a
 rank adds its contribution to the buffers it received and sends them on. After the last step one more
 exchange sends the buffers home, so each rank ends with the dK/dV of its own tokens.
@@ -54,6 +58,8 @@ from torch.autograd.function import once_differentiable
 
 from ..cost_models.context import MODES, cp_exchange_bytes
 from .dist import wait
+
+aten = torch.ops.aten
 
 
 def zigzag_positions(seq: int, cp: int, index: int) -> torch.Tensor:
@@ -183,19 +189,6 @@ class _Ring:
         """Chunk slot `s` (0 or 1) of a [B, Hkv, T_local, D] tensor."""
         return t[:, :, s * self.chunk:(s + 1) * self.chunk]
 
-    def fold(self, t: torch.Tensor, heads_kv: int) -> list[torch.Tensor]:
-        """Per chunk slot, [B, H, T_local, D] as [B, Hkv, g * chunk, D]: the g = H/Hkv query heads of one
-        kv head stacked along the rows, so that one matrix product serves the whole group."""
-        b, h, t_local, d = t.shape
-        grouped = t.reshape(b, heads_kv, h // heads_kv, t_local, d)
-        return [grouped[:, :, :, s * self.chunk:(s + 1) * self.chunk].reshape(b, heads_kv, -1, d)
-                for s in range(len(self.chunks(0)))]
-
-    def unfold(self, slots: list[torch.Tensor], heads: int) -> torch.Tensor:
-        b, heads_kv, _, d = slots[0].shape
-        parts = [s.reshape(b, heads_kv, heads // heads_kv, self.chunk, d) for s in slots]
-        return torch.cat(parts, dim=3).reshape(b, heads, -1, d)
-
     def shift(self, tensors: list[torch.Tensor], what: str) -> _Shift:
         return _Shift(self, tensors, what)
 
@@ -232,37 +225,60 @@ def _pairs(mine: tuple[int, ...], theirs: tuple[int, ...], causal: bool) -> list
             if not causal or kb <= qa]
 
 
-def _diagonal_mask(chunk: int, groups: int, device: torch.device) -> torch.Tensor:
-    """[groups * chunk, chunk] bool, True where a row's position is at or after the key's (a folded q chunk
-    against the same kv chunk)."""
-    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril().repeat(groups, 1)
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v [B, Hkv, N, D] with each kv head repeated for its H / Hkv query heads."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a block runs torch's fused CPU attention kernel (flash attention for CPU), which returns the
+    log-sum-exp a merge needs and never holds a block's scores; elsewhere the block runs unfused (fp32 scores of
+    one chunk pair at a time: cost_models/context.py prices them)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: fp32 output and log-sum-exp of q [.., M, D] against k, v [.., N, D]; matmuls in the input
-    dtype, softmax statistics in fp32."""
+    """One block: fp32 output and log-sum-exp of q [B, H, c, D] against k, v [B, Hkv, c, D] (causal: the
+    lower-triangular mask of a chunk against itself); matmuls in the input dtype, statistics in fp32."""
+    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    if _fused(q):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None,
+                                                                    scale=scale)
+        return out.float(), lse
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril(), -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     return torch.matmul(p.to(v.dtype), v).float(), lse
 
 
-def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                     delta: torch.Tensor, scale: float, mask: torch.Tensor | None
+def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, scale: float, causal: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's fp32 dq, dk, dv from the final log-sum-exp `lse` and delta = rowsum(dout * out)."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    p = torch.exp(s - lse[..., None])
-    dv = torch.matmul(p.to(dout.dtype).transpose(-1, -2), dout).float()
-    dp = torch.matmul(dout, v.transpose(-1, -2)).float()
-    ds = p * (dp - delta[..., None])
-    dq = torch.matmul(ds.to(k.dtype), k).float() * scale
-    dk = torch.matmul(ds.to(q.dtype).transpose(-1, -2), q).float() * scale
+    """One block's fp32 dq, dk, dv from the call's final output `out` and log-sum-exp `lse` of these rows (the
+    probabilities of the block are exp(scores - lse): the block's share of the whole softmax)."""
+    heads, heads_kv = q.shape[1], k.shape[1]
+    ke, ve = _expand(k, heads), _expand(v, heads)
+    if _fused(q):
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, ke, ve, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+        dq, dk, dv = dq.float(), dk.float(), dv.float()
+    else:
+        s = torch.matmul(q, ke.transpose(-1, -2)).float() * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril(), -math.inf)
+        p = torch.exp(s - lse[..., None])
+        delta = (dout.float() * out.float()).sum(-1)
+        dv = torch.matmul(p.to(dout.dtype).transpose(-1, -2), dout).float()
+        ds = p * (torch.matmul(dout, ve.transpose(-1, -2)).float() - delta[..., None])
+        dq = torch.matmul(ds.to(ke.dtype), ke).float() * scale
+        dk = torch.matmul(ds.to(q.dtype).transpose(-1, -2), q).float() * scale
+    if heads != heads_kv:  # the query heads of a kv head add up their gradients
+        b, _, n, d = dk.shape
+        dk = dk.view(b, heads_kv, heads // heads_kv, n, d).sum(2)
+        dv = dv.view(b, heads_kv, heads // heads_kv, n, d).sum(2)
     return dq, dk, dv
 
 
@@ -280,9 +296,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 scale: float) -> torch.Tensor:
         ring = _Ring.of(group, q.shape[2])
-        heads, heads_kv = q.shape[1], k.shape[1]
-        mask = _diagonal_mask(ring.chunk, heads // heads_kv, q.device)
-        qs = ring.fold(q, heads_kv)
+        qs = [ring.slot(q, a) for a in range(len(ring.chunks(0)))]
         acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(qs)
         kc, vc = k.contiguous(), v.contiguous()
         for step in range(ring.cp):
@@ -290,11 +304,11 @@ class _RingAttention(torch.autograd.Function):
             nxt = ring.shift([kc, vc], "K/V") if step < ring.cp - 1 else None
             owner = (ring.index - step) % ring.cp
             for a, b, diagonal in _pairs(ring.chunks(ring.index), ring.chunks(owner), causal):
-                out_b, lse_b = _attend(qs[a], ring.slot(kc, b), ring.slot(vc, b), scale, mask if diagonal else None)
+                out_b, lse_b = _attend(qs[a], ring.slot(kc, b), ring.slot(vc, b), scale, diagonal)
                 acc[a] = _merge(acc[a], out_b, lse_b)
             if nxt is not None:
                 kc, vc = nxt.wait()
-        out = ring.unfold([o for o, _ in acc], heads).to(q.dtype)  # type: ignore[misc]
+        out = torch.cat([o for o, _ in acc], dim=2).to(q.dtype)  # type: ignore[misc]
         ctx.save_for_backward(q, k, v, out, torch.stack([lse for _, lse in acc]))  # type: ignore[misc]
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out
@@ -312,10 +326,8 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    dout: torch.Tensor, group: Any, causal: bool, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = _Ring.of(group, q.shape[2])
-    heads, heads_kv = q.shape[1], k.shape[1]
-    mask = _diagonal_mask(ring.chunk, heads // heads_kv, q.device)
-    qs, douts = ring.fold(q, heads_kv), ring.fold(dout, heads_kv)
-    deltas = [(d.float() * o.float()).sum(-1) for d, o in zip(douts, ring.fold(out, heads_kv), strict=True)]
+    slots = range(len(ring.chunks(0)))
+    qs, douts, outs = ([ring.slot(t, a) for a in slots] for t in (q, dout, out))
     dqs = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in qs]
     acc_dtype = torch.promote_types(k.dtype, torch.float32)
     kc, vc = k.contiguous(), v.contiguous()
@@ -326,8 +338,8 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         dk_b = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
         dv_b = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
         for a, b, diagonal in _pairs(ring.chunks(ring.index), ring.chunks(owner), causal):
-            dq, dk, dv = _attend_backward(qs[a], ring.slot(kc, b), ring.slot(vc, b), douts[a], lse[a], deltas[a],
-                                          scale, mask if diagonal else None)
+            dq, dk, dv = _attend_backward(qs[a], ring.slot(kc, b), ring.slot(vc, b), douts[a], outs[a], lse[a],
+                                          scale, diagonal)
             dqs[a] += dq
             ring.slot(dk_b, b).add_(dk)
             ring.slot(dv_b, b).add_(dv)
@@ -341,7 +353,7 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             kc, vc = nxt.wait()
     assert carried is not None
     dk, dv = carried.wait()
-    return ring.unfold(dqs, heads).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---- ulysses -------------------------------------------------------------------------------------------------

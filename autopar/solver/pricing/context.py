@@ -383,7 +383,8 @@ def _layer_cost(cm: CostModel, layer: int, dtype: str, n: int, group: tuple[int,
         bytes_f, bytes_b = bytes_f + handed["forward"], bytes_b + handed["backward"]
         size = itemsize(cm, call.dtype)
         hq, hkv = _local(call.heads_q, t), _local(call.heads_kv, t)
-        mem = attention_memory(n, hkv, call.seq // cp, call.head_dim, cp, size, attention, heads_q=hq)
+        mem = attention_memory(n, hkv, call.seq // cp, call.head_dim, cp, size, attention, heads_q=hq,
+                               fused=cm.cluster.devices[group[0]].spec.kind == "cpu")  # ring_attention._fused
         work = max(work, mem["forward"], mem["backward"])
         if attention == RING:
             one_f, one_b, step_f, step_b = block_seconds(cm, call, dtype, n, t)
