@@ -27,6 +27,8 @@ CASES_4 = [
     ("gpt", GPT, {"cp": 2, "tp": 2}),
     ("gpt", {**GPT, "layers": 3}, {"cp": 2, "pp": 2, "m": 2, "layer_split": [1, 2]}),
     ("gpt", GPT, {"cp": 2, "dp": 2, "zero": 3}),
+    # weights travel (TawPipe's idea): every rank keeps its tokens' activations, each layer's weights come to it
+    ("gpt", GPT, {"cp": 4, "zero": 3}),
     ("gpt", GPT, {"cp": 2, "dp": 2, "recompute": True}),
     ("gpt", GPT, {"cp": 4, "cp_attention": "ulysses"}),
     ("llama", GPT, {"cp": 2, "dp": 2}),
@@ -44,7 +46,11 @@ def run_cp_cases(rank: int, world: int, cases: list) -> list:
         case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         seen = sorted({tuple(m.shape) for st in prog._stages.values() for m in st.value_meta.values()})
-        out.append((losses, prog.state_dict()["model"], work_of(prog), prog.cp.positions.tolist(), seen))
+        # parameter bytes the rank keeps between steps (ZeRO-3: its own only), read before state_dict gathers
+        held = sum(p.untyped_storage().nbytes() for p in prog.params.values())
+        whole = sum(p.numel() * p.element_size() for p in prog.params.values())
+        out.append((losses, prog.state_dict()["model"], work_of(prog), prog.cp.positions.tolist(), seen,
+                    (held, whole)))
     return out
 
 
@@ -69,6 +75,10 @@ def test_cp_equals_one_process(results_4: list, index: int) -> None:
     for r in results_4:
         for shape in r[index][4]:
             assert SEQ not in shape[1:2], shape
+    # ZeRO-3 over the cp (and dp) ranks: between steps a rank keeps only the weights it owns; the others travel
+    if spec.get("zero") == 3:
+        kept = [r[index][5] for r in results_4]
+        assert all(held < whole / 2 for held, whole in kept), kept
 
 
 def _refused(rank: int, world: int, name: str, kwargs: dict, spec: dict, unfused: bool = False) -> str:

@@ -327,6 +327,13 @@ def test_plan_chooses_cp_when_one_sample_does_not_fit_a_device() -> None:
     asy = autopar.plan(c.model, cluster, c.example_inputs, c.example_target, c.loss_fn, sync="2bw")
     assert asy.predicted["async"]["sync"] == "sync" and "cp=4" in asy.predicted["async"]["reason"]
     assert Plan.from_json(plan.to_json()).predicted["cp"] == cp
+    # what travels, priced both ways over the 4 devices: the weights (cp 4 + ZeRO-3: activations stay with their
+    # tokens) or the activations (pp 4: each stage keeps its weights); one sample, so the pipeline runs its stages
+    # one after another and the weights travel faster
+    travel = cp["travel"]
+    assert travel["weights"]["plan"] == "cp 4 + ZeRO-3" and travel["activations"]["plan"] == "pp 4"
+    assert travel["weights"]["step_time_s"] < travel["activations"]["step_time_s"]
+    assert "Weights travel (cp 4 + ZeRO-3)" in plan.explain() and "activations travel (pp 4)" in plan.explain()
 
 
 def test_plan_keeps_cp1_for_short_sequences() -> None:

@@ -73,7 +73,8 @@ def _cp_line(pred: dict[str, Any] | None) -> list[str]:
     cp = pred.get("chosen", 1)
     if cp == 1:
         # (only where cp > 1 was considered: every attention model's plan says why not in predicted["cp"])
-        return [f"context parallelism: cp=1, {pred['reason']}"] if pred.get("considered") else []
+        return [f"context parallelism: cp=1, {pred['reason']}"] + _travel_line(pred.get("travel")) \
+            if pred.get("considered") else []
     line = f"context parallelism: cp={cp}, {pred.get('attention', 'ring')} attention"
     ex = pred.get("exchange")
     if ex:
@@ -92,7 +93,23 @@ def _cp_line(pred: dict[str, Any] | None) -> list[str]:
                  f"step and device (predicted)")
     if pred.get("reason"):
         line += f"; {pred['reason']}"
-    return [line]
+    return [line] + _travel_line(pred.get("travel"))
+
+
+def _travel_line(travel: dict[str, Any] | None) -> list[str]:
+    """`predicted["cp"]["travel"]`: the weights-travel and activations-travel layouts over every device, priced."""
+    if not travel:
+        return []
+
+    def one(what: str, t: dict[str, Any]) -> str:
+        if "error" in t:
+            return f"{what} travel ({t['plan']}): cannot run ({t['error']})"
+        fits = "" if t["fits"] else ", does not fit"
+        return (f"{what} travel ({t['plan']}): {fmt_time(t['step_time_s'])}/step, {fmt_time(t['comm_s'])} "
+                f"communication{fits}")
+    parts = [one(w.capitalize() if i == 0 else w, travel[w]) for i, w in enumerate(("weights", "activations"))
+             if w in travel]
+    return ["  " + "; ".join(parts) + " (predicted)"]
 
 
 def _cost_and_idle(pr: dict[str, Any], names: dict[int, str]) -> list[str]:

@@ -40,9 +40,10 @@ from dataclasses import replace
 from typing import Any
 
 from ...errors import InfeasibleError, PlanError
+from ...ir.plan import Strategy, even_split
 from ...report import fmt_time
 from ..pricing import context
-from ..pricing.pricing import CostModel, price
+from ..pricing.pricing import CostModel, price, price_strategy
 from .infeasible import least_state_bytes
 
 CP_MIN_TOKENS = 4096  # sequences at least this long are "long": cp > 1 is considered for them (module docstring)
@@ -123,8 +124,38 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
     others = ", ".join(f"cp {k}: {_fmt(v)}" for k, v in tried.items() if k != str(chosen))
     pred["reason"] = (f"cp>1 considered ({sample_bound(best) or 'one-sample micro-batches'} at cp=1) and not "
                       f"faster: {others}" if chosen == 1 else f"chosen over {others}")
+    pred["travel"] = travel(cm)
     best.predicted["cp"] = pred
     return best
+
+
+def travel(cm: CostModel) -> dict[str, Any]:
+    """What moves for a long sequence over the whole cluster, priced both ways (TawPipe's question): the weights
+    (cp over every device with ZeRO-3: each rank keeps its tokens' activations, every layer's weights come to it
+    right before the layer runs and its gradients go back to their owner) or the activations (a pipeline over
+    every device: each stage keeps its layers' weights, activations and their gradients cross the stage
+    boundaries). Each: its step time, exposed communication per step, whether it fits, or why it cannot run."""
+    world, blocks = cm.cluster.world_size, cm.num_blocks
+    # a pipeline over every device: blocks spread evenly; the layers before and after the blocks on the first and
+    # last stage alone where there are fewer blocks than stages
+    split = None if blocks >= world else [0, *even_split(blocks, world - 2), 0] if blocks >= world - 2 else None
+    out: dict[str, Any] = {}
+    for name, strategy in (("weights", Strategy(cp=world, zero=3, microbatch_size=1)),
+                           ("activations", Strategy(pp=world, microbatch_size=1, layer_split=split))):
+        try:
+            cmk = cm.with_context(world, context.RING) if strategy.cp > 1 else cm
+            est = price_strategy(cmk, strategy)
+        except (PlanError, InfeasibleError) as e:
+            out[name] = {"plan": _describe(strategy), "error": str(e).split(". ")[0]}
+            continue
+        comm = max(sum(st.predicted.get("comm_s", 0.0) for st in p.stages) for p in est.plan.pipelines)
+        out[name] = {"plan": _describe(strategy), "step_time_s": est.plan.predicted["step_time_s"],
+                     "comm_s": comm, "fits": est.fits}
+    return out
+
+
+def _describe(strategy: Any) -> str:
+    return f"cp {strategy.cp} + ZeRO-3" if strategy.cp > 1 else f"pp {strategy.pp}"
 
 
 def _with_ulysses(cm: CostModel, plan: Any) -> Any:
@@ -140,4 +171,4 @@ def _with_ulysses(cm: CostModel, plan: Any) -> Any:
     return plan
 
 
-__all__ = ["CP_MIN_TOKENS", "choose", "sample_bound"]
+__all__ = ["CP_MIN_TOKENS", "choose", "sample_bound", "travel"]
