@@ -181,6 +181,14 @@ def test_sequence_roles_find_what_crosses_tokens() -> None:
     unfused.model.blocks[0].attn = models.MatmulAttention(64, 4)
     with pytest.raises(PlanError, match="mixes tokens"):
         _roles(unfused.model, unfused.example_inputs[0])
+    from autopar.passes import sequence_split
+
+    limit, sequence_split.MASK_CHECK_ELEMENTS = sequence_split.MASK_CHECK_ELEMENTS, 2 * 16 * 16 - 1
+    try:  # a mask too large to compute on the host is refused, not assumed causal
+        with pytest.raises(PlanError, match="too large to check"):
+            _roles(hf.model, hf.example_inputs[0], loss=hf.loss_fn)
+    finally:
+        sequence_split.MASK_CHECK_ELEMENTS = limit
     sliding = models.CASES["hf_mistral"](layers=1, batch=2, seq=16, seed=0)
     with pytest.raises(PlanError, match="not the causal one"):
         _roles(sliding.model, sliding.example_inputs[0], loss=sliding.loss_fn)

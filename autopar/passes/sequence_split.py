@@ -27,6 +27,9 @@ from ..errors import PlanError
 from ..ir.graph import TrainingGraph
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
+# a mask passed to SDPA is computed once, on the host, to check that it is the causal one: up to 2^30 elements
+# (B x T^2: 32K tokens of one sample), about 1 GiB of booleans and a few temporaries of that size
+MASK_CHECK_ELEMENTS = 1 << 30
 ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
 
 
@@ -144,6 +147,11 @@ def causal_mask_problem(graph: TrainingGraph, sdpa: str, seq: int) -> str | None
     if len(node.args) <= 3:
         return None
     mask = node.args[3]
+    size = graph.nodes[mask].outputs[0].numel if mask in graph.nodes else 0
+    if size > MASK_CHECK_ELEMENTS:
+        return (f"its mask ({size:.3g} elements at {seq} tokens) is too large to check that it is the causal one "
+                f"(at most {MASK_CHECK_ELEMENTS:.3g}); a model calling scaled_dot_product_attention with "
+                f"is_causal=True and no mask needs no check")
     needed = _ancestors(graph, [mask])
     if needed & set(graph.params) or any(a in graph.input_meta for x in needed for a in graph.nodes[x].args):
         return "it depends on the inputs (a padding mask)"
