@@ -20,8 +20,9 @@ B, H, D, T_LOCAL = 2, 4, 8, 8
 
 
 def _case(mode: str, causal: bool = True, heads_kv: int = H, scale: float | None = None, bf16: bool = False,
-          groups: list[list[int]] | None = None) -> dict[str, Any]:
-    return {"mode": mode, "causal": causal, "heads_kv": heads_kv, "scale": scale, "bf16": bf16, "groups": groups}
+          groups: list[list[int]] | None = None, unfused: bool = False) -> dict[str, Any]:
+    return {"mode": mode, "causal": causal, "heads_kv": heads_kv, "scale": scale, "bf16": bf16, "groups": groups,
+            "unfused": unfused}
 
 
 def _cases(world: int) -> dict[str, dict[str, Any]]:
@@ -31,6 +32,9 @@ def _cases(world: int) -> dict[str, dict[str, Any]]:
         "ring gqa scale": _case("ring", heads_kv=H // 2, scale=0.3),
         "ring gqa full": _case("ring", causal=False, heads_kv=H // 2),
         "ring bf16": _case("ring", heads_kv=H // 2, bf16=True),
+        # the blocks as they run off the CPU (a GPU rank: no fused CPU kernel), here on CPU tensors
+        "ring unfused causal gqa": _case("ring", heads_kv=H // 2, unfused=True),
+        "ring unfused full": _case("ring", causal=False, unfused=True),
     }
     if H % world == 0:
         cases |= {
@@ -55,7 +59,7 @@ def _full_inputs(cp: int, heads_kv: int) -> tuple[torch.Tensor, ...]:
 def run_attention(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every case on this rank: its output and gradient rows, the blocks it computed and the bytes it sent."""
     events: list[tuple[str, Any]] = []
-    attend, attend_backward = ra._attend, ra._attend_backward
+    attend, attend_backward, fused = ra._attend, ra._attend_backward, ra._fused
     batch, all_to_all = dist.batch_isend_irecv, dist.all_to_all_single
 
     def counting_attend(q: torch.Tensor, k: torch.Tensor, *args: Any) -> Any:
@@ -89,11 +93,13 @@ def run_attention(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> di
             fn = ring_attention if case["mode"] == "ring" else ulysses_attention
             events.clear()
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if case["bf16"] else contextlib.nullcontext()
+            ra._fused = (lambda t: False) if case["unfused"] else fused
             with amp:
                 out = fn(q, k, v, group=group, causal=case["causal"], scale=case["scale"])
             forward = list(events)
             events.clear()
             out.backward(dout.detach().to(out.dtype))
+            ra._fused = fused
             results[name] = {"index": index, "cp": cp, "dtype": out.dtype, "out": out.detach().float(),
                              "dq": q.grad, "dk": k.grad, "dv": v.grad, "forward": forward, "backward": list(events)}
         errors = {}
@@ -105,7 +111,7 @@ def run_attention(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> di
                 errors[what] = str(e)
         results["errors"] = errors
     finally:
-        ra._attend, ra._attend_backward = attend, attend_backward
+        ra._attend, ra._attend_backward, ra._fused = attend, attend_backward, fused
         dist.batch_isend_irecv, dist.all_to_all_single = batch, all_to_all
     return results
 
