@@ -31,6 +31,7 @@ from .ir.precision import precision_change
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
 from .passes.capture import LossFn, capture
+from .passes.sequence_split import check_masks
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
 from .runtime.asynchronous import warn_async
@@ -235,6 +236,10 @@ def build_phase(model: nn.Module, job: Job, captured: Captured, plan: Plan, dela
     # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
     check_transfers(layout_of(plan, len(captured.graph.layers)),
                     flushless=bool(delay) and not flushless_problems(plan, asked.sync))
+    if any(st.cp > 1 for p in plan.pipelines for st in p.stages):
+        # a cp plan's attention masks are computed once on the host to check they are causal (setup, not
+        # training: before the memory window; at most MASK_CHECK_ELEMENTS each), the program reuses the result
+        check_masks(captured.graph)
     check = PlanCheck(plan, job.rank, job.device) if asked.check_plan else None
     if check is not None and delay and job.device.type != "cuda":
         # delayed updates keep gradient reductions in flight across steps, so gloo's threads free tensors while

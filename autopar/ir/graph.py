@@ -125,6 +125,9 @@ class TrainingGraph:
     fused_types: list[str] = field(default_factory=list)  # device types priced with fused regions
     input_meta: dict[str, TensorMeta] = field(default_factory=dict)
     gm: Any = field(default=None, repr=False, compare=False)  # the fx GraphModule (not serialized)
+    # SDPA node -> why its mask cannot run as is_causal (None: it can), computed once per capture
+    # (passes/sequence_split.causal_mask_problem: the check computes the whole mask; not serialized)
+    mask_checks: dict[str, str | None] = field(default_factory=dict, repr=False, compare=False)
 
     # ---- derived views ------------------------------------------------------------------------
     def repeated_groups(self) -> list[list[int]]:

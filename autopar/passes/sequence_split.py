@@ -142,7 +142,15 @@ def _is_causal(mask: torch.Tensor | None, seq: int) -> bool:
 
 def causal_mask_problem(graph: TrainingGraph, sdpa: str, seq: int) -> str | None:
     """Why the mask SDPA node `sdpa` of `graph` (captured at `seq` tokens) passes cannot run as is_causal under
-    context parallelism (None: it has none, or it is the causal mask built from the token positions alone)."""
+    context parallelism (None: it has none, or it is the causal mask built from the token positions alone).
+    Computed once per capture (`TrainingGraph.mask_checks`): the planner's check is the runtime's when `compile`
+    hands the planner's capture to the program, so a rank does not hold the whole mask while it builds."""
+    if sdpa not in graph.mask_checks:
+        graph.mask_checks[sdpa] = _mask_problem(graph, sdpa, seq)
+    return graph.mask_checks[sdpa]
+
+
+def _mask_problem(graph: TrainingGraph, sdpa: str, seq: int) -> str | None:
     node = graph.nodes[sdpa]
     if len(node.args) <= 3:
         return None
@@ -160,12 +168,24 @@ def causal_mask_problem(graph: TrainingGraph, sdpa: str, seq: int) -> str | None
     return None
 
 
+def check_masks(graph: TrainingGraph) -> None:
+    """`causal_mask_problem` for every SDPA of `graph` that passes a mask (memoised on the graph), at the
+    sequence length of its first input (batch, seq, ...)."""
+    first = next((m for m in graph.input_meta.values() if len(m.shape) >= 2), None)
+    if first is None:
+        return
+    for name, n in graph.nodes.items():
+        if n.target == ATTENTION and len(n.args) > 3:
+            causal_mask_problem(graph, name, first.shape[1])
+
+
 def sequence_roles(full: TrainingGraph, local: TrainingGraph, seq: int, seq_local: int, cp: int,
-                   model_outputs: list[str] | None = None) -> SequenceRoles:
+                   model_outputs: list[str] | None = None, masks_of: TrainingGraph | None = None) -> SequenceRoles:
     """The aranges and attentions to replace in `local` (the capture at `seq_local` tokens per sequence) and
     the loss's reductions; PlanError naming the op when the model mixes tokens any other way. `model_outputs`:
     the nodes the model hands to its loss, which must each carry tokens on dimension 1 (a reduction over tokens
-    belongs to the loss, after them).
+    belongs to the loss, after them). `masks_of`: the capture whose mask checks to use (the same model at another
+    batch size, with the same nodes; default `full`).
 
     Beyond shapes, an op acting along a token-carrying value's sequence dimension (a `dim` argument on it: a
     softmax, cumsum, sort, flip, cat or split there; tensor indexing along it; a convolution over it) mixes
@@ -200,7 +220,7 @@ def sequence_roles(full: TrainingGraph, local: TrainingGraph, seq: int, seq_loca
     params = set(local.params)
     fx_nodes = {n.name: n for n in local.gm.graph.nodes} if local.gm is not None else {}
     for sdpa, mask in masks.items():
-        why = causal_mask_problem(full, sdpa, seq)
+        why = causal_mask_problem(masks_of or full, sdpa, seq)
         if why is None and mask not in only_masks:
             why = "its mask is used elsewhere too"
         if why is not None:
@@ -285,4 +305,4 @@ def loss_is_token_mean(loss_fn: object, output: torch.Tensor, target: torch.Tens
     return bool(torch.allclose(whole.double(), summed.double(), rtol=1e-5, atol=1e-6))
 
 
-__all__ = ["ATTENTION", "SequenceRoles", "causal_mask_problem", "loss_is_token_mean", "sequence_roles"]
+__all__ = ["ATTENTION", "SequenceRoles", "causal_mask_problem", "check_masks", "loss_is_token_mean", "sequence_roles"]

@@ -348,7 +348,8 @@ class Program:
             raise PlanError(f"context parallelism (cp={cp.cp}) with random ops in training ({', '.join(random)}) is "
                             f"not supported: their masks would differ from the one-device program's. Set dropout to "
                             f"0 or use cp=1.")
-        roles = sequence_roles(full, g, cp.seq, cp.seq_local, cp.cp, model_outputs(g.gm) or None)
+        roles = sequence_roles(full, g, cp.seq, cp.seq_local, cp.cp, model_outputs(g.gm) or None,
+                               masks_of=self.graph)  # the planner's capture: its mask checks are made
         if self._has_target and not self._loss_checked:
             self._check_token_mean(full, mb_target)
         programs = split_stages(g, pipe.bounds())

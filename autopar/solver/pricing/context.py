@@ -55,6 +55,7 @@ import torch
 from ...cost_models.comm import p2p_time
 from ...cost_models.compute import kernel_flops
 from ...cost_models.context import (
+    LSE_BYTES,
     MODES,
     RING,
     ULYSSES,
@@ -378,6 +379,12 @@ def _layer_cost(cm: CostModel, layer: int, dtype: str, n: int, group: tuple[int,
     calls = cm.context.calls.get(layer, ())
     ring0 = tuple(group[k * t] for k in range(cp))  # the cp ranks at tensor-parallel index 0
     for call in calls:
+        internal = call.internal_saved
+        if call.mask:  # run is_causal without its mask (sequence_split): the fused kernel's fp32 log-sum-exp is
+            # what it saves of its own, not the captured masked form's
+            fused = call.batch * call.heads_q * call.seq * LSE_BYTES
+            act += (fused - internal) * frac / t
+            internal = fused
         steps = call_steps(cm, call, n, t)
         handed = steps.totals()
         bytes_f, bytes_b = bytes_f + handed["forward"], bytes_b + handed["backward"]
@@ -395,7 +402,7 @@ def _layer_cost(cm: CostModel, layer: int, dtype: str, n: int, group: tuple[int,
             # what ring attention keeps beyond what the captured attention saves (its output, its log-sum-exp)
             out = call.batch * call.heads_q * call.seq * call.head_dim
             keeps = out * size + out // call.head_dim * 4
-            already = (out * size if call.out_saved else 0) + call.internal_saved
+            already = (out * size if call.out_saved else 0) + internal
             act += max(0.0, keeps - already) * frac / t
         else:
             a2a = lambda sizes: sum(cm.collective("all_to_all", float(x), ring0, t) for x in sizes)  # noqa: E731
