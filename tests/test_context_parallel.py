@@ -189,6 +189,14 @@ def test_sequence_roles_find_what_crosses_tokens() -> None:
             _roles(hf.model, hf.example_inputs[0], loss=hf.loss_fn)
     finally:
         sequence_split.MASK_CHECK_ELEMENTS = limit
+    # T5's relative-position bias is a learned mask: not causal by construction, refused without computing it
+    import autopar
+    from autopar.passes.sequence_split import ATTENTION, causal_mask_problem
+
+    t5 = models.CASES["hf_t5"](layers=1, batch=2, seq=16, seed=0)
+    g = autopar.capture(t5.model, t5.example_inputs, t5.loss_fn, t5.example_target)
+    why = {causal_mask_problem(g, k, 16) for k, n in g.nodes.items() if n.target == ATTENTION and len(n.args) > 3}
+    assert any(w and "parameters or buffers" in w for w in why), why
     sliding = models.CASES["hf_mistral"](layers=1, batch=2, seq=16, seed=0)
     with pytest.raises(PlanError, match="not the causal one"):
         _roles(sliding.model, sliding.example_inputs[0], loss=sliding.loss_fn)

@@ -119,6 +119,8 @@ def _evaluate(gm: fx.GraphModule, name: str, needed: set[str]) -> torch.Tensor |
         if node.op == "get_attr":
             env[node.name] = getattr(gm, str(node.target))
         elif node.op == "call_function":
+            if any(a.name not in env for a in node.all_input_nodes):
+                return None  # it reads a placeholder (an input, a parameter or a buffer)
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a.name])
             if "device" in kwargs:  # a model built on meta: positions and masks are computed here, on the host
                 kwargs = {**kwargs, "device": torch.device("cpu")}
@@ -161,7 +163,10 @@ def _mask_problem(graph: TrainingGraph, sdpa: str, seq: int) -> str | None:
                 f"(at most {MASK_CHECK_ELEMENTS:.3g}); a model calling scaled_dot_product_attention with "
                 f"is_causal=True and no mask needs no check")
     needed = _ancestors(graph, [mask])
-    if needed & set(graph.params) or any(a in graph.input_meta for x in needed for a in graph.nodes[x].args):
+    leaves = {a for x in needed for a in graph.nodes[x].args if a not in graph.nodes}
+    if leaves & set(graph.params):
+        return "it depends on the model's parameters or buffers (a learned bias)"
+    if leaves & set(graph.input_meta):
         return "it depends on the inputs (a padding mask)"
     if graph.gm is None or not _is_causal(_evaluate(graph.gm, mask, needed), seq):
         return "its mask is not the causal one (a sliding window, padding or another pattern)"
