@@ -308,7 +308,19 @@ def closed_form(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[i
         return LayerCost(fwd, bwd, 0.0, 0.0)
     nbytes = (cm.boundary[layer] or cm.in_bytes[layer]) * n / cm.B
     ar = (2 if cm.is_block[layer] else 1) * cm.collective("all_reduce", nbytes, tp_group)
-    return LayerCost(fwd, bwd, ar, ar, 1 / tp)
+    frac = cm.memoised(("megatron-param-frac", layer, tp), lambda: megatron_param_frac(cm.graph, layer, tp))
+    return LayerCost(fwd, bwd, ar, ar, frac)
+
+
+def megatron_param_frac(graph: TrainingGraph, layer: int, tp: int) -> float:
+    """The share of layer `layer`'s own parameters a rank of `tp` holds under Megatron's placements, as the runtime
+    places them (runtime/tensor_parallel.py `megatron_spec`): the sharded ones 1/tp, the rest whole (norms, biases
+    of row-parallel linears, position and other tables not vocabulary-sized); 1/tp for a layer without
+    parameters."""
+    sharded = megatron_placements(graph, (layer, layer + 1)).params
+    sizes = [(graph.params[p].meta.nbytes, name in sharded) for p, name in layer_params(graph, graph.layers[layer])]
+    total = sum(b for b, _ in sizes)
+    return sum(b / tp if s else b for b, s in sizes) / total if total else 1 / tp
 
 
 def tp_reason(cm: CostModel, a: int, e: int, dtype: str, n: int, tp_group: tuple[int, ...]) -> str:
