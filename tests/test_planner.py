@@ -131,15 +131,19 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 saved = {x: (graph.layers[x].saved_bytes + fp32_kept[x]) * frac / t for x in range(a, e)}
                 # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients
                 transient = max(0.0, max(fp32_grads[x] for x in range(a, e)) * frac / t - big * g * (zm >= 2))
-                if st.predicted.get("tp_source") == "ilp":
-                    pricer = LayerPricer(graph, t, cluster.devices[st.devices[0]].spec.name, cluster, st.devices)
+                if t > 1:
                     shares = {}
-                    for x in range(a, e):
-                        if graph.layers[x].kind == "block":
-                            res = pricer.cost(x, pipe.microbatch_size)
-                            shares[x] = res.param_bytes_per_device / graph.layers[x].param_bytes \
-                                if graph.layers[x].param_bytes else 1 / t
-                            saved[x] = res.activation_bytes_per_device
+                    if st.predicted.get("tp_source") == "ilp":
+                        pricer = LayerPricer(graph, t, cluster.devices[st.devices[0]].spec.name, cluster,
+                                             st.devices)
+                        for x in range(a, e):
+                            if graph.layers[x].kind == "block":
+                                res = pricer.cost(x, pipe.microbatch_size)
+                                shares[x] = res.param_bytes_per_device / graph.layers[x].param_bytes \
+                                    if graph.layers[x].param_bytes else 1 / t
+                                saved[x] = res.activation_bytes_per_device
+                    for x in range(a, e):  # the rest as the runtime's Megatron placements hold them
+                        shares.setdefault(x, megatron_share(graph, x, t))
                     n += sum(owned[x] * (q - 1 / t) for x, q in shares.items())
                     big = max(owned[x] * shares.get(x, 1 / t) for x in range(a, e))
                 if streamed:
@@ -187,6 +191,18 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
             for d in pipe.stages[r].devices:
                 peaks[d] = static + max(max(acts) + max(works), max(syncs))
     return peaks
+
+
+def megatron_share(graph: TrainingGraph, x: int, t: int) -> float:
+    """The share of layer x's own parameters a rank of t holds under the runtime's Megatron placements
+    (runtime/tensor_parallel.megatron_spec): those it shards 1/t, the others whole."""
+    from autopar.passes.tp_patterns import megatron_placements
+
+    sharded = megatron_placements(graph, (x, x + 1)).params
+    own = [(graph.params[p].meta.numel, graph.canonical(p) in sharded)
+           for p in graph.layers[x].params if not graph.params[p].is_buffer]
+    total = sum(k for k, _ in own)
+    return sum(k / t if s else k for k, s in own) / total if total else 1 / t
 
 
 def check_plan(plan: Plan, cm: CostModel) -> None:
