@@ -40,7 +40,7 @@ from .cluster import Cluster
 from .errors import PlanError
 from .ir.graph import TrainingGraph
 from .ir.lowered import COMPRESS_DTYPES, Group, Layout, PipelineLayout, Position, RankProgram, StageLayout
-from .ir.plan import OFFLOAD_KINDS, Pipeline, Plan, layerwise_stages, recompute_count
+from .ir.plan import CP_ATTENTION, OFFLOAD_KINDS, Pipeline, Plan, layerwise_stages, recompute_count
 from .ir.plan_simulate import cached_schedule
 from .ir.schedule import SPLIT_SCHEDULES, Action, Schedule, make_schedule, splits_backward
 from .ir.schedule_nccl import TRANSFER_KINDS, Batch, P2POp, batch_transfers, nccl_problems, settle
@@ -128,9 +128,9 @@ def _pipeline_cp(index: int, p: Pipeline) -> int:
         if len(s.devices) % cp:
             raise PlanError(f"pipeline {index} stage {j}: {len(s.devices)} devices are not cp={cp} tensor-parallel "
                             f"groups of equal size; give it a multiple of {cp} devices.")
-        if s.cp_attention not in ("ring", "ulysses"):
-            raise PlanError(f"pipeline {index} stage {j}: cp_attention={s.cp_attention!r}; choose 'ring' or "
-                            f"'ulysses'.")
+        if s.cp_attention not in CP_ATTENTION:
+            raise PlanError(f"pipeline {index} stage {j}: cp_attention={s.cp_attention!r}; choose one of "
+                            f"{list(CP_ATTENTION)}.")
     return cp
 
 

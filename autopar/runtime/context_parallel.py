@@ -32,8 +32,6 @@ from ..passes.sequence_split import SequenceRoles
 from .ring_attention import ring_attention, ulysses_attention, zigzag_positions
 from .tensor_parallel import full_tensor, shard_local_layout
 
-aten = torch.ops.aten
-
 
 class ContextParallel:
     """One rank's place in a context-parallel group: its token positions and the attention across the group."""

@@ -311,27 +311,30 @@ class Program:
         mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
         mb_target = self._slice(target, 0, size) if target is not None else None
         if self.cp is not None:
-            return self._capture_tokens(model, mb_inputs, mb_target, pipe, size)
-        with self.experts.swapped(model) if self.experts else contextlib.nullcontext():
-            g = self.graph if size == self.layout.global_batch and not self.experts \
-                else capture(model, mb_inputs, self.loss_fn, mb_target)
-        if len(g.layers) != len(self.graph.layers):
-            raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
-                            f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
+            g, finish = self._capture_tokens(model, mb_inputs, mb_target, size)
+        else:
+            with self.experts.swapped(model) if self.experts else contextlib.nullcontext():
+                g = self.graph if size == self.layout.global_batch and not self.experts \
+                    else capture(model, mb_inputs, self.loss_fn, mb_target)
+            if len(g.layers) != len(self.graph.layers):
+                raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
+                                f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
+            finish = keyed_randomness  # plan-invariant masks (passes/randomness.py)
         programs = split_stages(g, pipe.bounds())
         layer_of = {name: node.layer for name, node in g.nodes.items()}
         for st in programs:
             st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
             st.node_layers = layer_of  # type: ignore[attr-defined]
-            st.gm = keyed_randomness(st.gm)  # plan-invariant masks (passes/randomness.py)
+            st.gm = finish(st.gm)
             if st.eval_gm is not None:
-                st.eval_gm = keyed_randomness(st.eval_gm)
+                st.eval_gm = finish(st.eval_gm)
         return programs
 
-    def _capture_tokens(self, model: nn.Module, mb_inputs: tuple, mb_target: Any, pipe: PipelineLayout,
-                        size: int) -> list[StageProgram]:
-        """Stage programs on this rank's tokens: captured at the local sequence length, checked against the
-        capture at the full length (`sequence_roles`), their token aranges and attentions replaced."""
+    def _capture_tokens(self, model: nn.Module, mb_inputs: tuple, mb_target: Any, size: int
+                        ) -> tuple[TrainingGraph, Callable[[Any], Any]]:
+        """The capture of this rank's tokens (at the local sequence length, checked against the capture at the
+        full length: `sequence_roles`) and what makes its stage programs run them: their token aranges and
+        attentions replaced (`ContextParallel.rewrite`)."""
         cp = self.cp
         assert cp is not None
         full = self.graph if size == self.layout.global_batch \
@@ -352,15 +355,7 @@ class Program:
                                masks_of=self.graph)  # the planner's capture: its mask checks are made
         if self._has_target and not self._loss_checked:
             self._check_token_mean(full, mb_target)
-        programs = split_stages(g, pipe.bounds())
-        layer_of = {name: node.layer for name, node in g.nodes.items()}
-        for st in programs:
-            st.grad_values = {n for n in st.recv + st.send if g.nodes[n].requires_grad}  # type: ignore[attr-defined]
-            st.node_layers = layer_of  # type: ignore[attr-defined]
-            st.gm = cp.rewrite(st.gm, roles)
-            if st.eval_gm is not None:
-                st.eval_gm = cp.rewrite(st.eval_gm, roles)
-        return programs
+        return g, functools.partial(cp.rewrite, roles=roles)
 
     _loss_checked = False
 
