@@ -4,6 +4,8 @@ data, tensor and pipeline parallelism, ZeRO, recompute and Ulysses attention; wh
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -242,14 +244,18 @@ def _compile_error_2bw(rank: int, world: int) -> str:
     return _compile_error(rank, world, sync="2bw")
 
 
-def _default_path(rank: int, world: int, kwargs: dict, cluster: dict, name: str = "gpt") -> tuple:
+def _default_path(rank: int, world: int, kwargs: dict, cluster: dict, name: str = "gpt",
+                  weights: str | None = None) -> tuple:
+    """`autopar.compile` with no plan; with `weights`, of the model built on the meta device, its values read from
+    that .safetensors file (the path of a user whose model does not fit one device)."""
     import autopar
 
     from .runtime_cases import build, optimizer
 
     case = build(name, **kwargs)
-    prog = autopar.compile(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                           timeout_s=120)
+    model = build(name, **kwargs, device="meta").model if weights else case.model
+    prog = autopar.compile(model, cluster, case.example_inputs, case.example_target, case.loss_fn, optimizer,
+                           weights=weights, timeout_s=120)
     losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
     report = prog.report()
     return losses, prog.state_dict()["model"], prog.plan.to_json(), [r.ratio for r in report.ranks]
@@ -273,21 +279,26 @@ def test_default_path_trains_a_sequence_one_device_cannot_hold() -> None:
         assert all(abs(x - 1) <= 0.15 for x in ratios), (rank, ratios)
 
 
-def test_default_path_on_a_hugging_face_llama() -> None:
-    """The same bar for a model autopar did not write: transformers' Llama (its causal mask built from the positions
-    runs as is_causal) at 4K tokens, devices with 0.6 of one sample's need; compile plans cp 4 (Ulysses: 4 heads),
-    trains exactly like one process, peaks within 15 % of the plan."""
+def test_default_path_on_a_hugging_face_llama(tmp_path: Path) -> None:
+    """The same bar for a model autopar did not write, on a user's path: transformers' Llama (its causal mask built
+    from the positions runs as is_causal) at 4K tokens, built on the meta device with its values in a .safetensors
+    file (`compile(..., weights=)`), devices with 0.6 of one sample's need; compile plans cp 4 (Ulysses: 4
+    heads), trains exactly like one process, peaks within 15 % of the plan."""
+    from safetensors.torch import save_model
+
     import autopar
     from autopar import Strategy, models
     from autopar.ir.plan import Plan
 
     kwargs = dict(layers=2, batch=1, seq=4096)
+    weights = str(tmp_path / "llama.safetensors")
+    save_model(models.CASES["hf_llama"](**kwargs, seed=0).model, weights)
     meta = models.CASES["hf_llama"](**kwargs, seed=0, device="meta")
     need = autopar.estimate(meta.model, "1x1xcpu", Strategy(), meta.example_inputs, meta.example_target,
                             meta.loss_fn).plan.predicted["peak_memory_bytes"][0]
     cluster = {"nodes": [{"device": {"name": "cpu-small", "based_on": "cpu", "memory_GiB": need * 0.6 / 2**30},
                           "devices_per_node": 4}]}
-    res = spawn_local(_default_path, 4, kwargs, cluster, "hf_llama", timeout_s=600)
+    res = spawn_local(_default_path, 4, kwargs, cluster, "hf_llama", weights, timeout_s=600)
     plan = Plan.from_json(res[0][2])
     assert {st.cp for p in plan.pipelines for st in p.stages} == {4}
     assert_ranks_match_reference([[r[:2] + ({},)] for r in res], 0, "hf_llama", kwargs, who="hf default path ")

@@ -138,6 +138,9 @@ class Program:
         self.comm = CommDevices.of_plan(plan, self.device)  # where each group's tensors go (the mixed-world rule)
         # values of this rank's tensors (weights.py): `weights` is checked against the model before any collective
         self._weights = ModelWeights(model, weights, device=self.device)
+        # the values the user gave: a meta-built model is captured from meta stand-ins, but the cp loss check reads
+        # which tokens the target counts
+        self._example_target = example_target
         example_inputs, example_target = self._weights.capture_args(example_inputs, example_target)
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
@@ -354,7 +357,7 @@ class Program:
         roles = sequence_roles(full, g, cp.seq, cp.seq_local, cp.cp, model_outputs(g.gm) or None,
                                masks_of=self.graph)  # the planner's capture: its mask checks are made
         if self._has_target and not self._loss_checked:
-            self._check_token_mean(full, mb_target)
+            self._check_token_mean(full, self._slice(self._example_target, 0, size))
         return g, functools.partial(cp.rewrite, roles=roles)
 
     _loss_checked = False
@@ -366,6 +369,10 @@ class Program:
         assert cp is not None
         outs = model_outputs(full.gm)
         metas = [full.nodes[o].outputs[0] for o in outs if o in full.nodes]
+        if isinstance(target, torch.Tensor) and target.is_meta:
+            raise PlanError(f"context parallelism (cp={cp.cp}) checks on the example target that the loss is a mean "
+                            f"over tokens, and this one is on the meta device: pass example_target with values "
+                            f"(e.g. the first batch's labels), or use cp=1.")
         if len(metas) != 1 or not isinstance(target, torch.Tensor):
             raise PlanError(f"context parallelism (cp={cp.cp}) splits the loss by tokens, which it checks for a model "
                             f"with one output tensor and one target tensor; this one has {len(metas)} output(s). "
