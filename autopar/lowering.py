@@ -359,18 +359,23 @@ def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[
     out: dict[int, set[Group]] = {r: {everyone} for r in ranks}
     for g in groups:  # one pass over the groups and the neighbours for every rank (1024-device configs)
         if 1 < len(g) < world:
+            key = tuple(sorted(g))
             for r in g:
-                out.setdefault(r, {everyone}).add(tuple(sorted(g)))
+                out.setdefault(r, {everyone}).add(key)
     for stages in pipelines:
         for s, members in enumerate(stages):
             for nb in (s - 1, s + 1):
                 if not 0 <= nb < len(stages):
                     continue
                 other = stages[nb]
+                n_other, n_members = len(other), len(members)
                 for tp_index, rank in enumerate(members):
-                    peers = [other[tp_index % len(other)]]  # received from
-                    peers += [r for i, r in enumerate(other) if i % len(members) == tp_index]  # sent to
-                    out[rank].update((min(rank, q), max(rank, q)) for q in peers if q != rank)
+                    held = out[rank]
+                    # received from other[tp_index % n_other]; sent to the ranks of other at indices = tp_index
+                    # modulo n_members
+                    for q in (other[tp_index % n_other], *other[tp_index::n_members]):
+                        if q != rank:
+                            held.add((rank, q) if rank < q else (q, rank))
     return {r: tuple(sorted(v)) for r, v in out.items() if r in ranks}
 
 

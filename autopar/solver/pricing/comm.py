@@ -80,8 +80,11 @@ class CommPricing:
         """Send seconds of a stage boundary as the search plans it (compressed where `compress_choice` says)."""
         if src == dst:
             return 0.0
-        return self.memoised(("boundary", nbytes, src, dst),
-                             lambda: self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst)))
+        key = ("boundary", nbytes, src, dst)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self.send_time(nbytes, src, dst, self.compress_choice(nbytes, src, dst))
+        return hit  # type: ignore[return-value]
 
     def stage_send(self, nbytes: float, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         """`boundary_send` between the tensor-parallel groups of two consecutive stages, times

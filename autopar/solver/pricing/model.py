@@ -45,7 +45,7 @@ from ..intra_op.pricing import LayerPricer, tp_layer_cost
 from . import context, experts
 from .comm import CommPricing
 from .plan import check_compress
-from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memory
+from .stage_memory import StageMemory, recomputed, recomputed_blocks, stage_memories, stage_memory
 
 T = TypeVar("T")
 
@@ -623,6 +623,28 @@ class CostModel(CommPricing):
         if hit is None or hit[0] is not base:  # type: ignore[index]
             hit = self._memo[key] = (base, stage_memory(self, base, opt, tp, dp, layerwise))
         return hit[1]  # type: ignore[index]
+
+    def options_memory(self, base: StageBase, opts: list[Option], tp: int, dp: int, layerwise: bool = True
+                       ) -> list[StageMemory]:
+        """`stage_memory` of one stage under each of `opts`, what does not depend on the option computed once;
+        the entries join `stage_memory`'s memo."""
+        tp = max(1, tp // self.context.degree)
+        out = []
+        missing = []
+        for opt in opts:
+            key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
+            hit = self._memo.get(key)
+            if hit is None or hit[0] is not base:  # type: ignore[index]
+                missing.append((len(out), key, opt))
+                out.append(None)
+            else:
+                out.append(hit[1])  # type: ignore[index]
+        if missing:
+            mems = stage_memories(self, base, [opt for _, _, opt in missing], tp, dp, layerwise)
+            for (i, key, _), mem in zip(missing, mems, strict=True):
+                self._memo[key] = (base, mem)
+                out[i] = mem
+        return out  # type: ignore[return-value]
 
 
 __all__ = ["HOST_UPDATE_BANDWIDTH", "CostModel", "Option", "StageBase", "StageTimes", "inflight_closed_form"]

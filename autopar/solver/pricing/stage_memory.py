@@ -135,72 +135,89 @@ def stage_memory(cm: CostModel, base: StageBase, opt: Option, tp: int, dp: int, 
     """Peak device (and host) bytes of a stage, as the runtime keeps them (module docstring).
     `layerwise`: the stage is one of `plan.layerwise_stages`, so its ZeRO-2/3 runs per layer; elsewhere
     the runtime gathers and reduces for the whole step, whose peak is ZeRO-1's."""
+    return stage_memories(cm, base, [opt], tp, dp, layerwise)[0]
+
+
+def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, dp: int, layerwise: bool = True
+                   ) -> list[StageMemory]:
+    """`stage_memory` of one stage under each of `opts`: what does not depend on the option is computed once
+    (the search prices every option of a range together)."""
     w, g, o = cm.state.weights, cm.state.grads, cm.state.optimizer
     N, P = base.params / tp + base.tp_extra, max(base.max_layer_params / tp, base.tp_max_layer)
-    z = opt.zero if dp > 1 else 0
-    per_layer = layerwise and tp == 1 and not base.moe_layers and not (z == 3 and "params" in opt.offload)
-    zm = z if per_layer else min(z, 1)  # what ZeRO does to the peak
-    # offloaded parameters stream per layer where the stage runs layer by layer and the optimizer (which
-    # updates them) is on the host too; otherwise they come back for the whole step
-    streamed = "params" in opt.offload and "optimizer" in opt.offload and tp == 1 and zm <= 2 \
-        and not base.moe_layers
     whole = base.multi_layer / tp  # tied parameters: never per layer
-    if streamed:
-        params, grads = whole * w, whole * g
-    else:
-        spread = (1 - 1 / dp) if dp > 1 else 0.0
-        params = N * w / (dp if zm == 3 else 1) + whole * w * (zm == 3) * spread
-        grads = N * g / (dp if zm >= 2 else 1) + whole * g * (zm >= 2) * spread
-    optim = 0.0 if "optimizer" in opt.offload else N * o / (dp if z >= 1 else 1)
-    static = params + grads + optim
-    if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
-        static += experts.zero_bytes(cm, base, opt._replace(zero=zm), dp)
-    if zm == 3:
-        static += 2 * P * w  # the layer in use and the next one, prefetched
-    in_flight_grads = P * g if zm >= 2 else 0.0
-    static += in_flight_grads  # ZeRO-2/3: one layer's gradients in flight to their owners during the backward
-    if streamed:
-        static += P * (w + g)  # the layer in use and its gradient
-    # N' owned parameters, as the optimizer step's `local` in stage_times
-    owned = N / dp + (experts.zero_extra(cm, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
-    host = offload_host_bytes(cm.optimizer, w, N, owned, z, opt.offload)
-    host_step = step_freed = host_work = 0.0
-    if "optimizer" in opt.offload:
-        # the step copies each owned gradient to the host and drops the device's (streamed parameters'
-        # are on the host already: only the tied ones are copied then), then updates the host copies
-        # one parameter at a time
-        host_step = min(whole, owned) * HOST_GRAD_BYTES if streamed else owned * HOST_GRAD_BYTES
-        step_freed = whole * g if streamed else N * g / (dp if zm >= 2 else 1) + (
-            whole * g * (1 - 1 / dp) if zm >= 2 and dp > 1 else 0.0)
-        # (at least one: each gradient's host copy exists before the device's is dropped)
-        largest = min(base.max_param / tp, owned)
-        host_work = max(optimizer_step_bytes(cm.optimizer, CPU_KIND, owned, largest), HOST_MASTER_BYTES * largest)
-    off_act = "activations" in opt.offload
-    _, act, work, recomputed_params = recomputed(base, opt.recompute)
-    # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
-    # gradients above never coexist. An op's backward buffer (a CPU convolution's weight gradient in
-    # oneDNN's layout) comes later, with those gradients, and never with the loss's transient: one op at a time
-    # so does a context-parallel attention's transient (K/V blocks in flight, all-to-all buffers: `StageBase.cp_work`)
-    work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace, base.cp_work)
-    # autocast keeps a low-precision copy of each weight a matmul / linear / conv reads for the backward;
-    # embedding tables and norm weights are never cast (`StageBase.cast_params`)
+    spread = (1 - 1 / dp) if dp > 1 else 0.0
     cast = cm.state.cast_copy
-    if cast and base.params:
-        share = min(1.0, base.cast_params / base.params)
-        act += cast * max(0.0, N * share - recomputed_params / tp)
-        work += cast * (P * share if recomputed_params else 0.0)
-    # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
-    # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
-    sync = 0.0
-    if dp > 1:
-        after = not (per_layer and zm >= 2)
-        red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
-        bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
-        sync = max(red, bcast)
-    step = 0.0 if "optimizer" in opt.offload else \
-        optimizer_step_bytes(cm.optimizer, base.device_kind, owned, base.max_param / tp)
-    return StageMemory(static, act, work, off_act, host, act if off_act else 0.0, max(sync, step), host_step,
-                       step_freed, host_work, step, params, grads, optim)
+    recomputes: dict[int, tuple[float, float, float, float]] = {}
+    out = []
+    for opt in opts:
+        z = opt.zero if dp > 1 else 0
+        offload = opt.offload
+        per_layer = layerwise and tp == 1 and not base.moe_layers and not (z == 3 and "params" in offload)
+        zm = z if per_layer else min(z, 1)  # what ZeRO does to the peak
+        # offloaded parameters stream per layer where the stage runs layer by layer and the optimizer (which
+        # updates them) is on the host too; otherwise they come back for the whole step
+        streamed = "params" in offload and "optimizer" in offload and tp == 1 and zm <= 2 \
+            and not base.moe_layers
+        if streamed:
+            params, grads = whole * w, whole * g
+        else:
+            params = N * w / (dp if zm == 3 else 1) + whole * w * (zm == 3) * spread
+            grads = N * g / (dp if zm >= 2 else 1) + whole * g * (zm >= 2) * spread
+        optim = 0.0 if "optimizer" in offload else N * o / (dp if z >= 1 else 1)
+        static = params + grads + optim
+        if z and base.moe_layers:  # expert state is partitioned over its dp / ep holders only
+            static += experts.zero_bytes(cm, base, opt._replace(zero=zm), dp)
+        if zm == 3:
+            static += 2 * P * w  # the layer in use and the next one, prefetched
+        in_flight_grads = P * g if zm >= 2 else 0.0
+        static += in_flight_grads  # ZeRO-2/3: one layer's gradients in flight to their owners during the backward
+        if streamed:
+            static += P * (w + g)  # the layer in use and its gradient
+        # N' owned parameters, as the optimizer step's `local` in stage_times
+        owned = N / dp + (experts.zero_extra(cm, base, dp) if base.moe_layers else 0.0) if z >= 1 else N
+        host = offload_host_bytes(cm.optimizer, w, N, owned, z, offload)
+        host_step = step_freed = host_work = 0.0
+        if "optimizer" in offload:
+            # the step copies each owned gradient to the host and drops the device's (streamed parameters'
+            # are on the host already: only the tied ones are copied then), then updates the host copies
+            # one parameter at a time
+            host_step = min(whole, owned) * HOST_GRAD_BYTES if streamed else owned * HOST_GRAD_BYTES
+            step_freed = whole * g if streamed else N * g / (dp if zm >= 2 else 1) + (
+                whole * g * (1 - 1 / dp) if zm >= 2 and dp > 1 else 0.0)
+            # (at least one: each gradient's host copy exists before the device's is dropped)
+            largest = min(base.max_param / tp, owned)
+            host_work = max(optimizer_step_bytes(cm.optimizer, CPU_KIND, owned, largest), HOST_MASTER_BYTES * largest)
+        off_act = "activations" in offload
+        k = recomputed_blocks(base, opt.recompute)
+        rc = recomputes.get(k)
+        if rc is None:
+            rc = recomputes[k] = recomputed(base, opt.recompute)
+        _, act, work, recomputed_params = rc
+        # the loss's backward comes before any layer's gradient exists: its transient and the in-flight
+        # gradients above never coexist. An op's backward buffer (a CPU convolution's weight gradient in
+        # oneDNN's layout) comes later, with those gradients, and never with the loss's transient: one op at a
+        # time; so does a context-parallel attention's transient (K/V blocks in flight, all-to-all buffers:
+        # `StageBase.cp_work`)
+        work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace, base.cp_work)
+        # autocast keeps a low-precision copy of each weight a matmul / linear / conv reads for the backward;
+        # embedding tables and norm weights are never cast (`StageBase.cast_params`)
+        if cast and base.params:
+            share = min(1.0, base.cast_params / base.params)
+            act += cast * max(0.0, N * share - recomputed_params / tp)
+            work += cast * (P * share if recomputed_params else 0.0)
+        # after the schedule, one bucket at a time: gradients reduced there (all of them under ZeRO-0/1, an
+        # owner's share under whole-step ZeRO-2/3), and updated values broadcast from their owners
+        sync = 0.0
+        if dp > 1:
+            after = not (per_layer and zm >= 2)
+            red = min(SYNC_BUCKET_BYTES, N * g / (dp if z >= 2 else 1)) if after else 0.0
+            bcast = min(SYNC_BUCKET_BYTES, N * w / dp) if z in (1, 2) or (z == 3 and not per_layer) else 0.0
+            sync = max(red, bcast)
+        step = 0.0 if "optimizer" in offload else \
+            optimizer_step_bytes(cm.optimizer, base.device_kind, owned, base.max_param / tp)
+        out.append(StageMemory(static, act, work, off_act, host, act if off_act else 0.0, max(sync, step), host_step,
+                               step_freed, host_work, step, params, grads, optim))
+    return out
 
 
 def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:

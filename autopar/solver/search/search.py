@@ -259,9 +259,10 @@ class Search:
         self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
         self._entries: dict[tuple, tuple[tuple, int | None]] = {}  # `_share_table` entries
         self._anchors: dict[tuple, tuple[tuple, tuple]] = {}  # `_share_table`'s solved shares
-        # the last config's pipelines, its data-parallel groups and whether each mixes tensor-parallel degrees
-        self._dp_cache: tuple[object, list[Unit], list[bool]] = (None, [], [])
-        self._comm_cache: tuple[object, int, dict[int, int]] = (None, 0, {})  # (pipelines, chunks, counts)
+        # per grouping (its pipelines tuple, kept so its id stays its own): its data-parallel groups and whether
+        # each mixes tensor-parallel degrees; per grouping and chunks, the communicator counts
+        self._dp_cache: dict[int, tuple[object, list[Unit], list[bool]]] = {}
+        self._comm_cache: dict[tuple[int, int], tuple[object, dict[int, int]]] = {}
         self.best_step = cutoff  # the incumbent's simulated step
         self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
         self.refining = False  # in `_refine`: selective recompute (selective.py) on the splits
@@ -330,17 +331,20 @@ class Search:
         cm, p, v = self.cm, len(pipe), cfg.chunks
         cp = context.degree(cm)  # cp > 1: a unit is cp tensor-parallel groups (pricing/context.py)
         inflight = inflight_closed_form(cfg.schedule, p, m, v)
-        if self._dp_cache[0] is not cfg.pipelines:
+        hit = self._dp_cache.get(id(cfg.pipelines))
+        if hit is None or hit[0] is not cfg.pipelines:
             # a stage's replicas: the first device of every tensor-parallel group holding it (dp x cp of them)
             groups = [tuple(other[r][c * (len(other[r]) // cp)] for other in cfg.pipelines for c in range(cp))
                       for r in range(p)]
             mixed = [len({len(other[r]) for other in cfg.pipelines}) > 1 for r in range(p)]
-            self._dp_cache = (cfg.pipelines, groups, mixed)
-        dp, mixed = self._dp_cache[1], self._dp_cache[2]
-        if self._comm_cache[0] is not cfg.pipelines or self._comm_cache[1] != v:
-            self._comm_cache = (cfg.pipelines, v, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size,
-                                                                       cp))
-        comms = self._comm_cache[2]
+            hit = self._dp_cache[id(cfg.pipelines)] = (cfg.pipelines, groups, mixed)
+        dp, mixed = hit[1], hit[2]
+        # configs come in bound order, so groupings alternate: counted once per grouping and chunks
+        comm_hit = self._comm_cache.get((id(cfg.pipelines), v))
+        if comm_hit is None or comm_hit[0] is not cfg.pipelines:
+            comm_hit = self._comm_cache[(id(cfg.pipelines), v)] = (
+                cfg.pipelines, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size, cp))
+        comms = comm_hit[1]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
                      min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),

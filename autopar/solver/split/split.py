@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 
 from ...ir.plan import even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
-from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, lower_bound, tied_sync
-from ..pricing.stage_memory import recomputed
+from ..pricing.pricing import CostModel, Option, StageBase, StageMemory, StageTimes, lower_bound, tied_sync
+from ..pricing.stage_memory import recomputed, stage_memories
 from ..pricing.wgrad import wgrad_share, zero_bubble_backward
 from .monotone import largest_true
 from .stage_model import StageModel
@@ -48,15 +49,52 @@ STAGE_MODEL_TIME_S = 2.0
 PARETO_COMBOS = 256  # option combinations per layer split up to which `_enumerate(pareto=True)` tries them all
 EXACT_SPLIT_LIMIT = 6_000  # stages x layers^2 up to which the surrogate is minimised exactly
 
+# `Splitter.stage` takes the first option that fits without the floor check (which needs every option's memory)
+# where the option's device need stays this fraction under the budget: the floor's activation term is rebuilt
+# by a division and may round a few ulps above the least option's
+CLEAR = 1e-9
+
+
+class _Priced:
+    """One range's options at one micro-batch size and slot kind: their times, and their memory priced on
+    demand (`memory`) or all at once (`memories`), as `CostModel.options_memory` prices it."""
+
+    __slots__ = ("D", "base", "layerwise", "mems", "opts", "t", "times")
+
+    def __init__(self, base: StageBase, opts: list[Option], times: list[StageTimes], t: int, D: int,
+                 layerwise: bool) -> None:
+        self.base, self.opts, self.times, self.t, self.D, self.layerwise = base, opts, times, t, D, layerwise
+        self.mems: list[StageMemory | None] = [None] * len(opts)
+
+    def memory(self, cm: CostModel, i: int) -> StageMemory:
+        mem = self.mems[i]
+        if mem is None:  # (`stage_memories` is what `options_memory` prices, without its memo's keys)
+            mem = self.mems[i] = stage_memories(cm, self.base, [self.opts[i]], max(1, self.t // cm.context.degree),
+                                                self.D, self.layerwise)[0]
+        return mem
+
+    def memories(self, cm: CostModel) -> list[StageMemory]:
+        if any(mem is None for mem in self.mems):
+            self.mems = list(cm.options_memory(self.base, self.opts, self.t, self.D, self.layerwise))
+        return self.mems  # type: ignore[return-value]
+
+
 def _pareto(states: list[tuple]) -> list[tuple]:
     """The states no other state beats on all of its first four fields (first found wins ties); the
     fifth, the last send, is the same for every state of a front."""
-    states = sorted(states, key=lambda st: st[:4])
+    states = sorted(states, key=_FIRST_FOUR)
     kept: list[tuple] = []
     for st in states:
-        if not any(k[1] <= st[1] and k[2] <= st[2] and k[3] <= st[3] for k in kept):  # k[0] <= st[0]: sorted
+        f, b, s0 = st[1], st[2], st[3]
+        for k in kept:  # k[0] <= st[0]: sorted
+            if k[1] <= f and k[2] <= b and k[3] <= s0:
+                break
+        else:
             kept.append(st)
     return kept
+
+
+_FIRST_FOUR = operator.itemgetter(0, 1, 2, 3)
 
 
 class Splitter:
@@ -66,7 +104,8 @@ class Splitter:
         self.cm = cm
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
-        self._options: dict[tuple, list[tuple[Option, StageTimes, StageMemory]]] = {}
+        self._timed: dict[tuple, tuple[_Priced, list[tuple[float, Option, StageTimes, int]]]] = {}
+        self._options: dict[tuple, _Priced] = {}
         self._pareto: dict[tuple, list[Choice]] = {}
         self._by_start: dict[tuple, dict[int, Choice | None]] = {}
         self._floors: dict[int, tuple[list, tuple[float, ...]]] = {}
@@ -82,6 +121,19 @@ class Splitter:
               slot.dtype, slot.sigs, slot.layerwise, slot.mixed_tp)
         if key in self._choices:
             return self._choices[key]
+        # the first option in time order that fits, its memory priced on demand: the fastest options usually
+        # fit, and a range's options are many. Where one fits clear of the budget, the floor (`_floor`, no more
+        # than its terms) fits too, so the full check below, which needs every option's memory, would pick it
+        priced, timed = self._timings(slot, a, e, m, n)
+        for _, opt, tm, i in timed:
+            mem = priced.memory(self.cm, i)
+            if rank.fits(mem, slot):
+                if rank.need(mem, slot.inflight) + (rank.host_need(mem, slot.inflight) if slot.unified else 0.0) \
+                        <= slot.budget * (1 - CLEAR):
+                    out = self.cm.base(a, e, slot.dtype, n, slot.tp_group).out_bytes
+                    choice = self._choices[key] = Choice(opt, tm, mem, out)
+                    return choice
+                break
         ranked = self.ranked(slot, a, e, m, n)
         floor = self._floor(ranked, slot.inflight)
         choice = None
@@ -125,22 +177,34 @@ class Splitter:
     def ranked(self, slot: Slot, a: int, e: int, m: int, n: int) -> list[tuple[float, Option, StageTimes, StageMemory]]:
         """Every option of layers [a, e) on `slot` as (m (fwd + bwd) + sync, option, times, memory), fastest
         first (ties in the canonical, simplest-first order); memoised per range class."""
-        cm = self.cm
-        key = (slot.dtype, slot.sigs, cm.range_key(a, e), n, slot.layerwise, slot.mixed_tp)
-        ranked = self._sorted.get(key + (m,))
+        key = (slot.dtype, slot.sigs, self.cm.range_key(a, e), n, slot.layerwise, slot.mixed_tp, m)
+        ranked = self._sorted.get(key)
         if ranked is None:
-            options = self._options.get(key)
-            if options is None:  # times and memory per micro-batch: the same at every micro-batch count
-                options = self._options[key] = self._priced_options(slot, a, e, n)
-            ranked = [(m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, mem) for opt, tm, mem in options]
-            # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
-            ranked.sort(key=lambda x: round(x[0], 12))
-            self._sorted[key + (m,)] = ranked
+            priced, timed = self._timings(slot, a, e, m, n)
+            mems = priced.memories(self.cm)
+            ranked = self._sorted[key] = [(score, opt, tm, mems[i]) for score, opt, tm, i in timed]
         return ranked
 
-    def _priced_options(self, slot: Slot, a: int, e: int, n: int) -> list[tuple[Option, StageTimes, StageMemory]]:
-        """Every option of layers [a, e) on `slot` in the canonical, simplest-first order, with its times and
-        memory at micro-batch size n."""
+    def _timings(self, slot: Slot, a: int, e: int, m: int, n: int
+                 ) -> tuple[_Priced, list[tuple[float, Option, StageTimes, int]]]:
+        """`ranked` without the memory: the range's priced options, and (m (fwd + bwd) + sync, option, times,
+        index in them), fastest first, in `ranked`'s order."""
+        key = (slot.dtype, slot.sigs, self.cm.range_key(a, e), n, slot.layerwise, slot.mixed_tp)
+        hit = self._timed.get(key + (m,))
+        if hit is None:
+            priced = self._options.get(key)
+            if priced is None:  # times and memory per micro-batch: the same at every micro-batch count
+                priced = self._options[key] = self._priced_options(slot, a, e, n)
+            timed = [(m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, i)
+                     for i, (opt, tm) in enumerate(zip(priced.opts, priced.times, strict=True))]
+            # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
+            timed.sort(key=lambda x: round(x[0], 12))
+            hit = self._timed[key + (m,)] = (priced, timed)
+        return hit
+
+    def _priced_options(self, slot: Slot, a: int, e: int, n: int) -> _Priced:
+        """Every option of layers [a, e) on `slot` in the canonical, simplest-first order, with its times at
+        micro-batch size n (and its memory, priced when asked for: `_Priced`)."""
         cm = self.cm
         base = cm.base(a, e, slot.dtype, n, slot.tp_group)
         D, t = len(slot.dp_group), len(slot.tp_group)
@@ -149,8 +213,7 @@ class Splitter:
                 for rc in ((False, True) if base.has_blocks else (False,)) if not (z == 3 and "params" in off)]
         times = cm.options_times(base, opts, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1], slot.layerwise,
                                  slot.mixed_tp)
-        return [(opt, tm, cm.stage_memory(base, opt, t, D, slot.layerwise))
-                for opt, tm in zip(opts, times, strict=True)]
+        return _Priced(base, opts, times, t, D, slot.layerwise)
 
     def _note_closest(self, slot: Slot, ranked: list[tuple[float, Option, StageTimes, StageMemory]],
                       rank: RankState, layers: tuple[int, int], floor: StageMemory) -> None:
@@ -424,23 +487,34 @@ class Splitter:
         cm, S = self.cm, len(slots)
         # state: (max term, fwd prefix, bwd prefix, sync of stage 0, last send, back pointer)
         fronts: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0.0, 0.0, None)]}
+        cap = incumbent.surrogate
         for j, slot in enumerate(slots):
             new: dict[int, list[tuple]] = {}
+            nxt = slots[j + 1].tp_group if j + 1 < S else slot.tp_group
             for a, states in fronts.items():
+                ends = self._ends(slot, a, m, n, NO_CHUNKS)  # `stage`'s choices by end, shared with `greedy`
                 for e in ([cm.L] if j == S - 1 else range(a + 1, cm.L - (S - 1 - j) + 1)):
-                    c = self.stage(slot, a, e, m, n)
+                    c = ends.get(e, ends)
+                    if c is ends:
+                        c = ends[e] = self.stage(slot, a, e, m, n)
                     if c is None:
                         break  # longer ranges need more memory still
-                    nxt = slots[j + 1].tp_group if j + 1 < S else slot.tp_group
                     send = cm.stage_send(c.out_bytes, slot.tp_group, nxt)
-                    w = m * (c.times.fwd + c.times.bwd)
-                    f, b = c.times.fwd + send, c.times.bwd + send
+                    times = c.times
+                    w = m * (times.fwd + times.bwd)
+                    f, b, sync = times.fwd + send, times.bwd + send, times.sync
+                    into = None
                     for st in states:
-                        s0 = c.times.sync if j == 0 else st[3]
-                        worst = max(st[0], st[1] + w + max(st[2] + s0, st[4] + c.times.sync))
-                        if worst < incumbent.surrogate:
-                            state = (worst, st[1] + f, st[2] + b, s0, send, (st, a, e, c))
-                            new.setdefault(e, []).append(state)
+                        s0 = sync if j == 0 else st[3]
+                        # max(st[0], st[1] + w + max(st[2] + s0, st[4] + sync)), spelled out (the hot loop)
+                        tail, other = st[2] + s0, st[4] + sync
+                        worst = st[1] + w + (other if other > tail else tail)
+                        if st[0] >= worst:
+                            worst = st[0]
+                        if worst < cap:
+                            if into is None:  # (an end joins `new` with its first state: the fronts' order)
+                                into = new.setdefault(e, [])
+                            into.append((worst, st[1] + f, st[2] + b, s0, send, (st, a, e, c)))
             fronts = {e: _pareto(states) for e, states in new.items()}
         if cm.L not in fronts:
             return incumbent

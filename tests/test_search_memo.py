@@ -1,0 +1,80 @@
+"""What the search memoises for speed (issue 25 part 4) answers as the unmemoised computation does.
+
+* `Search._slots` keeps each grouping's NCCL communicator counts per grouping *and* chunks: an interleaved
+  schedule adds a pipeline peer (the last rank sends its chunk on to the first), so counts taken at one chunk
+  count would misprice the memory budget at another.
+* `Splitter.stage` prices a range's options' memory on demand, in time order, and takes the first that fits
+  clear of the budget without the floor check: it must pick what the full check over every option
+  (`Splitter.ranked`, the floor, the first that fits) picks, budgets at an option's exact need included.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.api import cost_model
+from autopar.models import gpt
+from autopar.solver.search.search import Search, config_communicators
+from autopar.solver.split.split import NO_CHUNKS, Splitter
+
+
+def _cm(cluster: str, layers: int = 8):
+    mc = gpt(batch=8, seq=32, vocab=256, hidden=64, layers=layers, heads=4, device="meta")
+    return cost_model(mc.model, cluster, mc.example_inputs, mc.example_target, mc.loss_fn)
+
+
+def test_slot_budgets_count_the_communicators_of_their_own_chunks() -> None:
+    cm = _cm("1x4xA100-80GB")
+    search = Search(cm)
+    configs = search._configs()
+    # one grouping at several chunk counts, visited alternately (as configs in bound order are)
+    by_grouping: dict[int, list] = {}
+    for cfg in configs:
+        by_grouping.setdefault(id(cfg.pipelines), []).append(cfg)
+    mixed = [cfgs for cfgs in by_grouping.values() if len({c.chunks for c in cfgs}) > 1]
+    assert mixed, "no grouping runs at several chunk counts"
+    checked = differ = 0
+    for cfgs in mixed:
+        for cfg in cfgs + cfgs[::-1]:
+            pipe = cfg.pipelines[0]
+            slots = search._slots(cfg, pipe, 4)
+            dp = [tuple(other[r][0] for other in cfg.pipelines) for r in range(len(pipe))]
+            comms = config_communicators(cfg.pipelines, dp, cfg.chunks, cm.cluster.world_size)
+            for j, slot in enumerate(slots):
+                assert slot.budget == min(cm.usable(d, comms.get(d)) for d in pipe[j % len(pipe)])
+                checked += 1
+        counts = {c.chunks: config_communicators(c.pipelines, [tuple(o[r][0] for o in c.pipelines)
+                                                               for r in range(len(c.pipelines[0]))],
+                                                 c.chunks, cm.cluster.world_size) for c in cfgs}
+        differ += len({tuple(sorted(v.items())) for v in counts.values()}) > 1
+    assert checked and differ, "the chunk counts tried do not change any communicator count"
+
+
+def _reference(sp: Splitter, slot, a: int, e: int, m: int, n: int):
+    """`Splitter.stage` as the full check computes it: every option's memory, the floor, the first that fits."""
+    ranked = sp.ranked(slot, a, e, m, n)
+    if not NO_CHUNKS.fits(sp._floor(ranked, slot.inflight), slot):
+        return None
+    return next(((opt, tm, mem) for _, opt, tm, mem in ranked if NO_CHUNKS.fits(mem, slot)), None)
+
+
+def test_stage_picks_what_the_full_option_check_picks() -> None:
+    cm = _cm("1x2xA100-80GB")
+    probe = Search(cm)
+    cfg = next(c for c in probe._configs() if len(c.pipelines) == 1 and len(c.pipelines[0]) == 2)
+    base_slot = probe._slots(cfg, cfg.pipelines[0], 2)[0]
+    a, e, m, n = cm.first_block, cm.first_block + 3, 2, 4
+    needs = sorted({NO_CHUNKS.need(mem, base_slot.inflight)
+                    for _, _, _, mem in Splitter(cm).ranked(base_slot, a, e, m, n)})
+    # budgets at every option's exact need, just under it, between needs, and none fits / all fit
+    budgets = {0.0, math.inf}
+    for x in needs:
+        budgets |= {x, math.nextafter(x, 0.0), x * (1 - 1e-10), x * 1.5}
+    seen = set()
+    for budget in sorted(budgets):
+        slot = base_slot._replace(budget=budget)
+        want = _reference(Splitter(cm), slot, a, e, m, n)
+        got = Splitter(cm).stage(slot, a, e, m, n)
+        assert (None if got is None else (got.option, got.times, got.memory)) == want, budget
+        seen.add(None if want is None else want[0])
+    assert len(seen) > 2, "the budgets tried do not reach several options"
