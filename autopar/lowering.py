@@ -379,6 +379,42 @@ def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[
     return {r: tuple(sorted(v)) for r, v in out.items() if r in ranks}
 
 
+def communicator_counts(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int
+                        ) -> dict[int, int]:
+    """Per rank, `len(communicator_sets(...)[rank])`, without building the sorted sets: each group is named
+    once (a rank set of more than two ranks by a number, so a rank's set holds no long tuples to hash), and
+    two-rank sets by themselves, so a two-rank group and a peer pair over the same ranks stay one communicator
+    as they are there. The planner's search counts every config this way (search.py `config_communicators`)."""
+    ranks = {r for stages in pipelines for st in stages for r in st}
+    if world <= 1:
+        return dict.fromkeys(ranks, 0)
+    names: dict[Group, object] = {}
+
+    def name(g: Group) -> object:
+        return g if len(g) <= 2 else names.setdefault(g, len(names))
+
+    everyone = name(tuple(range(world)))
+    out: dict[int, set] = {r: {everyone} for r in ranks}
+    for g in groups:
+        if 1 < len(g) < world:
+            key = name(tuple(sorted(g)))
+            for r in g:
+                out.setdefault(r, {everyone}).add(key)
+    for stages in pipelines:
+        for s, members in enumerate(stages):
+            for nb in (s - 1, s + 1):
+                if not 0 <= nb < len(stages):
+                    continue
+                other = stages[nb]
+                n_other, n_members = len(other), len(members)
+                for tp_index, rank in enumerate(members):
+                    held = out[rank]
+                    for q in (other[tp_index % n_other], *other[tp_index::n_members]):
+                        if q != rank:
+                            held.add((rank, q) if rank < q else (q, rank))
+    return {r: len(v) for r, v in out.items() if r in ranks}
+
+
 def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Group, ...]]:
     """Rank -> `communicator_sets` of the ranks `plan` runs on (expert-parallel groups not included)."""
     layout = layout_of(plan, len(graph.layers))
@@ -546,7 +582,8 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
     return sched, times
 
 
-__all__ = ["assign_owners", "check_transfers", "communicator_sets", "eval_steps", "flushless_steps",
-           "layerwise_params", "layout_of", "layout_programs", "lower", "make_layout", "memory_actions", "p2p_batches",
-           "param_groups", "params_by_layer", "pipeline_schedule", "plan_communicators", "priced_schedule",
-           "process_groups", "recomputed_blocks", "train_steps", "transfer_message", "transfer_steps", "zero_levels"]
+__all__ = ["assign_owners", "check_transfers", "communicator_counts", "communicator_sets", "eval_steps",
+           "flushless_steps", "layerwise_params", "layout_of", "layout_programs", "lower", "make_layout",
+           "memory_actions", "p2p_batches", "param_groups", "params_by_layer", "pipeline_schedule",
+           "plan_communicators", "priced_schedule", "process_groups", "recomputed_blocks", "train_steps",
+           "transfer_message", "transfer_steps", "zero_levels"]

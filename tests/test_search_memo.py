@@ -78,3 +78,24 @@ def test_stage_picks_what_the_full_option_check_picks() -> None:
         assert (None if got is None else (got.option, got.times, got.memory)) == want, budget
         seen.add(None if want is None else want[0])
     assert len(seen) > 2, "the budgets tried do not reach several options"
+
+
+def test_layer_keys_and_groups_kept_across_micro_batch_sizes_name_their_own_size() -> None:
+    """The intra-op pricer keeps each layer's key and op groups across its copies at other micro-batch sizes
+    (`Context.layer_key`, `Context.merged`): the key must still carry each copy's own size, as a fresh context
+    at that size computes it, and the groups must be the ones `merge_followers` builds."""
+    from autopar.solver.intra_op.build import merge_followers
+    from autopar.solver.intra_op.context import Context
+
+    cm = _cm("1x2xA100-80GB", layers=2)
+    dtype = cm.cluster.devices[0].spec.name
+    pricer = cm.layer_pricer(dtype, (0, 1))
+    layer = cm.graph.layers[cm.first_block]
+    members = [n for n in layer.nodes if cm.graph.nodes[n].outputs]
+    for batch in (2, 4, 2, 8):
+        ctx = pricer._at(batch)
+        fresh = Context(cm.graph, 2, dtype, cm.cluster, (0, 1), batch / cm.graph.batch_size, runtime=True)
+        assert ctx.layer_key(layer) == fresh.layer_key(layer)
+        got, want = ctx.merged(members, merge_followers), merge_followers(fresh, members)
+        assert [(g.members, [{m: (s.ins, s.grads) for m, s in c.items()} for c in g.choices]) for g in got] == \
+            [(g.members, [{m: (s.ins, s.grads) for m, s in c.items()} for c in g.choices]) for g in want]

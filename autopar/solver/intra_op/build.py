@@ -153,7 +153,7 @@ def build_problem(ctx: Context, layer: Layer, boundary: int, choice: Sequence[in
         for a in graph.nodes[m].args:
             if a in graph.params and (graph.params[a].tied_to or a) in layer.params:
                 first_use.setdefault(graph.params[a].tied_to or a, m)
-    groups = merge_followers(ctx, members)
+    groups = ctx.merged(members, merge_followers)
     if choice is not None:
         groups = [Group(g.members, [g.choices[i]]) for g, i in zip(groups, choice, strict=True)]
     index = {m: i for i, g in enumerate(groups) for m in g.members}

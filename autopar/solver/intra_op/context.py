@@ -8,7 +8,7 @@ ops' re-priced compute and their strategies (`intra_op.strategies`), and the key
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from ...cluster import Cluster
 from ...cost_models.comm import collective_time
@@ -51,6 +51,10 @@ class Context:
                 self.saved_by_layer.setdefault(home, set()).add(r)
         self._strategies: dict[str, list[NodeStrategy]] = {}
         self._comm: dict[tuple, float] = {}
+        # what does not depend on the micro-batch (`frac`), shared with copies at other sizes as the tables above:
+        # per layer, `layer_key` but its frac; per list of ops, their groups (`merged`)
+        self._layer_keys: dict[int, tuple] = {}
+        self._merged: dict[tuple[str, ...], list] = {}
         # node -> the attention core it belongs to (SDPA, or the two matmuls of matmul + softmax attention)
         self.cores = {m: c for c in attention_cores(graph, graph.nodes) for m in c.nodes}
 
@@ -129,6 +133,13 @@ class Context:
     def layer_key(self, layer: Layer) -> tuple:
         """Everything the layer's problem depends on but the boundary layout, positionally (node names
         differ between identical blocks)."""
+        key = self._layer_keys.get(layer.index)
+        if key is None:
+            key = self._layer_keys[layer.index] = self._layer_key(layer)
+        return key[:2] + (self.frac,) + key[2:]
+
+    def _layer_key(self, layer: Layer) -> tuple:
+        """`layer_key` without `frac` (the only part a copy at another micro-batch size changes)."""
         g, pos = self.graph, {n: i for i, n in enumerate(layer.nodes)}
         h = hashlib.sha1()
         for name in layer.nodes:
@@ -153,8 +164,17 @@ class Context:
         ring = zip(self.group, self.group[1:] + self.group[:1], strict=True)
         links = tuple(self.cluster.link(a, b) for a, b in ring)
         nodes = [self.cluster.devices[i].node for i in self.group]
-        return (h.hexdigest(), self.tp, self.frac, self.runtime, self.graph.dtype, repr(spec), links, tuple(nodes),
+        return (h.hexdigest(), self.tp, self.runtime, self.graph.dtype, repr(spec), links, tuple(nodes),
                 tuple(self.cluster.nodes[i].intra_node for i in nodes), self.cluster.network)
+
+    def merged(self, members: list[str], merge: Callable[[Context, list[str]], list]) -> list:
+        """`merge(self, members)` (build.py `merge_followers`: it reads the strategies only), memoised; the groups
+        are shared, never changed after they are built."""
+        key = tuple(members)
+        hit = self._merged.get(key)
+        if hit is None:
+            hit = self._merged[key] = merge(self, members)
+        return hit
 
     def leaves(self, name: str, inside: Container[str]) -> bool:
         """Whether a node's output is read outside `inside` (so it is written in the boundary layout)."""

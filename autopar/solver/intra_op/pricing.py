@@ -104,7 +104,7 @@ class LayerPricer:
         key = ctx.layer_key(layer)
         # (boundary, strategy per group, parameter layouts, what they are: SOURCES keys)
         options: list[tuple[int, tuple[int, ...], dict[str, int] | None, set[str]]] = []
-        groups = merge_followers(ctx, [n for n in layer.nodes if ctx.graph.nodes[n].outputs])
+        groups = ctx.merged([n for n in layer.nodes if ctx.graph.nodes[n].outputs], merge_followers)
 
         def add(layouts: dict[str, int], label: str) -> None:
             same = next((o for o in options if o[2] == layouts), None)

@@ -129,7 +129,7 @@ from typing import NamedTuple
 from ...errors import InfeasibleError
 from ...ir.plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
-from ...lowering import communicator_sets
+from ...lowering import communicator_counts
 from ...report import fmt_time
 from ..pricing import context, experts
 from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
@@ -172,8 +172,8 @@ def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit]
     if cp > 1:
         groups |= {tuple(u[k::len(u) // cp]) for pl in pipelines for u in pl for k in range(len(u) // cp)}
     groups = sorted(groups | {tuple(sorted(g)) for g in dp})
-    sets = communicator_sets(stages, groups, world)
-    return {d: len(sets[d]) for pl in pipelines for u in pl for d in u}
+    counts = communicator_counts(stages, groups, world)
+    return {d: counts[d] for pl in pipelines for u in pl for d in u}
 
 
 class Config(NamedTuple):
