@@ -15,7 +15,7 @@ but ops on its fp32 list (softmax, log-softmax, cross-entropy, norms on CUDA) an
 residual add of an fp32 stream) keep some activations in fp32, so the 2-byte figure is a lower bound
 there; stage transfers do travel in 2 bytes (runtime/precision.py).
 
-Two corrections to those 2 bytes and one transient (`activation_corrections`, per layer of the graph):
+Two corrections to those 2 bytes and two transients (`activation_corrections`, per layer of the graph):
 
 * ops torch.autocast runs in float32 (`AUTOCAST_FP32_OPS`, PyTorch AMP docs, "CUDA Ops that can autocast
   to float32": softmax, log_softmax, cross_entropy, nll_loss, ...) keep what they save themselves (their own
@@ -27,7 +27,11 @@ Two corrections to those 2 bytes and one transient (`activation_corrections`, pe
   to `StageMemory.work` through `StageBase.bwd_transient`). For a GPT's loss this is 8 bytes per logit,
   so the log-probabilities' 4 plus 8 = 12 bytes per logit at the loss's backward. Where the op runs fused
   (codegen/fusion_rules.py: it saves its input and recomputes, e.g. the fused cross-entropy keeps the
-  logits), nothing of its own is kept and its backward returns one fp32 buffer: `1 x 4 x numel`.
+  logits), nothing of its own is kept and its backward returns one fp32 buffer: `1 x 4 x numel`;
+* the backward of any op holds the gradient of its output (its size, in the activations' precision) beside
+  the saved tensors, the largest such gradient in the layer (a GPT block's MLP: b x s x 4h at the
+  activation): measured 2.06 MiB at the peak of a one-block pipeline stage at 2K tokens, hidden 64
+  (bench/long_context.py), where the block's 2 MiB gradient is the largest; the larger of the two counts.
 
 One more transient, on CPUs only (`backward_workspace`, per layer, per device kind): a convolution's backward
 on an x86 CPU writes its weight gradient into a buffer in oneDNN's blocked layout before PyTorch copies it
@@ -231,8 +235,8 @@ def autocast_cast_params(graph: TrainingGraph) -> dict[str, tuple[int, frozenset
 def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[float], list[float]]:
     """Per layer of an annotated graph, per global batch (module docstring): bytes to add to
     `Layer.saved_bytes` because ops autocast runs in fp32 keep their saved tensors in 4 bytes (0 outside
-    bf16/fp16), and the backward transient of those ops (two fp32 buffers of their input's size; the
-    largest one in the layer)."""
+    bf16/fp16), and the backward transient: the larger of those ops' (two fp32 buffers of their input's
+    size) and any op's output gradient, the largest one in the layer."""
     extra, transient = [0.0] * len(graph.layers), [0.0] * len(graph.layers)
     scale = 0.5 if precision in ("bf16", "fp16") else 1.0  # annotate's bytes per element / 4
     for node in graph.nodes.values():
@@ -246,6 +250,12 @@ def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[f
         numel = max([t.numel for t in floats] + ([t.numel for t in inp.outputs[:1]] if inp else []))
         buffers = 2 if own or node.saved_internal_bytes else 1  # fused: it keeps its input and recomputes
         transient[node.layer] = max(transient[node.layer], buffers * FP32_BYTES * numel)
+    for node in graph.nodes.values():
+        # any op's backward: the gradient of its output, in its precision, beside the saved tensors (a GPT
+        # block's MLP: the b x s x 4h gradient at the activation), the largest one in the layer
+        if node.layer >= 0 and node.requires_grad:
+            grad = sum(t.nbytes for t in node.outputs if t.dtype.startswith("float")) * scale
+            transient[node.layer] = max(transient[node.layer], grad)
     return extra, transient
 
 

@@ -79,6 +79,7 @@ class PendingRecv:
         for work in self.works:
             wait(work, self.what, self.peer, timeout_s)
         out = unpack(self.flat, self.metas, self.wire)
+        self.works, self.flat = [], None  # the message is unpacked into fresh tensors: its buffer goes now
         for n, t in zip(self.names, out, strict=True):
             if self.grad and n in self.st.grad_values:
                 t.requires_grad_(True)
@@ -572,8 +573,12 @@ class Program:
 
         for step in self.lowered.steps_of(actions):
             if step[0].kind in TRANSFER_KINDS:  # one batch_isend_irecv; receives waited where consumed
-                posted, sent = self._post(step, outgoing, incoming)
-                sends += sent
+                # the previous batch's sends finish before the next batch goes out, as in torch's pipelining
+                # schedules (and on NCCL, where the stream orders them anyway): a stage holds one batch's send
+                # buffers, not every message of the step
+                for work, peer, _keep in sends:
+                    wait(work, "send" + what, peer, self.timeout_s)
+                posted, sends = self._post(step, outgoing, incoming)
                 for a, recv in posted.items():
                     (recv_in if a.kind == "RECV_F" else grads_out)[(a.stage, a.microbatch)] = recv
                 continue

@@ -115,6 +115,7 @@ class StageBase:
     cp_bytes: tuple[float, float] = (0.0, 0.0)
     cp_exposed: tuple[float, float] = (0.0, 0.0)
     cp_work: float = 0.0
+    in_bytes: float = 0.0  # activation bytes received from the previous stage (0 for a pipeline's first)
 
 
 @dataclass(frozen=True)
@@ -492,7 +493,8 @@ class CostModel(CommPricing):
                          device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
                          block_parts=tuple(parts), measured_step=ms, measured_step_params=msp,
-                         cp_calls=cp_calls, cp_bytes=(cp_f, cp_b), cp_exposed=(cp_xf, cp_xb), cp_work=cp_work)
+                         cp_calls=cp_calls, cp_bytes=(cp_f, cp_b), cp_exposed=(cp_xf, cp_xb), cp_work=cp_work,
+                         in_bytes=self.in_bytes[a] * frac if a > 0 else 0.0)
         return experts.adjust_base(self, a, e, dtype, n / cp if cp > 1 else n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:

@@ -199,6 +199,11 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         # time; so does a context-parallel attention's transient (K/V blocks in flight, all-to-all buffers:
         # `StageBase.cp_work`)
         work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace, base.cp_work)
+        # a pipeline stage's messages (runtime/program.py): each micro-batch's output stays for its backward
+        # (autograd saves none of it); during a backward the received output gradient, and one batch of send
+        # buffers (the previous batch's sends finish before the next goes out), are live
+        act += base.out_bytes
+        work += base.out_bytes + max(base.out_bytes, base.in_bytes) if base.out_bytes else base.in_bytes
         # autocast keeps a low-precision copy of each weight a matmul / linear / conv reads for the backward;
         # embedding tables and norm weights are never cast (`StageBase.cast_params`)
         if cast and base.params:
