@@ -439,6 +439,7 @@ class CostModel(CommPricing):
         parts = []
         measured: list[int] = []
         stepped: list[int] = []
+        later: list[tuple[float, float]] = []  # per layer: (backward transient, bytes it keeps for its backward)
         mf = mb = mrc = ms = msp = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
         for i in range(a, e):
             if cp > 1:
@@ -475,8 +476,13 @@ class CostModel(CommPricing):
                 parts.append((again + c.fwd_comm, saved, self.in_bytes[i] * frac, float(self.cast_own[i])))
             else:
                 act_rc += saved
-            transient = max(transient, self.bwd_transient[i] * frac / t)
+            # a layer's backward transient comes after the later layers' backwards freed what they saved (under
+            # recompute their blocks keep only their inputs): the stage's is the largest, less that
+            later.append((self.bwd_transient[i] * frac / t, self.in_bytes[i] * frac if self.is_block[i] else saved))
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
+        freed = 0.0
+        for tr, kept in reversed(later):
+            transient, freed = max(transient, tr - freed), freed + kept
         # host/framework time: the floor under the kernels, or added to them on a CPU (cost_models/overhead.py)
         host = stage_host_seconds(self, a, e, dtype, tuple(measured), tuple(stepped))
         f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound) + mf
