@@ -180,10 +180,12 @@ def test_a_budget_no_whole_device_type_meets_plans_on_fewer_devices() -> None:
 
 
 def test_a_model_that_needs_most_devices_gets_a_large_subset() -> None:
-    """On 6 one-device nodes with 0.5 MiB each, a 4-layer chain at batch 1 has no layout using all 6, and two
-    devices cannot hold it (three can): the fallback finds a plan on 3-4 of them, not a refusal."""
-    sizes = dict(layers=2, hidden=64, seq=16, batch=1)
-    chip = {"name": "chip", "based_on": "T4", "memory_GiB": 0.0005}
+    """On 6 one-device nodes with 0.85 MiB each, a 4-layer chain at batch 1 has no layout using all 6, and two
+    devices cannot hold it (three can: each holds one block's activations where two hold two; 64 tokens, so that
+    the block's activations outweigh a stage's message buffers): the fallback finds a plan on 3-4 of them, not a
+    refusal."""
+    sizes = dict(layers=2, hidden=64, seq=64, batch=1)
+    chip = {"name": "chip", "based_on": "T4", "memory_GiB": 0.000845}
     cluster = {"nodes": [{"device": chip, "devices_per_node": 1, "count": 6}]}
     pair = {"nodes": [{"device": chip, "devices_per_node": 1, "count": 2}]}
     with pytest.raises(InfeasibleError, match="no plan fits in memory"):

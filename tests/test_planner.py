@@ -101,6 +101,11 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
         fp32_kept[node.layer] += (own / 2 + node.saved_internal_bytes) if half else 0.0
         elems = max([t.numel for t in node.outputs] + [t.numel for t in graph.nodes[node.args[0]].outputs[:1]])
         fp32_grads[node.layer] = max(fp32_grads[node.layer], (2 if own or node.saved_internal_bytes else 1) * 4 * elems)
+    # any op's backward holds its output's gradient (in the activations' precision) beside the saved tensors
+    for node in graph.nodes.values():
+        if node.layer >= 0 and node.requires_grad:
+            out_grad = sum(t.nbytes for t in node.outputs if t.dtype.startswith("float")) * (0.5 if half else 1.0)
+            fp32_grads[node.layer] = max(fp32_grads[node.layer], out_grad)
     first = plan.pipelines[0]
     alike = D > 1 and all(p.num_microbatches == first.num_microbatches and len(p.stages) == len(first.stages)
                           for p in plan.pipelines)
@@ -129,10 +134,18 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 shared = sum(numel[p] for p, ls in tied.items() if any(a <= x < e for x in ls)) / t
                 big = max(owned[a:e]) / t
                 saved = {x: (graph.layers[x].saved_bytes + fp32_kept[x]) * frac / t for x in range(a, e)}
-                # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients
-                transient = max(0.0, max(fp32_grads[x] for x in range(a, e)) * frac / t - big * g * (zm >= 2))
+                # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients.
+                # A layer's transient comes after the later layers' backwards freed what they keep (a block under
+                # recompute keeps its input)
+                kept = {x: (graph.layers[x - 1].boundary_bytes if x else inputs) * frac
+                        if graph.layers[x].kind == "block" else None for x in range(a, e)}
+                # a pipeline stage's messages: its output kept per micro-batch for the backward; during a backward
+                # the received gradient and one batch of send buffers
+                out = graph.layers[e - 1].boundary_bytes * frac
+                inn = graph.layers[a - 1].boundary_bytes * frac if a > 0 else 0.0
+                transfer = out + max(out, inn) if out else inn
                 if t > 1:
-                    shares = {}
+                    shares: dict[int, float] = {}
                     if st.predicted.get("tp_source") == "ilp":
                         pricer = LayerPricer(graph, t, cluster.devices[st.devices[0]].spec.name, cluster,
                                              st.devices)
@@ -155,6 +168,12 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 if "optimizer" not in off:
                     static += n * o / (D if z >= 1 else 1)
                 static += 2 * big * w * (zm == 3) + big * g * (zm >= 2)
+                transient = 0.0
+                freed = 0.0
+                for x in reversed(range(a, e)):
+                    transient = max(transient, fp32_grads[x] * frac / t - freed)
+                    freed += kept[x] if kept[x] is not None else saved[x]
+                transient = max(0.0, transient - big * g * (zm >= 2))
                 layers = graph.layers[a:e]
                 n_all = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls))
                 n_cast = sum(num for num, ls in cast.values() if any(a <= x < e for x in ls))
@@ -164,12 +183,13 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
                               if x.kind == "block" else saved[x.index] for x in layers)
                     works.append(max(saved[x.index] for x in layers if x.kind == "block")
-                                 + sb.cast_copy * big * share + transient)
+                                 + sb.cast_copy * big * share + transient + transfer)
                     act += sb.cast_copy * max(0.0, n * share - sum(cast_owned[x.index] for x in layers
                                                                    if x.kind == "block") / t)
                 else:
                     act = sum(saved.values()) + sb.cast_copy * n * share
-                    works.append(transient)
+                    works.append(transient + transfer)
+                act += out
                 acts.append(act * (1 if "activations" in off else inflight[r]))
                 if "optimizer" not in off:
                     # the device's optimizer step after the schedule: torch's single-tensor AdamW on the CPU
