@@ -75,6 +75,11 @@ PLAN_XFAIL: dict[tuple[str, str], str] = {
         "in the backward sit beside 2.1 MB of aten::index output (the experts' gathered weights, batched_mm); "
         "likely that output's gradient, a transient StageBase.bwd_transient (the loss's logits buffers) does not "
         "cover; not confirmed",
+    ("hf_qwen2_moe", "1x1: L0-4@0z1; 1x1: L0-4@1z1; 1x1: L0-4@2z1; 1x1: L0-4@3z1"):
+        "over-priced (measured 0.81 of the plan on every rank, dp 4 at ZeRO-1): the last block's backward transient, "
+        "the gradient of its gathered expert weights (aten::index output, 1.05 MB a rank; 1.18 MB of backward buffers "
+        "measured at the peak), is priced on top of every activation saved, but by then the block's backward has "
+        "freed part of its own saved gathered weights (2.62 MB of aten::index live at the peak, 3.15 MB priced)",
     ("hf_vit", "4x1: L0-1@2,3z0 L1-2@0z0 L2-4@1z0"):
         "2.5-2.8x on the tp-2 stage holding only the patch embedding (60 KiB predicted): ~110 KB of backward, "
         "optimizer and cat buffers nothing prices, small in bytes (PlanCheck's FIXED_BYTES would absorb it) "

@@ -135,8 +135,8 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 big = max(owned[a:e]) / t
                 saved = {x: (graph.layers[x].saved_bytes + fp32_kept[x]) * frac / t for x in range(a, e)}
                 # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients.
-                # A layer's transient comes after the later layers' backwards freed what they keep (a block under
-                # recompute keeps its input)
+                # A layer's transient comes after the later layers' backwards freed what they saved (recomputed
+                # blocks keep only their inputs)
                 kept = {x: (graph.layers[x - 1].boundary_bytes if x else inputs) * frac
                         if graph.layers[x].kind == "block" else None for x in range(a, e)}
                 # a pipeline stage's messages: its output kept per micro-batch for the backward; during a backward
@@ -170,9 +170,10 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 static += 2 * big * w * (zm == 3) + big * g * (zm >= 2)
                 transient = 0.0
                 freed = 0.0
+                rebuilt = bool(st.recompute) and any(graph.layers[x].kind == "block" for x in range(a, e))
                 for x in reversed(range(a, e)):
                     transient = max(transient, fp32_grads[x] * frac / t - freed)
-                    freed += kept[x] if kept[x] is not None else saved[x]
+                    freed += kept[x] if rebuilt and kept[x] is not None else saved[x]
                 transient = max(0.0, transient - big * g * (zm >= 2))
                 layers = graph.layers[a:e]
                 n_all = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls))

@@ -95,7 +95,10 @@ class StageBase:
     # ones of the range's repeated blocks (what recomputing them re-casts)
     cast_params: float = 0.0
     block_params: float = 0.0
-    bwd_transient: float = 0.0  # per device: the largest backward transient of an fp32 op (cost_models/memory.py)
+    # per device: the largest backward transient of an op (cost_models/memory.py) less what the range's later layers
+    # freed before it, without recompute and with its blocks recomputed (they keep only their inputs)
+    bwd_transient: float = 0.0
+    bwd_transient_recompute: float = 0.0
     # per device, whatever the micro-batch: the largest buffer an op's backward allocates besides autograd's
     # tensors on the stage's device kind (a CPU convolution's weight gradient in oneDNN's layout)
     bwd_workspace: float = 0.0
@@ -439,7 +442,7 @@ class CostModel(CommPricing):
         parts = []
         measured: list[int] = []
         stepped: list[int] = []
-        later: list[tuple[float, float]] = []  # per layer: (backward transient, bytes it keeps for its backward)
+        later: list[tuple[float, float, float]] = []  # per layer: backward transient, bytes kept, kept under recompute
         mf = mb = mrc = ms = msp = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
         for i in range(a, e):
             if cp > 1:
@@ -478,11 +481,13 @@ class CostModel(CommPricing):
                 act_rc += saved
             # a layer's backward transient comes after the later layers' backwards freed what they saved (under
             # recompute their blocks keep only their inputs): the stage's is the largest, less that
-            later.append((self.bwd_transient[i] * frac / t, self.in_bytes[i] * frac if self.is_block[i] else saved))
+            kept_rc = self.in_bytes[i] * frac if self.is_block[i] else saved
+            later.append((self.bwd_transient[i] * frac / t, saved, kept_rc))
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
-        freed = 0.0
-        for tr, kept in reversed(later):
-            transient, freed = max(transient, tr - freed), freed + kept
+        freed = freed_rc = transient_rc = 0.0
+        for tr, saved_i, kept_rc in reversed(later):
+            transient, freed = max(transient, tr - freed), freed + saved_i
+            transient_rc, freed_rc = max(transient_rc, tr - freed_rc), freed_rc + kept_rc
         # host/framework time: the floor under the kernels, or added to them on a CPU (cost_models/overhead.py)
         host = stage_host_seconds(self, a, e, dtype, tuple(measured), tuple(stepped))
         f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound) + mf
@@ -495,7 +500,7 @@ class CostModel(CommPricing):
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
-                         bwd_transient=transient, bwd_workspace=workspace,
+                         bwd_transient=transient, bwd_transient_recompute=transient_rc, bwd_workspace=workspace,
                          device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
                          block_parts=tuple(parts), measured_step=ms, measured_step_params=msp,

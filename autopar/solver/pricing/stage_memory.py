@@ -38,7 +38,9 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              save in 4 bytes (cost_models/memory.py)
     work     + `StageBase.bwd_transient`: the two fp32 gradient buffers the backward of the stage's largest
              such op holds next to its saved tensor (the loss's d/d log-probs and d/d logits: 8 bytes per
-             logit), live once, while one micro-batch goes through it; under per-layer ZeRO-2/3 it
+             logit), or any op's output gradient, less what the stage's later layers saved (their backwards
+             freed it first; `bwd_transient_recompute` when blocks are recomputed, which keep only their
+             inputs), live once, while one micro-batch goes through it; under per-layer ZeRO-2/3 it
              comes before the first gradient, so only what exceeds the in-flight gradient buffer counts
              or, when larger, `StageBase.bwd_workspace`: the largest buffer one op's backward allocates
              beside autograd's tensors on the stage's device kind, per device whatever the micro-batch (a CPU
@@ -47,6 +49,10 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              nor does, at cp > 1, an attention call's context-parallel transient (`StageBase.cp_work`: the K/V
              blocks in flight, with the dK/dV accumulators in backward, or Ulysses' all-to-all buffers), the larger
              of the three counting (context.py)
+
+A pipeline stage's messages (runtime/program.py): `act` + its output (`StageBase.out_bytes`, kept per micro-batch for
+its backward), `work` + the received output gradient and one batch of send buffers (the larger of its output and
+its input, `StageBase.in_bytes`; a last stage only the latter).
 
 At cp > 1 (solver/pricing/context.py) t is the tensor-parallel degree (the group naming the stage holds cp x t
 devices) and D the dp x cp holders of the stage's parameters; act is per cp rank (T / cp tokens).
@@ -198,7 +204,8 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         # oneDNN's layout) comes later, with those gradients, and never with the loss's transient: one op at a
         # time; so does a context-parallel attention's transient (K/V blocks in flight, all-to-all buffers:
         # `StageBase.cp_work`)
-        work += max(max(0.0, base.bwd_transient - in_flight_grads), base.bwd_workspace, base.cp_work)
+        transient = base.bwd_transient_recompute if k else base.bwd_transient
+        work += max(max(0.0, transient - in_flight_grads), base.bwd_workspace, base.cp_work)
         # a pipeline stage's messages (runtime/program.py): each micro-batch's output stays for its backward
         # (autograd saves none of it); during a backward the received output gradient, and one batch of send
         # buffers (the previous batch's sends finish before the next goes out), are live
