@@ -76,6 +76,7 @@ def test_stage_picks_what_the_full_option_check_picks() -> None:
         want = _reference(Splitter(cm), slot, a, e, m, n)
         got = Splitter(cm).stage(slot, a, e, m, n)
         assert (None if got is None else (got.option, got.times, got.memory)) == want, budget
+        assert got is None or got.out_bytes == cm.base(a, e, slot.dtype, n, slot.tp_group).out_bytes
         seen.add(None if want is None else want[0])
     assert len(seen) > 2, "the budgets tried do not reach several options"
 

@@ -59,12 +59,16 @@ class _Priced:
     """One range's options at one micro-batch size and slot kind: their times, and their memory priced on
     demand (`memory`) or all at once (`memories`), as `CostModel.options_memory` prices it."""
 
-    __slots__ = ("D", "base", "layerwise", "mems", "opts", "t", "times")
+    __slots__ = ("D", "base", "layerwise", "mems", "opts", "out_bytes", "t", "times", "work")
 
     def __init__(self, base: StageBase, opts: list[Option], times: list[StageTimes], t: int, D: int,
                  layerwise: bool) -> None:
         self.base, self.opts, self.times, self.t, self.D, self.layerwise = base, opts, times, t, D, layerwise
         self.mems: list[StageMemory | None] = [None] * len(opts)
+        self.work = [(tm.fwd + tm.bwd, tm.sync) for tm in times]  # what `ranked` scores them by, per micro-batch
+        # `Choice.out_bytes` by the device kinds of the slot's tensor-parallel group (what `CostModel.base` keys on
+        # beyond this entry's key)
+        self.out_bytes: dict[tuple[str, ...], float] = {}
 
     def memory(self, cm: CostModel, i: int) -> StageMemory:
         mem = self.mems[i]
@@ -130,7 +134,10 @@ class Splitter:
             if rank.fits(mem, slot):
                 if rank.need(mem, slot.inflight) + (rank.host_need(mem, slot.inflight) if slot.unified else 0.0) \
                         <= slot.budget * (1 - CLEAR):
-                    out = self.cm.base(a, e, slot.dtype, n, slot.tp_group).out_bytes
+                    kinds = self.cm.device_kinds(slot.tp_group)
+                    out = priced.out_bytes.get(kinds)
+                    if out is None:
+                        out = priced.out_bytes[kinds] = self.cm.base(a, e, slot.dtype, n, slot.tp_group).out_bytes
                     choice = self._choices[key] = Choice(opt, tm, mem, out)
                     return choice
                 break
@@ -195,10 +202,11 @@ class Splitter:
             priced = self._options.get(key)
             if priced is None:  # times and memory per micro-batch: the same at every micro-batch count
                 priced = self._options[key] = self._priced_options(slot, a, e, n)
-            timed = [(m * (tm.fwd + tm.bwd) + tm.sync, opt, tm, i)
-                     for i, (opt, tm) in enumerate(zip(priced.opts, priced.times, strict=True))]
+            scores = [m * w + sync for w, sync in priced.work]
             # stable sort, rounded: ties (up to float noise) keep the canonical, simplest-first order
-            timed.sort(key=lambda x: round(x[0], 12))
+            order = sorted(range(len(scores)), key=lambda i: round(scores[i], 12))
+            opts, times = priced.opts, priced.times
+            timed = [(scores[i], opts[i], times[i], i) for i in order]
             hit = self._timed[key + (m,)] = (priced, timed)
         return hit
 
