@@ -352,31 +352,8 @@ def communicator_sets(pipelines: list[list[Group]], groups: list[Group] | tuple[
     world's communicator, where NCCL still connects each peer with buffers of its own (cost_models/memory.py).
     `pipelines`: per pipeline, the rank group of each stage in order, interleaved chunks included; peers as
     `PipelineLayout.peers` picks them (the same tensor-parallel index, modulo the other stage's degree)."""
-    ranks = {r for stages in pipelines for st in stages for r in st}
-    if world <= 1:
-        return dict.fromkeys(ranks, ())
-    everyone = tuple(range(world))
-    out: dict[int, set[Group]] = {r: {everyone} for r in ranks}
-    for g in groups:  # one pass over the groups and the neighbours for every rank (1024-device configs)
-        if 1 < len(g) < world:
-            key = tuple(sorted(g))
-            for r in g:
-                out.setdefault(r, {everyone}).add(key)
-    for stages in pipelines:
-        for s, members in enumerate(stages):
-            for nb in (s - 1, s + 1):
-                if not 0 <= nb < len(stages):
-                    continue
-                other = stages[nb]
-                n_other, n_members = len(other), len(members)
-                for tp_index, rank in enumerate(members):
-                    held = out[rank]
-                    # received from other[tp_index % n_other]; sent to the ranks of other at indices = tp_index
-                    # modulo n_members
-                    for q in (other[tp_index % n_other], *other[tp_index::n_members]):
-                        if q != rank:
-                            held.add((rank, q) if rank < q else (q, rank))
-    return {r: tuple(sorted(v)) for r, v in out.items() if r in ranks}
+    held = _communicators(pipelines, groups, world, lambda g: g)
+    return {r: tuple(sorted(v)) for r, v in held.items()}
 
 
 def communicator_counts(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int
@@ -385,14 +362,18 @@ def communicator_counts(pipelines: list[list[Group]], groups: list[Group] | tupl
     once (a rank set of more than two ranks by a number, so a rank's set holds no long tuples to hash), and
     two-rank sets by themselves, so a two-rank group and a peer pair over the same ranks stay one communicator
     as they are there. The planner's search counts every config this way (search.py `config_communicators`)."""
+    names: dict[Group, object] = {}
+    held = _communicators(pipelines, groups, world, lambda g: g if len(g) <= 2 else names.setdefault(g, len(names)))
+    return {r: len(v) for r, v in held.items()}
+
+
+def _communicators(pipelines: list[list[Group]], groups: list[Group] | tuple[Group, ...], world: int,
+                   name: Callable[[Group], Any]) -> dict[int, set]:
+    """Per rank of `pipelines`, the `name`s of its communicators' rank sets (`communicator_sets`); one pass over
+    the groups and the neighbours for every rank (1024-device configs)."""
     ranks = {r for stages in pipelines for st in stages for r in st}
     if world <= 1:
-        return dict.fromkeys(ranks, 0)
-    names: dict[Group, object] = {}
-
-    def name(g: Group) -> object:
-        return g if len(g) <= 2 else names.setdefault(g, len(names))
-
+        return {r: set() for r in ranks}
     everyone = name(tuple(range(world)))
     out: dict[int, set] = {r: {everyone} for r in ranks}
     for g in groups:
@@ -409,10 +390,12 @@ def communicator_counts(pipelines: list[list[Group]], groups: list[Group] | tupl
                 n_other, n_members = len(other), len(members)
                 for tp_index, rank in enumerate(members):
                     held = out[rank]
+                    # received from other[tp_index % n_other]; sent to the ranks of other at indices = tp_index
+                    # modulo n_members
                     for q in (other[tp_index % n_other], *other[tp_index::n_members]):
                         if q != rank:
                             held.add((rank, q) if rank < q else (q, rank))
-    return {r: len(v) for r, v in out.items() if r in ranks}
+    return {r: v for r, v in out.items() if r in ranks}
 
 
 def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Group, ...]]:
