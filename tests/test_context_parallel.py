@@ -244,6 +244,33 @@ def _compile_error_2bw(rank: int, world: int) -> str:
     return _compile_error(rank, world, sync="2bw")
 
 
+def _compile_error_meta_target(rank: int, world: int, weights: str) -> str:
+    import autopar
+    from autopar import Strategy, models
+
+    case = models.gpt(layers=1, batch=2, seq=16)
+    meta = models.gpt(layers=1, batch=2, seq=16, device="meta")
+    try:
+        autopar.compile(meta.model, f"1x{world}xcpu", case.example_inputs, case.example_target.to("meta"),
+                        case.loss_fn, plan=Strategy(cp=2), weights=weights, timeout_s=60)
+    except PlanError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cp_refuses_a_meta_example_target(tmp_path: Path) -> None:
+    """cp checks on the example target that the loss is a mean over tokens: a meta-built model's user who passes a
+    meta target too is told to pass one with values, on every rank, before any collective."""
+    from safetensors.torch import save_model
+
+    from autopar import models
+
+    weights = str(tmp_path / "gpt.safetensors")
+    save_model(models.gpt(layers=1, batch=2, seq=16).model, weights)
+    msgs = spawn_local(_compile_error_meta_target, 2, weights, timeout_s=120)
+    assert all("cp=2" in m and "meta device" in m and "example_target with values" in m for m in msgs), msgs
+
+
 def _default_path(rank: int, world: int, kwargs: dict, cluster: dict, name: str = "gpt",
                   weights: str | None = None) -> tuple:
     """`autopar.compile` with no plan; with `weights`, of the model built on the meta device, its values read from
