@@ -631,33 +631,34 @@ class CostModel(CommPricing):
         as `stage_times` is. `tp`: the devices of the group naming the stage (at cp > 1, cp tensor-parallel groups:
         the tensor-parallel degree is tp / cp); `dp`: its parameters' replicas (at cp > 1, dp x cp)."""
         tp = max(1, tp // self.context.degree)
-        key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
-        hit = self._memo.get(key)
-        if hit is None or hit[0] is not base:  # type: ignore[index]
-            hit = self._memo[key] = (base, stage_memory(self, base, opt, tp, dp, layerwise))
-        return hit[1]  # type: ignore[index]
+        key, mem = self._memory_entry(base, opt, tp, dp, layerwise)
+        if mem is None:
+            mem = stage_memory(self, base, opt, tp, dp, layerwise)
+            self._memo[key] = (base, mem)
+        return mem
 
     def options_memory(self, base: StageBase, opts: list[Option], tp: int, dp: int, layerwise: bool = True
                        ) -> list[StageMemory]:
         """`stage_memory` of one stage under each of `opts`, what does not depend on the option computed once;
         the entries join `stage_memory`'s memo."""
         tp = max(1, tp // self.context.degree)
-        out = []
-        missing = []
-        for opt in opts:
-            key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
-            hit = self._memo.get(key)
-            if hit is None or hit[0] is not base:  # type: ignore[index]
-                missing.append((len(out), key, opt))
-                out.append(None)
-            else:
-                out.append(hit[1])  # type: ignore[index]
+        entries = [self._memory_entry(base, opt, tp, dp, layerwise) for opt in opts]
+        out = [mem for _, mem in entries]
+        missing = [i for i, mem in enumerate(out) if mem is None]
         if missing:
-            mems = stage_memories(self, base, [opt for _, _, opt in missing], tp, dp, layerwise)
-            for (i, key, _), mem in zip(missing, mems, strict=True):
-                self._memo[key] = (base, mem)
+            mems = stage_memories(self, base, [opts[i] for i in missing], tp, dp, layerwise)
+            for i, mem in zip(missing, mems, strict=True):
+                self._memo[entries[i][0]] = (base, mem)
                 out[i] = mem
         return out  # type: ignore[return-value]
+
+    def _memory_entry(self, base: StageBase, opt: Option, tp: int, dp: int, layerwise: bool
+                      ) -> tuple[tuple, StageMemory | None]:
+        """`stage_memory`'s memo key (`tp` per tensor-parallel group already) and its entry, None when absent or
+        left by another `base` under a reused id."""
+        key = ("sm", id(base), opt.zero, recomputed_blocks(base, opt.recompute), opt.offload, tp, dp, layerwise)
+        hit = self._memo.get(key)
+        return key, (hit[1] if hit is not None and hit[0] is base else None)  # type: ignore[index]
 
 
 __all__ = ["HOST_UPDATE_BANDWIDTH", "CostModel", "Option", "StageBase", "StageTimes", "inflight_closed_form"]

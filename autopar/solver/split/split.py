@@ -21,7 +21,7 @@ import operator
 from ...ir.plan import even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
 from ..pricing.pricing import CostModel, Option, StageBase, StageMemory, StageTimes, lower_bound, tied_sync
-from ..pricing.stage_memory import recomputed, stage_memories
+from ..pricing.stage_memory import recomputed
 from ..pricing.wgrad import wgrad_share, zero_bubble_backward
 from .monotone import largest_true
 from .stage_model import StageModel
@@ -72,9 +72,8 @@ class _Priced:
 
     def memory(self, cm: CostModel, i: int) -> StageMemory:
         mem = self.mems[i]
-        if mem is None:  # (`stage_memories` is what `options_memory` prices, without its memo's keys)
-            mem = self.mems[i] = stage_memories(cm, self.base, [self.opts[i]], max(1, self.t // cm.context.degree),
-                                                self.D, self.layerwise)[0]
+        if mem is None:
+            mem = self.mems[i] = cm.stage_memory(self.base, self.opts[i], self.t, self.D, self.layerwise)
         return mem
 
     def memories(self, cm: CostModel) -> list[StageMemory]:
