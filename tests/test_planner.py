@@ -134,11 +134,6 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 shared = sum(numel[p] for p, ls in tied.items() if any(a <= x < e for x in ls)) / t
                 big = max(owned[a:e]) / t
                 saved = {x: (graph.layers[x].saved_bytes + fp32_kept[x]) * frac / t for x in range(a, e)}
-                # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients.
-                # A layer's transient comes after the later layers' backwards freed what they saved (recomputed
-                # blocks keep only their inputs)
-                kept = {x: (graph.layers[x - 1].boundary_bytes if x else inputs) * frac
-                        if graph.layers[x].kind == "block" else None for x in range(a, e)}
                 # a pipeline stage's messages: its output kept per micro-batch for the backward; during a backward
                 # the received gradient and one batch of send buffers
                 out = graph.layers[e - 1].boundary_bytes * frac
@@ -168,21 +163,23 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 if "optimizer" not in off:
                     static += n * o / (D if z >= 1 else 1)
                 static += 2 * big * w * (zm == 3) + big * g * (zm >= 2)
-                transient = 0.0
-                freed = 0.0
-                rebuilt = bool(st.recompute) and any(graph.layers[x].kind == "block" for x in range(a, e))
+                layers = graph.layers[a:e]
+                recomputed = st.recompute and any(x.kind == "block" for x in layers)
+                # what each layer keeps for its backward: a recomputed block only its input
+                kept = {x.index: (graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
+                        if recomputed and x.kind == "block" else saved[x.index] for x in layers}
+                # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients.
+                # A layer's transient comes after the later layers' backwards freed what they kept
+                transient = freed = 0.0
                 for x in reversed(range(a, e)):
                     transient = max(transient, fp32_grads[x] * frac / t - freed)
-                    freed += kept[x] if rebuilt and kept[x] is not None else saved[x]
+                    freed += kept[x]
                 transient = max(0.0, transient - big * g * (zm >= 2))
-                layers = graph.layers[a:e]
                 n_all = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls))
                 n_cast = sum(num for num, ls in cast.values() if any(a <= x < e for x in ls))
                 share = min(1.0, n_cast / n_all) if n_all else 0.0
-                recomputed = st.recompute and any(x.kind == "block" for x in layers)
                 if recomputed:
-                    act = sum((graph.layers[x.index - 1].boundary_bytes if x.index else inputs) * frac
-                              if x.kind == "block" else saved[x.index] for x in layers)
+                    act = sum(kept.values())
                     works.append(max(saved[x.index] for x in layers if x.kind == "block")
                                  + sb.cast_copy * big * share + transient + transfer)
                     act += sb.cast_copy * max(0.0, n * share - sum(cast_owned[x.index] for x in layers
@@ -660,3 +657,28 @@ def test_interleaved_peak_sums_the_chunks_in_flight() -> None:
         assert 200.0 + inflight[r] * small.act < got <= rank_peak(mems, inflight[r])
         below.append(got < rank_peak(mems, inflight[r]))
     assert any(below)
+
+
+def test_a_layers_backward_transient_counts_less_what_later_layers_keep() -> None:
+    """A layer's backward transient comes after the stage's later layers freed what they keep: all their saved
+    activations without recompute, only a recomputed block's input with it; the recomputing option prices the
+    latter (a transient planted in the first block, larger than every other)."""
+    from autopar.api import cost_model
+    from autopar.solver.pricing.model import Option
+    from autopar.solver.pricing.stage_memory import recomputed
+
+    case = gpt(layers=2, batch=4, seq=32, hidden=64, seed=0)
+    cm = cost_model(case.model, "1x1xcpu", case.example_inputs, case.example_target, case.loss_fn)
+    first = next(i for i, layer in enumerate(cm.graph.layers) if layer.kind == "block")
+    big = 1e9
+    cm.bwd_transient = [big if i == first else 0.0 for i in range(len(cm.graph.layers))]
+    L, B = len(cm.graph.layers), cm.B
+    base = cm.base(0, L, cm.cluster.devices[0].spec.name, B, (0,))
+    later = range(first + 1, L)
+    assert base.bwd_transient == pytest.approx(big - sum(cm.saved[i] for i in later))
+    assert base.bwd_transient_recompute == pytest.approx(
+        big - sum(cm.in_bytes[i] if cm.is_block[i] else cm.saved[i] for i in later))
+    plain, rebuilt = (cm.stage_memory(base, Option(recompute=r), 1, 1) for r in (False, True))
+    rebuild_work = recomputed(base, True)[2]  # one recomputed block's activations, live while it is rebuilt
+    assert base.bwd_transient_recompute > base.bwd_transient
+    assert rebuilt.work - plain.work == pytest.approx(rebuild_work + base.bwd_transient_recompute - base.bwd_transient)
