@@ -154,6 +154,10 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                         shares.setdefault(x, megatron_share(graph, x, t))
                     n += sum(owned[x] * (q - 1 / t) for x, q in shares.items())
                     big = max(owned[x] * shares.get(x, 1 / t) for x in range(a, e))
+                # what only layers past the stage save stays with them (the next stage keeps its received copy)
+                for x in range(a, e):
+                    later = sum(nb for first, nb in graph.layers[x].saved_later if first >= e)
+                    saved[x] = max(0.0, saved[x] - later * frac / t)
                 if streamed:
                     static += shared * (w + g) + big * (w + g)
                 else:
@@ -178,14 +182,16 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 n_all = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls))
                 n_cast = sum(num for num, ls in cast.values() if any(a <= x < e for x in ls))
                 share = min(1.0, n_cast / n_all) if n_all else 0.0
+                # a later stage keeps each micro-batch's received input: a recomputed first block's kept input
+                received = 0.0 if recomputed and layers[0].kind == "block" else inn
                 if recomputed:
-                    act = sum(kept.values())
+                    act = sum(kept.values()) + received
                     works.append(max(saved[x.index] for x in layers if x.kind == "block")
                                  + sb.cast_copy * big * share + transient + transfer)
                     act += sb.cast_copy * max(0.0, n * share - sum(cast_owned[x.index] for x in layers
                                                                    if x.kind == "block") / t)
                 else:
-                    act = sum(saved.values()) + sb.cast_copy * n * share
+                    act = sum(saved.values()) + received + sb.cast_copy * n * share
                     works.append(transient + transfer)
                 act += out
                 acts.append(act * (1 if "activations" in off else inflight[r]))

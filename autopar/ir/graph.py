@@ -106,6 +106,9 @@ class Layer:
     param_bytes: int = 0
     saved_bytes: int = 0  # activation bytes this layer keeps for backward, per global batch
     boundary_bytes: int = 0  # bytes of activations flowing out of this layer into later layers
+    # of `saved_bytes`, the tensors only later layers save: (the first layer saving it, bytes) each. A pipeline
+    # stage ending before that layer does not keep them; the next stage keeps its received copy
+    saved_later: tuple[tuple[int, int], ...] = ()
     time_fwd: dict[str, float] = field(default_factory=dict)
     time_bwd: dict[str, float] = field(default_factory=dict)
 

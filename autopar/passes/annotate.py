@@ -400,11 +400,13 @@ def _layer_totals(
     for name in graph.inputs:
         root_layer[name] = 0
     saved_roots: dict[int, set[str]] = {}
+    first_saver: dict[str, int] = {}
     for n in nodes.values():
         for r in n.saved:
             if r in graph.params:
                 continue
             saved_roots.setdefault(root_layer.get(r, n.layer), set()).add(r)
+            first_saver[r] = min(first_saver.get(r, n.layer), n.layer)
     boundary: dict[int, set[str]] = {}
     for n in nodes.values():
         for a in n.args:
@@ -426,6 +428,8 @@ def _layer_totals(
                 flops_bwd=sum(n.flops_bwd for n in members),
                 param_bytes=sum(graph.params[p].meta.nbytes for p in layer.params if graph.params[p].counts),
                 saved_bytes=saved,
+                saved_later=tuple(sorted((first_saver[r], floating(r)) for r in saved_roots.get(layer.index, ())
+                                         if first_saver[r] > layer.index)),
                 boundary_bytes=sum(floating(r) for r in boundary.get(layer.index, ())),
                 time_fwd={t: sum(n.time_fwd.get(t, 0.0) for n in members) for t in _types(members)},
                 time_bwd={t: sum(n.time_bwd.get(t, 0.0) for n in members) for t in _types(members)},

@@ -279,9 +279,10 @@ def batch_p2p(ops: list[tuple[bool, torch.Tensor, int]], comms: list[torch.devic
         for j, k in enumerate(idx):
             mine = [works[j]] if one_each else list(works)
             per_op[k] = [StagedWork(mine, [backs[j]])] if backs[j] is not None else mine
-        # a gloo receive's work is waited once, by its receiver (a second wait blocks)
-        sent += [(w, ops[idx[j]][2] if one_each else everyone, wires) for j, w in enumerate(works)
-                 if not one_each or ops[idx[j]][0]]
+        # a gloo receive's work is waited once, by its receiver (a second wait blocks); a gloo send keeps its
+        # own buffer only (the receive buffers go once unpacked), a coalesced NCCL batch every buffer of it
+        sent += [(w, ops[idx[j]][2] if one_each else everyone, [wires[j]] if one_each else wires)
+                 for j, w in enumerate(works) if not one_each or ops[idx[j]][0]]
     return per_op, sent
 
 

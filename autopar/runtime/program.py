@@ -86,6 +86,13 @@ class PendingRecv:
         return out
 
 
+def finish_sends(sends: list[tuple[Any, Any, list[torch.Tensor]]], what: str, timeout_s: float) -> None:
+    """Wait for a batch's sends (`Program._post`'s second result). A function, not a loop in the executor: a
+    loop's variables would keep the last message's buffer alive until the next batch."""
+    for work, peer, _buffers in sends:
+        wait(work, what, peer, timeout_s)
+
+
 def batch_slice(x: Any, batch: int, start: int, size: int) -> Any:
     """Samples [start, start + size) of an input whose first dimension is the global batch; any other value as is."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
@@ -576,8 +583,8 @@ class Program:
                 # the previous batch's sends finish before the next batch goes out, as in torch's pipelining
                 # schedules (and on NCCL, where the stream orders them anyway): a stage holds one batch's send
                 # buffers, not every message of the step
-                for work, peer, _keep in sends:
-                    wait(work, "send" + what, peer, self.timeout_s)
+                finish_sends(sends, "send" + what, self.timeout_s)
+                sends = []  # the waited buffers go before the next batch packs its own
                 posted, sends = self._post(step, outgoing, incoming)
                 for a, recv in posted.items():
                     (recv_in if a.kind == "RECV_F" else grads_out)[(a.stage, a.microbatch)] = recv
@@ -645,6 +652,8 @@ class Program:
                                                       [self.params[p] for p in st.params if p in self.params])
                     else:
                         torch.autograd.backward(outs, out_grads)
+                    # the micro-batch's output and its received gradient go now, not when the next B rebinds these
+                    del outs, out_grads
                 if self.layers is not None:
                     self.layers.end(action)
             elif kind == "W":  # zero-bubble W: the weight gradients its B left
@@ -652,8 +661,7 @@ class Program:
                     self.grad_sync.final = i == last_b
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(s):
                     backward_weight(pending.pop(key))
-        for work, peer, _keep in sends:
-            wait(work, "send" + what, peer, self.timeout_s)
+        finish_sends(sends, "send" + what, self.timeout_s)
         return loss_sum if train else evaluated
 
     def _post(self, step: tuple[Any, ...], outgoing: Callable[[Any], tuple[list[torch.Tensor], str | None]],

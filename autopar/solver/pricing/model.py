@@ -292,6 +292,7 @@ class CostModel(CommPricing):
                               for kind in sorted({spec.kind for spec in self.specs.values()})}
         self.saved = [float(layer.saved_bytes) + x for layer, x in zip(g.layers, fp32_saved, strict=True)]
         self.boundary = [float(layer.boundary_bytes) for layer in g.layers]
+        self.saved_later = [layer.saved_later for layer in g.layers]
         self.in_bytes = [float(inputs)] + self.boundary[:-1]
         classes: dict[tuple, int] = {}
         self.cls: list[int] = []
@@ -465,6 +466,11 @@ class CostModel(CommPricing):
                 c = c._replace(fwd=0.0, bwd=0.0)
             f, b, fc, bc = f + c.fwd, b + c.bwd, fc + c.fwd_comm, bc + c.bwd_comm
             saved = c.act if c.act >= 0 else self.saved[i] * frac / t
+            # what only layers past the stage save (its output, mostly) stays with them: the next stage keeps its
+            # received copy (`recv` below), not this one
+            cross = sum(b for first, b in self.saved_later[i] if first >= e)
+            if cross:
+                saved = max(0.0, saved - cross * frac / t)
             act += saved
             extra += self.own_params[i] * (c.param_frac - 1 / t)
             tp_max = max(tp_max, self.own_params[i] * c.param_frac)
@@ -476,7 +482,9 @@ class CostModel(CommPricing):
                 h = stage_host_seconds(self, i, i + 1, dtype)
                 again = (m.recompute_s if m is not None else
                          floored(c.fwd, h.recompute, h.launch_recompute, h.charged_recompute, h.bound))
-                parts.append((again + c.fwd_comm, saved, self.in_bytes[i] * frac, float(self.cast_own[i])))
+                # a recomputed first block keeps the stage's received input, already counted (`recv`)
+                parts.append((again + c.fwd_comm, saved, self.in_bytes[i] * frac if i > a or a == 0 else 0.0,
+                              float(self.cast_own[i])))
             else:
                 act_rc += saved
             # a layer's backward transient comes after the later layers' backwards freed what they saved (under
@@ -484,6 +492,11 @@ class CostModel(CommPricing):
             kept_rc = self.in_bytes[i] * frac if self.is_block[i] else saved
             later.append((self.bwd_transient[i] * frac / t, saved, kept_rc))
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
+        # a stage after the first keeps each in-flight micro-batch's received input (runtime/program.py: its
+        # gradient is sent back from it), saved by its layers or not; a recomputed first block's kept input is it
+        recv = self.in_bytes[a] * frac if a > 0 else 0.0
+        act += recv
+        act_rc += 0.0 if self.is_block[a] else recv
         freed = freed_rc = transient_rc = 0.0
         for tr, saved_i, kept_rc in reversed(later):
             transient, freed = max(transient, tr - freed), freed + saved_i
@@ -505,7 +518,7 @@ class CostModel(CommPricing):
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
                          block_parts=tuple(parts), measured_step=ms, measured_step_params=msp,
                          cp_calls=cp_calls, cp_bytes=(cp_f, cp_b), cp_exposed=(cp_xf, cp_xb), cp_work=cp_work,
-                         in_bytes=self.in_bytes[a] * frac if a > 0 else 0.0)
+                         in_bytes=recv)
         return experts.adjust_base(self, a, e, dtype, n / cp if cp > 1 else n, t, base)
 
     def layer_pricer(self, dtype: str, tp_group: tuple[int, ...]) -> LayerPricer | None:
