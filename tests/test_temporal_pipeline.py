@@ -18,8 +18,15 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.graphs.models import GRAPH_CASES
-from autopar.graphs.temporal_pipeline import (StalenessWarning, price_pipeline, temporal_options,
-                                              train_stale_reference)
+from autopar.graphs.temporal_pipeline import (
+    StalenessWarning,
+    distinct,
+    memory_slices,
+    pipeline_memory_bytes,
+    price_pipeline,
+    temporal_options,
+    train_stale_reference,
+)
 from autopar.graphs.tgn import event_batch, tgn_case, train_tgn_reference
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import measure_peak, tensor_bytes
@@ -62,29 +69,30 @@ def test_replay_at_staleness_0_is_exact_tgn_and_staleness_changes_it() -> None:
     assert (stale_state["memory"] - ref_state["memory"]).abs().max() > 1e-4
 
 
-def run_pipeline(rank: int, world: int, cases: list[tuple[int, int, list[int], list[float]]]) -> list[dict]:
+def run_pipeline(rank: int, world: int, cases: list[tuple[int, int, list[int], list[float], int]]) -> list[dict]:
     """Worker: each case (staleness, memory ranks, trainer shares, memory slice weights) planned on every rank
     (its StalenessWarning recorded), compiled from the given plan, STEPS steps, flush, the state; the allocator
     peak of compile + steps + flush on top of what the model held before."""
     cluster = f"1x{world}xcpu"
     out = []
-    for staleness, n_mem, shares, weights in cases:
-        case, events = tgn_case(batch_size=B)
+    for staleness, n_mem, shares, weights, nodes in cases:
+        case, events = tgn_case(num_nodes=nodes, batch_size=B)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan = autopar.plan(case.model, cluster, case.example_inputs, precision="fp32",
                                 graph_options={**PIPE, "staleness": staleness, "memory_ranks": n_mem})
         plan.graph["shares"], plan.graph["memory_slices"] = shares, weights
+        role = "memory" if rank in plan.graph["memory_ranks"] else "trainer"
+        params = sum(p.numel() for p in case.model.parameters())
+        # the given shares' price (the planner's own function; the plan priced its own shares)
+        mem = plan.graph["memory_ranks"]
+        touched = round(distinct(2 * B, nodes))
+        slices = dict(zip(mem, memory_slices(touched, weights), strict=True))
+        plan.predicted["peak_memory_bytes"][rank] = pipeline_memory_bytes(
+            case.model, B, shares[rank], staleness, role, params, slices.get(rank), rank == plan.graph["trainers"][0])
         resident = tensor_bytes(list(case.model.parameters()) + list(case.model.buffers()))
 
-        def train() -> tuple[Any, list[float]]:
-            prog = autopar.compile(case.model, cluster, case.example_inputs, optimizer=optimizer,
-                                   plan=plan.to_json(), timeout_s=60)
-            losses = [prog.step(*event_batch(events, B, k)) for k in range(STEPS)]
-            prog.flush()
-            return prog, losses
-
-        (prog, losses), peak, _ = measure_peak(train)
+        (prog, losses), peak, _ = measure_peak(lambda c=case, p=plan, e=events: train(c, cluster, p, e))
         out.append({"losses": losses, "state": prog.state_dict()["model"], "graph": plan.graph,
                     "warnings": [str(w.message) for w in caught if issubclass(w.category, StalenessWarning)],
                     "gru_rows": prog.gru_rows, "role": prog.role, "measured": resident + peak,
@@ -92,9 +100,18 @@ def run_pipeline(rank: int, world: int, cases: list[tuple[int, int, list[int], l
     return out
 
 
-# (staleness, memory ranks, events per trainer (0 on memory ranks), memory slice weights)
-CASES_3 = [(0, 1, [25, 15, 0], [1.0]), (1, 1, [25, 15, 0], [1.0]), (2, 1, [25, 15, 0], [1.0])]
-CASES_4 = [(0, 2, [22, 18, 0, 0], [1.0, 2.0]), (2, 2, [22, 18, 0, 0], [1.0, 2.0])]
+def train(case: Any, cluster: str, plan: Any, events: dict) -> tuple[Any, list[float]]:
+    prog = autopar.compile(case.model, cluster, case.example_inputs, optimizer=optimizer, plan=plan.to_json(),
+                           timeout_s=60)
+    losses = [prog.step(*event_batch(events, B, k)) for k in range(STEPS)]
+    prog.flush()
+    return prog, losses
+
+
+# (staleness, memory ranks, events per trainer (0 on memory ranks), memory slice weights, nodes)
+CASES_3 = [(0, 1, [25, 15, 0], [1.0], 100), (1, 1, [25, 15, 0], [1.0], 100), (2, 1, [25, 15, 0], [1.0], 100),
+           (2, 1, [30, 10, 0], [1.0], 3000)]
+CASES_4 = [(0, 2, [22, 18, 0, 0], [1.0, 2.0], 100), (2, 2, [22, 18, 0, 0], [1.0, 2.0], 100)]
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +124,9 @@ def results_4() -> list:
     return spawn_local(run_pipeline, 4, CASES_4, timeout_s=240)
 
 
-def check_case(results: list, c: int, staleness: int, shares: list[int]) -> None:
-    want_losses, want = replay(staleness)
-    exact_losses, exact_state = exact()
+def check_case(results: list, c: int, staleness: int, shares: list[int], nodes: int) -> None:
+    want_losses, want = replay(staleness, num_nodes=nodes)
+    exact_losses, exact_state = exact(num_nodes=nodes)
     per_rank = [r[c] for r in results]
     graph = per_rank[0]["graph"]
     assert graph["staleness"] == staleness
@@ -131,7 +148,7 @@ def check_case(results: list, c: int, staleness: int, shares: list[int]) -> None
                 assert res["losses"] == pytest.approx(exact_losses, rel=RTOL, abs=ATOL), what
     # the write-back's GRU rows are split between the memory ranks (by the slice weights) and cover every node
     # the messages touch; steps 0..s read no messages
-    model_case, events = tgn_case(batch_size=B)
+    model_case, events = tgn_case(num_nodes=nodes, batch_size=B)
     for i in range(STEPS):
         j = i - 1 - staleness
         touched = 0 if j < 0 else torch.unique(torch.cat([events["src"][j * B:(j + 1) * B],
@@ -147,15 +164,15 @@ def check_case(results: list, c: int, staleness: int, shares: list[int]) -> None
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("c", range(len(CASES_3)))
 def test_three_ranks_equal_the_replay(results_3: list, c: int) -> None:
-    staleness, _, shares, _ = CASES_3[c]
-    check_case(results_3, c, staleness, shares)
+    staleness, _, shares, _, nodes = CASES_3[c]
+    check_case(results_3, c, staleness, shares, nodes)
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("c", range(len(CASES_4)))
 def test_four_ranks_two_memory_ranks_equal_the_replay(results_4: list, c: int) -> None:
-    staleness, _, shares, _ = CASES_4[c]
-    check_case(results_4, c, staleness, shares)
+    staleness, _, shares, _, nodes = CASES_4[c]
+    check_case(results_4, c, staleness, shares, nodes)
 
 
 @pytest.mark.timeout(400)
@@ -166,6 +183,9 @@ def test_memory_per_rank_within_15_percent(results_3: list, results_4: list) -> 
                 ratio = res["measured"] / res["predicted"]
                 print(f"rank {rank} ({res['role']}, staleness {res['graph']['staleness']}): measured "
                       f"{res['measured']} B / predicted {res['predicted']} B = {ratio:.3f}")
+        for rank, per_case in enumerate(results):
+            for res in per_case:
+                ratio = res["measured"] / res["predicted"]
                 assert 0.85 <= ratio <= 1.15, (rank, res["role"], res["graph"]["staleness"], ratio)
 
 

@@ -99,27 +99,44 @@ def gru_parameters(model: TGN) -> list[nn.Parameter]:
     return [*model.gru.parameters(), *model.time_enc.parameters()]
 
 
-def pipeline_memory_bytes(model: TGN, batch: int, share: int, staleness: int, role: str, params: int) -> int:
+def distinct(k: float, n: int) -> float:
+    """Expected distinct nodes among k uniform draws from n (the priced count of rows a batch touches)."""
+    return n * (1.0 - math.exp(-k / max(n, 1)))
+
+
+def read_rows(model: TGN, batch: int, share: int) -> float:
+    """Expected GRU rows a trainer computes: the distinct nodes its events read (src, dst, negative) that the
+    pending batch touches."""
+    n = model.num_nodes
+    return distinct(3 * share, n) * distinct(2 * batch, n) / max(n, 1)
+
+
+def pipeline_memory_bytes(model: TGN, batch: int, share: int, staleness: int, role: str, params: int,
+                          slice_rows: float | None = None, first_trainer: bool = False) -> int:
     """Bytes a rank of the temporal pipeline holds at its peak (what temporal_program.py allocates): the
-    model and its node-memory table, the events and write-back rows of the s+1 steps in flight, a trainer's
-    gradients, AdamW state and step transients, a memory rank's GRU slice and received parameters."""
+    model and its node-memory table; the events of the s+2 steps from E_{i-1-s} to E_i and the write-back rows
+    of the s+1 steps in flight; the theta buffer (memory ranks, first trainer); a memory rank's GRU slice; a
+    trainer's gradients, AdamW moments and, whichever is larger, the optimizer step's temporaries or the
+    activations its loss keeps for the backward (per event: 3 embeddings' inputs and time encodings, 2 scores'
+    inputs and hidden rows; per GRU row: its inputs and gates)."""
     n, d = model.num_nodes, model.memory.shape[1]
     time_dim, emb = model.time_enc.out_features, model.embed.out_features
     msg = model.gru.input_size - 2 * d - time_dim
-    touched = 2 * batch  # at most: both ends of every event
+    touched = distinct(2 * batch, n)
     resident = 4 * params + 4 * n * (d + 1)  # parameters, memory table and last-update times
-    inflight = (staleness + 1) * (4 * batch * (3 + msg) + 4 * touched * d)  # queued events, write-back rows
-    index = 8 * n + touched * (8 + 4 + 8)  # pending_index: per-node latest key; nodes, times, rows
+    inflight = (staleness + 2) * 4 * batch * (3 + msg) + (staleness + 1) * touched * (4 * d + 8 + 4)
+    theta = 4 * sum(p.numel() for p in gru_parameters(model))
     gru_in = 2 * d + msg + time_dim
     if role == "memory":
-        gru = 4 * touched * (gru_in + 3 * d + 3 * d + d)  # raw rows, both gate products, the output
-        return int(resident + inflight + index + 4 * sum(p.numel() for p in gru_parameters(model)) + gru)
-    rows = min(3 * share, touched)
-    # saved for the backward: GRU rows (inputs, gates), 3 embeddings (inputs, outputs), scores' hidden layers
-    acts = 4 * rows * (gru_in + 6 * d + d) + 4 * share * (3 * (d + 2 * time_dim + emb) + 2 * (2 * emb + emb + 2))
-    optimizer = 4 * params * 3  # gradients, AdamW's two moments
-    reduce = 4 * params  # reduce_step's flat buffer
-    return int(resident + inflight + index + acts + optimizer + reduce)
+        rows = touched if slice_rows is None else slice_rows
+        return int(resident + inflight + theta + 4 * rows * (gru_in + 8 * d))
+    acts = (4 * read_rows(model, batch, share) * (gru_in + 7 * d + time_dim + 4)
+            + 4 * share * (3 * (d + 2 * time_dim) + 2 * 3 * emb + 13))
+    backward = 4 * params * 3 + acts  # AdamW's two moments, the gradients, the saved activations
+    # the gradient reduction: the moments, the gradients, the flat reduced buffer and the one parameter's gradient
+    # being copied out of it (the optimizer step's temporaries take no more)
+    step = 4 * params * 4 + 4 * max(p.numel() for p in model.parameters())
+    return int(resident + inflight + max(backward, step) + (theta if first_trainer else 0))
 
 
 def price_pipeline(model: TGN, cluster: Cluster, batch: int, precision: str, optimizer: object,
@@ -144,7 +161,7 @@ def price_pipeline(model: TGN, cluster: Cluster, batch: int, precision: str, opt
     cms = [ComputeModel(dev.spec, profiles.get(dev.spec.name), dtype=precision) for dev in cluster.devices]
 
     def train_time(r: int, n: int) -> float:
-        rows = min(3 * n, 2 * batch)
+        rows = read_rows(model, batch, n)
         flops = per_event * n + 3 * gru_row * rows
         return cms[r].op_time("matmul", flops, 4 * flops / 6, launches=16)
 
@@ -154,7 +171,7 @@ def price_pipeline(model: TGN, cluster: Cluster, batch: int, precision: str, opt
         marginal.append(max((two - one) / batch, 1e-15))
         fixed.append(one - marginal[-1] * batch)
     shares_t = balanced_shares(batch, fixed, marginal)
-    touched = 2 * batch
+    touched = round(distinct(2 * batch, model.num_nodes))
     slices = memory_slices(touched, [speed[m] for m in mem])
     mem_s = [cms[m].op_time("matmul", gru_row * k, 4 * gru_row * k / 6, launches=6) for m, k in zip(mem, slices,
                                                                                                   strict=True)]
@@ -175,8 +192,10 @@ def price_pipeline(model: TGN, cluster: Cluster, batch: int, precision: str, opt
     shares = [0] * world
     for r, n in zip(trainers, shares_t, strict=True):
         shares[r] = n
-    peak = [pipeline_memory_bytes(model, batch, shares[r], s, "memory" if r in mem else "trainer", params)
-            for r in range(world)]
+    rows_at = dict(zip(mem, memory_slices(round(distinct(2 * batch, model.num_nodes)), [speed[m] for m in mem]),
+                       strict=True))
+    peak = [pipeline_memory_bytes(model, batch, shares[r], s, "memory" if r in mem else "trainer", params,
+                                  rows_at.get(r), r == trainers[0]) for r in range(world)]
     compute = [0.0] * world
     for r, t in zip(trainers, train_s, strict=True):
         compute[r] = t
@@ -300,6 +319,6 @@ def _apply(model: TGN, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -
     model.last_update[nodes] = last
 
 
-__all__ = ["TEMPORAL_DEFAULTS", "TEMPORAL_MODES", "StalenessWarning", "gru_parameters", "memory_slices",
-           "pipeline_memory_bytes", "plan_temporal_pipeline", "price_pipeline", "temporal_options",
-           "train_stale_reference"]
+__all__ = ["TEMPORAL_DEFAULTS", "TEMPORAL_MODES", "StalenessWarning", "distinct", "gru_parameters",
+           "memory_slices", "pipeline_memory_bytes", "plan_temporal_pipeline", "price_pipeline", "read_rows",
+           "temporal_options", "train_stale_reference"]

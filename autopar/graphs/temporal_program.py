@@ -65,7 +65,11 @@ class TemporalPipelineProgram(WholeModelState):
         self.events: dict[int, torch.Tensor] = {}  # step -> its packed events, until their messages are applied
         self.inflight: dict[int, tuple] = {}  # step -> (nodes, times, rows per memory rank, works)
         self.applied = -1  # the table is W_applied
-        self._theta_work: tuple | None = None
+        self._theta_work: Any = None
+        # theta travels in one buffer, reused every step (sent by the first trainer, received by memory ranks)
+        self._flat = (torch.empty(sum(p.numel() for p in self.theta), dtype=self.theta[0].dtype,
+                                  device=self.theta[0].device)
+                      if rank in (self.trainers[0], *self.memory_ranks) else None)
         self.gru_rows: list[int] = []  # per step: node rows this rank ran the GRU on (what the split gave it)
 
     def what_runs(self) -> str:
@@ -95,12 +99,18 @@ class TemporalPipelineProgram(WholeModelState):
 
     def flush(self) -> None:
         """Apply every write-back in flight: the model's table becomes W_{last step} and its `pending` the next
-        batch to apply (what `temporal_pipeline.train_stale_reference` returns). Ends the pipeline: the next
-        step would read an older table than the one kept."""
+        batch to apply (what `temporal_pipeline.train_stale_reference` returns); the memory ranks take the
+        first trainer's parameters (they train none). Collective. Ends the pipeline: the next step would read
+        an older table than the one kept."""
+        self._check_open()
         if self._theta_work is not None:
-            wait(self._theta_work[0], "theta to the memory ranks", self.trainers[0], self.timeout_s, self.g_theta)
+            wait(self._theta_work, "theta to the memory ranks", self.trainers[0], self.timeout_s, self.g_theta)
             self._theta_work = None
         self._apply_through(self.step_count - 1)
+        if self.rank == self.trainers[0] or self.role == "memory":
+            for p in self.params:
+                wait(dist.broadcast(p.data, self.trainers[0], group=self.g_theta, async_op=True),
+                     "trained parameters to the memory ranks", self.trainers[0], self.timeout_s, self.g_theta)
         j = self.step_count - 1 - self.staleness
         with torch.no_grad():
             self.model.pending = (self.events[j] if j in self.events
@@ -159,8 +169,8 @@ class TemporalPipelineProgram(WholeModelState):
     def _memory_step(self, i: int, j: int, pending: torch.Tensor | None, index: tuple | None) -> float:
         self._apply_through(j)
         if i >= 1:  # theta_i, sent by the first trainer at the start of its step i
-            flat = torch.empty(sum(p.numel() for p in self.theta), dtype=self.theta[0].dtype,
-                               device=self.theta[0].device)
+            flat = self._flat
+            assert flat is not None
             work = dist.broadcast(flat, self.trainers[0], group=self.g_theta, async_op=True)
             wait(work, f"theta of step {i} from the first trainer", self.trainers[0], self.timeout_s, self.g_theta)
             with torch.no_grad():
@@ -193,11 +203,13 @@ class TemporalPipelineProgram(WholeModelState):
     def _trainer_step(self, i: int, j: int, pending: torch.Tensor | None, index: tuple | None, src: torch.Tensor,
                       dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor, eid: torch.Tensor) -> float:
         if self.rank == self.trainers[0] and i >= 1:
-            if self._theta_work is not None:
-                wait(self._theta_work[0], "theta to the memory ranks", self.trainers[0], self.timeout_s,
+            if self._theta_work is not None:  # the buffer is free again once the last send completed
+                wait(self._theta_work, "theta to the memory ranks", self.trainers[0], self.timeout_s,
                      self.g_theta)
-            flat = torch.cat([p.detach().reshape(-1) for p in self.theta])
-            self._theta_work = (dist.broadcast(flat, self.trainers[0], group=self.g_theta, async_op=True), flat)
+            flat = self._flat
+            assert flat is not None
+            torch.cat([p.detach().reshape(-1) for p in self.theta], out=flat)
+            self._theta_work = dist.broadcast(flat, self.trainers[0], group=self.g_theta, async_op=True)
         if index is None:
             self.inflight[i] = (torch.zeros(0, dtype=torch.long), None, [], [None] * len(self.memory_ranks))
         else:
