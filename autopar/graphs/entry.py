@@ -17,7 +17,8 @@ from ..report import dump_dir as _dump_dir
 from ..runtime.program import OptimizerFactory
 from .planner import graph_kind, plan_graph
 from .program import GraphProgram, TemporalProgram
-from .tgn import plan_temporal
+from .temporal_pipeline import plan_temporal_pipeline
+from .temporal_program import TemporalPipelineProgram
 
 
 def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple, example_target: Any,
@@ -26,8 +27,10 @@ def plan_workload(model: nn.Module, cluster: Cluster | str | dict, example_input
     """The plan of a graph workload (node-level GNN or temporal GNN); `profiles` as in `autopar.plan`."""
     kind = graph_kind(model, example_inputs)
     if kind == "temporal":
-        result = plan_temporal(model, cluster, tuple(example_inputs), optimizer, precision,  # type: ignore[arg-type]
-                               memory_reserve=memory_reserve, profiles=profiles)
+        # mode 'temporal_dp' (exact, tgn.plan_temporal) or, opted in, 'temporal_pipeline' (staleness)
+        result = plan_temporal_pipeline(model, cluster, tuple(example_inputs), optimizer,  # type: ignore[arg-type]
+                                        precision, options=options, memory_reserve=memory_reserve,
+                                        profiles=profiles)
     else:
         result = plan_graph(model, cluster, tuple(example_inputs), example_target, optimizer, precision,
                             memory_reserve=memory_reserve, options=options, profiles=profiles)
@@ -42,7 +45,7 @@ def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_tar
                   optimizer: str | OptimizerFactory, plan: Any, rank: int, world: int, timeout_s: float,
                   options: dict | None = None, precision: str | None = None, profiles: dict | None = None,
                   graph_data: str | os.PathLike | None = None, check_plan: bool = True
-                  ) -> GraphProgram | TemporalProgram:
+                  ) -> GraphProgram | TemporalProgram | TemporalPipelineProgram:
     """This rank's graph program; rank 0 plans (unless `plan` is given; with `profiles` as `autopar.plan` takes
     them) and broadcasts the plan (or the planning error, raised on every rank). The program computes in the
     plan's precision.
@@ -80,6 +83,8 @@ def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_tar
                         f"precision= to train as the plan says, or plan again with precision={precision!r}.")
     if plan.graph["mode"] == "temporal_dp":
         return TemporalProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
+    if plan.graph["mode"] == "temporal_pipeline":
+        return TemporalPipelineProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
     return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s)
 
 

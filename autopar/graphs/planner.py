@@ -84,6 +84,11 @@ def plan_graph(model: nn.Module, cluster: Cluster | str | dict, example_inputs: 
     given = dict(options or {})
     opts = {**DEFAULTS, **given}
     unknown = set(opts) - set(DEFAULTS)
+    temporal = sorted(unknown & {"staleness", "max_staleness", "memory_ranks"})
+    if temporal or str(opts["mode"]).startswith("temporal"):
+        raise PlanError(f"graph_options {temporal or opts['mode']!r} apply to temporal GNNs (autopar.graphs.TGN, "
+                        f"mode 'temporal_pipeline'); this is a node-level GNN ({type(model).__name__}): drop them, "
+                        f"or use mode in {GRAPH_MODES}.")
     if unknown or opts["mode"] not in GRAPH_MODES:
         hint = (" ('auto' no longer exists: the planner does not swap full-graph training for sampled mini-batch "
                 "training, a different algorithm; ask for 'sampled_dp' explicitly)" if opts["mode"] == "auto"

@@ -19,6 +19,7 @@ gradient all-reduce then sums exactly the single-process gradient, and every ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,17 +51,13 @@ class TGN(nn.Module):
     def encode_time(self, dt: torch.Tensor) -> torch.Tensor:
         return torch.cos(self.time_enc(dt.unsqueeze(-1)))
 
-    def updated_memory(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(memory, last_update) after applying the pending messages; differentiable in the parameters."""
-        memory, last = self.memory, self.last_update
-        if self.pending.shape[0] == 0:
-            return memory, last
-        src, dst = self.pending[:, 0].long(), self.pending[:, 1].long()
-        t, msg = self.pending[:, 2], self.pending[:, 3:]
+    def pending_index(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Of a batch of pending events: the nodes it touches (ascending), the row of each one's latest event in
+        the two-role concatenation [src events; dst events] ("last" aggregator: src role before dst role at
+        the same event), and that event's time."""
+        src, dst, t = pending[:, 0].long(), pending[:, 1].long(), pending[:, 2]
         b = src.shape[0]
         node = torch.cat([src, dst])
-        other = torch.cat([dst, src])
-        # "last" aggregator: per node, the message of its latest event (src role before dst role)
         ar = torch.arange(b, device=src.device)
         key = torch.cat([2 * ar, 2 * ar + 1])
         latest = torch.full((self.num_nodes,), -1, dtype=torch.long, device=src.device).scatter_reduce(
@@ -68,27 +65,49 @@ class TGN(nn.Module):
         nodes = (latest >= 0).nonzero().flatten()
         k = latest[nodes]
         sel = torch.where(k % 2 == 0, k // 2, b + k // 2)  # the key's position in the concatenation
-        tt = torch.cat([t, t])[sel]
-        raw = torch.cat([memory[nodes], memory[other[sel]], torch.cat([msg, msg])[sel],
-                         self.encode_time(tt - last[nodes])], dim=1)
+        return nodes, sel, torch.cat([t, t])[sel]
+
+    def raw_messages(self, memory: torch.Tensor, last: torch.Tensor, pending: torch.Tensor, nodes: torch.Tensor,
+                     sel: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+        """The GRU inputs of `nodes` (rows of `pending_index`): [own memory, other end's memory, msg, time]."""
+        src, dst, msg = pending[:, 0].long(), pending[:, 1].long(), pending[:, 3:]
+        other = torch.cat([dst, src])
+        return torch.cat([memory[nodes], memory[other[sel]], torch.cat([msg, msg])[sel],
+                          self.encode_time(tt - last[nodes])], dim=1)
+
+    def updated_memory(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(memory, last_update) after applying the pending messages; differentiable in the parameters."""
+        memory, last = self.memory, self.last_update
+        if self.pending.shape[0] == 0:
+            return memory, last
+        nodes, sel, tt = self.pending_index(self.pending)
+        raw = self.raw_messages(memory, last, self.pending, nodes, sel, tt)
         new = memory.index_put((nodes,), self.gru(raw, memory[nodes]).to(memory.dtype))  # autocast: fp16 out
         return new, last.index_put((nodes,), tt)
 
-    def forward(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor,
-                eid: torch.Tensor, seed: int = 0) -> torch.Tensor:
-        """Mean link-prediction loss of these events (positives and one hashed negative per event)."""
-        memory, last = self.updated_memory()
-        self._next = (memory.detach(), last.detach())
+    def link_loss(self, memory: torch.Tensor, last: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                  t: torch.Tensor, eid: torch.Tensor, seed: int = 0,
+                  row: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Mean link-prediction loss of these events on node memory rows `memory` / `last`; `row` maps node
+        ids to rows of them (None: the rows are the whole table)."""
         neg = edge_scores(eid, 0, seed + 7) % self.num_nodes
 
         def z(v: torch.Tensor) -> torch.Tensor:
-            return self.embed(torch.cat([memory[v], self.encode_time(t - last[v])], dim=1))
+            r = v if row is None else row(v)
+            return self.embed(torch.cat([memory[r], self.encode_time(t - last[r])], dim=1))
 
         zs = z(src)
         pos = self.score(torch.cat([zs, z(dst)], dim=1)).squeeze(-1)
         negs = self.score(torch.cat([zs, z(neg)], dim=1)).squeeze(-1)
         return (F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos))
                 + F.binary_cross_entropy_with_logits(negs, torch.zeros_like(negs)))
+
+    def forward(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor,
+                eid: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """Mean link-prediction loss of these events (positives and one hashed negative per event)."""
+        memory, last = self.updated_memory()
+        self._next = (memory.detach(), last.detach())
+        return self.link_loss(memory, last, src, dst, t, eid, seed)
 
     @torch.no_grad()
     def commit(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, msg: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ SAMPLED_MODES = {"sampled_dp", "sampled_pipeline"}  # one algorithm, two divisio
 def explain_graph(graph: dict) -> str:
     """The graph section of Plan.explain(): mode, per-rank shares, and both modes' predictions."""
     mode = graph.get("mode", "?")
-    if mode == "temporal_dp":
+    if mode in ("temporal_dp", "temporal_pipeline"):
         lines = [f"temporal graph: {graph.get('num_nodes', '?')} nodes; mode {mode}"]
     else:
         lines = [f"graph: {graph.get('num_nodes', '?')} nodes, {graph.get('num_edges', '?')} edges, "
@@ -41,6 +41,8 @@ def explain_graph(graph: dict) -> str:
                      f"with graph_options mode='sampled_pipeline'.")
     elif mode == "temporal_dp":
         lines[0] += f" ({graph.get('batch_size')} events/step split across ranks, node memory replicated)"
+    elif mode == "temporal_pipeline":
+        lines += temporal_pipeline_lines(graph)
     cand = graph.get("candidates", {})
     chosen = cand.get(mode, {})
     if "shares" in graph:
@@ -69,6 +71,20 @@ def explain_graph(graph: dict) -> str:
                    f"mode={m!r} asks for it)" if mode in GRAPH_MODES else "")
         lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
     return "\n".join(lines)
+
+
+def temporal_pipeline_lines(graph: dict) -> list[str]:
+    """The MSPipe pipeline's staleness, roles, stages and predicted speed-up (graphs/temporal_pipeline.py)."""
+    st, s = graph.get("stages", {}), graph.get("staleness")
+    return [f"node memory up to staleness {s} batch(es) stale (MSPipe): batch i reads the memory as of after batch "
+            f"i-1-{s}; {'exact training' if s == 0 else 'results differ from exact training'}. Memory ranks "
+            f"{graph.get('memory_ranks')} compute each write-back (GRU rows, no gradient) while ranks "
+            f"{graph.get('trainers')} train on {graph.get('batch_size')} events/step; why: "
+            f"{graph.get('staleness_why', '')}.",
+            f"stages: train + all-reduce {fmt_time(st.get('train_s', 0.0))}, memory GRU "
+            f"{fmt_time(st.get('memory_s', 0.0))}, write-back latency {fmt_time(st.get('latency_s', 0.0))} (theta "
+            f"{fmt_time(st.get('theta_s', 0.0))}, rows {fmt_time(st.get('rows_s', 0.0))}) over {s} + 1 step(s); "
+            f"predicted speed-up vs exact temporal_dp {graph.get('speedup_vs_temporal_dp', 0.0):.2f}x."]
 
 
 def partitioner_lines(graph: dict) -> list[str]:
