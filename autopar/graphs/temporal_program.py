@@ -17,6 +17,7 @@ write-back rows (every rank).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -81,6 +82,23 @@ class TemporalPipelineProgram(WholeModelState):
 
     def checkpoint_writer(self) -> int:
         return self.trainers[0]
+
+    def state_dict(self) -> dict:
+        """The whole model and optimizer state, once `flush()` applied the write-backs in flight (before it, the
+        table lags the trained steps: a PlanError says so instead of returning it)."""
+        self._check_flushed("state_dict()")
+        return super().state_dict()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """`WholeModelState.save`, once `flush()` applied the write-backs in flight. Collective."""
+        self._check_flushed("save()")
+        super().save(path)
+
+    def _check_flushed(self, what: str) -> None:
+        if self.inflight and not self.flushed:
+            raise PlanError(f"{what}: the node-memory table has {len(self.inflight)} write-back(s) in flight "
+                            f"(staleness {self.staleness}), so it lags the trained steps; call prog.flush() first "
+                            f"(collective: it applies them and ends the pipeline).")
 
     # ---- the table ----------------------------------------------------------------------------------------
     def _apply_through(self, k: int) -> None:
