@@ -80,10 +80,6 @@ PLAN_XFAIL: dict[tuple[str, str], str] = {
         "the gradient of its gathered expert weights (aten::index output, 1.05 MB a rank; 1.18 MB of backward buffers "
         "measured at the peak), is priced on top of every activation saved, but by then the block's backward has "
         "freed part of its own saved gathered weights (2.62 MB of aten::index live at the peak, 3.15 MB priced)",
-    ("hf_vit", "4x1: L0-1@2,3z0 L1-2@0z0 L2-4@1z0"):
-        "2.5-2.8x on the tp-2 stage holding only the patch embedding (60 KiB predicted): ~110 KB of backward, "
-        "optimizer and cat buffers nothing prices, small in bytes (PlanCheck's FIXED_BYTES would absorb it) "
-        "but not within 15% of so small a stage",
     ("hf_falcon", "2x1: L0-2@2z2 L2-4@0z1; 2x1: L0-2@3z2 L2-4@1z1"):
         "over-priced on its ZeRO-2 first stages (measured 0.84-0.88 of the plan there, 0.95-0.99 elsewhere)",
 }

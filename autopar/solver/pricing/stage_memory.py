@@ -51,8 +51,10 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              of the three counting (context.py)
 
 A pipeline stage's messages (runtime/program.py): `act` + its output (`StageBase.out_bytes`, kept per micro-batch for
-its backward), `work` + the received output gradient and one batch of send buffers (the larger of its output and
-its input, `StageBase.in_bytes`; a last stage only the latter).
+its backward) and, after the first stage, its received input (`StageBase.in_bytes`, kept to send its gradient back;
+`act` counts it in CostModel._base, where the tensors only later stages save leave the stage that made them,
+`Layer.saved_later`), `work` + the received output gradient and one batch of send buffers (the larger of its output
+and its input; a last stage only the latter).
 
 At cp > 1 (solver/pricing/context.py) t is the tensor-parallel degree (the group naming the stage holds cp x t
 devices) and D the dp x cp holders of the stage's parameters; act is per cp rank (T / cp tokens).
