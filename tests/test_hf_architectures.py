@@ -80,6 +80,10 @@ PLAN_XFAIL: dict[tuple[str, str], str] = {
         "the gradient of its gathered expert weights (aten::index output, 1.05 MB a rank; 1.18 MB of backward buffers "
         "measured at the peak), is priced on top of every activation saved, but by then the block's backward has "
         "freed part of its own saved gathered weights (2.62 MB of aten::index live at the peak, 3.15 MB priced)",
+    ("hf_convnext", "4x1: L0-2@2z1 L2-4@0z1; 4x1: L0-2@3z1 L2-4@1z1"):
+        "over-priced on its first stages (measured 0.85 of the plan on ranks 2-3, 1.03 on 0-1; 0.86 before the "
+        "executor stopped keeping a batch's receive buffer, 2026-12-06): at the peak 0.85 MB of backward buffers "
+        "against ~1.06 MB of activations and backward transient priced; cause not found",
     ("hf_falcon", "2x1: L0-2@2z2 L2-4@0z1; 2x1: L0-2@3z2 L2-4@1z1"):
         "over-priced on its ZeRO-2 first stages (measured 0.84-0.88 of the plan there, 0.95-0.99 elsewhere)",
 }

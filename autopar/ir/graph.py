@@ -204,7 +204,8 @@ class TrainingGraph:
             p["meta"] = tm(p["meta"])
             params[p["node"]] = ParamInfo(**p)
         return TrainingGraph(nodes=nodes, params=params, inputs=list(d["inputs"]),
-                             layers=[Layer(**layer) for layer in d["layers"]], batch_size=d["batch_size"],
+                             layers=[Layer(**{**x, "saved_later": tuple(map(tuple, x.get("saved_later", ())))})
+                                     for x in d["layers"]], batch_size=d["batch_size"],
                              loss_node=d["loss_node"], model_name=d["model_name"],
                              device_types=list(d["device_types"]), dtype=d["dtype"],
                              kernels=d.get("kernels", "torch"), fused_types=list(d.get("fused_types", [])),
