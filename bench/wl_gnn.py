@@ -270,9 +270,11 @@ def one_process(g: GraphData, y_all: torch.Tensor, spec: dict, epochs: int) -> d
 
 
 def measured_partition(nodes: int, spec: dict, workdir: Path, *, rank_budget: float | None = None,
-                       reference: bool = True, epochs: int = EPOCHS, label: str = "") -> list[dict]:
+                       reference: bool = True, epochs: int = EPOCHS, label: str = "",
+                       partial: Any = None) -> list[dict]:
     """Full-graph training from partition-local data on WORLD gloo ranks (module docstring); rows: one
-    summary, one per rank, the partitioners."""
+    summary, one per rank, the partitioners. `partial(rows)` gets them before the one-process reference runs
+    (which holds the whole graph's activations: the largest memory of the run)."""
     label = label or f"{spec['conv']} {nodes // 1000}K"
     t0 = time.perf_counter()
     g, y_all = synthetic_graph(nodes, spec)
@@ -314,6 +316,8 @@ def measured_partition(nodes: int, spec: dict, workdir: Path, *, rank_budget: fl
                "ratio_min": min(x["ratio"] for x in rows), "ratio_max": max(x["ratio"] for x in rows),
                "gen_s": gen_s, "plan_s": plan_s, "write_s": write_s, "run_s": run_s, "epochs": epochs,
                **{f"{k}_4ranks": v for k, v in _acc(counts).items()}, "loss_4ranks": res[0]["losses"][-1]}
+    if partial is not None:
+        partial([{**summary, "reference": "running"}, *rows, *prows])
     if reference:
         ref = one_process(g, y_all, spec, epochs)
         state = res[0]["state"]
@@ -477,16 +481,20 @@ def gnn_scale(sizes: tuple[int, ...] = SIZES, wide_nodes: int | None = 1_000_000
         if save is not None:
             save(rows)
 
+    def partial(new: list[dict]) -> None:
+        if save is not None:
+            save(rows + new)
+
     for n in sizes:
         with tempfile.TemporaryDirectory() as d:
-            done(measured_partition(n, SWEEP, Path(d), reference=n <= reference_up_to))
+            done(measured_partition(n, SWEEP, Path(d), reference=n <= reference_up_to, partial=partial))
     if wide_nodes:
         g, _ = synthetic_graph(wide_nodes, WIDE)
         budget = 0.95 * graph_bytes(g)  # the graph's features and edges do not fit one rank
         del g
         with tempfile.TemporaryDirectory() as d:
             done(measured_partition(wide_nodes, WIDE, Path(d), rank_budget=budget, label=f"gcn F=256 "
-                                    f"{wide_nodes // 1000}K, budget < graph"))
+                                    f"{wide_nodes // 1000}K, budget < graph", partial=partial))
     for n in sampled_sizes:
         with tempfile.TemporaryDirectory() as d:
             done(measured_sampled(n, Path(d), epochs=SAMPLED_EPOCHS if n <= 100_000 else 0))
@@ -500,6 +508,7 @@ def main() -> None:
     ap.add_argument("--sampled-sizes", default="100000,2000000", help="sampled-mode sizes ('' : skip)")
     ap.add_argument("--reference-up-to", type=int, default=2_000_000, help="largest size compared with one process")
     ap.add_argument("--skip-small", action="store_true", help="skip the predicted 1M rows and the 8K 2-rank run")
+    ap.add_argument("--name", default="wl_gnn", help="results file: bench/results/NAME.json")
     ap.add_argument("--merge", action="store_true", help="keep the rows of results/wl_gnn.json this run does not "
                     "measure again (same table and graph)")
     args = ap.parse_args()
@@ -518,7 +527,7 @@ def main() -> None:
         base = predicted + measured
 
     kept: list[dict] = []
-    old = Path(__file__).resolve().parent / "results" / "wl_gnn.json"
+    old = Path(__file__).resolve().parent / "results" / f"{args.name}.json"
     if args.merge and old.is_file():
         prev = json.loads(old.read_text())
         kept = [r for r in prev["rows"] if "table" in r]
@@ -533,12 +542,12 @@ def main() -> None:
         if ratios:
             summary["memory_ratio_range"] = [min(ratios), max(ratios)]
             summary["memory_within_15pct"] = all(0.85 <= x <= 1.15 for x in ratios)
-        write_results("wl_gnn", base + rows, summary)
+        write_results(args.name, base + rows, summary)
 
     gnn_scale(sizes, args.wide_nodes, sampled, args.reference_up_to, save)
     if not sizes and not args.wide_nodes and not sampled:
         save([])
-    print(f"wrote {Path(__file__).resolve().parent / 'results' / 'wl_gnn.json'}")
+    print(f"wrote {old}")
 
 
 if __name__ == "__main__":
