@@ -21,11 +21,16 @@ measured_sampled(nodes): sampled_dp on 4 ranks (every rank holds the graph) agai
     NeighborLoader + the same model in one process (same fanout per layer and batch size; it needs pyg-lib or
     torch-sparse, else the row says so), and accuracy after a few epochs against sampled_dp in one process
     (the same algorithm: the same seeds and per-step samples).
-The done-when run: measured_partition on WIDE (GCN on 256 features) under a per-rank budget below the
-graph's features and edges.
+The done-when run: measured_partition on WIDE (GCN on 256 features) at 200K nodes under a per-rank budget
+below the graph's features and edges.
 
-Run: cd bench && python wl_gnn.py            (everything, about 45 minutes on 2 cores)
-     cd bench && python wl_gnn.py --sizes 100000 --wide-nodes 100000     (a few minutes)
+Run: cd bench && python wl_gnn.py            (everything: 30-60 minutes on 2 cores, about 10 GB of memory at
+                                              2M nodes, the one-process reference 5 GB of it)
+     cd bench && python wl_gnn.py --skip-small --sizes 100000 --wide-nodes 100000 --sampled-sizes 100000
+                                             (a few minutes)
+     --name NAME writes results/NAME.json; --merge keeps the rows of it this run does not measure again.
+The committed results/wl_gnn.json came from runs with --merge (the 2M rows measured again after the first
+full run was OOM-killed on the shared host), results/wl_gnn_sampled.json from --name wl_gnn_sampled.
 """
 
 from __future__ import annotations
@@ -469,7 +474,7 @@ def print_measured(rows: list[dict]) -> None:
             print_table(mine, cols)
 
 
-def gnn_scale(sizes: tuple[int, ...] = SIZES, wide_nodes: int | None = 1_000_000,
+def gnn_scale(sizes: tuple[int, ...] = SIZES, wide_nodes: int | None = 200_000,
               sampled_sizes: tuple[int, ...] = (100_000, 2_000_000), reference_up_to: int = 2_000_000,
               save: Any = None) -> list[dict]:
     """Every issue-26 part-6 measurement; `save(rows)` after each (a long run keeps what it measured)."""
@@ -504,7 +509,7 @@ def gnn_scale(sizes: tuple[int, ...] = SIZES, wide_nodes: int | None = 1_000_000
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="full-graph sweep sizes (nodes)")
-    ap.add_argument("--wide-nodes", type=int, default=1_000_000, help="done-when graph size (0: skip)")
+    ap.add_argument("--wide-nodes", type=int, default=200_000, help="done-when graph size (0: skip)")
     ap.add_argument("--sampled-sizes", default="100000,2000000", help="sampled-mode sizes ('' : skip)")
     ap.add_argument("--reference-up-to", type=int, default=2_000_000, help="largest size compared with one process")
     ap.add_argument("--skip-small", action="store_true", help="skip the predicted 1M rows and the 8K 2-rank run")
