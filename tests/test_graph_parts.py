@@ -254,7 +254,7 @@ def test_planner_picks_the_partitioner_with_the_fastest_predicted_step() -> None
 
 def test_bad_graph_data_is_a_clear_error(tmp_path: Path) -> None:
     case = gcn_case("sage")
-    plan = autopar.plan(case.model, tight_cluster(4 * whole_graph_bytes(case), 2), case.example_inputs,
+    plan = autopar.plan(case.model, tight_cluster(6 * whole_graph_bytes(case), 2), case.example_inputs,
                         case.example_target, case.loss_fn, precision="fp32")
     out = write_partition(*case.example_inputs, case.example_target, plan, tmp_path / "parts")
     with pytest.raises(PlanError, match="parts for 2 ranks but 3 ranks run"):

@@ -9,15 +9,29 @@ row D (2 in out summed over the layer's linears), on R node rows with E' edges:
     sparse  embedding-kind gather + scatter-add(bytes = b (3 E' w + 2 R w))      backward 2x
     gat     + per edge and head: logits, softmax (bytes = 4 b E' heads)
 
+Memory of a message-passing layer reading R rows and keeping T target rows (`Work.act`, kept for the backward;
+`Work.transient`, live only inside the layer's forward, so a forward peaks at the saved bytes plus the largest
+layer's transient, not their sum):
+    sage, graphconv       act b (R d_in + T d_out + R w) (the linear after the aggregation reads it);
+                          transient b (E' w + R w), the gathered messages and their scatter-add sum. A gather's
+                          and a scatter-add's backward need only the index, so torch frees the messages inside
+                          the layer.
+    gcn                   act b (R d_in + T d_out) + (16 + b) E'' (the adapter's normalised edge list with a
+                          self-loop per target, E'' = E' + T, and its weights, kept for the backward); transient
+                          2 b (E'' w + R w) (messages scaled by the edge weights; the linear's output).
+    gat, other layers     act b (R (d_in + d_out) + E' w + R d_out) (+ the attention bytes): messages scaled by
+                          attention that needs a gradient are kept.
+
 Node-wise layers outside message-passing layers (encoder, head) are dense on their rows.
 
 partition (rank r owns n_r nodes, h_r halo nodes, E_r = in-edges of its nodes, R = n_r + h_r):
     step    = max_r(fwd_r + bwd_r) + sum over layers 2 all_to_all(max_r h_r d_in b') + all_reduce(P g) + optim
               (b' = the features' bytes for a first layer reading x, else b; every rank takes part)
-    memory  = P (w + g + o + c) + graph_r + sum over layers (R (d_in + 2 d_out) b + E_r w b)
-    graph_r = n_r (F b' + 16) + 16 h_r + 16 E_r + 8 R + 8 s_r + max over layers (s_r + h_r) d_in b
-              (`graph_bytes`: the rank's part as store.py writes it, s_r = rows it sends, and the widest
-              layer's exchange buffers; b' the features' bytes for a first layer reading x)
+    memory  = P (w + g + o + c) + part_r + sum over layers act + max(exchange_r, max over layers transient)
+    part_r  = n_r (F b' + 16) + 16 h_r + 16 E_r + 8 R + 8 s_r   (the rank's part as store.py writes it,
+              s_r = rows it sends; b' the features' bytes for a first layer reading x)
+    exchange_r = max over layers (s_r + h_r) d_in b (the halo exchange's send and receive buffers, freed once
+              the layer's [owned; halo] input is built, before its messages); `graph_bytes` = part_r + exchange_r
     halo    = exact from the graph when its edge_index holds data (contiguous ranges of the partitioner's order),
               else the uniform random-graph expectation (N - n_r)(1 - exp(-E_r / N))
     order   = the locality order, METIS's parts or a random one (partitioners.py), the fastest predicted step
@@ -29,8 +43,8 @@ sampled_dp (rank r takes b_r seeds, fanout f, expected sampled in-degree k = mea
     step    = max_r(sample_r + fwd_r + bwd_r + fetch_r) + all_reduce(P g) + optim; fetch_r = gathering n_0 F b
               feature bytes on the device when the graph and features fit in its memory, else over its host link;
               sample_r = walking the sampled in-edges on the host CPU (`host_cm`: sampling.py runs on CPU tensors)
-    memory  = P (w + g + o + c) + [N F b + 16 E if on the device] + sum over layers (n_{l-1}(d_in + 2 d_out) b
-              + E_l w b) + 16 sum E_l
+    memory  = P (w + g + o + c) + [N F b + 16 E if on the device] + sum over layers act + max over layers
+              transient (R = n_{l-1}, T = n_l, E' = E_l) + 16 sum E_l
     shares  = seeds by `balanced_shares` (fixed + per-seed time), capped by memory
 P (w + g + o + c): state_bytes_per_param (fp32 weights and gradients, optimizer state; c = autocast's weight copy
 in mixed precision). A device left with a zero share gets `idle` reasons from the same prices (`_idle`).
@@ -65,6 +79,10 @@ from .partitioners import (
     partition_quality,
     random_order,
 )
+
+# layer kinds whose per-edge messages are kept for the backward (GAT's attention-scaled messages; layers not
+# modelled, priced so): gcn, sage and graphconv free theirs inside the layer (module docstring)
+KEEPS_MESSAGES = ("gat", "mp")
 
 
 @dataclass(frozen=True)
@@ -127,11 +145,16 @@ class Work:
 
     fwd: float = 0.0
     bwd: float = 0.0
-    act: float = 0.0
+    act: float = 0.0  # bytes kept for the backward
     flops: float = 0.0
+    transient: float = 0.0  # bytes live only inside the forward of one layer (the largest layer's)
 
 
-def layer_work(cm: ComputeModel, s: LayerShape, rows_in: float, rows_out: float, edges: float, b: int) -> Work:
+def layer_work(cm: ComputeModel, s: LayerShape, rows_in: float, rows_out: float, edges: float, b: int,
+               kept: float | None = None) -> Work:
+    """`kept`: the output rows a message-passing layer keeps (default rows_out; a partition's layer keeps its
+    owned rows and the next layer reads them with the halo)."""
+    kept = rows_out if kept is None else kept
     w = Work()
     rows = rows_in if s.kind != "dense" else rows_out
     if s.dense_flops_per_row:
@@ -139,13 +162,24 @@ def layer_work(cm: ComputeModel, s: LayerShape, rows_in: float, rows_out: float,
         nbytes = b * rows * (s.d_in + s.d_out) + 4 * s.dense_flops_per_row / 2
         w.fwd += cm.op_time("matmul", fl, nbytes) + cm.op_time("elementwise", rows * s.d_out, 2 * b * rows * s.d_out)
         w.bwd += cm.op_time("matmul", 2 * fl, 2 * nbytes, launches=2)
-        w.act += b * rows * (s.d_in + s.d_out)
+        # a message-passing layer keeps its output's target rows only (the rows after them are sliced off)
+        w.act += b * rows * s.d_in + b * (rows if s.kind in KEEPS_MESSAGES else kept) * s.d_out
         w.flops += 3 * fl
     if s.kind != "dense":
         sparse = b * (3 * edges * s.msg + 2 * rows * s.msg)
         w.fwd += cm.op_time("gather", edges * s.msg, sparse, launches=2)
         w.bwd += 2 * cm.op_time("gather", edges * s.msg, sparse, launches=2)
-        w.act += b * (edges * s.msg + rows * s.d_out)
+        if s.kind in KEEPS_MESSAGES:
+            w.act += b * (edges * s.msg + rows * s.d_out)
+        elif s.kind == "gcn":
+            # the adapter's normalised edge list (a self-loop per target row) and its weights (layers.py), kept
+            # by the gather, scatter and weighting for the backward; messages x edge weight, its linear's output
+            looped = edges + kept
+            w.act += (16 + b) * looped
+            w.transient = 2 * b * (looped * s.msg + rows * s.msg)
+        else:
+            w.transient = b * (edges * s.msg + rows * s.msg)
+            w.act += b * rows * s.msg  # the aggregation is the input of the linear after it
         if s.kind == "gat":
             extra = 4 * b * edges * s.heads
             w.fwd += cm.op_time("softmax", edges * s.heads * 5, extra, launches=3)
@@ -157,20 +191,22 @@ def layer_work(cm: ComputeModel, s: LayerShape, rows_in: float, rows_out: float,
 
 def forward_work(cm: ComputeModel, shapes: list[LayerShape], levels: list[float], edges: list[float],
                  b: int, dense_levels: list[float] | None = None) -> Work:
-    """Sum over layers; message-passing layer i reads levels[i] rows, writes levels[i + 1] with edges[i];
-    dense layers before message-passing layer i run on dense_levels[i] rows (default: levels[i])."""
+    """Sum over layers; message-passing layer i reads levels[i] rows, writes levels[i + 1] with edges[i] and
+    keeps dense_levels[i + 1] of them; dense layers before message-passing layer i run on dense_levels[i] rows
+    (default: levels[i])."""
     dense_levels = levels if dense_levels is None else dense_levels
     total, i = Work(), 0
     for s in shapes:
         if s.kind == "dense":
             lw = layer_work(cm, s, dense_levels[i], dense_levels[i], 0, b)
         else:
-            lw = layer_work(cm, s, levels[i], levels[i + 1], edges[i], b)
+            lw = layer_work(cm, s, levels[i], levels[i + 1], edges[i], b, dense_levels[i + 1])
             i += 1
         total.fwd += lw.fwd
         total.bwd += lw.bwd
         total.act += lw.act
         total.flops += lw.flops
+        total.transient = max(total.transient, lw.transient)
     return total
 
 
@@ -281,7 +317,8 @@ class GraphCostModel:
         # message-passing layers read owned + halo rows; node-wise layers run on owned rows only
         work = forward_work(self.cm(d), self.shapes, [rows] * self.layers + [n], [edges] * self.layers, self.b,
                             [n] * (self.layers + 1))
-        memory = self.state + sum(self.graph_bytes(n, halo, edges, halo if send is None else send)) + work.act
+        part, exchange = self.graph_bytes(n, halo, edges, halo if send is None else send)
+        memory = self.state + part + work.act + max(exchange, work.transient)
         return work, memory
 
     def graph_bytes(self, n: float, halo: float, edges: float, send: float) -> tuple[float, float]:
@@ -541,7 +578,7 @@ class GraphCostModel:
         work = forward_work(self.cm(d), self.shapes, sizes, edges, self.b)
         graph_bytes = s.num_nodes * s.features * s.feature_bytes + 16 * s.num_edges
         feat = sizes[0] * s.features * s.feature_bytes
-        base = self.state + work.act + 16 * sum(edges) + feat
+        base = self.state + work.act + work.transient + 16 * sum(edges) + feat
         if base + graph_bytes <= self.usable(d):
             where, mem = "device", base + graph_bytes
             fetch = self.cm(d).op_time("gather", 0, 2 * feat)
@@ -621,7 +658,8 @@ class GraphCostModel:
         """(training seconds, memory, work) of trainer `d` on a received mini-batch of `seeds` seeds."""
         sizes, edges = self.levels(seeds, k)
         work = forward_work(self.cm(d), self.shapes, sizes, edges, self.b)
-        return work.fwd + work.bwd, self.state + work.act + 2 * self._batch_bytes(sizes, edges), work
+        return (work.fwd + work.bwd, self.state + work.act + work.transient + 2 * self._batch_bytes(sizes, edges),
+                work)
 
     def sampled_pipeline(self, batch_size: int, fanout: int) -> Candidate:
         """cpu ranks sample and gather each step's mini-batches and send them to the accelerator ranks, which
