@@ -214,11 +214,10 @@ def plan_temporal_pipeline(model: TGN, cluster: Cluster | str | dict, example_in
     """The plan of a temporal GNN: exact data parallel (mode 'temporal_dp', tgn.plan_temporal) or, on request,
     the MSPipe pipeline with bounded staleness (mode 'temporal_pipeline'; StalenessWarning naming it)."""
     from ..cost_models.compute import check_profiles
-    from ..cost_models.memory import optimizer_name
     from ..errors import InfeasibleError
-    from ..ir.plan import Pipeline, Plan, Stage
+    from ..ir.plan import Pipeline, Stage
     from ..ir.precision import resolve_precision
-    from .tgn import plan_temporal
+    from .tgn import plan_temporal, temporal_plan
 
     cluster = Cluster.load(cluster)
     opts = temporal_options(options, cluster.world_size)
@@ -268,14 +267,8 @@ def plan_temporal_pipeline(model: TGN, cluster: Cluster | str | dict, example_in
              "speedup_vs_temporal_dp": speedup,
              "candidates": {"temporal_dp": dp, "temporal_pipeline": cand}}
     flops = exact.predicted["tflops_per_device"] * 1e12 * exact.predicted["step_time_s"] * cluster.world_size
-    peak_flops = sum(d.spec.flops(precision) for d in cluster.devices)
-    predicted = {"step_time_s": step, "samples_per_s": batch / step,
-                 "tflops_per_device": flops / step / cluster.world_size / 1e12, "mfu": flops / step / peak_flops,
-                 "bubble_fraction": 0.0, "peak_memory_bytes": peak,
-                 "memory_capacity_bytes": {d.index: d.spec.memory for d in cluster.devices}}
-    return Plan(batch, precision, optimizer_name(optimizer), "gpipe", 1, cluster.to_dict(),
-                {"name": "TGN", "num_layers": 1, "params": sum(p.numel() for p in model.parameters()),
-                 "layer_names": ["tgn"]}, pipes, predicted, memory_reserve, graph=graph)
+    return temporal_plan(cluster, batch, precision, optimizer, memory_reserve,
+                         sum(p.numel() for p in model.parameters()), pipes, step, flops, peak, graph)
 
 
 def train_stale_reference(model: TGN, events: dict[str, torch.Tensor], batch_size: int, steps: int, staleness: int,

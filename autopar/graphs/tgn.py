@@ -31,6 +31,7 @@ from ..models import ModelCase, building
 from .sampling import edge_scores
 
 if TYPE_CHECKING:
+    from ..ir.plan import Pipeline, Plan
     from ..runtime.program import OptimizerFactory
 
 
@@ -170,8 +171,8 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
     in `autopar.plan`."""
     from ..cost_models.comm import collective_time
     from ..cost_models.compute import ComputeModel, check_profiles
-    from ..cost_models.memory import optimizer_name, state_bytes_per_param
-    from ..ir.plan import Pipeline, Plan, Stage
+    from ..cost_models.memory import state_bytes_per_param
+    from ..ir.plan import Pipeline, Stage
     from ..ir.precision import resolve_precision
     from .halo import balanced_shares
 
@@ -205,6 +206,15 @@ def plan_temporal(model: TGN, cluster: Cluster | str | dict, example_inputs: tup
              "candidates": {"temporal_dp": {"fits": True, "step_time_s": step, "samples_per_s": batch / step,
                                             "compute_s": compute, "peak_memory_bytes": list(peak.values())}}}
     flops = per_event_flops * batch + update_flops * cluster.world_size  # the update runs on every rank
+    return temporal_plan(cluster, batch, precision, optimizer, memory_reserve, params, pipes, step, flops, peak, graph)
+
+
+def temporal_plan(cluster: Cluster, batch: int, precision: str, optimizer: Any, memory_reserve: float, params: int,
+                  pipes: list[Pipeline], step: float, flops: float, peak: dict[int, int], graph: dict) -> Plan:
+    """A temporal GNN's Plan (one one-layer stage per rank) from its priced step: `flops` the step's total."""
+    from ..cost_models.memory import optimizer_name
+    from ..ir.plan import Plan
+
     peak_flops = sum(d.spec.flops(precision) for d in cluster.devices)
     predicted = {"step_time_s": step, "samples_per_s": batch / step,
                  "tflops_per_device": flops / step / cluster.world_size / 1e12, "mfu": flops / step / peak_flops,
