@@ -468,7 +468,7 @@ class CostModel(CommPricing):
             saved = c.act if c.act >= 0 else self.saved[i] * frac / t
             # what only layers past the stage save (its output, mostly) stays with them: the next stage keeps its
             # received copy (`recv` below), not this one
-            cross = sum(b for first, b in self.saved_later[i] if first >= e)
+            cross = sum(nbytes for first, nbytes in self.saved_later[i] if first >= e)
             if cross:
                 saved = max(0.0, saved - cross * frac / t)
             act += saved
