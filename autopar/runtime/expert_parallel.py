@@ -45,14 +45,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PlanError
 from ..ir.graph import TrainingGraph
 from ..ir.lowered import Layout
-from .dist import DEFAULT_TIMEOUT_S, Groups, wait
+from .dist import DEFAULT_TIMEOUT_S, Groups, all_to_all
 from .tensor_parallel import TPStage
 
 _CONTEXTS: dict[str, _Context] = {}  # op key -> the rank's context; the op can only carry a string
@@ -88,11 +87,7 @@ class _Context:
 
 
 def _a2a(c: _Context, t: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
-    out = t.new_empty((sum(recv), *t.shape[1:]))
-    work = dist.all_to_all_single(out, t.contiguous(), recv, send, group=c.group, async_op=True)
-    wait(work, f"expert all-to-all ({what}) over ranks {list(c.ranks)}", "in its group", c.timeout_s, c.group,
-         out.device)
-    return out
+    return all_to_all(t, recv, send, c.group, f"expert all-to-all ({what}) over ranks {list(c.ranks)}", c.timeout_s)
 
 
 @dataclass

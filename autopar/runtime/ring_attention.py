@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..cost_models.context import MODES, cp_exchange_bytes
-from .dist import wait
+from .dist import all_to_all, wait
 
 aten = torch.ops.aten
 
@@ -361,10 +361,7 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Slice i of x's first dimension goes to rank i of `group`; slice i of the result came from rank i."""
-    out = torch.empty_like(x)
-    work = dist.all_to_all_single(out, x, group=group, async_op=True)
-    wait(work, "ulysses attention (all-to-all)", "in its group", group=group, device=x.device)
-    return out
+    return all_to_all(x, None, None, group, "ulysses attention (all-to-all)")
 
 
 def _seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor
 from ..cost_models.memory import SYNC_BUCKET_BYTES
 from ..lowering import assign_owners
 from .devices import CommDevices
-from .dist import Groups, on_comm_device, wait
+from .dist import Groups, on_comm_device, release, wait
 from .tensor_parallel import TPStage
 
 BUCKET_BYTES = SYNC_BUCKET_BYTES  # bounds the flat copy one collective makes (priced: `StageMemory.sync`)
@@ -365,7 +365,7 @@ class ZeroRuntime:
             else:
                 p.grad = full.clone()
         if not self.tp and not any(self.state[n].streamed for n in names):  # nothing kept a view of it
-            _release(flat)
+            release(flat)
 
     def step(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer step on owned parameters, owners broadcast the update (ZeRO-1/2), then free what is
@@ -457,7 +457,7 @@ class ZeroRuntime:
         if owner != self.my_group:
             with torch.no_grad():
                 self._unpack_broadcast(names, flat)  # copied into the parameters
-        _release(flat)
+        release(flat)
 
     def _unpack_broadcast(self, names: list[str], flat: torch.Tensor) -> None:
         """Write a received bucket into its parameters (freed ZeRO-3 storage is allocated again first).
@@ -583,12 +583,3 @@ class ZeroRuntime:
             if parts:
                 lines.append(f"#   {name}: {', '.join(parts)}")
         return lines
-
-
-def _release(flat: torch.Tensor) -> None:
-    """Free a finished collective's flat bucket now, on this thread. Dropping the last Python reference is not
-    enough: the gloo Work keeps the tensor until gloo's worker thread lets go of the Work, after `wait`
-    returns, so the bytes came back later, on a thread torch.profiler does not follow (memtrace then counts
-    the bucket live until its address is handed out again: one extra bucket at some ranks' peaks, in some runs
-    and not others)."""
-    flat.untyped_storage().resize_(0)
