@@ -96,7 +96,9 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     device types that mode fuses, and the plan records it in `plan.model["kernels"]`.
 
     Graph workloads (an integer (2, E) edge_index input and message-passing layers, or a temporal GNN) get
-    the graph planner (autopar/graphs): partitioned full-graph training by default, sampled mini-batch data
+    the graph planner (autopar/graphs): partitioned full-graph training by default (or the same full-graph
+    training with the layers split into stages over the ranks, "mode": "layer_pipeline", on request or where
+    partition does not fit), sampled mini-batch data
     parallelism (a different estimator) only with `graph_options={"mode": "sampled_dp", ...}` (batch_size,
     fanout, seed; see graphs.planner.plan_graph), or with "mode": "sampled_pipeline" on a cluster with cpu
     devices beside accelerators (the same sampled training; the cpu ranks sample and gather, the accelerators

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from autopar.graphs import halo
+from autopar.graphs import exchange
 from autopar.runtime import zero
 from autopar.runtime.launch import spawn_local
 
@@ -47,7 +47,7 @@ def halo_worker(rank: int, world: int) -> dict[str, Any]:
     import autopar
     from autopar.graphs.models import GRAPH_CASES
 
-    released, original = _recording(halo)
+    released, original = _recording(exchange)
     try:
         case = GRAPH_CASES["gcn"](seed=0, nodes=400, avg_degree=4.0, labelled=0.8)
         cluster = {"nodes": [{"device": "A100-80GB"}, {"device": "T4"}]}
@@ -60,7 +60,7 @@ def halo_worker(rank: int, world: int) -> dict[str, Any]:
         for _ in range(2):
             prog.step(*case.example_inputs, target=case.example_target)
     finally:
-        halo.release = original
+        exchange.release = original
     return {"released": released}
 
 

@@ -5,6 +5,9 @@ sampled mini-batch data parallelism, their cost model and planner, and a memory-
 `autopar.compile(model, cluster, loss_fn=..., graph_data=out_dir)` trains from, each rank reading only its part.
 The node ranges, halos and their exchange are halo.py's.
 
+A GNN too deep for one rank can split its message-passing layers over the ranks instead (graph mode
+"layer_pipeline", layer_pipeline.py): exact full-graph training, the nodes flowing through the stages in chunks.
+
 `autopar.plan` / `autopar.compile` route graph models here (planner.graph_kind); see docs/architecture.md.
 """
 

@@ -46,10 +46,24 @@ sampled_dp (rank r takes b_r seeds, fanout f, expected sampled in-degree k = mea
     memory  = P (w + g + o + c) + [N F b + 16 E if on the device] + sum over layers act + max over layers
               transient (R = n_{l-1}, T = n_l, E' = E_l) + 16 sum E_l
     shares  = seeds by `balanced_shares` (fixed + per-seed time), capped by memory
+layer_pipeline (rank s computes layers [a_s, b_s) for all N nodes in C chunks k of n_k nodes, h_k halo rows and
+E_k in-edges; layer_pipeline.py):
+    task    (l, k): layer_work(rows n_k + h_k -> n_k, E_k) + its segment's linears on n_k rows (+ joining the halo
+              rows when h_k > 0); stage 0 also gathers its chunks' feature rows
+    step    = `layer_pipeline.simulate` (the runtime's schedule on the task times, p2p(n_k d b) per boundary
+              chunk and its gradient) + max_s optimizer(P_s) + all_reduce(one element: the loss)
+    memory  = P_s (w + g + o + c) + the chunks' graphs (16 E + 8 sum(n_k + 2 h_k) + 8 N; + 8 N labels last) + tasks
+              in order: each forward task adds kept(l, k) (measured per layer kind: `task_bytes_probe`) and its
+              joined input, the chunks received (N d_a b) and, before the backward, the gradients of those sent
+              (N d_b b); each backward task frees what its forward kept; the peak is the largest (alive + the
+              task's measured transient)
+    split   = consecutive layer ranges, the slowest stage's compute minimised among the splits that fit (dynamic
+              programming); C = the fastest of 1, 2, 4, 8 that fits
 P (w + g + o + c): state_bytes_per_param (fp32 weights and gradients, optimizer state; c = autocast's weight copy
 in mixed precision). A device left with a zero share gets `idle` reasons from the same prices (`_idle`).
 samples/s counts labelled nodes trained per second (all labelled nodes per partition step, the seeds of a
-sampled step). The planner prices both modes but only considers the one graph_options asks for (planner.py).
+sampled step). The planner prices the modes but only considers the one graph_options asks for, except that
+without a mode it also prices layer_pipeline where partition does not fit or is halo-bound (planner.py).
 """
 
 from __future__ import annotations
@@ -250,12 +264,15 @@ class GraphCostModel:
         self.params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.optimizer = optimizer_name(optimizer)
         per_param = state_bytes_per_param(optimizer, precision)
+        self.per_param = per_param
+        self.model = model
         self._state_total = per_param.total * self.params
         # resident: fp32 weights, gradients, optimizer state, plus autocast's low-precision weight copies that
         # the one forward in flight keeps for its backward (GraphProgram runs the plan's precision)
         self.state = self._state_total + per_param.cast_copy * self.params
         self._cm: dict[str, ComputeModel] = {}
         self._halo_cache: dict[int, float] = {}
+        self._locality: torch.Tensor | None = None
         world = list(range(cluster.world_size))
         self._grad_bytes = self.params * per_param.grads
         self.sync_s = (collective_time("all_reduce", self._grad_bytes, world, cluster)
@@ -278,6 +295,14 @@ class GraphCostModel:
 
             self._cm["cpu"] = ComputeModel(cpu_spec(), self.profiles.get("cpu"), dtype=self.precision)
         return self._cm["cpu"]
+
+    def locality(self) -> torch.Tensor:
+        """The graph's locality order (data.locality_order), computed once: partition and the layer pipeline
+        both cut it."""
+        if self._locality is None:
+            assert self.stats.edge_index is not None
+            self._locality = locality_order(self.stats.edge_index, self.stats.num_nodes)
+        return self._locality
 
     def usable(self, d: int) -> float:
         return self.cluster.devices[d].spec.memory * (1 - self.reserve)
@@ -303,7 +328,7 @@ class GraphCostModel:
             part, _ = metis_parts(s.edge_index, s.num_nodes, [1.0 / parts] * parts)
             metis_order = order_of_parts(part, parts)[0]
             halos = [partition_quality(s.edge_index, s.num_nodes, o, equal, cut=False)["halo_volume"] / parts
-                     for o in (locality_order(s.edge_index, s.num_nodes), metis_order)]
+                     for o in (self.locality(), metis_order)]
             self._halo_cache[parts] = float(min(halos))
         return self._halo_cache[parts]
 
@@ -351,7 +376,7 @@ class GraphCostModel:
         if sum(int(c) for c in caps) < s.num_nodes:
             return self._infeasible("partition", [f"device {d} holds at most {int(caps[d])} nodes"
                                                   for d in devices] + [f"the graph has {s.num_nodes} nodes"])
-        order = locality_order(s.edge_index, s.num_nodes) if s.edge_index is not None else None
+        order = self.locality() if s.edge_index is not None else None
         best, best_t, best_marginal = None, math.inf, marginal
         # the balance ignores the halo exchange, which grows with every rank that owns nodes (over the network
         # most): also try fewer owners (_owner_sets); the others own no nodes, their `idle` reasons say why
@@ -538,7 +563,7 @@ class GraphCostModel:
     def _price_partition(self, shares: list[int], order: torch.Tensor | None) -> tuple:
         s = self.stats
         if s.edge_index is not None:
-            order = locality_order(s.edge_index, s.num_nodes) if order is None else order
+            order = self.locality() if order is None else order
             q = partition_quality(s.edge_index, s.num_nodes, order, shares, cut=False)
             halos, owner_edges, sends = ([float(v) for v in q[k]] for k in ("halo", "edges", "send"))
         else:
@@ -713,6 +738,255 @@ class GraphCostModel:
                           "trainers": trainers, "sampler_of": {str(t): f for t, f in feeds.items()},
                           "stages": stages, "idle": []})
 
+    # ---- layer pipeline: the message-passing layers split into stages over the ranks -------------------------
+    def layer_pipeline(self, chunks: int | None = None, stages: list[int] | None = None) -> Candidate:
+        """Full-graph training with rank s computing layers [a_s, b_s) for every node, the nodes in chunks
+        (layer_pipeline.py): for each chunk count C tried (`chunks`, else 1, 2, 4, 8), the stages' layers (given
+        as layers per rank in `stages`, else the split minimising the slowest stage's compute among those that
+        fit memory), the step simulated with the runtime's schedule on the graph's chunk dependencies; the
+        fastest C that fits memory wins (ties: fewer chunks). PlanError when the model cannot be pipelined
+        (fewer message-passing layers than ranks, a forward that is not a chain of layers)."""
+        from .layer_pipeline import StageGraph, chunk_layout, even_chunks, task_bytes_probe, unit_params
+
+        s, world = self.stats, self.cluster.world_size
+        sg = StageGraph(self.model)
+        L = sg.layers
+        if L < world:
+            raise PlanError(f"graph mode 'layer_pipeline' gives every rank at least one message-passing layer, but "
+                            f"{type(self.model).__name__} has {L} for {world} ranks: plan on at most {L} devices, "
+                            f"use a deeper model, or use graph mode 'partition'.")
+        if stages is not None:
+            stages = [int(v) for v in stages]
+            if len(stages) != world or min(stages) < 1 or sum(stages) != L:
+                raise PlanError(f"graph_options['stages'] = {stages}: give the number of message-passing layers of "
+                                f"each of the {world} ranks, each at least 1, summing to the model's {L}.")
+        if chunks is not None and not 1 <= int(chunks) <= s.num_nodes:
+            raise PlanError(f"graph_options['chunks'] = {chunks}: give a number of node chunks between 1 and the "
+                            f"graph's {s.num_nodes} nodes.")
+        mp = [sh for sh in self.shapes if sh.kind != "dense"]
+        dense = self._unit_dense(sg)
+        params = unit_params(self.model, sg)
+        kept = task_bytes_probe(self.model, sg, self.precision,
+                                torch.float16 if s.feature_bytes == 2 else torch.float32)
+        edge_pos = None
+        if s.edge_index is not None:
+            order = self.locality()
+            position = torch.empty(s.num_nodes, dtype=torch.long)
+            position[order] = torch.arange(s.num_nodes)
+            edge_pos = position[s.edge_index]
+        tried = [int(chunks)] if chunks is not None else [c for c in (1, 2, 4, 8) if c <= s.num_nodes]
+        options: dict[int, dict] = {}
+        best: tuple | None = None
+        for C in tried:
+            layout, _ = chunk_layout(edge_pos, s.num_nodes, even_chunks(s.num_nodes, C), s.avg_degree)
+            priced = self._pipeline_price(sg, mp, dense, params, kept, layout, stages)
+            options[C] = {"step_time_s": priced["step"], "fits": priced["fits"],
+                          "peak_memory_bytes": max(priced["mems"]), "stage_layers": priced["stage_layers"],
+                          "bubble_fraction": priced["bubble_fraction"], "halo": layout.halo}
+            key = (not priced["fits"], priced["step"], C)
+            if best is None or key < best[0]:
+                best = (key, C, layout, priced)
+        assert best is not None
+        _, C, layout, priced = best
+        problems = [_mem_problem(self.cluster, d, priced["mems"][d], self.usable(d),
+                                 f"layers {priced['stage_layers'][d]}") for d in range(world)
+                    if priced["mems"][d] > self.usable(d)]
+        if not priced["split_fits"]:
+            problems = [f"no split of the layers into {world} stages fits memory (the most even one: "
+                        + "; ".join(problems) + ")"] if problems else ["no split of the layers into stages fits "
+                                                                       "memory"]
+        why = (f"{C} chunk{'s' if C > 1 else ''}: " + ("given" if chunks is not None else
+               "the fastest predicted step that fits" if priced["fits"] else "none fits; the fastest"))
+        extra = {"stage_layers": priced["stage_layers"], "chunks": C, "chunk_sizes": even_chunks(s.num_nodes, C),
+                 "chunk_halo": layout.halo, "chunk_reads": [len(r) for r in layout.reads],
+                 "stage_params": priced["stage_params"], "boundary_bytes": priced["boundary"],
+                 "pipeline": priced["pipeline"], "chunk_options": {str(k): v for k, v in options.items()},
+                 "chunks_why": why, "order": "bfs", "idle": []}
+        return Candidate("layer_pipeline", [b - a for a, b in priced["stage_layers"]],
+                         not problems, priced["step"], s.labelled, priced["busy"], priced["transfer"],
+                         priced["sync"], [int(m) for m in priced["mems"]], priced["flops"], problems, extra)
+
+    def _unit_dense(self, sg: object) -> list[list[LayerShape]]:
+        """Per unit of the layer chain (0: the code before the first layer; l + 1: after layer l) its linears."""
+        out: list[list[LayerShape]] = []
+        for names in sg.unit_modules():  # type: ignore[attr-defined]
+            shapes = []
+            for target in names:
+                try:
+                    obj = self.model.get_submodule(target)
+                except AttributeError:  # a parameter or constant read directly
+                    continue
+                if isinstance(obj, nn.Linear):
+                    shapes.append(LayerShape("dense", obj.in_features, obj.out_features, 0,
+                                             2.0 * obj.in_features * obj.out_features))
+            out.append(shapes)
+        return out
+
+    def _pipeline_tasks(self, d: int, mp: list[LayerShape], dense: list[list[LayerShape]], layout: object
+                        ) -> tuple[list[list[float]], list[list[float]], float]:
+        """Forward and backward seconds of every unit's task per chunk on device d ([unit][chunk]; unit 0: the
+        prefix) and FLOPs of one step over all units."""
+        cm, b = self.cm(d), self.b
+        C = layout.chunks  # type: ignore[attr-defined]
+        fwd = [[0.0] * C for _ in range(len(mp) + 1)]
+        bwd = [[0.0] * C for _ in range(len(mp) + 1)]
+        flops = 0.0
+        for k in range(C):
+            n = layout.size(k)  # type: ignore[attr-defined]
+            h, e = layout.halo[k], layout.edges[k]  # type: ignore[attr-defined]
+            for u in range(len(mp) + 1):
+                w = Work()
+                if u == 0:  # gather chunk k's feature rows, then the code before layer 0
+                    f = self.stats.features * self.stats.feature_bytes
+                    w.fwd += cm.op_time("gather", 0, 2 * n * f)
+                else:
+                    sh = mp[u - 1]
+                    lw = layer_work(cm, sh, n + h, n, e, b)
+                    w.fwd, w.bwd, w.flops = lw.fwd, lw.bwd, lw.flops
+                    if h:  # the halo's rows gathered from the other pieces and joined to the chunk's
+                        copy = 2 * (n + h) * sh.d_in * b
+                        w.fwd += cm.op_time("gather", 0, copy, launches=2)
+                        w.bwd += cm.op_time("gather", 0, 2 * copy, launches=2)
+                for sh in dense[u]:
+                    lw = layer_work(cm, sh, n, n, 0, b)
+                    w.fwd, w.bwd, w.flops = w.fwd + lw.fwd, w.bwd + lw.bwd, w.flops + lw.flops
+                fwd[u][k], bwd[u][k] = w.fwd, w.bwd
+                flops += w.flops
+        return fwd, bwd, flops
+
+    def _pipeline_memory(self, d: int, a: int, b_: int, last: bool, mp: list[LayerShape], params: list[int],
+                         kept: list, layout: object) -> float:
+        """Bytes rank d holds at its peak computing layers [a, b_) of the layer pipeline: its stage's training
+        state and the chunks' graphs, then its tasks in order (layer_pipeline.py's memory paragraph): a forward
+        task adds what it keeps (`TaskBytes.kept`, and its joined own + halo input when the chunk has a halo)
+        and peaks at that plus its transient; the backward starts with the gradients received for the pieces
+        sent, and each backward task peaks at what is alive plus its transient, then frees what it kept and
+        its output's gradient and leaves its input rows' gradient."""
+        s, b = self.stats, self.b
+        C = layout.chunks  # type: ignore[attr-defined]
+        sizes = [layout.size(k) for k in range(C)]  # type: ignore[attr-defined]
+        halo, edges = layout.halo, layout.edges  # type: ignore[attr-defined]
+        p = sum(params[u] for u in range(a + 1, b_ + 1)) + (params[0] if a == 0 else 0)
+        pp = self.per_param
+        live = p * (pp.total + pp.cast_copy)
+        live += 16 * sum(edges) + 8 * sum(n + h for n, h in zip(sizes, halo, strict=True)) + 8 * sum(halo) \
+            + 8 * s.num_nodes + (8 * s.num_nodes if last else 0)
+        peak = live
+        if a == 0:  # the feature rows of every chunk, then the code before the first layer
+            live += s.num_nodes * s.features * s.feature_bytes
+            for n in sizes:
+                peak = max(peak, live + kept[0].forward(n, n, 0))
+                live += kept[0].kept(n, n, 0)
+        else:  # the pieces received from the previous stage (all receives posted at once)
+            live += s.num_nodes * mp[a].d_in * b
+        for li in range(a, b_):
+            for k in range(C):
+                n, h, e = sizes[k], halo[k], edges[k]
+                joined = (n + h) * mp[li].d_in * b if h else 0.0
+                peak = max(peak, live + joined + kept[li + 1].forward(n + h, n, e))
+                live += joined + kept[li + 1].kept(n + h, n, e)
+        peak = max(peak, live)
+        out_width = mp[b_].d_in if not last else 0
+        if not last:  # the gradients of the pieces sent, their receives posted at once
+            live += s.num_nodes * out_width * b
+            peak = max(peak, live)
+        for li in range(b_ - 1, a - 1, -1):
+            for k in range(C):
+                n, h, e = sizes[k], halo[k], edges[k]
+                joined = (n + h) * mp[li].d_in * b if h else 0.0
+                peak = max(peak, live + kept[li + 1].backward(n + h, n, e))
+                grad_out = n * (mp[li + 1].d_in if li + 1 < len(mp) else 0) * b
+                live += n * mp[li].d_in * b - joined - kept[li + 1].kept(n + h, n, e) - grad_out
+        return peak
+
+    def _pipeline_price(self, sg: object, mp: list[LayerShape], dense: list[list[LayerShape]], params: list[int],
+                        kept: list, layout: object, stages: list[int] | None) -> dict:
+        """The layer pipeline priced at one chunk layout: the stages' split, step, per-rank memory."""
+        from .layer_pipeline import simulate
+
+        world, L = self.cluster.world_size, len(mp)
+        tasks = {}
+        for d in range(world):  # one pricing per device type
+            name = self.cluster.devices[d].spec.name
+            if name not in tasks:
+                tasks[name] = self._pipeline_tasks(d, mp, dense, layout)
+        per = [tasks[self.cluster.devices[d].spec.name] for d in range(world)]
+
+        def stage_time(d: int, a: int, b_: int) -> float:
+            fwd, bwd = per[d][0], per[d][1]
+            t = sum(sum(fwd[u]) + sum(bwd[u]) for u in range(a + 1, b_ + 1))
+            return t + (sum(per[d][0][0]) if a == 0 else 0.0)
+
+        def fits(d: int, a: int, b_: int) -> bool:
+            return self._pipeline_memory(d, a, b_, d == world - 1, mp, params, kept, layout) <= self.usable(d)
+
+        if stages is not None:
+            bounds = [0]
+            for n in stages:
+                bounds.append(bounds[-1] + n)
+            split = [(bounds[i], bounds[i + 1]) for i in range(world)]
+        else:
+            split = self._split_layers(L, world, stage_time, fits)
+        feasible = split is not None
+        if split is None:  # nothing fits: price the even split, to say by how much
+            q, r = divmod(L, world)
+            bounds = [0]
+            for i in range(world):
+                bounds.append(bounds[-1] + q + (1 if i < r else 0))
+            split = [(bounds[i], bounds[i + 1]) for i in range(world)]
+        b = self.b
+        fwd = [[per[d][0][u + 1] for u in range(a, b_)] for d, (a, b_) in enumerate(split)]
+        bwd = [[per[d][1][u + 1] for u in range(a, b_)] for d, (a, b_) in enumerate(split)]
+        xfer = [[collective_time("p2p", layout.size(k) * mp[split[d][1]].d_in * b, [d, d + 1], self.cluster)
+                 for k in range(layout.chunks)] for d in range(world - 1)]  # type: ignore[attr-defined]
+        sim = simulate(split, layout, fwd, bwd, (per[0][0][0], per[0][1][0]), xfer)  # type: ignore[arg-type]
+        mems = [self._pipeline_memory(d, a, b_, d == world - 1, mp, params, kept, layout)
+                for d, (a, b_) in enumerate(split)]
+        stage_params = [sum(params[u] for u in range(a + 1, b_ + 1)) + (params[0] if a == 0 else 0)
+                        for a, b_ in split]
+        pp = self.per_param
+        opt = [2 * p * pp.total / self.cluster.devices[d].spec.memory_bandwidth for d, p in enumerate(stage_params)]
+        sync = max(opt) + collective_time("all_reduce", 4, list(range(world)), self.cluster)
+        step = sim.step_s + sync
+        flops = per[0][2]
+        bubble = [sim.step_s - sim.busy[d] for d in range(world)]
+        return {"stage_layers": [list(x) for x in split], "split_fits": feasible,
+                "fits": feasible and all(m <= self.usable(d) for d, m in enumerate(mems)), "step": step,
+                "mems": mems, "busy": sim.busy, "transfer": sim.transfer_s, "sync": sync, "flops": flops,
+                "stage_params": stage_params,
+                "boundary": [int(sum(layout.size(k) for k in range(layout.chunks)) * mp[b_].d_in * b)  # type: ignore[attr-defined]
+                             for _, b_ in split[:-1]],
+                "bubble_fraction": sum(bubble) / world / step if step > 0 else 0.0,
+                "pipeline": {"forward_end_s": sim.forward_end, "backward_end_s": sim.backward_end,
+                             "busy_s": sim.busy, "idle_s": bubble, "transfer_s": sim.transfer_s,
+                             "optimizer_s": opt}}
+
+    @staticmethod
+    def _split_layers(L: int, world: int, time: Callable[[int, int, int], float],
+                      fits: Callable[[int, int, int], bool]) -> list[tuple[int, int]] | None:
+        """Consecutive layer ranges, one per rank, minimising the slowest rank's compute among the splits whose
+        every stage fits its rank's memory (dynamic programming over the split points); None if none fits."""
+        inf = math.inf
+        best = [[inf] * (L + 1) for _ in range(world + 1)]
+        back = [[-1] * (L + 1) for _ in range(world + 1)]
+        best[0][0] = 0.0
+        for d in range(world):
+            for b_ in range(d + 1, L - (world - d - 1) + 1):
+                for a in range(d, b_):
+                    if best[d][a] == inf or not fits(d, a, b_):
+                        continue
+                    t = max(best[d][a], time(d, a, b_))
+                    if t < best[d + 1][b_]:
+                        best[d + 1][b_], back[d + 1][b_] = t, a
+        if best[world][L] == inf:
+            return None
+        split, b_ = [], L
+        for d in range(world, 0, -1):
+            a = back[d][b_]
+            split.append((a, b_))
+            b_ = a
+        return split[::-1]
+
     def _idle(self, shares: list[int], compute: list[float], comm: float, fixed: list[float],
               marginal: list[float], caps: list[float],
               price: Callable[[list[int]], tuple[list[float], float]]) -> list[dict]:
@@ -747,6 +1021,10 @@ class GraphCostModel:
                         "chosen_compute_s": max(compute), "chosen_comm_s": comm, "busiest": busiest,
                         "busiest_fixed_s": fixed[busiest]})
         return out
+
+    def infeasible(self, mode: str, problems: list[str]) -> Candidate:
+        """A candidate that cannot run: `problems` say why."""
+        return self._infeasible(mode, problems)
 
     def _infeasible(self, mode: str, problems: list[str]) -> Candidate:
         world = self.cluster.world_size

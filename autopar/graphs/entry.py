@@ -53,7 +53,8 @@ def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_tar
     `graph_data`: a directory written by `autopar.graphs.partition(x, edge_index, y, plan, out_dir)`
     (store.py). The plan is the directory's (or the given one, which must be it), nothing is planned, and this
     rank reads only its own part; with `check_plan` its peak memory over reading it and the first steps is
-    measured against the plan (runtime/plan_check.py, PlanDriftWarning on drift)."""
+    measured against the plan (runtime/plan_check.py, PlanDriftWarning on drift), as for a layer_pipeline plan,
+    whose ranks each hold one stage."""
     if graph_data is not None:
         return _compile_local(model, cluster, inputs, example_target, loss_fn, optimizer, plan, rank, world,
                               timeout_s, precision, graph_data, check_plan)
@@ -85,6 +86,18 @@ def compile_graph(model: nn.Module, cluster: Cluster, inputs: tuple, example_tar
         return TemporalProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
     if plan.graph["mode"] == "temporal_pipeline":
         return TemporalPipelineProgram(model, plan, optimizer, rank, world, timeout_s)  # type: ignore[arg-type]
+    if plan.graph["mode"] == "layer_pipeline" and check_plan:
+        # each rank holds a different part of the model: its peak over building its stage and the first steps is
+        # measured against the plan (runtime/plan_check.py: PlanDriftWarning on drift; `prog.report()`)
+        from ..runtime.plan_check import PlanCheck
+
+        device = next((p.device for p in model.parameters()), None) or torch.device("cpu")
+        check = PlanCheck(plan, rank, device).open()
+        try:
+            return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s, plan_check=check)
+        except BaseException:
+            check.abandon()
+            raise
     return GraphProgram(model, plan, loss_fn, optimizer, rank, world, timeout_s)
 
 

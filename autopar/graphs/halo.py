@@ -1,4 +1,4 @@
-"""Graph partitioning across ranks: node shares, each rank's local subgraph, and the halo exchange.
+"""Graph partitioning across ranks: node shares and each rank's local subgraph (the halo exchange: exchange.py).
 
 Nodes are put in a locality order (`data.locality_order`) and rank r owns the contiguous range
 [bounds[r], bounds[r + 1]) of it. Its local graph holds every in-edge of its owned nodes; the sources it does
@@ -10,14 +10,10 @@ delivers. Every rank derives all of this from the full edge_index, so no index l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from ..errors import InfeasibleError, PlanError
-from ..runtime.dist import all_to_all, release
 from .data import in_degree, locality_order
 
 
@@ -129,42 +125,4 @@ def partition_graph(edge_index: torch.Tensor, num_nodes: int, shares: list[int],
                      [h.numel() for h in halos], torch.bincount(owner, minlength=len(shares)).tolist())
 
 
-class _HaloExchange(torch.autograd.Function):
-    """Forward: [h; rows received from their owners]. Backward: the halo rows' gradients go back to their
-    owners and are added into the rows they were sent from. The send and receive buffers are freed on this
-    thread as soon as they are read (`release`), so a rank holds one exchange's buffers at a time, as priced
-    (graphs/cost.py `graph_bytes`), on a loaded host too."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, part: Partition, group: object) -> torch.Tensor:
-        ctx.part, ctx.group, ctx.rows = part, group, h.shape[0]
-        send = h[part.send_index]
-        recv = all_to_all(send, part.recv_counts, part.send_counts, group, "halo exchange")
-        release(send)
-        out = torch.cat([h, recv])
-        release(recv)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        part, rows = ctx.part, ctx.rows
-        halo = grad[rows:]
-        send = halo.contiguous()
-        back = all_to_all(send, part.send_counts, part.recv_counts, ctx.group, "halo exchange (backward)")
-        if send.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr():
-            release(send)
-        grad_h = grad[:rows].index_add(0, part.send_index, back)
-        release(back)
-        return grad_h, None, None
-
-
-def halo_exchange(h: torch.Tensor, part: Partition, group: object | None = None) -> torch.Tensor:
-    """[owned rows; halo rows]: sends the owned rows peers need, receives this rank's halo rows. Autograd-aware:
-    the backward sends the halo rows' gradients back to their owners, where they are summed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return h
-    return _HaloExchange.apply(h, part, group or dist.group.WORLD)
-
-
-__all__ = ["Partition", "balanced_shares", "halo_exchange", "partition_graph", "proportional_shares"]
+__all__ = ["Partition", "balanced_shares", "partition_graph", "proportional_shares"]

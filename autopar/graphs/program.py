@@ -7,7 +7,10 @@ sampled_dp: every step takes a global mini-batch of seeds (sampling.seeds_for_st
     and runs the layered subgraph of per-node deterministic samples; loss weighted by seeds share.
 sampled_pipeline: the sampled_dp algorithm with cpu ranks sampling and gathering for the accelerator ranks
     (pipeline.py); only the trainers hold a share of seeds, compute gradients and step their optimizer.
-All: parameters replicated (rank 0's weights at start), gradients summed with one all-reduce, then the
+layer_pipeline: rank s holds the parameters of stage s's message-passing layers (rank 0's weights at start; the
+    other stages' are meta tensors) and computes them for every node, the nodes in chunks flowing from stage to
+    stage (layer_pipeline.py); each rank steps its own optimizer, no gradient is reduced.
+The others: parameters replicated (rank 0's weights at start), gradients summed with one all-reduce, then the
 optimizer steps identically everywhere. The plan's precision runs as everywhere else (runtime/precision.py):
 bf16/fp16 autocast around the forward with fp32 weights, optimizer state and gradient reduction, fp16 with
 dynamic loss scaling; fp32 plans compute in fp32.
@@ -30,7 +33,9 @@ from ..runtime.precision import PrecisionPolicy
 from ..runtime.program import OptimizerFactory, make_optimizer
 from ..runtime.whole_model import WholeModelState
 from .data import IGNORE, check_graph_inputs
-from .halo import halo_exchange, partition_graph
+from .exchange import halo_exchange
+from .halo import partition_graph
+from .layer_program import LayerPipeline
 from .layers import LocalGraph, local_layers, message_passing_layers
 from .partitioners import partition_order
 from .pipeline import pipeline_groups, recv_batch, send_batches, step_batches
@@ -96,9 +101,9 @@ class GraphProgram(WholeModelState):
         if data is not None and g.get("mode") != "partition":
             raise PlanError("graph_data= trains partition-mode plans; this plan is "
                             f"{g.get('mode')!r}.")
-        if g.get("mode") not in ("partition", "sampled_dp", "sampled_pipeline"):
-            raise PlanError(f"plan.graph mode must be 'partition', 'sampled_dp' or 'sampled_pipeline', got "
-                            f"{g.get('mode')!r}.")
+        if g.get("mode") not in ("partition", "sampled_dp", "sampled_pipeline", "layer_pipeline"):
+            raise PlanError(f"plan.graph mode must be 'partition', 'sampled_dp', 'sampled_pipeline' or "
+                            f"'layer_pipeline', got {g.get('mode')!r}.")
         if len(g["shares"]) != world_size:
             raise PlanError(f"the plan has {len(g['shares'])} graph shares but {world_size} ranks run; plan for "
                             f"this cluster.")
@@ -113,7 +118,9 @@ class GraphProgram(WholeModelState):
         self._part_key: tuple | None = None  # the graph `part` was made for (`_partition`)
         self.data, self.plan_check = data, plan_check
         sync_replicas(model, world_size, timeout_s)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        if self.mode == "layer_pipeline":  # this rank keeps its stage's parameters only
+            self.pipe = LayerPipeline(model, plan, rank, world_size, timeout_s)
+        self.params = [p for p in model.parameters() if p.requires_grad and not p.is_meta]
         self.optimizer = make_optimizer(optimizer, self.params)
         if self.mode == "sampled_pipeline":
             self.trainers = [int(t) for t in g["trainers"]]
@@ -165,7 +172,9 @@ class GraphProgram(WholeModelState):
         self.device = x.device
         self.policy = PrecisionPolicy.of_plan(self.plan, self.device, self.timeout_s)
         self.labelled = labelled_nodes(target.cpu())
-        if self.mode == "partition":
+        if self.mode == "layer_pipeline":
+            self.pipe.prepare(x, edge_index, target)
+        elif self.mode == "partition":
             is_lab = torch.zeros(n, dtype=torch.bool)
             is_lab[self.labelled] = True
             self.local_labelled = int(is_lab[self._partition(x, edge_index).owned.cpu()].sum())
@@ -176,6 +185,51 @@ class GraphProgram(WholeModelState):
     def checkpoint_writer(self) -> int:
         return self.trainers[0] if self.mode == "sampled_pipeline" else 0
 
+    # ---- layer_pipeline: each rank holds its stage's parameters, its state is its stage's ----
+    def state_dict(self) -> dict:
+        """The model's and optimizer's state dicts and the step; in layer_pipeline mode this rank's stage only
+        (the entries it holds: the other stages' parameters are meta tensors here)."""
+        sd = super().state_dict()
+        if self.mode == "layer_pipeline":
+            sd["model"] = {k: v for k, v in sd["model"].items() if not v.is_meta}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.mode != "layer_pipeline":
+            super().load_state_dict(sd)
+            return
+        mine = {k: v for k, v in sd["model"].items() if k in self.pipe.owned}
+        missing = sorted(self.pipe.owned - set(mine))
+        if missing:
+            raise PlanError(f"load_state_dict: rank {self.rank}'s stage needs {missing[:4]}"
+                            f"{' ...' if len(missing) > 4 else ''}, which the state dict does not hold.")
+        self.model.load_state_dict(mine, strict=False)
+        if isinstance(sd.get("optimizer"), dict) and "param_groups" in sd["optimizer"]:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd.get("step", self.step_count))
+
+    def checkpoint_entries(self) -> dict:
+        """layer_pipeline: every rank writes its stage's entries (rank 0 also the step and the plan), so the
+        directory holds the whole model, as any program's does; the other modes: `checkpoint_writer()` writes."""
+        if self.mode == "layer_pipeline":
+            return self.state_entries(with_step=self.rank == 0)
+        return super().checkpoint_entries()
+
+    def save(self, path: Any) -> None:
+        self.share_trained()
+        super().save(path)
+
+    def load(self, path: Any) -> None:
+        """Load any program's checkpoint; layer_pipeline: each rank reads its stage's entries. Collective."""
+        if self.mode != "layer_pipeline":
+            super().load(path)
+            return
+        from ..runtime import checkpoint
+
+        self.step_count = checkpoint.load_into_model(self.model, path, self.optimizer, only=self.pipe.owned)
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
     def share_trained(self) -> None:
         """sampled_pipeline: sampler ranks take the first trainer's parameters and buffers (they never train
         theirs). `save`, `load` and `eval_step` call it; call it before reading `state_dict()` on a sampler.
@@ -184,14 +238,14 @@ class GraphProgram(WholeModelState):
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 broadcast(t.data, self.trainers[0], "trained parameters to the sampler ranks", self.timeout_s)
 
-    def save(self, path: Any) -> None:
-        self.share_trained()
-        super().save(path)
-
     def what_runs(self) -> str:
         if self.mode == "sampled_pipeline" and self.role == "sampler":
             fed = [t for t, f in self.sampler_of.items() if f == self.rank]
             return f"samples and gathers the mini-batches of ranks {fed} (sampled_pipeline)"
+        if self.mode == "layer_pipeline":
+            a, b = self.pipe.a, self.pipe.b
+            return (f"message-passing layers [{a}, {b}) of {self.layers} for every node, {self.pipe.C} chunk"
+                    f"{'s' if self.pipe.C > 1 else ''} (layer_pipeline)")
         unit = "nodes owned" if self.mode == "partition" else "seeds per step"
         return f"the whole model, {self.shares[self.rank]} {unit} ({self.mode})"
 
@@ -214,6 +268,14 @@ class GraphProgram(WholeModelState):
         self._check(x, edge_index)
         self.share_trained()
         policy = PrecisionPolicy.of_plan(self.plan, x.device, self.timeout_s)
+        if self.mode == "layer_pipeline":  # the last stage's output for every node, sent to every rank
+            self.pipe.prepare(x, edge_index, None)
+            with torch.no_grad():
+                f = self.pipe.forward(x, policy, self.loss_fn, train=False)
+                self.pipe.finish(f)
+                out = self.pipe.output(f)
+            return concat_from(None if out is None else [out], [self.world_size - 1], self.world_size,
+                               self.timeout_s, x.device, self.pipe.comm.world)[0]
         with torch.no_grad():
             if self.mode != "partition":
                 with policy.forward():
@@ -259,6 +321,8 @@ class GraphProgram(WholeModelState):
         self._prepare(x, edge_index, target)
         if self.mode == "sampled_pipeline":
             return self._pipeline_step(x, target)
+        if self.mode == "layer_pipeline":
+            return self._layer_pipeline_step(x)
         if self.mode == "partition":
             part = self._partition(x, edge_index)
             ctx = self._partitioned(part)
@@ -328,6 +392,21 @@ class GraphProgram(WholeModelState):
                            "(sampled_pipeline)", self.groups.trainers)
         self.step_count += 1
         return value
+
+    def _layer_pipeline_step(self, x: torch.Tensor) -> float:
+        """layer_pipeline: this stage's forward and backward over every chunk (layer_pipeline.py), the loss from
+        the last stage to every rank (one all-reduce of one element), then this rank's optimizer step."""
+        f = self.pipe.forward(x, self.policy, self.loss_fn, train=True)
+        self.pipe.backward(f, self.policy)
+        loss = torch.tensor([f.value if self.pipe.last else 0.0], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            all_reduce(loss, dist.group.WORLD, "the loss from the last stage (layer_pipeline)", self.timeout_s,
+                       self.pipe.comm.world)
+        if self.policy.unscale(self.params, self.optimizer, self.world_size, self.pipe.comm.world):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return float(loss)
 
     def _local_step(self) -> float:
         """A partition step on this rank's part of graph_data (the same arithmetic as `_step` on the full

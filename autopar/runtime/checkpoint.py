@@ -264,14 +264,18 @@ def _check(entries: dict, key: str, shape: tuple[int, ...] | None, path: str | o
 
 
 def load_into_model(model: nn.Module, path: str | os.PathLike,
-                    optimizer: torch.optim.Optimizer | None = None) -> int:
+                    optimizer: torch.optim.Optimizer | None = None, only: set[str] | None = None) -> int:
     """Load a checkpoint written by `Program.save` (under any plan) into the original single-device model
-    and, when given, an optimizer over its parameters; returns the saved step count.
+    and, when given, an optimizer over its parameters; returns the saved step count. `only`: load just these
+    model entries (and their optimizer state), the rest of the checkpoint left unread (a layer pipeline's rank
+    holding one stage).
 
     Reads with DCP in no-dist mode, so it works in a plain process and inside a distributed job alike."""
     md = read_metadata(path)
     entries = md.state_dict_metadata
     named = model.state_dict(keep_vars=True)
+    if only is not None:
+        named = {k: v for k, v in named.items() if k in only}
     # a tied weight appears under several names in the model but once in the checkpoint
     key_of: dict[str, str] = {}
     by_tensor: dict[int, str] = {}
@@ -283,7 +287,8 @@ def load_into_model(model: nn.Module, path: str | os.PathLike,
         if src is None:
             _check(entries, MODEL + fqn, None, path)  # raises the missing-entry error
         key_of[fqn] = src  # type: ignore[assignment]
-    _check_no_extra(entries, {MODEL + src for src in key_of.values()}, path)
+    if only is None:
+        _check_no_extra(entries, {MODEL + src for src in key_of.values()}, path)
     request: dict[str, Any] = {}
     for fqn, src in key_of.items():
         request.setdefault(MODEL + src, _empty(entries, MODEL + src, tuple(named[fqn].shape), path))
@@ -291,6 +296,8 @@ def load_into_model(model: nn.Module, path: str | os.PathLike,
     if optimizer is not None:
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for fqn, p in model.named_parameters():
+            if only is not None and fqn not in only:
+                continue
             if id(p) not in in_opt:
                 if not p.requires_grad:  # a frozen parameter: no optimizer state to load
                     continue

@@ -53,22 +53,8 @@ class WholeModelState:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write the model, optimizer state and step to checkpoint directory `path` (checkpoint.py's layout;
-        `checkpoint_writer()` writes every entry). Collective."""
-        entries: dict[str, Any] = {}
-        if self.rank == self.checkpoint_writer():
-            names: dict[int, str] = {}  # a tied weight once, under its first name
-            for fqn, t in self.model.state_dict(keep_vars=True).items():
-                if id(t) not in names:
-                    names[id(t)] = fqn
-                    entries[checkpoint.MODEL + fqn] = t.detach()
-            for p, state in self.optimizer.state.items():
-                for key, v in state.items():
-                    if v is not None:
-                        entries[f"{checkpoint.OPTIM}{names[id(p)]}.{key}"] = \
-                            v.detach() if isinstance(v, torch.Tensor) else v
-            entries[checkpoint.STEP] = torch.tensor(self.step_count, dtype=torch.int64)
-            if self.plan is not None:
-                entries[checkpoint.PLAN] = self.plan.to_json(indent=None)
+        each rank writes its `checkpoint_entries()`). Collective."""
+        entries = self.checkpoint_entries()
         distributed = self.world_size > 1 and dist.is_initialized()
         with checkpoint.quiet_dcp():
             dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not distributed)
@@ -76,6 +62,31 @@ class WholeModelState:
     def checkpoint_writer(self) -> int:
         """The rank whose model and optimizer state `save` writes (one that trains)."""
         return 0
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """What this rank writes into a checkpoint: every entry on `checkpoint_writer()`, nothing elsewhere."""
+        return self.state_entries(with_step=True) if self.rank == self.checkpoint_writer() else {}
+
+    def state_entries(self, with_step: bool) -> dict[str, Any]:
+        """The checkpoint entries of the parameters and buffers this rank holds (a meta tensor is one it does
+        not: another rank holds it) and their optimizer state; the step and the plan when `with_step`."""
+        entries: dict[str, Any] = {}
+        names: dict[int, str] = {}  # a tied weight once, under its first name
+        for fqn, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in names:
+                names[id(t)] = fqn
+                if not t.is_meta:
+                    entries[checkpoint.MODEL + fqn] = t.detach()
+        for p, state in self.optimizer.state.items():
+            for key, v in state.items():
+                if v is not None:
+                    entries[f"{checkpoint.OPTIM}{names[id(p)]}.{key}"] = \
+                        v.detach() if isinstance(v, torch.Tensor) else v
+        if with_step:
+            entries[checkpoint.STEP] = torch.tensor(self.step_count, dtype=torch.int64)
+            if self.plan is not None:
+                entries[checkpoint.PLAN] = self.plan.to_json(indent=None)
+        return entries
 
     def load(self, path: str | os.PathLike) -> None:
         """Load a checkpoint written by any program's `save` (every rank reads the whole model). Collective."""

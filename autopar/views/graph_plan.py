@@ -4,7 +4,7 @@ and both modes' predictions. Reads only `Plan.graph`, so a plan read back from J
 
 from __future__ import annotations
 
-from ..graphs.planner import GRAPH_MODES
+from ..graphs.planner import FULL_GRAPH_MODES, GRAPH_MODES
 from ..report import fmt_bytes, fmt_time, render_table
 
 SAMPLED_MODES = {"sampled_dp", "sampled_pipeline"}  # one algorithm, two divisions of labour
@@ -43,9 +43,15 @@ def explain_graph(graph: dict) -> str:
         lines[0] += f" ({graph.get('batch_size')} events/step split across ranks, node memory replicated)"
     elif mode == "temporal_pipeline":
         lines += temporal_pipeline_lines(graph)
+    elif mode == "layer_pipeline":
+        lines += layer_pipeline_lines(graph)
+    if graph.get("mode_why"):
+        lines.append(f"why {mode}: {graph['mode_why']}")
     cand = graph.get("candidates", {})
     chosen = cand.get(mode, {})
-    if "shares" in graph:
+    if mode == "layer_pipeline":
+        pass  # its per-rank table is layer_pipeline_lines'
+    elif "shares" in graph:
         head = ["rank", graph.get("unit", "share"), "halo", "compute", "peak mem"]
         rows = [head]
         for r, share in enumerate(graph["shares"]):
@@ -61,6 +67,12 @@ def explain_graph(graph: dict) -> str:
         rate = f"{c['samples_per_s']:.4g} samples/s, {fmt_time(c['step_time_s'])}/step" if c.get("fits") else ""
         if m == mode:
             tag = " (chosen)"
+        elif {m, mode} <= set(FULL_GRAPH_MODES):
+            faster = c.get("fits") and chosen.get("step_time_s") and c["step_time_s"] < chosen["step_time_s"]
+            tag = (" (the same full-graph training, " + ("not " if not faster else "") + "faster on this cluster: "
+                   + ("the layers split into stages over the ranks" if m == "layer_pipeline" else
+                      "every rank computing every layer for its own nodes") + f"; graph_options mode={m!r} asks "
+                   f"for it)")
         elif {m, mode} <= SAMPLED_MODES:
             faster = c.get("fits") and chosen.get("step_time_s") and c["step_time_s"] < chosen["step_time_s"]
             tag = (f" (the same sampled algorithm, {'faster' if faster else 'not faster'} on this cluster: "
@@ -70,6 +82,9 @@ def explain_graph(graph: dict) -> str:
             tag = (" (not considered: a different algorithm than the one asked for; graph_options "
                    f"mode={m!r} asks for it)" if mode in GRAPH_MODES else "")
         lines.append(f"  {m}{tag}: {rate} {status}".rstrip())
+    if mode == "partition" and "layer_pipeline" not in cand and len(graph.get("shares", [])) > 1:
+        lines.append("  layer_pipeline (not priced: partition fits and its step is not bound by the halo exchange; "
+                     "graph_options mode='layer_pipeline' asks for it)")
     return "\n".join(lines)
 
 
@@ -85,6 +100,42 @@ def temporal_pipeline_lines(graph: dict) -> list[str]:
             f"{fmt_time(st.get('memory_s', 0.0))}, write-back latency {fmt_time(st.get('latency_s', 0.0))} (theta "
             f"{fmt_time(st.get('theta_s', 0.0))}, rows {fmt_time(st.get('rows_s', 0.0))}) over {s} + 1 step(s); "
             f"predicted speed-up vs exact temporal_dp {graph.get('speedup_vs_temporal_dp', 0.0):.2f}x."]
+
+
+def layer_pipeline_lines(graph: dict) -> list[str]:
+    """The layer pipeline's shape: stages and their layers, the chunks and why, each rank's figures, the chunk
+    counts tried (graphs/layer_pipeline.py, cost.GraphCostModel.layer_pipeline)."""
+    stages, C = graph.get("stage_layers", []), graph.get("chunks", 1)
+    pipe = graph.get("pipeline", {})
+    chosen = graph.get("candidates", {}).get("layer_pipeline", {})
+    flow = (f"the nodes in {C} {graph.get('order', 'bfs')}-ordered chunks flowing through them" if C > 1 else
+            "the whole graph as one chunk")
+    lines = [f"full-graph training, the model as written, its {graph.get('layers')} message-passing layers split "
+             f"into {len(stages)} stages (one per rank), {flow} ({graph.get('chunks_why', '')}); a stage starts a "
+             f"chunk once every chunk holding one of its in-neighbours has arrived, so nothing is stale"]
+    reads = graph.get("chunk_reads", [])
+    if C > 1 and reads:
+        lines.append(f"each chunk reads {min(reads)}-{max(reads)} of the {C} chunks (its own and its halo's): "
+                     + ("every chunk waits for all of them, so stages run one after the other"
+                        if min(reads) == C else "later stages start before earlier ones finish"))
+    rows = [["rank", "layers", "params", "compute", "idle", "peak mem", "sends"]]
+    busy, idle = pipe.get("busy_s", []), pipe.get("idle_s", [])
+    peaks, bounds = chosen.get("peak_memory_bytes", []), graph.get("boundary_bytes", [])
+    for r, (a, b) in enumerate(stages):
+        rows.append([str(r), f"[{a}, {b})", str(graph.get("stage_params", ["-"] * (r + 1))[r]),
+                     fmt_time(busy[r]) if r < len(busy) else "-", fmt_time(idle[r]) if r < len(idle) else "-",
+                     fmt_bytes(peaks[r]) if r < len(peaks) else "-",
+                     fmt_bytes(bounds[r]) if r < len(bounds) else "-"])
+    lines.append(render_table(rows, right={2, 3, 4, 5, 6}))
+    options = graph.get("chunk_options", {})
+    if len(options) > 1:
+        rows = [["chunks", "step (predicted)", "idle", "largest peak", "fits"]]
+        for k, o in options.items():
+            rows.append([k + (" (chosen)" if int(k) == C else ""), fmt_time(o["step_time_s"]),
+                         f"{100 * o.get('bubble_fraction', 0.0):.0f}%", fmt_bytes(o["peak_memory_bytes"]),
+                         "yes" if o.get("fits") else "no"])
+        lines.append(render_table(rows, right={1, 2, 3}))
+    return lines
 
 
 def partitioner_lines(graph: dict) -> list[str]:
@@ -149,4 +200,4 @@ def idle_lines(idle: list[dict], unit: str) -> list[str]:
     return lines
 
 
-__all__ = ["explain_graph", "idle_lines", "partitioner_lines"]
+__all__ = ["explain_graph", "idle_lines", "layer_pipeline_lines", "partitioner_lines"]
