@@ -50,6 +50,18 @@ def test_factory_and_cast_ops_are_measured_not_guessed() -> None:
             annotate(g, autopar.Cluster.load("1x2xcpu"), "fp32")
 
 
+def test_an_in_place_op_on_an_activation_is_measured() -> None:
+    """hf_falcon adds into an activation in place (`add_`); measured on meta leaves that require grad it was
+    refused ("a leaf Variable that requires grad is being used in an in-place operation") and priced by bytes."""
+    pytest.importorskip("transformers")
+    case = models.CASES["hf_falcon"](seed=0, batch=2)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    assert any(str(n.target) == "aten.add_.Tensor" for n in g.nodes.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.UnpricedOpWarning)
+        annotate(g, autopar.Cluster.load("1x2xcpu"), "fp32")
+
+
 def test_an_unmeasurable_op_is_named_with_the_price_used(monkeypatch: pytest.MonkeyPatch) -> None:
     import autopar.passes.annotate as ann
 

@@ -147,6 +147,13 @@ def _hashable(x: Any) -> Any:
 def _measure(target: Any, arg_specs: tuple, kwarg_specs: tuple) -> _NodeCost:
     args = [_materialize(s) for s in arg_specs]
     kwargs = {k: _materialize(v) for k, v in kwarg_specs}
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        # an in-place op of the graph writes into an activation; a meta leaf that requires grad refuses that
+        # (hf_falcon's add_), so what it writes is a non-leaf copy here
+        written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        args = [a.clone() if i in written and isinstance(a, torch.Tensor) and a.requires_grad else a
+                for i, a in enumerate(args)]
     # the node's tensor arguments whose storage identifies a saved tensor
     tensor_args = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     packed: list[torch.Tensor] = []
