@@ -19,10 +19,11 @@ Per group (one cluster, model, global batch and precision: AMP het, AMP homo, an
 Ratios: `pred_peer/autopar` and `pred_best/autopar` are predicted over predicted (one cost model, the same
 `estimate()` pricing on both sides: > 1 means autopar's plan is predicted faster); `meas_peer/best` is measured
 over measured (AMP's pick's regret; 1 by construction for Sailor); `best_pred/meas` is the cost model's error on
-the measured-best row, the scale to read the predicted ratios against (bench/measured.py: median |error| 30 % /
-49 % / 56 % on AMP het / homo / Sailor). Where autopar's plan has the layout of a published row (schedule,
-pipelines, stages' layers, tp and device types, micro-batches; ZeRO / recompute / offload may differ), that row's
-measured time is given (`autopar_measured_s`); otherwise autopar's plan has no measurement.
+the measured-best row, the scale to read the predicted ratios against (bench/measured.py's summary gives the
+error over every row; the rows in this script's JSON are priced as measured.py prices them). Where autopar's plan
+has the layout of a published row (schedule, pipelines, stages' layers, tp and device types, micro-batches; ZeRO /
+recompute / offload may differ), that row's measured time is given (`autopar_measured_s`); otherwise autopar's
+plan has no measurement.
 
 Metis (USENIX ATC'24) is not compared: its published plans are not in ../shared/reference.
 
