@@ -49,6 +49,9 @@ Scaling: planning time of GPT-3 175B (batch 1536) on 64 to 16,384 A100-80GB (`sc
 and stored under the summary's "scaling". Times are wall-clock on whatever machine runs this (a shared one
 is slower while others run).
 
+The peers' published plans (AMP's and Sailor's, on their own clusters and models) against autopar's own plan,
+priced by the same `estimate()` pricing: bench/peers.py (Metis's plans are not in ../shared/reference).
+
 Run: cd bench && python planner.py
 """
 
