@@ -153,6 +153,13 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
                     budget_per_hour=budget_per_hour, work_limit=work_limit)
     if score(result.predicted, cm.cluster, objective, budget_per_hour) == math.inf:
+        step = float(result.predicted.get("step_time_s", math.inf))
+        if result.predicted.get("fits") is False or not math.isfinite(step):
+            # the search's best when it stopped is not a plan that runs (bench/peers.py: Sailor's 48 GPUs at 120 s)
+            raise InfeasibleError(
+                f"planning stopped (time_limit_s={time_limit_s:g}) with no plan that fits the devices' memory and "
+                f"runs (its best so far: step {step:.4g} s, fits: {result.predicted.get('fits')}): raise "
+                f"time_limit_s, or plan with fewer devices (a sub-cluster of the fastest types).")
         raise InfeasibleError(f"the plan found costs {result.predicted.get('cost_per_hour', 0.0):.4g} per hour, over "
                               f"budget_per_hour={budget_per_hour}: raise the budget or use fewer or cheaper devices.")
     result.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)

@@ -84,6 +84,26 @@ def test_plan_checks_the_objective_and_the_budget() -> None:
                      time_limit_s=30, budget_per_hour=0.5)
 
 
+def test_a_search_that_stops_without_a_fitting_plan_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the search's best when it stopped does not fit (Sailor's 48 GPUs at 120 s, bench/peers.py), the
+    error names the time limit, not a budget nobody set."""
+    import autopar.api as api
+
+    case = models.gpt(layers=2, batch=4)
+    real = api.search
+
+    def stopped(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        plan = real(*a, **kw)
+        plan.predicted["fits"] = False
+        return plan
+
+    monkeypatch.setattr(api, "search", stopped)
+    with pytest.raises(InfeasibleError, match=r"planning stopped \(time_limit_s=30\) with no plan that fits") as e:
+        autopar.plan(case.model, "1x2xA100-80GB", case.example_inputs, case.example_target, case.loss_fn,
+                     time_limit_s=30)
+    assert "budget" not in str(e.value)
+
+
 def test_cost_objective_searches_device_subsets_and_may_leave_a_type_out() -> None:
     """objective="cost" returns the plan of lowest cost per sample over every union of device types, written
     on the whole cluster with the unused devices idle; checked against planning each sub-cluster on its own
