@@ -131,6 +131,8 @@ from ...ir.plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
 from ...lowering import communicator_counts
 from ...report import fmt_time
+from .. import budget
+from ..budget import WallGuard
 from ..pricing import context, experts
 from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from ..split.selective import selective
@@ -248,12 +250,12 @@ class Search:
         # a step time another search already reached (subsets.py): only faster plans count, and the search
         # ends, as with an incumbent, when the bounds reach it (InfeasibleError when nothing beats it)
         self.cutoff = cutoff
-        self.deadline = time.perf_counter() + time_limit_s
+        self.guard = WallGuard(time_limit_s)  # the wall clock only guards (budget.py); it warns where it cuts
         self.time_limit_s = time_limit_s
         self.work_limit = work_limit  # configurations solved at most (None: no limit)
         self.progress = progress
         self._progress_bound = progress is not None and _takes_four(progress)
-        self.splitter = Splitter(cm)
+        self.splitter = Splitter(cm, self.guard)
         self.bounds = ConfigBounds(cm, self.splitter)
         self._types: dict[int, tuple[tuple, list[tuple]]] = {}
         self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
@@ -383,13 +385,9 @@ class Search:
             count.append((k, s_c, r_c))
         model.Add(sum(k * s + r for k, s, r in count) == cm.B)
         model.Minimize(Z)
-        solver = cp_model.CpSolver()
         # one worker with a fixed seed is deterministic (and on these small models fastest)
-        solver.parameters.num_workers = 1
-        solver.parameters.random_seed = 0
-        solver.parameters.max_deterministic_time = SHARES_DETERMINISTIC_S  # the same answer under any load
-        solver.parameters.max_time_in_seconds = max(1.0, min(10.0, self.deadline - time.perf_counter()))  # guard
-        if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = budget.cpsat(SHARES_DETERMINISTIC_S, self.guard)
+        if budget.solve(solver, model, "the batch split's integer shares") not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         shares: list[int] = [0] * n_pipes
         for (_, s, r), ix in zip(count, classes.values(), strict=True):
@@ -560,10 +558,12 @@ class Search:
         self.refining = True
         try:
             top = sorted(finalists)[:REFINE]
-            for step, _, cfg in top:
-                if step > top[0][0] * (1 + REFINE_WINDOW):
-                    break
-                if time.perf_counter() > self.deadline:
+            top = [f for f in top if f[0] <= top[0][0] * (1 + REFINE_WINDOW)]
+            for i, (_, _, cfg) in enumerate(top):
+                if self.guard.passed():
+                    warnings.warn(f"planning stopped at the wall-clock guard ({self.time_limit_s:g} s) while "
+                                  f"refining: {len(top) - i} of its {len(top)} finalists were not re-solved, so this "
+                                  f"plan depends on the machine's speed and load; {budget.RAISE}.", stacklevel=4)
                     break
                 classes = _pipeline_classes(self._replica_types(cfg))
                 # the batch split once for both passes (None: one class, its even split)
@@ -577,7 +577,7 @@ class Search:
                 share_classes = [ShareClass(ix, lambda m, c=cfg, d=ix[0]: self._slots(c, c.pipelines[d], m, False))
                                  for ix in classes.values()]
                 joint = joint_shares(self.cm, self.splitter, share_classes, cfg.b, cfg.schedule, cfg.chunks, inner,
-                                     cfg.bound, STAGE_MODEL_TIME_S)
+                                     cfg.bound, STAGE_MODEL_TIME_S, self.guard)
                 if joint is None or joint.shares == inner:
                     continue
                 self._consider(cfg, joint.shares)
@@ -604,7 +604,7 @@ class Search:
                     heapq.heappush(heap, (cfg._replace(bound=bound), True))
                     continue
             out_of_work = self.work_limit is not None and k >= self.work_limit
-            if (out_of_work or time.perf_counter() > self.deadline) and self._bounded():
+            if (out_of_work or self.guard.passed()) and self._bounded():
                 stopped_early = "work" if out_of_work else "wall"
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break

@@ -20,6 +20,7 @@ import operator
 
 from ...ir.plan import even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
+from ..budget import WallGuard
 from ..pricing.pricing import CostModel, Option, StageBase, StageMemory, StageTimes, lower_bound, tied_sync
 from ..pricing.stage_memory import recomputed
 from ..pricing.wgrad import wgrad_share, zero_bubble_backward
@@ -103,8 +104,9 @@ _FIRST_FOUR = operator.itemgetter(0, 1, 2, 3)
 class Splitter:
     """Memoised stage choices and layer splits on one cost model."""
 
-    def __init__(self, cm: CostModel) -> None:
+    def __init__(self, cm: CostModel, guard: WallGuard | None = None) -> None:
         self.cm = cm
+        self.guard = guard  # the planning run's wall-clock guard, for the stage model's solves (budget.py)
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
         self._timed: dict[tuple, tuple[_Priced, list[tuple[float, Option, StageTimes, int]]]] = {}
@@ -330,7 +332,7 @@ class Splitter:
         if model:
             incumbent = min((sp for sp in known if sp is not None),
                             key=lambda sp: priced_surrogate(self.cm, slots, sp.stages, chunks, m))
-            sm = StageModel(self.cm, self, slots, m, n, chunks, incumbent)
+            sm = StageModel(self.cm, self, slots, m, n, chunks, incumbent, guard=self.guard)
             got = sm.solve(STAGE_MODEL_TIME_S)
             if got is not None and got.stages is incumbent.stages:  # proven within the gap: not simulated twice
                 known[known.index(incumbent)] = got

@@ -101,7 +101,8 @@ one table per class and candidate share in one model with the integer shares (it
 
 Solver: CP-SAT, one worker, fixed seed (deterministic; on these models faster than the 8-worker portfolio,
 whose interleaved search also aborts on some infeasible capped models in ortools 9.15), a deterministic time
-limit.
+limit; the wall clock only as the planning run's guard (solver/budget.py), which warns where it cuts a solve
+short (the plan then depends on the machine's load).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import budget
+from ..budget import WallGuard
 from ..pricing.pricing import CostModel
 from .monotone import largest_true
 from .surrogate import Choice, Slot, Split, priced_surrogate
@@ -399,27 +402,19 @@ class StageTable:
         return stages
 
 
-def solver_for(time_limit_s: float, gap: float = GAP):
+def solver_for(time_limit_s: float, gap: float = GAP, guard: WallGuard | None = None):
     """A CP-SAT solver as the stage models run it: one worker, fixed seed, relative gap `gap`, a deterministic
-    time limit (and the same in wall seconds, three times over, as a guard)."""
-    from ortools.sat.python import cp_model
-
-    solver = cp_model.CpSolver()
-    prm = solver.parameters
-    prm.num_workers = 1
-    prm.random_seed = 0
-    prm.relative_gap_limit = gap
-    prm.max_deterministic_time = max(0.05, time_limit_s)
-    prm.max_time_in_seconds = 3 * max(0.05, time_limit_s)
-    return solver
+    time limit; the wall clock only as the planning run's guard (budget.py: it warns where it cuts a solve)."""
+    return budget.cpsat(max(0.05, time_limit_s), guard, gap)
 
 
 class StageModel:
     """The CP-SAT model of one pipeline class (module docstring); `solve()` returns its split and gap."""
 
     def __init__(self, cm: CostModel, splitter: Splitter, slots: list[Slot], m: int, n: int, chunks: int,
-                 incumbent: Split, gap: float = GAP) -> None:
+                 incumbent: Split, gap: float = GAP, guard: WallGuard | None = None) -> None:
         self.cm, self.splitter, self.slots, self.gap = cm, splitter, slots, gap
+        self.guard = guard  # the planning run's wall-clock guard (budget.py)
         self.m, self.n, self.chunks = m, n, chunks
         self.S, self.p = len(slots), len(slots) // chunks
         self.incumbent = incumbent
@@ -456,8 +451,8 @@ class StageModel:
         E = md.NewIntVar(0, self.cap, "E")
         x = table.add(md, E)
         md.Minimize(E)
-        solver = solver_for(time_limit_s, self.gap)
-        status = solver.Solve(md)
+        solver = solver_for(time_limit_s, self.gap, self.guard)
+        status = budget.solve(solver, md, f"the stage model of a {self.S}-stage pipeline")
         if status == cp_model.INFEASIBLE:
             self.status = "infeasible"
             return self._proven(self.cap + 1)
@@ -485,8 +480,9 @@ class StageModel:
         for _ in range(POOL):
             chosen = [next(xv for xv in xs if solver.BooleanValue(xv)) for xs in x]
             md.Add(sum(chosen) <= len(chosen) - 1)
-            solver = solver_for(time_limit_s / (4 * POOL), 0.0)  # a pool is worth less than the optimum
-            if solver.Solve(md) != cp_model.OPTIMAL:
+            solver = solver_for(time_limit_s / (4 * POOL), 0.0, self.guard)  # a pool is worth less than the optimum
+            if budget.solve(solver, md, f"the stage model's near-optimal pool of a {self.S}-stage pipeline") != \
+                    cp_model.OPTIMAL:
                 break
             stages = self.table.stages(solver, x)
             out.append(Split(stages, self.value(stages)))
@@ -494,10 +490,10 @@ class StageModel:
 
 
 def solve_split(cm: CostModel, splitter: Splitter, slots: list[Slot], m: int, n: int, chunks: int,
-                incumbent: Split, time_limit_s: float = 10.0) -> Split | None:
+                incumbent: Split, time_limit_s: float = 10.0, guard: WallGuard | None = None) -> Split | None:
     """The stage model's split of one pipeline class within GAP of the optimum (module docstring), or None
     (see `StageModel.solve`)."""
-    return StageModel(cm, splitter, slots, m, n, chunks, incumbent).solve(time_limit_s)
+    return StageModel(cm, splitter, slots, m, n, chunks, incumbent, guard=guard).solve(time_limit_s)
 
 
 __all__ = ["GAP", "Entry", "StageModel", "StageTable", "cap_ns", "rounding_slack", "solve_split", "solver_for"]
