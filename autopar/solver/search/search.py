@@ -267,6 +267,7 @@ class Search:
         self._comm_cache: dict[tuple[int, int], tuple[object, dict[int, int]]] = {}
         self.best_step = cutoff  # the incumbent's simulated step
         self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
+        self.stopped_by_wall = False  # the search loop stopped at the wall-clock guard (`run` warns)
         self.refining = False  # in `_refine`: selective recompute (selective.py) on the splits
         self.model_splits = False  # in `_refine`: splits by the CP-SAT stage model too
         # best step / least lower bound of the configurations left unsolved, - 1: 0 when the search completes
@@ -561,6 +562,8 @@ class Search:
             top = [f for f in top if f[0] <= top[0][0] * (1 + REFINE_WINDOW)]
             for i, (_, _, cfg) in enumerate(top):
                 if self.guard.passed():
+                    if self.stopped_by_wall:  # `run` says so already
+                        break
                     warnings.warn(f"planning stopped at the wall-clock guard ({self.time_limit_s:g} s) while "
                                   f"refining: {len(top) - i} of its {len(top)} finalists were not re-solved, so this "
                                   f"plan depends on the machine's speed and load; {budget.RAISE}.", stacklevel=4)
@@ -606,6 +609,7 @@ class Search:
             out_of_work = self.work_limit is not None and k >= self.work_limit
             if (out_of_work or self.guard.passed()) and self._bounded():
                 stopped_early = "work" if out_of_work else "wall"
+                self.stopped_by_wall = not out_of_work
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
             step = self._consider(cfg)
