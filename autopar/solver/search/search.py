@@ -110,9 +110,12 @@ group is the first device of every tensor-parallel group of its replicas (dp x c
 layer where t = 1, and the plan's stages carry cp and the attention mode.
 
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
-fixed, the batch split's and the stage models' CP-SAT run single-threaded with a fixed seed (the stage
-models under a deterministic time limit), so equal inputs give equal plans. A time limit returns the best
-plan found so far with a warning.
+fixed, and every budget that can end a part of the search is counted work (solver/budget.py): the configurations
+solved (`work_limit`) and CP-SAT's deterministic time (the batch split's, the stage models' and the intra-op
+ILP's, single-threaded with a fixed seed), so equal inputs give equal plans on any machine. The wall clock
+(`time_limit_s`) is one outer guard, `budget.WallGuard`: the search loop, `_refine` and every CP-SAT solve
+(its wall limit is the guard's time left) stop at it, and each warns when it does (the plan then depends on the
+machine's speed and load); tests/test_plan_budget.py plans under a frozen and a racing clock.
 """
 
 from __future__ import annotations

@@ -80,8 +80,11 @@ than R = 2p + v + 2 ns (`rounding_slack`).
     simulator with it (`StageModel.pool`): splits of equal or near surrogate simulate apart (few
     micro-batches), and without the pool bench/planner.py case 4's plan simulated 6.5% slower (solving on
     to gap 0 did not change that, and cost GPT-3 on 4096 A100 seconds);
-  * its deterministic time limit (STAGE_MODEL_TIME_S, `split.py`) ends first: the best split found with its
-    (larger) gap, or None when it found none, and the caller keeps the incumbent.
+  * its deterministic time limit (STAGE_MODEL_TIME_S, `split.py`; the pool's POOL_DETERMINISTIC_S) ends first:
+    the best split found with its (larger) gap, or None when it found none, and the caller keeps the
+    incumbent. Measured 2026-12-06: GPT-3 175B on 1024 A100's 64-stage interleaved finalist ends so (none
+    found at 0.5 deterministic seconds, 1.2 s of CPU; at 1.0 and 2.0 a split under the cap that the simulator
+    did not take, 10 and ~16 s of CPU: the same plan), and the last of its 32-stage finalist's pool solves.
 The gap is the surrogate's: the simulator (`plan.simulated_step_time`) still judges, `split.Splitter.split`
 keeps the fastest simulated of the model's split, its pool, the incumbent and Megatron's even split.
 
@@ -125,6 +128,7 @@ GAP = 0.01  # the relative gap proven: (value - lower bound) / value
 # near-optimal splits handed to the simulator besides the optimum: at most POOL, within POOL_RTOL of its value
 POOL = 4
 POOL_RTOL = 0.01
+POOL_DETERMINISTIC_S = 0.125  # CP-SAT deterministic seconds of each pool solve (a pool is worth less than the optimum)
 # (stage, range, option) entries above which no model is built (the caller keeps its split): building the model
 # in Python takes about 65 us an entry (measured on GPT-3's finalists), the pruned tables measured stay under 2,000
 MAX_ENTRIES = 20_000
@@ -464,10 +468,10 @@ class StageModel:
         value = self.value(stages)
         lb = (math.floor(solver.BestObjectiveBound()) - rounding_slack(self.p, self.chunks)) / NS
         if status == cp_model.OPTIMAL:
-            self.pool = self._near_optimal(md, E, x, solver, time_limit_s)
+            self.pool = self._near_optimal(md, E, x, solver)
         return Split(stages, value, max(0.0, 1 - lb / value))
 
-    def _near_optimal(self, md, E, x: list[list], solver, time_limit_s: float) -> list[Split]:
+    def _near_optimal(self, md, E, x: list[list], solver) -> list[Split]:
         """Up to POOL more splits whose model value is within POOL_RTOL of the optimum `solver` found, next best
         first: each solve excludes the splits found before (a cut on their chosen entries). The surrogate only
         approximates the simulated step (with few micro-batches, splits of equal surrogate simulate apart), so
@@ -480,7 +484,7 @@ class StageModel:
         for _ in range(POOL):
             chosen = [next(xv for xv in xs if solver.BooleanValue(xv)) for xs in x]
             md.Add(sum(chosen) <= len(chosen) - 1)
-            solver = solver_for(time_limit_s / (4 * POOL), 0.0, self.guard)  # a pool is worth less than the optimum
+            solver = solver_for(POOL_DETERMINISTIC_S, 0.0, self.guard)
             if budget.solve(solver, md, f"the stage model's near-optimal pool of a {self.S}-stage pipeline") != \
                     cp_model.OPTIMAL:
                 break
