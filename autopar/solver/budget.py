@@ -4,9 +4,10 @@ Every limit that can end a part of the search early is counted work, the same on
 configurations (`search.WORK_LIMIT`) and CP-SAT's deterministic time (`max_deterministic_time`, with one worker
 and a fixed seed). The wall clock (`time_limit_s` of `autopar.plan` / `search`) is one outer safety limit,
 `WallGuard`: the search loop and its refinement check it, and every CP-SAT solve gets the guard's time left as
-its `max_time_in_seconds` (solves outside a search: WALL_FLOOR_S, or UNGUARDED_FACTOR times their deterministic
-limit, whichever is larger). Wherever the guard ends something before its work budget, the planner warns
-(`solve` here, `Search.run`, `Search._refine`): that plan depends on the machine's speed and load.
+its `max_time_in_seconds` (at least GUARDED_FLOOR_S; solves outside a search: WALL_FLOOR_S, or UNGUARDED_FACTOR
+times their deterministic limit, whichever is larger). Wherever the guard ends something before its work budget,
+the planner warns (`solve` here, `Search.run`, `Search._refine`): that plan depends on the machine's speed and
+load.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 # this, and UNGUARDED_FACTOR times its deterministic limit; only a guard, it warns when it cuts a solve short
 WALL_FLOOR_S = 60.0
 UNGUARDED_FACTOR = 10.0
+GUARDED_FLOOR_S = 1.0  # the least wall-clock time a guarded solve gets
 RAISE = "raise time_limit_s (autopar.plan / search) for a plan that does not depend on the machine's load"
 
 
@@ -38,10 +40,11 @@ class WallGuard:
 
 def wall_limit(deterministic_s: float, guard: WallGuard | None) -> float:
     """The wall-clock seconds a CP-SAT solve of `deterministic_s` deterministic seconds may run: the guard's time
-    left (none left: a millisecond, so that the solve stops at once and warns), else the unguarded limit."""
+    left, at least GUARDED_FLOOR_S (a search past its guard still solves until it has a plan), else the
+    unguarded limit."""
     if guard is None:
         return max(WALL_FLOOR_S, UNGUARDED_FACTOR * deterministic_s)
-    return max(1e-3, guard.left())
+    return max(GUARDED_FLOOR_S, guard.left())
 
 
 def cpsat(deterministic_s: float, guard: WallGuard | None, gap: float | None = None) -> Any:
@@ -77,4 +80,4 @@ def solve(solver: Any, model: Any, what: str) -> int:
     return status
 
 
-__all__ = ["RAISE", "UNGUARDED_FACTOR", "WALL_FLOOR_S", "WallGuard", "cpsat", "solve", "wall_limit"]
+__all__ = ["GUARDED_FLOOR_S", "RAISE", "UNGUARDED_FACTOR", "WALL_FLOOR_S", "WallGuard", "cpsat", "solve", "wall_limit"]
