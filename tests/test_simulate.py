@@ -166,3 +166,21 @@ def test_simulate_rejects_deadlock_and_bad_inputs() -> None:
 def test_64x256_step_covers_its_critical_path() -> None:  # its wall time: bench/fast_paths.py
     r = simulate(one_f_one_b(64, 256), [1.0] * 64, [2.0] * 64, p2p_time=0.01, allreduce_time=0.5)
     assert r.step_time >= (256 + 63) * 3.0
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 4, 7, 1), ("interleaved_1f1b", 2, 4, 2),
+                                        ("zb_h1", 3, 6, 1)])
+def test_step_only_simulation_is_the_full_one(name: str, p: int, m: int, v: int) -> None:
+    """The planner's step-only path (plan_simulate.simulated_step_time -> simulate.step_time, no events) gives the
+    very float the full simulation does, on uneven stages with a smaller last micro-batch, sends, syncs and W."""
+    import random
+
+    from autopar.ir.plan_simulate import _step_time, simulate_stages
+
+    rng = random.Random(p * 100 + m)
+    for _ in range(5):
+        times = [(f, 0.9 * f, b, 0.8 * b, rng.uniform(0, 0.3), rng.uniform(0, 1), 0.4 * b)
+                 for f, b in ((rng.uniform(0.1, 2), rng.uniform(0.1, 4)) for _ in range(p * v))]
+        share = 2 * m + 1
+        want = simulate_stages(name, v, share, m, times).step_time
+        assert _step_time.__wrapped__(name, v, share, m, tuple(times)) == want

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .schedule import Schedule, make_schedule
-from .simulate import WGRAD_FRACTION, SimResult, simulate
+from .simulate import WGRAD_FRACTION, SimResult, simulate, step_time
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,18 +38,24 @@ def simulate_times(sched: Schedule, batch_share: int, num_microbatches: int, tim
     """`simulate` of `sched` with `simulate_stages`' per-stage times; with memory actions in `sched`, F and B
     lose the stage's `gather` (and B its `reduce`) seconds, which its memory actions take (`memory`:
     seconds by (kind, stage), `lowering.priced_schedule`)."""
+    return simulate(sched, **_arguments(batch_share, num_microbatches, times, gather, reduce, memory))
+
+
+def _arguments(batch_share: int, num_microbatches: int, times: Sequence[Sequence[float]],
+               gather: Sequence[float] | None = None, reduce: Sequence[float] | None = None,
+               memory: dict[Any, float] | None = None) -> dict[str, Any]:
+    """`simulate`'s keyword arguments for `simulate_times`."""
     r = batch_share % num_microbatches  # micro-batches 0..r-1 are the full ones (all when r == 0)
     full = [r == 0 or i < r for i in range(num_microbatches)]
     g = gather or [0.0] * len(times)
     rd = reduce or [0.0] * len(times)
     bwd = lambda s, m: (times[s][2] if full[m] else times[s][3]) - g[s] - rd[s]  # noqa: E731
-    return simulate(
-        sched,
-        lambda s, m: (times[s][0] if full[m] else times[s][1]) - g[s],
-        bwd,
+    return dict(
+        fwd_time=lambda s, m: (times[s][0] if full[m] else times[s][1]) - g[s],
+        bwd_time=bwd,
         # the gradient going back from stage s to s-1 has the size of the activation s-1 sent forward
-        lambda src, dst: times[min(src, dst)][4],
-        [t[5] for t in times],
+        p2p_time=lambda src, dst: times[min(src, dst)][4],
+        allreduce_time=[t[5] for t in times],
         memory_time=(lambda a: memory.get((a.kind, a.stage), 0.0)) if memory else 0.0,
         wgrad_time=wgrad_times(times, bwd),
     )
@@ -75,7 +81,9 @@ def simulated_step_time(schedule: str, chunks: int, batch_share: int, num_microb
 @functools.lru_cache(maxsize=8192)
 def _step_time(schedule: str, chunks: int, batch_share: int, num_microbatches: int,
                times: tuple[tuple[float, ...], ...]) -> float:
-    return simulate_stages(schedule, chunks, batch_share, num_microbatches, list(times)).step_time  # type: ignore[arg-type]
+    # `simulate_stages(...).step_time`, without recording the events
+    sched = cached_schedule(schedule, len(times) // chunks, num_microbatches, chunks)
+    return step_time(sched, **_arguments(batch_share, num_microbatches, times))
 
 
 __all__ = ["cached_schedule", "simulate_stages", "simulate_times", "simulated_step_time", "wgrad_times"]

@@ -386,6 +386,22 @@ def dependencies(a: Action, stage_to_rank: Sequence[int], num_stages: int, num_m
     return tuple(("W" if split else "B", s, i) for i in range(num_microbatches))  # ALLREDUCE
 
 
+_COMPILED: dict[tuple[int, bool], tuple[Schedule, Compiled]] = {}
+COMPILED_KEPT = 64
+
+
+def compiled(schedule: Schedule, overlap_allreduce: bool = True) -> Compiled:
+    """`compile_schedule`, memoised per schedule object (the planner simulates the memoised schedules of
+    `plan_simulate.cached_schedule` many times; neither is mutated), the last COMPILED_KEPT kept."""
+    key = (id(schedule), overlap_allreduce)
+    hit = _COMPILED.get(key)
+    if hit is None or hit[0] is not schedule:
+        if len(_COMPILED) >= COMPILED_KEPT:
+            del _COMPILED[next(iter(_COMPILED))]
+        hit = _COMPILED[key] = (schedule, compile_schedule(schedule, overlap_allreduce))
+    return hit[1]
+
+
 def compile_schedule(schedule: Schedule, overlap_allreduce: bool = True) -> Compiled:
     """Split each rank's list into its compute and comm FIFOs; RECVs are completed by their SENDs."""
     s2r, ns, nm = schedule.stage_to_rank, schedule.num_stages, schedule.num_microbatches

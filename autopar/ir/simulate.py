@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from .schedule import Action, Schedule, compile_schedule, execute, no_gc, splits_backward
+from .schedule import Action, Schedule, compiled, execute, no_gc, splits_backward
 
 StageTime = Callable[[int, int], float] | Sequence[float] | float
 P2PTime = Callable[[int, int], float] | float
@@ -83,26 +83,10 @@ def _per_stage(value: StageTime, num_stages: int, what: str) -> Callable[[int, i
     return lambda s, m: times[s]
 
 
-def simulate(
-    schedule: Schedule,
-    fwd_time: StageTime,
-    bwd_time: StageTime,
-    p2p_time: P2PTime = 0.0,
-    allreduce_time: Sequence[float] | float = 0.0,
-    overlap_allreduce: bool = True,
-    memory_time: Callable[[Action], float] | float = 0.0,
-    wgrad_time: StageTime | None = None,
-) -> SimResult:
-    """Simulate one step of `schedule`.
-
-    fwd_time/bwd_time: f(stage, microbatch) -> seconds, a per-stage list, or one number for all.
-    p2p_time: seconds per transfer, or f(src_stage, dst_stage). allreduce_time: per-stage list or number.
-    overlap_allreduce: ALLREDUCE on the comm stream (overlapping later compute) instead of the compute stream.
-    memory_time: seconds of a memory action (f(action) or one number); F/B times exclude them.
-    wgrad_time: with a split backward, the part of bwd_time that W takes (f(stage, microbatch), per-stage
-    list or number; default WGRAD_FRACTION of bwd_time); B takes the rest. Ignored without W actions.
-    Raises PlanError if the schedule deadlocks.
-    """
+def _duration(schedule: Schedule, fwd_time: StageTime, bwd_time: StageTime, p2p_time: P2PTime,
+              allreduce_time: Sequence[float] | float, memory_time: Callable[[Action], float] | float,
+              wgrad_time: StageTime | None) -> Callable[[Action], float]:
+    """Each action's seconds under `simulate`'s arguments."""
     S = schedule.num_stages
     fwd = _per_stage(fwd_time, S, "fwd_time")
     bwd = _per_stage(bwd_time, S, "bwd_time")
@@ -146,6 +130,49 @@ def simulate(
             return ar[a.stage]
         return memory(a)
 
+    return duration
+
+
+def step_time(
+    schedule: Schedule,
+    fwd_time: StageTime,
+    bwd_time: StageTime,
+    p2p_time: P2PTime = 0.0,
+    allreduce_time: Sequence[float] | float = 0.0,
+    overlap_allreduce: bool = True,
+    memory_time: Callable[[Action], float] | float = 0.0,
+    wgrad_time: StageTime | None = None,
+) -> float:
+    """`simulate(...).step_time` without recording the events (the planner's hot path): the latest end of any
+    action, the same float."""
+    duration = _duration(schedule, fwd_time, bwd_time, p2p_time, allreduce_time, memory_time, wgrad_time)
+    with no_gc():
+        done = execute(compiled(schedule, overlap_allreduce), duration)
+    return max(0.0, *done.values())
+
+
+def simulate(
+    schedule: Schedule,
+    fwd_time: StageTime,
+    bwd_time: StageTime,
+    p2p_time: P2PTime = 0.0,
+    allreduce_time: Sequence[float] | float = 0.0,
+    overlap_allreduce: bool = True,
+    memory_time: Callable[[Action], float] | float = 0.0,
+    wgrad_time: StageTime | None = None,
+) -> SimResult:
+    """Simulate one step of `schedule`.
+
+    fwd_time/bwd_time: f(stage, microbatch) -> seconds, a per-stage list, or one number for all.
+    p2p_time: seconds per transfer, or f(src_stage, dst_stage). allreduce_time: per-stage list or number.
+    overlap_allreduce: ALLREDUCE on the comm stream (overlapping later compute) instead of the compute stream.
+    memory_time: seconds of a memory action (f(action) or one number); F/B times exclude them.
+    wgrad_time: with a split backward, the part of bwd_time that W takes (f(stage, microbatch), per-stage
+    list or number; default WGRAD_FRACTION of bwd_time); B takes the rest. Ignored without W actions.
+    Raises PlanError if the schedule deadlocks.
+    """
+    duration = _duration(schedule, fwd_time, bwd_time, p2p_time, allreduce_time, memory_time, wgrad_time)
+
     events: list[Event] = []
     busy = dict.fromkeys(schedule.actions, 0.0)
     append = events.append
@@ -164,7 +191,7 @@ def simulate(
             append((a.rank, stream, f"{k} s{a.stage} mb{a.microbatch}", start, end))
 
     with no_gc():
-        execute(compile_schedule(schedule, overlap_allreduce), duration, on_event)
+        execute(compiled(schedule, overlap_allreduce), duration, on_event)
     rank_end = dict.fromkeys(schedule.actions, 0.0)
     for rank, _, _, _, end in events:
         if end > rank_end[rank]:
@@ -174,4 +201,4 @@ def simulate(
     return SimResult(step, busy, bubble, events)
 
 
-__all__ = ["WGRAD_FRACTION", "SimResult", "simulate"]
+__all__ = ["WGRAD_FRACTION", "SimResult", "simulate", "step_time"]

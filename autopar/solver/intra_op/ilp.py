@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from ortools.sat.python import cp_model
 
 from ...errors import InfeasibleError, PlanError
+from .. import budget
 from .problem import Problem, Shared
 
 T = TypeVar("T")
@@ -112,14 +113,10 @@ def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float
         _memory_limit(model, [*mem_terms, const_mem], memory_budget)
     w = 1 + sum(len(x) - 1 for xs in xs_all for x in xs)
     model.minimize(w * sum(cost_terms) + sum(tie_terms))
-    solver = cp_model.CpSolver()
     # one worker, a fixed seed and a deterministic time limit: the same strategies under any load (the wall-clock
-    # limit, three times over, only guards)
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    solver.parameters.max_deterministic_time = time_limit_s
-    solver.parameters.max_time_in_seconds = 3 * time_limit_s
-    status = solver.solve(model)
+    # limit only guards, and warns where it cuts the solve: budget.py)
+    solver = budget.cpsat(time_limit_s, None)
+    status = budget.solve(solver, model, "the intra-op sharding ILP")
     STATS["ilp_solves"] += 1
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError("no sharding strategy fits the memory budget")

@@ -110,9 +110,12 @@ group is the first device of every tensor-parallel group of its replicas (dp x c
 layer where t = 1, and the plan's stages carry cp and the attention mode.
 
 Determinism: the enumeration order, bisection and tie-breaking (first in canonical order wins) are
-fixed, the batch split's and the stage models' CP-SAT run single-threaded with a fixed seed (the stage
-models under a deterministic time limit), so equal inputs give equal plans. A time limit returns the best
-plan found so far with a warning.
+fixed, and every budget that can end a part of the search is counted work (solver/budget.py): the configurations
+solved (`work_limit`) and CP-SAT's deterministic time (the batch split's, the stage models' and the intra-op
+ILP's, single-threaded with a fixed seed), so equal inputs give equal plans on any machine. The wall clock
+(`time_limit_s`) is one outer guard, `budget.WallGuard`: the search loop, `_refine` and every CP-SAT solve
+(its wall limit is the guard's time left) stop at it, and each warns when it does (the plan then depends on the
+machine's speed and load); tests/test_plan_budget.py plans under a frozen and a racing clock.
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ from ...ir.plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
 from ...lowering import communicator_counts
 from ...report import fmt_time
+from .. import budget
+from ..budget import WallGuard
 from ..pricing import context, experts
 from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from ..split.selective import selective
@@ -248,12 +253,12 @@ class Search:
         # a step time another search already reached (subsets.py): only faster plans count, and the search
         # ends, as with an incumbent, when the bounds reach it (InfeasibleError when nothing beats it)
         self.cutoff = cutoff
-        self.deadline = time.perf_counter() + time_limit_s
+        self.guard = WallGuard(time_limit_s)  # the wall clock only guards (budget.py); it warns where it cuts
         self.time_limit_s = time_limit_s
         self.work_limit = work_limit  # configurations solved at most (None: no limit)
         self.progress = progress
         self._progress_bound = progress is not None and _takes_four(progress)
-        self.splitter = Splitter(cm)
+        self.splitter = Splitter(cm, self.guard)
         self.bounds = ConfigBounds(cm, self.splitter)
         self._types: dict[int, tuple[tuple, list[tuple]]] = {}
         self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
@@ -265,6 +270,7 @@ class Search:
         self._comm_cache: dict[tuple[int, int], tuple[object, dict[int, int]]] = {}
         self.best_step = cutoff  # the incumbent's simulated step
         self._incumbents: list[tuple[float, int, Callable[[], Plan]]] = []  # (step, order, build), each faster
+        self.stopped_by_wall = False  # the search loop stopped at the wall-clock guard (`run` warns)
         self.refining = False  # in `_refine`: selective recompute (selective.py) on the splits
         self.model_splits = False  # in `_refine`: splits by the CP-SAT stage model too
         # best step / least lower bound of the configurations left unsolved, - 1: 0 when the search completes
@@ -383,13 +389,9 @@ class Search:
             count.append((k, s_c, r_c))
         model.Add(sum(k * s + r for k, s, r in count) == cm.B)
         model.Minimize(Z)
-        solver = cp_model.CpSolver()
         # one worker with a fixed seed is deterministic (and on these small models fastest)
-        solver.parameters.num_workers = 1
-        solver.parameters.random_seed = 0
-        solver.parameters.max_deterministic_time = SHARES_DETERMINISTIC_S  # the same answer under any load
-        solver.parameters.max_time_in_seconds = max(1.0, min(10.0, self.deadline - time.perf_counter()))  # guard
-        if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = budget.cpsat(SHARES_DETERMINISTIC_S, self.guard)
+        if budget.solve(solver, model, "the batch split's integer shares") not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         shares: list[int] = [0] * n_pipes
         for (_, s, r), ix in zip(count, classes.values(), strict=True):
@@ -560,10 +562,14 @@ class Search:
         self.refining = True
         try:
             top = sorted(finalists)[:REFINE]
-            for step, _, cfg in top:
-                if step > top[0][0] * (1 + REFINE_WINDOW):
-                    break
-                if time.perf_counter() > self.deadline:
+            top = [f for f in top if f[0] <= top[0][0] * (1 + REFINE_WINDOW)]
+            for i, (_, _, cfg) in enumerate(top):
+                if self.guard.passed():
+                    if self.stopped_by_wall:  # `run` says so already
+                        break
+                    warnings.warn(f"planning stopped at the wall-clock guard ({self.time_limit_s:g} s) while "
+                                  f"refining: {len(top) - i} of its {len(top)} finalists were not re-solved, so this "
+                                  f"plan depends on the machine's speed and load; {budget.RAISE}.", stacklevel=4)
                     break
                 classes = _pipeline_classes(self._replica_types(cfg))
                 # the batch split once for both passes (None: one class, its even split)
@@ -577,7 +583,7 @@ class Search:
                 share_classes = [ShareClass(ix, lambda m, c=cfg, d=ix[0]: self._slots(c, c.pipelines[d], m, False))
                                  for ix in classes.values()]
                 joint = joint_shares(self.cm, self.splitter, share_classes, cfg.b, cfg.schedule, cfg.chunks, inner,
-                                     cfg.bound, STAGE_MODEL_TIME_S)
+                                     cfg.bound, STAGE_MODEL_TIME_S, self.guard)
                 if joint is None or joint.shares == inner:
                     continue
                 self._consider(cfg, joint.shares)
@@ -604,8 +610,9 @@ class Search:
                     heapq.heappush(heap, (cfg._replace(bound=bound), True))
                     continue
             out_of_work = self.work_limit is not None and k >= self.work_limit
-            if (out_of_work or time.perf_counter() > self.deadline) and self._bounded():
+            if (out_of_work or self.guard.passed()) and self._bounded():
                 stopped_early = "work" if out_of_work else "wall"
+                self.stopped_by_wall = not out_of_work
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
             step = self._consider(cfg)

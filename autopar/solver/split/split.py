@@ -20,6 +20,7 @@ import operator
 
 from ...ir.plan import even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
+from ..budget import WallGuard
 from ..pricing.pricing import CostModel, Option, StageBase, StageMemory, StageTimes, lower_bound, tied_sync
 from ..pricing.stage_memory import recomputed
 from ..pricing.wgrad import wgrad_share, zero_bubble_backward
@@ -43,9 +44,12 @@ from .surrogate import (
 OFFLOAD_LADDER = ((), ("optimizer",), ("activations",), ("optimizer", "activations"), ("optimizer", "params"),
                   ("optimizer", "activations", "params"))
 SPLIT_ENUMERATION = 64  # layer splits up to which every split is simulated
-# the stage model's deterministic time limit per pipeline class (CP-SAT's unit, about a second); measured on
-# GPT-3 175B's finalists: 2-17 ms each. Not proven by then: its best split with its larger gap, or the incumbent
-STAGE_MODEL_TIME_S = 2.0
+# the stage model's deterministic time limit per pipeline class (CP-SAT's unit; on these models a deterministic
+# second took 5-10 s of CPU, 2026-12-06). Not proven by then: its best split with its larger gap, or the incumbent.
+# Every stage model of bench/planner.py's cases and the OPT-350M / GPT-Neo-2.7B ones ends well under it (proven or
+# pruned), but GPT-3 175B's 64-stage interleaved finalist: at 2.0 it found a split under its cap that did not change
+# the plan, for ~16 s of CPU; at 0.5 none (the incumbent kept), the same plan (bench/plan_identity.py)
+STAGE_MODEL_TIME_S = 0.5
 PARETO_COMBOS = 256  # option combinations per layer split up to which `_enumerate(pareto=True)` tries them all
 EXACT_SPLIT_LIMIT = 6_000  # stages x layers^2 up to which the surrogate is minimised exactly
 
@@ -103,8 +107,9 @@ _FIRST_FOUR = operator.itemgetter(0, 1, 2, 3)
 class Splitter:
     """Memoised stage choices and layer splits on one cost model."""
 
-    def __init__(self, cm: CostModel) -> None:
+    def __init__(self, cm: CostModel, guard: WallGuard | None = None) -> None:
         self.cm = cm
+        self.guard = guard  # the planning run's wall-clock guard, for the stage model's solves (budget.py)
         self._choices: dict[tuple, Choice | None] = {}
         self._sorted: dict[tuple, list[tuple[float, Option, StageTimes, StageMemory]]] = {}
         self._timed: dict[tuple, tuple[_Priced, list[tuple[float, Option, StageTimes, int]]]] = {}
@@ -330,7 +335,7 @@ class Splitter:
         if model:
             incumbent = min((sp for sp in known if sp is not None),
                             key=lambda sp: priced_surrogate(self.cm, slots, sp.stages, chunks, m))
-            sm = StageModel(self.cm, self, slots, m, n, chunks, incumbent)
+            sm = StageModel(self.cm, self, slots, m, n, chunks, incumbent, guard=self.guard)
             got = sm.solve(STAGE_MODEL_TIME_S)
             if got is not None and got.stages is incumbent.stages:  # proven within the gap: not simulated twice
                 known[known.index(incumbent)] = got

@@ -80,8 +80,11 @@ than R = 2p + v + 2 ns (`rounding_slack`).
     simulator with it (`StageModel.pool`): splits of equal or near surrogate simulate apart (few
     micro-batches), and without the pool bench/planner.py case 4's plan simulated 6.5% slower (solving on
     to gap 0 did not change that, and cost GPT-3 on 4096 A100 seconds);
-  * its deterministic time limit (STAGE_MODEL_TIME_S, `split.py`) ends first: the best split found with its
-    (larger) gap, or None when it found none, and the caller keeps the incumbent.
+  * its deterministic time limit (STAGE_MODEL_TIME_S, `split.py`; the pool's POOL_DETERMINISTIC_S) ends first:
+    the best split found with its (larger) gap, or None when it found none, and the caller keeps the
+    incumbent. Measured 2026-12-06: GPT-3 175B on 1024 A100's 64-stage interleaved finalist ends so (none
+    found at 0.5 deterministic seconds, 1.2 s of CPU; at 1.0 and 2.0 a split under the cap that the simulator
+    did not take, 10 and ~16 s of CPU: the same plan), and the last of its 32-stage finalist's pool solves.
 The gap is the surrogate's: the simulator (`plan.simulated_step_time`) still judges, `split.Splitter.split`
 keeps the fastest simulated of the model's split, its pool, the incumbent and Megatron's even split.
 
@@ -101,7 +104,8 @@ one table per class and candidate share in one model with the integer shares (it
 
 Solver: CP-SAT, one worker, fixed seed (deterministic; on these models faster than the 8-worker portfolio,
 whose interleaved search also aborts on some infeasible capped models in ortools 9.15), a deterministic time
-limit.
+limit; the wall clock only as the planning run's guard (solver/budget.py), which warns where it cuts a solve
+short (the plan then depends on the machine's load).
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import budget
+from ..budget import WallGuard
 from ..pricing.pricing import CostModel
 from .monotone import largest_true
 from .surrogate import Choice, Slot, Split, priced_surrogate
@@ -122,6 +128,7 @@ GAP = 0.01  # the relative gap proven: (value - lower bound) / value
 # near-optimal splits handed to the simulator besides the optimum: at most POOL, within POOL_RTOL of its value
 POOL = 4
 POOL_RTOL = 0.01
+POOL_DETERMINISTIC_S = 0.125  # CP-SAT deterministic seconds of each pool solve (a pool is worth less than the optimum)
 # (stage, range, option) entries above which no model is built (the caller keeps its split): building the model
 # in Python takes about 65 us an entry (measured on GPT-3's finalists), the pruned tables measured stay under 2,000
 MAX_ENTRIES = 20_000
@@ -399,27 +406,19 @@ class StageTable:
         return stages
 
 
-def solver_for(time_limit_s: float, gap: float = GAP):
+def solver_for(time_limit_s: float, gap: float = GAP, guard: WallGuard | None = None):
     """A CP-SAT solver as the stage models run it: one worker, fixed seed, relative gap `gap`, a deterministic
-    time limit (and the same in wall seconds, three times over, as a guard)."""
-    from ortools.sat.python import cp_model
-
-    solver = cp_model.CpSolver()
-    prm = solver.parameters
-    prm.num_workers = 1
-    prm.random_seed = 0
-    prm.relative_gap_limit = gap
-    prm.max_deterministic_time = max(0.05, time_limit_s)
-    prm.max_time_in_seconds = 3 * max(0.05, time_limit_s)
-    return solver
+    time limit; the wall clock only as the planning run's guard (budget.py: it warns where it cuts a solve)."""
+    return budget.cpsat(max(0.05, time_limit_s), guard, gap)
 
 
 class StageModel:
     """The CP-SAT model of one pipeline class (module docstring); `solve()` returns its split and gap."""
 
     def __init__(self, cm: CostModel, splitter: Splitter, slots: list[Slot], m: int, n: int, chunks: int,
-                 incumbent: Split, gap: float = GAP) -> None:
+                 incumbent: Split, gap: float = GAP, guard: WallGuard | None = None) -> None:
         self.cm, self.splitter, self.slots, self.gap = cm, splitter, slots, gap
+        self.guard = guard  # the planning run's wall-clock guard (budget.py)
         self.m, self.n, self.chunks = m, n, chunks
         self.S, self.p = len(slots), len(slots) // chunks
         self.incumbent = incumbent
@@ -456,8 +455,8 @@ class StageModel:
         E = md.NewIntVar(0, self.cap, "E")
         x = table.add(md, E)
         md.Minimize(E)
-        solver = solver_for(time_limit_s, self.gap)
-        status = solver.Solve(md)
+        solver = solver_for(time_limit_s, self.gap, self.guard)
+        status = budget.solve(solver, md, f"the stage model of a {self.S}-stage pipeline")
         if status == cp_model.INFEASIBLE:
             self.status = "infeasible"
             return self._proven(self.cap + 1)
@@ -469,10 +468,10 @@ class StageModel:
         value = self.value(stages)
         lb = (math.floor(solver.BestObjectiveBound()) - rounding_slack(self.p, self.chunks)) / NS
         if status == cp_model.OPTIMAL:
-            self.pool = self._near_optimal(md, E, x, solver, time_limit_s)
+            self.pool = self._near_optimal(md, E, x, solver)
         return Split(stages, value, max(0.0, 1 - lb / value))
 
-    def _near_optimal(self, md, E, x: list[list], solver, time_limit_s: float) -> list[Split]:
+    def _near_optimal(self, md, E, x: list[list], solver) -> list[Split]:
         """Up to POOL more splits whose model value is within POOL_RTOL of the optimum `solver` found, next best
         first: each solve excludes the splits found before (a cut on their chosen entries). The surrogate only
         approximates the simulated step (with few micro-batches, splits of equal surrogate simulate apart), so
@@ -485,8 +484,9 @@ class StageModel:
         for _ in range(POOL):
             chosen = [next(xv for xv in xs if solver.BooleanValue(xv)) for xs in x]
             md.Add(sum(chosen) <= len(chosen) - 1)
-            solver = solver_for(time_limit_s / (4 * POOL), 0.0)  # a pool is worth less than the optimum
-            if solver.Solve(md) != cp_model.OPTIMAL:
+            solver = solver_for(POOL_DETERMINISTIC_S, 0.0, self.guard)
+            if budget.solve(solver, md, f"the stage model's near-optimal pool of a {self.S}-stage pipeline") != \
+                    cp_model.OPTIMAL:
                 break
             stages = self.table.stages(solver, x)
             out.append(Split(stages, self.value(stages)))
@@ -494,10 +494,10 @@ class StageModel:
 
 
 def solve_split(cm: CostModel, splitter: Splitter, slots: list[Slot], m: int, n: int, chunks: int,
-                incumbent: Split, time_limit_s: float = 10.0) -> Split | None:
+                incumbent: Split, time_limit_s: float = 10.0, guard: WallGuard | None = None) -> Split | None:
     """The stage model's split of one pipeline class within GAP of the optimum (module docstring), or None
     (see `StageModel.solve`)."""
-    return StageModel(cm, splitter, slots, m, n, chunks, incumbent).solve(time_limit_s)
+    return StageModel(cm, splitter, slots, m, n, chunks, incumbent, guard=guard).solve(time_limit_s)
 
 
 __all__ = ["GAP", "Entry", "StageModel", "StageTable", "cap_ns", "rounding_slack", "solve_split", "solver_for"]

@@ -52,6 +52,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+from .. import budget
+from ..budget import WallGuard
 from ..pricing.pricing import CostModel
 from ..search.configs import microbatch_count
 from .split import Slot, Splitter, priced_surrogate
@@ -84,8 +86,10 @@ class JointModel:
     """The joint model of one config (module docstring); `solve()` returns its shares."""
 
     def __init__(self, cm: CostModel, splitter: Splitter, classes: list[ShareClass], b: int, schedule: str,
-                 chunks: int, incumbent: list[int], lower: float = 0.0, gap: float = GAP) -> None:
+                 chunks: int, incumbent: list[int], lower: float = 0.0, gap: float = GAP,
+                 guard: WallGuard | None = None) -> None:
         self.cm, self.splitter, self.classes, self.gap = cm, splitter, classes, gap
+        self.guard = guard  # the planning run's wall-clock guard (budget.py)
         self.b, self.schedule, self.chunks, self.incumbent = b, schedule, chunks, incumbent
         self.p = len(classes[0].slots(1)) // chunks
         self.R = rounding_slack(self.p, chunks)
@@ -197,8 +201,8 @@ class JointModel:
             chosen.append((y, lows, blocks))
         md.Add(sum(total) == self.cm.B)
         md.Minimize(Z)
-        solver = solver_for(time_limit_s, self.gap)
-        status = solver.Solve(md)
+        solver = solver_for(time_limit_s, self.gap, self.guard)
+        status = budget.solve(solver, md, f"the joint stage model of {len(self.classes)} pipeline classes")
         if status == cp_model.INFEASIBLE:
             return self._proven("infeasible")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -217,9 +221,10 @@ class JointModel:
 
 
 def joint_shares(cm: CostModel, splitter: Splitter, classes: list[ShareClass], b: int, schedule: str, chunks: int,
-                 incumbent: list[int], lower: float = 0.0, time_limit_s: float = 10.0) -> Joint | None:
+                 incumbent: list[int], lower: float = 0.0, time_limit_s: float = 10.0,
+                 guard: WallGuard | None = None) -> Joint | None:
     """The joint model's batch shares (module docstring), or None (see `JointModel.solve`)."""
-    return JointModel(cm, splitter, classes, b, schedule, chunks, incumbent, lower).solve(time_limit_s)
+    return JointModel(cm, splitter, classes, b, schedule, chunks, incumbent, lower, guard=guard).solve(time_limit_s)
 
 
 __all__ = ["Joint", "JointModel", "ShareClass", "joint_shares"]
