@@ -114,3 +114,22 @@ def test_megatron_shard_sync_is_priced_only_when_asked() -> None:
     assert cm.tp_dp_sync == "whole" and 0 < sync["shards"] < sync["whole"]
     with pytest.raises(PlanError, match="tp_dp_sync='halves'"):
         CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, tp_dp_sync="halves")
+
+
+def test_megatron_runs_are_priced_with_megatron_lm_s_own_sharding() -> None:
+    """Pricing Megatron-LM's runs (`tp_dp_sync="shards"`, bench/measured.py), a tp rank holds 1/tp of every
+    layer's parameters, as Megatron-LM shards them (a fused QKV by heads, vocabulary-parallel tables); autopar's
+    own closed form holds them as its runtime places them (`megatron_param_frac`: a GPT block's fused QKV whole).
+    With the runtime's share the Sailor runs' data-parallel sync was priced 2.5x (N6_D6: 54 s against 21 s)."""
+    from autopar.solver.intra_op.pricing import closed_form, megatron_param_frac
+    from autopar.solver.pricing.pricing import CostModel
+
+    cm = cm_for("1x4xA100-80GB", layers=2, batch=8)
+    cm = CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, intra_op=False)
+    megatron = CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, intra_op=False,
+                         tp_dp_sync="shards")
+    block = next(i for i, layer in enumerate(cm.graph.layers) if layer.kind == "block")
+    own = megatron_param_frac(cm.graph, block, 4)
+    assert own > 1 / 4  # the runtime keeps part of the block whole
+    assert closed_form(cm, block, "A100-80GB", 2, (0, 1, 2, 3)).param_frac == pytest.approx(own)
+    assert closed_form(megatron, block, "A100-80GB", 2, (0, 1, 2, 3)).param_frac == pytest.approx(1 / 4)

@@ -170,7 +170,9 @@ class CostModel(CommPricing):
         """How data-parallel replicas of a tensor-parallel stage (one degree) sync: "whole" as autopar's runtime
         does (runtime/zero.py: whole tensors among the groups' first ranks, then a broadcast in each group), or
         "shards" as Megatron-LM does (each tp rank all-reduces its own shard with the same shard of every
-        replica): for pricing runs of other systems (bench/measured.py), not autopar's plans."""
+        replica), each tp rank holding 1/tp of every layer's parameters as Megatron-LM shards them (a fused QKV
+        by heads, vocabulary-parallel tables; `intra_op.pricing.closed_form`): for pricing runs of other systems
+        (bench/measured.py), not autopar's plans."""
         """The wire dtype the user allows stage sends to be compressed to (`plan(..., compress=)`), or None:
         compression rounds activations and gradients, so the planner never chooses it unasked."""
         self.optimizer = optimizer_name(optimizer)
