@@ -259,7 +259,8 @@ class Exhaustive:
                     budget = min(cm.usable(d, comms.get(d)) for d in pipe[r])
                     combos = []
                     for combo in itertools.product(*lists):
-                        if rank_peak([c[1][1] for c in combo], inflight[r]) <= budget:
+                        # micro-batches as the search's positions count them (`Slot.microbatches`)
+                        if rank_peak([c[1][1] for c in combo], inflight[r], m if v == 1 else None) <= budget:
                             combos.append((tuple(x for c in combo for x in c[0][:5]), combo))
                     if not combos:
                         break

@@ -27,7 +27,7 @@ from autopar.cost_models.conv_workspace import (
 )
 from autopar.passes.annotate import annotate
 from autopar.solver.pricing.model import Option
-from autopar.solver.pricing.pricing import CostModel
+from autopar.solver.pricing.pricing import CostModel, settled_work
 from autopar.solver.pricing.stage_memory import stage_memory
 
 ISA = local_isa()
@@ -162,6 +162,7 @@ def test_cost_model_prices_it_per_device_on_cpus_only(device: str) -> None:
     for n in (1, 2):  # per device, whatever the micro-batch
         base = cm.base(0, cm.L, cluster.devices[0].spec.name, n, (0,))
         assert base.bwd_workspace == want
-        # no recompute, fp32: the work term is the larger of the loss's transient and this buffer
-        assert stage_memory(cm, base, Option(), 1, 1).work == max(base.bwd_transient, want)
+        # no recompute, fp32, a step of one micro-batch (no gradient accumulation's transient): the work term is
+        # the larger of the loss's transient and this buffer
+        assert settled_work(stage_memory(cm, base, Option(), 1, 1), 1, 1) == max(base.bwd_transient, want)
         assert want == 0 or want > base.bwd_transient

@@ -92,6 +92,7 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
     # their own is 4-byte (annotate priced 2 in mixed precision), and their backward returns fp32 gradients
     # the size of their input: two buffers (received + returned), one where fused (it keeps its input)
     fp32_kept, fp32_grads = [0.0] * len(graph.layers), [0.0] * len(graph.layers)
+    out_grads = [0.0] * len(graph.layers)
     half = plan.precision in ("bf16", "fp16")
     for node in graph.nodes.values():
         if node.target.split(".")[1:2] not in (["softmax"], ["_softmax"], ["log_softmax"], ["_log_softmax"],
@@ -106,6 +107,7 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
         if node.layer >= 0 and node.requires_grad:
             out_grad = sum(t.nbytes for t in node.outputs if t.dtype.startswith("float")) * (0.5 if half else 1.0)
             fp32_grads[node.layer] = max(fp32_grads[node.layer], out_grad)
+            out_grads[node.layer] = max(out_grads[node.layer], out_grad)
     first = plan.pipelines[0]
     alike = D > 1 and all(p.num_microbatches == first.num_microbatches and len(p.stages) == len(first.stages)
                           for p in plan.pipelines)
@@ -114,7 +116,7 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
     tied = {p: ls for p, ls in users.items() if p in numel and len(ls) > 1}
     spans = any(len({j for j, st in enumerate(p.stages) for x in ls if st.layers[0] <= x < st.layers[1]}) > 1
                 for p in plan.pipelines for ls in tied.values())
-    bucketed = plan.chunks == 1 and not spans and all(
+    bucketed = D > 1 and plan.chunks == 1 and not spans and all(
         (not st.zero or D == 1) and len(st.devices) == 1 and not {"params", "optimizer"} & set(st.offload)
         for p in plan.pipelines for st in p.stages)
     peaks = {}
@@ -124,6 +126,7 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
         frac = pipe.microbatch_size / B
         for r in range(ranks):
             static, acts, works, syncs = 0.0, [], [0.0], [0.0]
+            acts_less, works_accumulating = [], [0.0]  # one micro-batch fewer in flight; a .grad already there
             for j in range(r, len(pipe.stages), ranks):
                 st = pipe.stages[j]
                 a, e = st.layers
@@ -179,6 +182,12 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     transient = max(transient, fp32_grads[x] * frac / t - freed)
                     freed += kept[x]
                 transient = max(0.0, transient - big * g * (zm >= 2))
+                # a backward that finds a .grad computes the new gradient apart and adds it in: the largest
+                # parameter's, beside the output gradient of the op that read it
+                largest_param = max((numel[p] for p, ls in users.items() if p in numel
+                                     and any(a <= x < e for x in ls)), default=0) / t
+                accumulation = max(0.0, max(out_grads[x] * frac / t for x in range(a, e))
+                                   + largest_param * g - transient) if zm <= 1 and not streamed else 0.0
                 n_all = sum(numel[p] for p, ls in users.items() if p in numel and any(a <= x < e for x in ls))
                 n_cast = sum(num for num, ls in cast.values() if any(a <= x < e for x in ls))
                 share = min(1.0, n_cast / n_all) if n_all else 0.0
@@ -188,13 +197,16 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     act = sum(kept.values()) + received
                     works.append(max(saved[x.index] for x in layers if x.kind == "block")
                                  + sb.cast_copy * big * share + transient + transfer)
+                    works_accumulating.append(works[-1] + accumulation)
                     act += sb.cast_copy * max(0.0, n * share - sum(cast_owned[x.index] for x in layers
                                                                    if x.kind == "block") / t)
                 else:
                     act = sum(saved.values()) + received + sb.cast_copy * n * share
                     works.append(transient + transfer)
+                    works_accumulating.append(works[-1] + accumulation)
                 act += out
                 acts.append(act * (1 if "activations" in off else inflight[r]))
+                acts_less.append(act * (1 if "activations" in off else max(1, inflight[r] - 1)))
                 if "optimizer" not in off:
                     # the device's optimizer step after the schedule: torch's single-tensor AdamW on the CPU
                     # (a root and a quotient of the tensor it updates), foreach elsewhere (a root of every
@@ -212,8 +224,15 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     red = min(64 << 20, n * g / (D if z >= 2 else 1)) if reduced_after else 0.0
                     whole_step_3 = z == 3 and zm != 3
                     syncs.append(max(red, min(64 << 20, n * w / D) if z in (1, 2) or whole_step_3 else 0.0))
+            m = pipe.num_microbatches
+            if bucketed or m > inflight[r]:  # a backward at the full in-flight count finds its .grad there
+                body = max(acts) + max(works_accumulating)
+            elif m == 1:
+                body = max(acts) + max(works)
+            else:  # the first backward accumulates nothing; the second comes with one micro-batch fewer
+                body = max(max(acts) + max(works), max(acts_less) + max(works_accumulating))
             for d in pipe.stages[r].devices:
-                peaks[d] = static + max(max(acts) + max(works), max(syncs))
+                peaks[d] = static + max(body, max(syncs))
     return peaks
 
 

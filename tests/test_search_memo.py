@@ -64,7 +64,7 @@ def test_stage_picks_what_the_full_option_check_picks() -> None:
     cfg = next(c for c in probe._configs() if len(c.pipelines) == 1 and len(c.pipelines[0]) == 2)
     base_slot = probe._slots(cfg, cfg.pipelines[0], 2)[0]
     a, e, m, n = cm.first_block, cm.first_block + 3, 2, 4
-    needs = sorted({NO_CHUNKS.need(mem, base_slot.inflight)
+    needs = sorted({NO_CHUNKS.need(mem, base_slot.inflight, base_slot.microbatches)
                     for _, _, _, mem in Splitter(cm).ranked(base_slot, a, e, m, n)})
     # budgets at every option's exact need, just under it, between needs, and none fits / all fit
     budgets = {0.0, math.inf}

@@ -65,7 +65,7 @@ def _options(cm: CostModel, slot: Slot, a: int, e: int, n: int, chunks: int, pru
         act = (min(k, 1) if mem.offload_act else k) * mem.act
         return o[1] + ((mem.static, act, mem.work, mem.sync, mem.host, k * mem.host_act) if chunks > 1 else ())
 
-    fit = [o for o in opts if rank_peak([o[2]], slot.inflight) <= slot.budget
+    fit = [o for o in opts if rank_peak([o[2]], slot.inflight, slot.microbatches) <= slot.budget
            and rank_host([o[2]], slot.inflight) <= slot.host_budget]
     return [o for o in fit if not any(vec(k) != vec(o) and all(x <= y for x, y in zip(vec(k), vec(o), strict=True))
                                       for k in fit)]
@@ -87,7 +87,8 @@ def _brute(cm: CostModel, slots: list[Slot], m: int, n: int, chunks: int, prune:
                 table[key] = _options(cm, slot, edges[j], edges[j + 1], n, chunks, prune)
             per_stage.append(table[key])
         for combo in itertools.product(*per_stage):
-            ok = all(rank_peak([c[2] for c in combo[q::p]], slots[q].inflight) <= slots[q].budget
+            ok = all(rank_peak([c[2] for c in combo[q::p]], slots[q].inflight, slots[q].microbatches)
+                     <= slots[q].budget
                      and rank_host([c[2] for c in combo[q::p]], slots[q].inflight) <= slots[q].host_budget
                      for q in range(p))
             if not ok:
@@ -124,7 +125,7 @@ def _check_split(cm: CostModel, slots: list[Slot], got: Split, m: int, chunks: i
     p, S = len(slots) // chunks, len(slots)
     for q in range(p):
         mems = [c.memory for _, _, c in got.stages[q::p]]
-        assert rank_peak(mems, slots[q].inflight) <= slots[q].budget
+        assert rank_peak(mems, slots[q].inflight, slots[q].microbatches) <= slots[q].budget
         assert rank_host(mems, slots[q].inflight) <= slots[q].host_budget
     sends = [0.0 if j + 1 == S else cm.boundary_send(c.out_bytes, slots[j].tp_group[0], slots[j + 1].tp_group[0])
              for j, (_, _, c) in enumerate(got.stages)]

@@ -232,12 +232,15 @@ def autocast_cast_params(graph: TrainingGraph) -> dict[str, tuple[int, frozenset
     return {k: (n, frozenset(us)) for k, (n, us) in out.items()}
 
 
-def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[float], list[float]]:
+def activation_corrections(graph: TrainingGraph, precision: str
+                           ) -> tuple[list[float], list[float], list[float]]:
     """Per layer of an annotated graph, per global batch (module docstring): bytes to add to
     `Layer.saved_bytes` because ops autocast runs in fp32 keep their saved tensors in 4 bytes (0 outside
-    bf16/fp16), and the backward transient: the larger of those ops' (two fp32 buffers of their input's
-    size) and any op's output gradient, the largest one in the layer."""
+    bf16/fp16), the backward transient: the larger of those ops' (two fp32 buffers of their input's
+    size) and any op's output gradient, the largest one in the layer, and that largest output gradient
+    alone (what a parameter's new gradient, accumulated into its `.grad`, is computed beside)."""
     extra, transient = [0.0] * len(graph.layers), [0.0] * len(graph.layers)
+    out_grad = [0.0] * len(graph.layers)
     scale = 0.5 if precision in ("bf16", "fp16") else 1.0  # annotate's bytes per element / 4
     for node in graph.nodes.values():
         if node.layer < 0 or _op(node.target) not in AUTOCAST_FP32_OPS:
@@ -256,7 +259,8 @@ def activation_corrections(graph: TrainingGraph, precision: str) -> tuple[list[f
         if node.layer >= 0 and node.requires_grad:
             grad = sum(t.nbytes for t in node.outputs if t.dtype.startswith("float")) * scale
             transient[node.layer] = max(transient[node.layer], grad)
-    return extra, transient
+            out_grad[node.layer] = max(out_grad[node.layer], grad)
+    return extra, transient, out_grad
 
 
 def backward_workspace(graph: TrainingGraph, precision: str, kind: str) -> list[float]:

@@ -99,6 +99,7 @@ class StageBase:
     # freed before it, without recompute and with its blocks recomputed (they keep only their inputs)
     bwd_transient: float = 0.0
     bwd_transient_recompute: float = 0.0
+    bwd_out_grad: float = 0.0  # per device: the largest op output gradient of the range (cost_models/memory.py)
     # per device, whatever the micro-batch: the largest buffer an op's backward allocates besides autograd's
     # tensors on the stage's device kind (a CPU convolution's weight gradient in oneDNN's layout)
     bwd_workspace: float = 0.0
@@ -288,7 +289,7 @@ class CostModel(CommPricing):
                 self.cast_shared.append((numel, layers))
         inputs = sum(g.input_meta[n].nbytes for n in g.inputs[:1])
         # fp32-kept saved tensors under autocast and backward transients (cost_models/memory.py)
-        fp32_saved, self.bwd_transient = activation_corrections(g, self.precision)
+        fp32_saved, self.bwd_transient, self.bwd_out_grad = activation_corrections(g, self.precision)
         # batch-independent backward buffers, per device kind (cost_models/memory.py `backward_workspace`)
         self.bwd_workspace = {kind: backward_workspace(g, self.precision, kind)
                               for kind in sorted({spec.kind for spec in self.specs.values()})}
@@ -446,6 +447,7 @@ class CostModel(CommPricing):
         measured: list[int] = []
         stepped: list[int] = []
         later: list[tuple[float, float, float]] = []  # per layer: backward transient, bytes kept, kept under recompute
+        out_grad = 0.0
         mf = mb = mrc = ms = msp = 0.0  # measured layers' seconds (host time included: no host terms, no floor)
         for i in range(a, e):
             if cp > 1:
@@ -493,6 +495,7 @@ class CostModel(CommPricing):
             # recompute their blocks keep only their inputs): the stage's is the largest, less that
             kept_rc = self.in_bytes[i] * frac if self.is_block[i] else saved
             later.append((self.bwd_transient[i] * frac / t, saved, kept_rc))
+            out_grad = max(out_grad, self.bwd_out_grad[i] * frac / t)
             workspace = max([workspace] + [per_kind[i] for per_kind in workspaces])
         # a stage after the first keeps each in-flight micro-batch's received input (runtime/program.py: its
         # gradient is sent back from it), saved by its layers or not; a recomputed first block's kept input is it
@@ -515,7 +518,8 @@ class CostModel(CommPricing):
         base = StageBase(f, b, fc, bc, rc, params, biggest, act, act_rc, work, self.boundary[e - 1] * frac,
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
-                         bwd_transient=transient, bwd_transient_recompute=transient_rc, bwd_workspace=workspace,
+                         bwd_transient=transient, bwd_transient_recompute=transient_rc, bwd_out_grad=out_grad,
+                         bwd_workspace=workspace,
                          device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),
                          block_parts=tuple(parts), measured_step=ms, measured_step_params=msp,

@@ -149,28 +149,53 @@ def offload_host_bytes(optimizer: str, w: float, n: float, owned: float, zero: i
     return host
 
 
-def rank_peak(mems: list[StageMemory], inflight: int) -> float:
-    """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches."""
+def settled_work(mem: StageMemory, inflight: int, microbatches: int | None = None) -> float:
+    """The working set `rank_peak` counts for `mem` with `inflight` of a step's `microbatches` micro-batches in
+    flight at the device's peak. Its gradient accumulation's transient (`StageMemory.accumulation`) comes with
+    every backward that finds a parameter's `.grad` already there: each after the step's first, or every one where
+    the gradients are the buckets' views from the start (`StageMemory.accumulates`). So it meets the full
+    in-flight count only when the step has more micro-batches than are in flight (1F1B's steady state); a stage
+    holding every micro-batch at once meets its second backward with one fewer in flight, and a step of one
+    micro-batch never meets it. `microbatches=None` (unknown: an interleaved device's chunks in the search, the
+    asynchronous modes) counts it always, which is never less than the runtime's."""
+    if not mem.accumulation or mem.accumulates or microbatches is None or microbatches > inflight:
+        return mem.work
+    settled = mem.work - mem.accumulation
+    if microbatches <= 1:
+        return settled
+    # the larger of the first backward at the full count and the second at one fewer: an offloaded stage keeps
+    # one micro-batch's activations on the device either way
+    return mem.work if mem.offload_act else settled + max(0.0, mem.accumulation - mem.act)
+
+
+def rank_peak(mems: list[StageMemory], inflight: int, microbatches: int | None = None) -> float:
+    """Peak bytes of one device holding these stages (model chunks) with `inflight` micro-batches of a step's
+    `microbatches` in flight (`settled_work`)."""
     act = max((min(inflight, 1) if m.offload_act else inflight) * m.act for m in mems)
-    return sum(m.static for m in mems) + max(act + max(m.work for m in mems), max(m.sync for m in mems))
+    work = max(settled_work(m, inflight, microbatches) for m in mems)
+    return sum(m.static for m in mems) + max(act + work, max(m.sync for m in mems))
 
 
 def rank_peak_ordered(mems: list[StageMemory], actions: list, ranks: int, split: bool) -> float:
     """Peak bytes of one device holding several model chunks (`mems`, chunk k = stage k * ranks + r), walked
     along its schedule `actions`: each chunk's activations live from its forward until its backward (W under
     a split backward), so the peak is the largest sum of the chunks actually in flight plus the working set
-    of the one computing; `rank_peak` would count every in-flight pair as the largest chunk."""
+    of the one computing; `rank_peak` would count every in-flight pair as the largest chunk. A chunk's working
+    set has the gradient accumulation's transient (`settled_work`) from its second backward on (from its first
+    where its gradients are bucket views: `StageMemory.accumulates`)."""
     end = "W" if split else "B"
     live = peak = 0.0
+    graded: set[int] = set()
     for a in actions:
         if a.kind not in ("F", "B", "W"):
             continue
         m = mems[a.stage // ranks]
         if a.kind == "F":
             live += m.act
-        peak = max(peak, live + m.work)
+        peak = max(peak, live + m.work - (0.0 if m.accumulates or a.stage in graded else m.accumulation))
         if a.kind == end:
             live -= m.act
+            graded.add(a.stage)
     return sum(m.static for m in mems) + max(peak, max(m.sync for m in mems))
 
 

@@ -167,6 +167,7 @@ from .plan import (
     rank_peak,
     rank_peak_ordered,
     rank_shared,
+    settled_work,
     tied_sync,
 )
 from .stage_memory import StageMemory, bucketed_gradients, recomputed, runtime_note
@@ -327,13 +328,15 @@ def price(cm: CostModel, plan: Plan, idle_reasons: dict[int, str] | None = None)
                   for st, pr in zip(pipe.stages, preds, strict=True)]
         sizes = pipe.microbatch_sizes()
         inflight = cm.peak_inflight(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)
-        if bucketed:
-            mems = [replace(m, sync=m.step) for m in mems]  # no reduction buckets: the step's own buffers
+        # bucketed: no reduction buckets (the step's own buffers), and every backward accumulates into the
+        # buckets' views; otherwise only a backward that finds its `.grad` does (`settled_work`)
+        mems = [replace(m, sync=m.step, accumulates=True) if bucketed else replace(m, accumulates=False)
+                for m in mems]
         ordered = plan.chunks > 1 and not any(m.offload_act for m in mems)
         order = cached_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks) if ordered else None
         for r in range(ranks):
             need = rank_peak_ordered(mems[r::ranks], order.actions[r], ranks, plan.schedule in SPLIT_SCHEDULES) \
-                if order is not None else rank_peak(mems[r::ranks], inflight[r])
+                if order is not None else rank_peak(mems[r::ranks], inflight[r], pipe.num_microbatches)
             on_host = rank_host(mems[r::ranks], inflight[r])
             one = rank_shared(mems[r::ranks], inflight[r], need)  # device and host share in one CPU allocator
             for d in pipe.stages[r].devices:
@@ -425,4 +428,4 @@ def price_plan(cm: CostModel, plan: Plan) -> Estimate:
 __all__ = ["ACT_BYTES", "HOST_UPDATE_BANDWIDTH", "SLOW_LINK_BYTES_PER_S", "WIRE_BYTES", "CostModel",
            "Option", "Priced", "StageBase", "StageMemory", "StageTimes", "inflight_closed_form", "lower_bound",
            "model_summary", "peak_parts", "price", "price_plan", "price_strategy", "rank_host", "rank_peak",
-           "stage_option", "tied_sync", "tp_layer_cost"]
+           "settled_work", "stage_option", "tied_sync", "tp_layer_cost"]

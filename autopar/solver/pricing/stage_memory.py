@@ -49,6 +49,17 @@ offloaded otherwise come back for the whole step and count as resident. T = tied
              nor does, at cp > 1, an attention call's context-parallel transient (`StageBase.cp_work`: the K/V
              blocks in flight, with the dK/dV accumulators in backward, or Ulysses' all-to-all buffers), the larger
              of the three counting (context.py)
+           + the gradient accumulation's transient: where a backward finds a parameter's `.grad` already there
+             (every micro-batch after the first, or a DDP-style bucketed plan whose gradients are views of the
+             buckets from the start), autograd computes the new gradient in a tensor of its own and adds it in,
+             beside the output gradient of the op that read the parameter, so the largest parameter's gradient
+             (g P_max / t, gradients kept whole: z <= 1, not streamed) is briefly live twice: the transient term
+             is max(that, the largest op output gradient `StageBase.bwd_out_grad` + g P_max / t) (measured: a pp 4
+             embedding stage at 8 micro-batches, 1.07x its plan without it; a loss's two buffers come before the
+             head's weight gradient, so the last stage's peak stays the loss's). `StageMemory.accumulation` is
+             what it adds to `work`; a device's peak counts it only where its backward at the peak's in-flight
+             count meets a `.grad` (`plan.settled_work`: by the step's micro-batch and in-flight counts, which
+             the search's stage positions carry, `split.Slot.microbatches`)
 
 A pipeline stage's messages (runtime/program.py): `act` + its output (`StageBase.out_bytes`, kept per micro-batch for
 its backward) and, after the first stage, its received input (`StageBase.in_bytes`, kept to send its gradient back;
@@ -101,6 +112,12 @@ class StageMemory:
     # of `sync`: what the device's own optimizer step allocates beside its state (it comes after the
     # reductions; a DDP-style bucketed plan, whose reductions pack nothing, keeps this part)
     step: float = 0.0
+    # of `work`: the gradient accumulation's transient (module docstring), which only a backward that finds its
+    # parameters' `.grad` there has (`plan.settled_work`); `accumulates`: every backward does (the gradients are
+    # the buckets' views from the start: `bucketed_gradients`, which pricing sets per plan; the search assumes it
+    # wherever the option allows it)
+    accumulation: float = 0.0
+    accumulates: bool = False
     # of `static`: the parameters, gradients and optimizer state the stage keeps (the rest of it, prefetched
     # layers and gradients in flight, are buffers): how a device's peak divides (`pricing.peak_parts`)
     params: float = 0.0
@@ -207,7 +224,12 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         # time; so does a context-parallel attention's transient (K/V blocks in flight, all-to-all buffers:
         # `StageBase.cp_work`)
         transient = base.bwd_transient_recompute if k else base.bwd_transient
-        work += max(max(0.0, transient - in_flight_grads), base.bwd_workspace, base.cp_work)
+        op_work = max(max(0.0, transient - in_flight_grads), base.bwd_workspace, base.cp_work)
+        accum = base.max_param / tp * g if zm <= 1 and not streamed else 0.0
+        with_accum = max(op_work, base.bwd_out_grad + accum) if accum else op_work
+        work += with_accum
+        bucketable = dp > 1 and tp == 1 and z == 0 and not {"params", "optimizer"} & set(offload) \
+            and not base.moe_layers
         # a pipeline stage's messages (runtime/program.py): each micro-batch's output stays for its backward
         # (autograd saves none of it); during a backward the received output gradient, and one batch of send
         # buffers (the previous batch's sends finish before the next goes out), are live
@@ -230,7 +252,7 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         step = 0.0 if "optimizer" in offload else \
             optimizer_step_bytes(cm.optimizer, base.device_kind, owned, base.max_param / tp)
         out.append(StageMemory(static, act, work, off_act, host, act if off_act else 0.0, max(sync, step), host_step,
-                               step_freed, host_work, step, params, grads, optim))
+                               step_freed, host_work, step, with_accum - op_work, bucketable, params, grads, optim))
     return out
 
 
@@ -241,6 +263,8 @@ def bucketed_gradients(cm: CostModel, plan: Plan) -> bool:
     siblings are replicas there (runtime/grad_sync.py sees one pipeline per cp rank): tp 1 is one device per cp rank,
     and ZeRO partitions over dp x cp holders."""
     if plan.chunks != 1 or (plan.experts or {}).get("degree", 1) > 1:
+        return False
+    if len(plan.pipelines) * plan.pipelines[0].stages[0].cp == 1:  # one replica: nothing to sync, no buckets
         return False
     for pipe in plan.pipelines:
         stage_of = {layer: j for j, st in enumerate(pipe.stages) for layer in range(*st.layers)}

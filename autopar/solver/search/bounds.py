@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes
+from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, settled_work
 from ..split.split import Slot, Splitter, Unit
 
 Ranked = list[tuple[float, Option, StageTimes, StageMemory]]
@@ -60,9 +60,9 @@ class BoundConfig(NamedTuple):
     b: int
 
 
-def _chunk_need(mem: StageMemory, inflight: int) -> float:
+def _chunk_need(mem: StageMemory, inflight: int, microbatches: int | None) -> float:
     act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
-    return mem.static + act + mem.work
+    return mem.static + act + settled_work(mem, inflight, microbatches)
 
 
 def _lp(per_block: list[tuple[float, float]], blocks: int, budget: float) -> float:
@@ -208,7 +208,7 @@ class ConfigBounds:
         per_block = self._per_block(sp.ranked(slot, a, a + 1, m, n), sp.ranked(slot, a, a + k, m, n), m, k)
         best = math.inf
         for _, _, tm, mem in sp.ranked(slot, a, a + g, m, n):
-            need = _chunk_need(mem, slot.inflight)
+            need = _chunk_need(mem, slot.inflight, slot.microbatches)
             if need > slot.budget:
                 continue
             own = m * (tm.fwd + tm.bwd) + (tm.sync if with_sync else 0.0)

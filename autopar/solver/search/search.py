@@ -355,7 +355,7 @@ class Search:
                      min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
                      min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
-                     alike and len(pipe[j % p]) == cp, mixed[j % p])
+                     alike and len(pipe[j % p]) == cp, mixed[j % p], m if v == 1 else None)
                 for j in range(p * v)]
 
     # -- batch split --
@@ -457,7 +457,8 @@ class Search:
             base = cm.base(a, e, slot.dtype, n, slot.tp_group)
             mems[j % p].append(cm.stage_memory(base, c.option, len(slot.tp_group), len(slot.dp_group),
                                                slot.layerwise))
-        return all(rank_fits(mems[r], inflight[r], slots[r]) for r in range(p))
+        count = m if cfg.chunks == 1 else None  # `Slot.microbatches`
+        return all(rank_fits(mems[r], inflight[r], slots[r], count) for r in range(p))
 
     # -- one config --
     def _solve(self, cfg: Config, shares: list[int] | None = None) -> Solved | None:

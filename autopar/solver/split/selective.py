@@ -28,7 +28,8 @@ def _with_k(splitter: Splitter, slot: Slot, a: int, e: int, n: int, opt: Option,
     tm = cm.stage_times(base, option, slot.dtype, slot.tp_group, slot.dp_group, slot.sigs[1], slot.layerwise,
                         slot.mixed_tp)
     mem = cm.stage_memory(base, option, len(slot.tp_group), len(slot.dp_group), slot.layerwise)
-    return Choice(option, tm, mem, base.out_bytes) if rank_fits(others + [mem], slot.inflight, slot) else None
+    fits = rank_fits(others + [mem], slot.inflight, slot, slot.microbatches)
+    return Choice(option, tm, mem, base.out_bytes) if fits else None
 
 
 def _smallest_k(splitter: Splitter, slot: Slot, a: int, e: int, n: int, opt: Option, blocks: int,

@@ -21,7 +21,16 @@ import operator
 from ...ir.plan import even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
 from ..budget import WallGuard
-from ..pricing.pricing import CostModel, Option, StageBase, StageMemory, StageTimes, lower_bound, tied_sync
+from ..pricing.pricing import (
+    CostModel,
+    Option,
+    StageBase,
+    StageMemory,
+    StageTimes,
+    lower_bound,
+    settled_work,
+    tied_sync,
+)
 from ..pricing.stage_memory import recomputed
 from ..pricing.wgrad import wgrad_share, zero_bubble_backward
 from .monotone import largest_true
@@ -136,8 +145,8 @@ class Splitter:
         for _, opt, tm, i in timed:
             mem = priced.memory(self.cm, i)
             if rank.fits(mem, slot):
-                if rank.need(mem, slot.inflight) + (rank.host_need(mem, slot.inflight) if slot.unified else 0.0) \
-                        <= slot.budget * (1 - CLEAR):
+                host = rank.host_need(mem, slot.inflight) if slot.unified else 0.0
+                if rank.need(mem, slot.inflight, slot.microbatches) + host <= slot.budget * (1 - CLEAR):
                     kinds = self.cm.device_kinds(slot.tp_group)
                     out = priced.out_bytes.get(kinds)
                     if out is None:
@@ -169,8 +178,8 @@ class Splitter:
             dropped = [mem.act for mem in mems if mem.offload_act]
             hit = self._floors[id(ranked)] = (ranked, (  # the list itself kept, so its id stays its own
                 min(mem.static for mem in mems), min(kept, default=math.inf), min(dropped, default=math.inf),
-                min(mem.work for mem in mems), min(mem.host for mem in mems), min(mem.host_act for mem in mems),
-                min(mem.sync for mem in mems)))
+                min(mem.work - mem.accumulation for mem in mems), min(mem.host for mem in mems),
+                min(mem.host_act for mem in mems), min(mem.sync for mem in mems)))
         static, kept_act, dropped_act, work, host, host_act, sync = hit[1]
         act = min(inflight * kept_act, min(inflight, 1) * dropped_act) if inflight else 0.0
         return StageMemory(static, act / inflight if inflight else 0.0, work, False, host, host_act, sync)
@@ -233,7 +242,7 @@ class Splitter:
         among options whose device memory fits, by host memory (then host memory is what stops it).
         `floor` (`_floor`) bounds both from below: a stage it shows cannot beat the kept ones is skipped."""
         low_host = rank.host_need(floor, slot.inflight)
-        low_dev = rank.need(floor, slot.inflight) + (low_host if slot.unified else 0.0)
+        low_dev = rank.need(floor, slot.inflight, slot.microbatches) + (low_host if slot.unified else 0.0)
         dev_can = self.closest is None or low_dev - slot.budget < self.closest.need - self.closest.budget
         host_can = low_dev <= slot.budget and (self.closest_host is None or low_host - slot.host_budget
                                                < self.closest_host.host - self.closest_host.host_budget)
@@ -242,7 +251,7 @@ class Splitter:
         best_dev = best_host = None
         for _, opt, _, mem in ranked:
             host = rank.host_need(mem, slot.inflight)
-            dev = rank.need(mem, slot.inflight) + (host if slot.unified else 0.0)
+            dev = rank.need(mem, slot.inflight, slot.microbatches) + (host if slot.unified else 0.0)
             c = Closest(dev, slot.budget, host, slot.host_budget, slot.dtype, slot.tp_group[0], opt, layers)
             if best_dev is None or dev < best_dev.need:
                 best_dev = c
@@ -292,7 +301,7 @@ class Splitter:
             lo = got
             c = ends[lo]
             assert c is not None
-            held[r] = held[r].add(c.memory, slot.inflight)
+            held[r] = held[r].add(c.memory, slot.inflight, slot.microbatches)
             worst = max(worst, term(c))
             work[r] += m * (c.times.fwd + c.times.bwd)
             nxt = slots[j + 1].tp_group if j + 1 < S else slot.tp_group
@@ -382,7 +391,7 @@ class Splitter:
                 c = self.stage(slot, edges[j], edges[j + 1], m, n, held[j % p])
                 if c is None:
                     break
-                held[j % p] = held[j % p].add(c.memory, slot.inflight)
+                held[j % p] = held[j % p].add(c.memory, slot.inflight, slot.microbatches)
                 out.append((edges[j], edges[j + 1], c))
             if len(out) == S:
                 found.append(Split(out, surrogate([c.times for _, _, c in out], [0.0] * S, p, m)))
@@ -431,7 +440,8 @@ class Splitter:
             vec: tuple = (tm.fwd, tm.bwd, tm.sync)
             if chunks > 1:
                 act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
-                vec += (mem.static, act, mem.work, mem.sync, mem.host, inflight * mem.host_act)
+                vec += (mem.static, act, settled_work(mem, inflight, slot.microbatches), mem.sync, mem.host,
+                        inflight * mem.host_act)
             if not any(all(k <= v for k, v in zip(kv, vec, strict=True)) for kv in kept):
                 kept.append(vec)
                 out.append(Choice(opt, tm, mem, out_bytes))
@@ -449,7 +459,8 @@ class Splitter:
             if all(lists) and math.prod(map(len, lists)) <= PARETO_COMBOS:
                 out = []
                 for combo in itertools.product(*lists):
-                    if chunks == 1 or all(rank_fits([c.memory for c in combo[q::p]], slots[q].inflight, slots[q])
+                    if chunks == 1 or all(rank_fits([c.memory for c in combo[q::p]], slots[q].inflight, slots[q],
+                                                    slots[q].microbatches)
                                           for q in range(p)):
                         out.append([(edges[j], edges[j + 1], c) for j, c in enumerate(combo)])
                 return out
@@ -459,7 +470,7 @@ class Splitter:
             c = self.stage(slots[j], edges[j], edges[j + 1], m, n, held[j % p])
             if c is None:
                 return []
-            held[j % p] = held[j % p].add(c.memory, slots[j].inflight)
+            held[j % p] = held[j % p].add(c.memory, slots[j].inflight, slots[j].microbatches)
             stages.append((edges[j], edges[j + 1], c))
         return [stages]
 

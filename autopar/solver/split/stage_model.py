@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .. import budget
 from ..budget import WallGuard
-from ..pricing.pricing import CostModel
+from ..pricing.pricing import CostModel, settled_work
 from .monotone import largest_true
 from .surrogate import Choice, Slot, Split, priced_surrogate
 
@@ -293,8 +293,9 @@ class StageTable:
                 grew = False
                 mem, inflight = c.memory, slot.inflight
                 act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
+                work = settled_work(mem, inflight, slot.microbatches)
                 row.append(Entry(a, e, size, c, f, b, w, s, send, _kib_up(mem.static), _kib_up(act),
-                                 _kib_up(mem.work), _kib_up(mem.sync), _kib_up(mem.host),
+                                 _kib_up(work), _kib_up(mem.sync), _kib_up(mem.host),
                                  _kib_up(inflight * mem.host_act)))
             if grew:
                 dead = True  # every option of this range already exceeds the cap

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, rank_host, rank_peak
+from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, rank_host, rank_peak, settled_work
 
 Unit = tuple[int, ...]  # a tensor-parallel group
 
@@ -31,15 +31,20 @@ class Slot(NamedTuple):
     # its data-parallel peers run at other tensor-parallel degrees (a tp per pipeline class): the sync moves
     # whole tensors among the groups' first ranks (`CostModel.stage_times(mixed_tp=True)`)
     mixed_tp: bool = False
+    # the pipeline's micro-batches per step, by which a backward meets the gradient accumulation's transient
+    # (`pricing.settled_work`); None where that is not known from the position alone (a device's interleaved
+    # chunks: counted always, never less than pricing's walk along the schedule)
+    microbatches: int | None = None
 
     def fits(self, need: float, host: float) -> bool:
         """Whether a device of this slot needing `need` bytes, and `host` bytes of host memory, fits."""
         return host <= self.host_budget and need + (host if self.unified else 0.0) <= self.budget
 
 
-def rank_fits(mems: list[StageMemory], inflight: int, slot: Slot) -> bool:
-    """Whether one device of `slot` holding these stages fits (`rank_peak`, `rank_host`)."""
-    return slot.fits(rank_peak(mems, inflight), rank_host(mems, inflight))
+def rank_fits(mems: list[StageMemory], inflight: int, slot: Slot, microbatches: int | None) -> bool:
+    """Whether one device of `slot` holding these stages fits with `inflight` of `microbatches` micro-batches in
+    flight (`rank_peak`, `rank_host`)."""
+    return slot.fits(rank_peak(mems, inflight, microbatches), rank_host(mems, inflight))
 
 
 class RankState(NamedTuple):
@@ -53,11 +58,12 @@ class RankState(NamedTuple):
     host_act: float = 0.0  # the largest in-flight host activation term among them
     sync: float = 0.0  # the largest gradient-sync bucket among them (`StageMemory.sync`)
 
-    def need(self, mem: StageMemory, inflight: int) -> float:
+    def need(self, mem: StageMemory, inflight: int, microbatches: int | None) -> float:
         """The device's peak with `mem` added, projecting `later` more chunks of the same static size
         (exactly `rank_peak` for the last chunk)."""
         act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
-        return self.static + (1 + self.later) * mem.static + max(max(self.act, act) + max(self.work, mem.work),
+        work = settled_work(mem, inflight, microbatches)
+        return self.static + (1 + self.later) * mem.static + max(max(self.act, act) + max(self.work, work),
                                                                   self.sync, mem.sync)
 
     def host_need(self, mem: StageMemory, inflight: int) -> float:
@@ -65,11 +71,12 @@ class RankState(NamedTuple):
         return self.host + (1 + self.later) * mem.host + max(self.host_act, inflight * mem.host_act)
 
     def fits(self, mem: StageMemory, slot: Slot) -> bool:
-        return slot.fits(self.need(mem, slot.inflight), self.host_need(mem, slot.inflight))
+        return slot.fits(self.need(mem, slot.inflight, slot.microbatches), self.host_need(mem, slot.inflight))
 
-    def add(self, mem: StageMemory, inflight: int) -> RankState:
+    def add(self, mem: StageMemory, inflight: int, microbatches: int | None) -> RankState:
         act = (min(inflight, 1) if mem.offload_act else inflight) * mem.act
-        return RankState(self.static + mem.static, max(self.act, act), max(self.work, mem.work),
+        return RankState(self.static + mem.static, max(self.act, act),
+                         max(self.work, settled_work(mem, inflight, microbatches)),
                          max(self.later - 1, 0), self.host + mem.host, max(self.host_act, inflight * mem.host_act),
                          max(self.sync, mem.sync))
 
