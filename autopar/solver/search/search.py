@@ -20,7 +20,8 @@ to minimise the simulated step time  max_d simulate(schedule(sigma, p, m_d, v), 
 
     (C1) every pipeline's stages tile [0, L), one layer at least each     `Splitter.split`, `check_plan`
     (C2) every device's peak memory (static state of all its stages, i.e. interleaved chunks together,
-         + peak in-flight micro-batches x activations + recompute workspace; `pricing.rank_peak`)
+         + peak in-flight micro-batches x activations + recompute workspace, with the gradient
+         accumulation's transient where a backward meets a `.grad`, by m_d: `pricing.rank_peak`)
          <= (1 - reserve) x capacity              `Splitter.stage` with `split.RankState`, `_fits`, `price`
          ZeRO-2/3 only where every replica gets the same split and micro-batch count at t = 1, so the
          runtime runs them per layer (`Slot.layerwise`, `plan.layerwise_stages`)
