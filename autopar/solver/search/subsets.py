@@ -99,9 +99,9 @@ def on_whole_cluster(cm: CostModel, plan: Plan, keep: list[int], why: str) -> Pl
 def _stopped(guard: WallGuard, done: int, total: int, what: str) -> None:
     """Warn that the wall-clock guard (module docstring, "Wall clock") ended a subset loop after `done` of its
     `total` searches of `what`."""
-    warnings.warn(f"planning stopped at the wall-clock guard ({guard.seconds:.3g} s left for the device subsets) "
-                  f"after {done} of the {total} {what}: this plan depends on the machine's speed and load; {RAISE}.",
-                  stacklevel=4)
+    warnings.warn(f"planning stopped at the wall-clock guard ({max(0.0, guard.seconds):.3g} s left for the device "
+                  f"subsets) after {done} of the {total} {what}: this plan depends on the machine's speed and load; "
+                  f"{RAISE}.", stacklevel=4)
 
 
 def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objective: str,
