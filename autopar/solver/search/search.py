@@ -348,7 +348,7 @@ class Search:
         comm_hit = self._comm_cache.get((id(cfg.pipelines), v))
         if comm_hit is None or comm_hit[0] is not cfg.pipelines:
             comm_hit = self._comm_cache[(id(cfg.pipelines), v)] = (
-                cfg.pipelines, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size, cp))
+                cfg.pipelines, config_communicators(cfg.pipelines, dp, v, cm.world_size, cp))
         comms = comm_hit[1]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
                      min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
