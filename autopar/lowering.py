@@ -398,12 +398,13 @@ def _communicators(pipelines: list[list[Group]], groups: list[Group] | tuple[Gro
     return {r: v for r, v in out.items() if r in ranks}
 
 
-def plan_communicators(plan: Plan, graph: TrainingGraph) -> dict[int, tuple[Group, ...]]:
-    """Rank -> `communicator_sets` of the ranks `plan` runs on (expert-parallel groups not included)."""
+def plan_communicators(plan: Plan, graph: TrainingGraph, world: int | None = None) -> dict[int, tuple[Group, ...]]:
+    """Rank -> `communicator_sets` of the ranks `plan` runs on (expert-parallel groups not included); `world`: the
+    world's size where the plan's cluster is part of it (a plan on a sub-cluster, `CostModel.on_subset`)."""
     layout = layout_of(plan, len(graph.layers))
     groups = process_groups(layout, param_groups(graph, layout, params_by_layer(graph)))
     pipelines = [[tuple(st.ranks) for st in p.stages] for p in layout.pipelines]
-    return dict(sorted(communicator_sets(pipelines, groups, layout.world_size).items()))
+    return dict(sorted(communicator_sets(pipelines, groups, world or layout.world_size).items()))
 
 
 # ---- transfers under NCCL's rules (schedule_nccl.py) -----------------------------------------------------

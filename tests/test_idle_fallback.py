@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar import Cluster, InfeasibleError, PlanError, models
 from autopar.api import cost_model
+from autopar.cost_models import memory
 from autopar.passes.capture import capture
 from autopar.runtime.launch import spawn_local
 from autopar.solver.search import subsets
@@ -167,6 +168,30 @@ def test_a_device_type_too_slow_to_pay_for_itself_is_left_idle() -> None:
     assert_reprices_to_the_same_figures(sizes, cluster, plan)
     demo = dict(batch=8, seq=32, vocab=128, hidden=64, layers=4, heads=4)
     assert _plan(demo, "1x2xA100-80GB+1x2xV100-32GB", precision="fp32").predicted["idle_devices"] == {}
+
+
+def test_a_subset_plan_counts_the_whole_worlds_communicators() -> None:
+    """The idle ranks of a plan that leaves devices out join its world communicator, so every group spanning the
+    devices it uses is an NCCL communicator of its own (192 MiB of buffers per device). The searches on a subset
+    count them so (`CostModel.world_size`): with memory for one communicator more than the A100s' plan needs but
+    not two, the plan returned still fits when priced on the whole cluster (it left the A100-only plan, which does
+    not, unfound before: `autopar.plan` refused, bench/peers.py's Sailor N6)."""
+    sizes = dict(batch=8, layers=4, hidden=256, seq=128)
+    cluster = {"nodes": [{"device": "A100-80GB", "devices_per_node": 2},
+                         {"device": "Jetson-AGX-Orin", "devices_per_node": 1}], "network": _net(1)}
+    roomy = _plan(sizes, cluster)
+    assert _used(roomy) == [0, 1]  # the Jetson does not pay for itself
+    case, graph = _gpt(json.dumps(sizes, sort_keys=True))
+    cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn, captured=graph)
+    assert cm.on_subset([0, 1]).communicators(roomy) == cm.communicators(roomy) == {0: 2, 1: 2}
+    one, two = (memory.runtime_reserve_bytes("gpu", n) for n in (1, 2))
+    need = max(roomy.predicted["peak_memory_bytes"].values()) + (one + two) / 2  # room for 1.5 communicators
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _plan(sizes, cluster, memory_reserve=1 - need / Cluster.load(cluster).devices[0].spec.memory)
+    assert plan.predicted["fits"] and _used(plan) == [0, 1, 2]
+    assert not caught, [str(w.message) for w in caught]  # the search's memory checks agree with the pricing
+    assert_reprices_to_the_same_figures(sizes, cluster, plan)
 
 
 def test_a_budget_no_whole_device_type_meets_plans_on_fewer_devices() -> None:

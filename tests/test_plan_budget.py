@@ -3,6 +3,8 @@ and warns where it cuts something short (issue 25 part 4)."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import warnings
 
@@ -122,3 +124,79 @@ def test_cpsat_cut_by_the_guard_warns_and_by_its_work_budget_not() -> None:
         warnings.simplefilter("error")
         status = budget.solve(solver, _golomb(), "the test model")
     assert status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and solver.deterministic_time >= 0.05
+
+
+
+# plans through the device-subset searches (solver/search/subsets.py): (GPT sizes, cluster, the Search run that
+# finds the plan returned, the first being the whole cluster's)
+SUBSET_CASES = {
+    # the Jetson and the T4s do not pay for themselves: `without_slow_types` searches A100+T4, then the A100s alone
+    "slow-types": (dict(batch=8, layers=4, hidden=256, seq=128),
+                   {"nodes": [{"device": "A100-80GB", "devices_per_node": 2},
+                              {"device": "T4", "devices_per_node": 2},
+                              {"device": "Jetson-AGX-Orin", "devices_per_node": 1}],
+                    "network": {"bandwidth_GBps": 1, "latency_us": 5}}, 3),
+    # one sample, 9 devices: no layout uses them all, `fallback_plan` searches 34 subsets, the 4th is the fastest
+    "fallback": (dict(vocab=512, seq=64, hidden=128, heads=4, layers=3, batch=1),
+                 {"nodes": [{"device": "RTX-3090", "devices_per_node": 2, "count": 1},
+                            {"device": "RTX-3090", "devices_per_node": 3, "count": 2},
+                            {"device": "Jetson-AGX-Orin", "devices_per_node": 1, "count": 1}],
+                  "network": {"bandwidth_GBps": 1, "latency_us": 5}}, 5),
+}
+JUMP_S = 1e9  # a load spike: the clock jumps this far inside one subset search
+
+
+def _subset_plan_on_clock(monkeypatch: pytest.MonkeyPatch, name: str, tick: float, limit_s: float,
+                          spike: int | None) -> tuple[str, int, list[str]]:
+    """SUBSET_CASES[name] planned by `search(time_limit_s=limit_s)` under a clock advancing `tick` seconds a
+    reading and JUMP_S more as Search run number `spike` starts (after that search's guard is set): the plan's
+    JSON, how many searches ran and the warnings."""
+    sizes, cluster, _ = SUBSET_CASES[name]
+    case = gpt(device="meta", **sizes)
+    cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn)
+    now, runs = [1000.0], [0]
+    inner = Search.run
+
+    def clock() -> float:
+        now[0] += tick
+        return now[0]
+
+    def run(self: Search):
+        runs[0] += 1
+        if runs[0] == spike:
+            now[0] += JUMP_S
+        return inner(self)
+
+    with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        mp.setattr(time, "perf_counter", clock)
+        mp.setattr(Search, "run", run)
+        plan = search(cm, time_limit_s=limit_s)
+    return plan.to_json(), runs[0], [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("name", sorted(SUBSET_CASES))
+def test_subset_plans_do_not_depend_on_the_wall_clock(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Each subset search runs on its work budget, the time left of the overall limit only its guard: a clock
+    running 1 s a reading with a 1e9 s spike inside the subset search that finds the plan, within a limit of
+    1.5e9 s in all, gives the frozen clock's plan, every subset searched and no warning (an equal share of the
+    limit per subset would cut the spiking search)."""
+    frozen, runs_frozen, said_frozen = _subset_plan_on_clock(monkeypatch, name, 0.0, 1.5 * JUMP_S, None)
+    slow, runs_slow, said_slow = _subset_plan_on_clock(monkeypatch, name, 1.0, 1.5 * JUMP_S, SUBSET_CASES[name][2])
+    assert json.loads(frozen)["predicted"]["idle_devices"]  # the plan leaves devices out
+    assert slow == frozen
+    assert runs_slow == runs_frozen >= SUBSET_CASES[name][2]
+    assert said_frozen == said_slow == []
+
+
+@pytest.mark.parametrize("name", sorted(SUBSET_CASES))
+def test_subset_searches_cut_by_the_guard_warn(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The spike, in the first subset search, outruns the limit (0.5e9 s): that search warns that the guard
+    stopped it before its work budget, and the loop over the subsets that it stopped after that one."""
+    _, runs, said = _subset_plan_on_clock(monkeypatch, name, 1.0, 0.5 * JUMP_S, 2)
+    assert runs == 2
+    assert any(re.search(r"wall-clock guard .* before its work budget.* depends on the machine's speed and load", s)
+               for s in said), said
+    assert any(re.search(r"wall-clock guard .* after 1 of the \d+ (subsets without the slowest device types|device "
+                         r"subsets): this plan depends on the machine's speed and load; raise time_limit_s", s)
+               for s in said), said

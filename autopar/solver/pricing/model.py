@@ -157,8 +157,8 @@ class CostModel(CommPricing):
                  optimizer: object = "adamw", memory_reserve: float = 0.1, intra_op: bool = True,
                  intra_op_time_limit_s: float = 2.0, *, compress: str | None = None,
                  tp_dp_sync: str = "whole", profiles: dict[str, Profile] | None = None,
-                 block_profile: BlockProfile | None = None, context_parallel: context.ContextParallel | None = None
-                 ) -> None:
+                 block_profile: BlockProfile | None = None, context_parallel: context.ContextParallel | None = None,
+                 world_size: int | None = None) -> None:
         check_memory_reserve(memory_reserve)
         check_compress(compress)
         if tp_dp_sync not in TP_DP_SYNCS:
@@ -166,6 +166,10 @@ class CostModel(CommPricing):
         if not graph.layers:
             raise PlanError("the graph has no layers; annotate it first.")
         self.graph, self.cluster, self.precision = graph, cluster, precision
+        self.world_size = world_size or cluster.world_size
+        """The ranks a plan priced here runs among: the cluster's, or on a sub-cluster (`on_subset`) the whole
+        cluster's, whose idle ranks join the world communicator, so each group of every device of the sub-cluster is
+        a communicator of its own (`communicators`)."""
         self.compress = compress
         self.tp_dp_sync = tp_dp_sync
         """How data-parallel replicas of a tensor-parallel stage (one degree) sync: "whole" as autopar's runtime
@@ -251,7 +255,8 @@ class CostModel(CommPricing):
         return CostModel(self.graph, sub, self.precision, self.optimizer, self.reserve, self.intra_op,
                          self.intra_op_time_limit_s, compress=self.compress, tp_dp_sync=self.tp_dp_sync,
                          profiles={t: p for t, p in self.profiles.items() if t in kept},
-                         block_profile=self.block_profile, context_parallel=replace(self.context, degree=1))
+                         block_profile=self.block_profile, context_parallel=replace(self.context, degree=1),
+                         world_size=self.world_size)
 
     # ---- layer data ---------------------------------------------------------------------------
     def _init_layers(self) -> None:
@@ -357,7 +362,7 @@ class CostModel(CommPricing):
         `communicators` NCCL communicators (`communicators`); None: the world's only, the least a
         multi-device plan creates (an upper bound on what a plan's tensors may fill)."""
         spec = self.cluster.devices[device].spec
-        n = int(self.cluster.world_size > 1) if communicators is None else communicators
+        n = int(self.world_size > 1) if communicators is None else communicators
         return runtime_reserve_bytes(spec.kind, n, spec.name)
 
     def communicators(self, plan: Plan) -> dict[int, int]:
@@ -366,7 +371,8 @@ class CostModel(CommPricing):
         hold which layers alone (`price` has checked the rest of the plan), so plans alike in that share one."""
         key = ("communicators", plan.chunks, tuple(tuple((tuple(st.layers), tuple(st.devices)) for st in p.stages)
                                                    for p in plan.pipelines))
-        return self.memoised(key, lambda: {d: len(sets) for d, sets in plan_communicators(plan, self.graph).items()})
+        return self.memoised(key, lambda: {d: len(sets) for d, sets in
+                                           plan_communicators(plan, self.graph, self.world_size).items()})
 
     def host_usable(self, node: int) -> float:
         """Bytes of a node's host memory its devices may fill with what they offload."""

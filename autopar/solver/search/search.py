@@ -124,7 +124,6 @@ from __future__ import annotations
 import heapq
 import inspect
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -350,7 +349,7 @@ class Search:
         comm_hit = self._comm_cache.get((id(cfg.pipelines), v))
         if comm_hit is None or comm_hit[0] is not cfg.pipelines:
             comm_hit = self._comm_cache[(id(cfg.pipelines), v)] = (
-                cfg.pipelines, config_communicators(cfg.pipelines, dp, v, cm.cluster.world_size, cp))
+                cfg.pipelines, config_communicators(cfg.pipelines, dp, v, cm.world_size, cp))
         comms = comm_hit[1]
         return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
                      min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
@@ -630,6 +629,12 @@ class Search:
         self._refine(finalists)
         best = self._best_priced()
         if best is None and self.cutoff < math.inf:
+            if stopped_early == "wall":  # (a subset search, subsets.py: its caller goes on as if none were faster)
+                warnings.warn(f"planning stopped at the wall-clock guard ({self.time_limit_s:.3g} s) before its work "
+                              f"budget, after {k} of {len(configs)} configurations, with no plan faster than the "
+                              f"cutoff of {fmt_time(self.cutoff)}/step: a faster plan on these devices may be left "
+                              f"unfound, so this plan depends on the machine's speed and load; {budget.RAISE}.",
+                              stacklevel=3)
             raise InfeasibleError(f"no plan faster than the cutoff of {fmt_time(self.cutoff)}/step.")
         if best is None:
             raise InfeasibleError(self._infeasible_message())
@@ -688,12 +693,12 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
     from .subsets import best_subset_plan, fallback_plan, without_slow_types  # plans that leave devices out
 
     if objective == "time" and budget_per_hour is None:
-        start = time.perf_counter()
+        guard = WallGuard(time_limit_s)  # the subset searches get what is left of it (subsets.py, "Wall clock")
         try:
             whole = run(cm, time_limit_s)
         except InfeasibleError as e:  # no plan uses every device: leave some idle rather than refuse
-            return fallback_plan(cm, run, max(1.0, time_limit_s - (time.perf_counter() - start)), e)
-        return without_slow_types(cm, run, whole, max(1.0, time_limit_s - (time.perf_counter() - start)))
+            return fallback_plan(cm, run, guard.left(), e)
+        return without_slow_types(cm, run, whole, guard.left())
     return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
 
 

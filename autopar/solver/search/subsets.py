@@ -5,7 +5,9 @@ The branch and bound of search.py minimises the step time on every device of the
 `objective="cost"` or a `budget_per_hour` (solver/search/objective.py), using fewer devices can win: a user with
 8 A100 and 8 T4 may be best served (per sample, or within a budget) by the A100 alone. Candidates are the
 non-empty unions of the cluster's device types (with k types, 2^k - 1 sub-clusters, `Cluster.subset`),
-each searched for its fastest plan within an equal share of the time limit. Each plan is written back on
+each searched for its fastest plan on its own work budget (`Search`'s work_limit configurations and CP-SAT's
+deterministic limits), the wall-clock time left of the overall limit only its guard (`budget.WallGuard`; it
+warns where it stops a search or the loop over the subsets, module docstring "Wall clock"). Each plan is written back on
 the whole cluster (its device indices mapped, the devices it does not use idle, with the reason) and priced
 there (`pricing.price`), and the best `objective.score` wins. Finer subsets (some devices of a type) are not
 enumerated: within one type a plan on fewer devices is never cheaper per sample under this cost model
@@ -36,13 +38,19 @@ pipeline back; a split gives it at least a whole layer or sample). The fastest k
 (`fastest_types`, k = types - 1 down to 1) are searched with the best step so far as the cutoff, so a subset
 that cannot win ends at its bounds. Only the slowest types are left out: a slow type beside faster ones is
 what may not pay for itself, and 2^k - 2 searches per plan would cost too much planning time.
+
+Wall clock: the subsets searched and each search's result are decided by counted work (at most SUBSET_SEARCHES
+candidates, each search's work budget), so the plan is the same on any machine. The overall `time_limit_s` is one
+guard (`budget.WallGuard`) over the loops: each subset search gets the time left of it as its own guard (not a
+share, which a loaded host would exhaust before the search's work budget), and a loop whose guard has passed stops
+before its next subset, warning that the plan then depends on the machine's speed and load (the fallback only
+once it has a plan, the union-of-types search once it has one within the budget).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,6 +59,7 @@ from ...cluster import Cluster
 from ...errors import InfeasibleError
 from ...ir.plan import Plan
 from ...report import fmt_time
+from ..budget import RAISE, WallGuard
 from ..pricing.pricing import CostModel, price
 from . import infeasible
 from .objective import score
@@ -87,16 +96,27 @@ def on_whole_cluster(cm: CostModel, plan: Plan, keep: list[int], why: str) -> Pl
     return out
 
 
+def _stopped(guard: WallGuard, done: int, total: int, what: str) -> None:
+    """Warn that the wall-clock guard (module docstring, "Wall clock") ended a subset loop after `done` of its
+    `total` searches of `what`."""
+    warnings.warn(f"planning stopped at the wall-clock guard ({max(0.0, guard.seconds):.3g} s left for the device "
+                  f"subsets) after {done} of the {total} {what}: this plan depends on the machine's speed and load; "
+                  f"{RAISE}.", stacklevel=4)
+
+
 def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objective: str,
                      budget_per_hour: float | None) -> Plan:
     """The plan with the best `objective.score` among the fastest plans of every device-type subset."""
     subsets = type_subsets(cm)
-    share = time_limit_s / len(subsets)
+    guard = WallGuard(time_limit_s)
     best, best_score, last_error, planned = None, math.inf, None, False
-    for keep in subsets:
+    for i, keep in enumerate(subsets):
+        if best is not None and guard.passed():
+            _stopped(guard, i, len(subsets), "unions of device types")
+            break
         sub = cm if len(keep) == cm.cluster.world_size else cm.on_subset(keep)
         try:
-            plan = run(sub, share, math.inf)
+            plan = run(sub, max(0.0, guard.left()), math.inf)
         except InfeasibleError as e:
             last_error = e
             continue
@@ -113,9 +133,9 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
     if best is None and planned:  # every union of types costs more than the budget: fewer devices may not
         over = InfeasibleError(f"every plan found costs more than budget_per_hour={budget_per_hour}, on the whole "
                                f"cluster and on every subset searched: raise the budget or use cheaper devices.")
-        return fallback_plan(cm, run, time_limit_s, over, objective, budget_per_hour, cause="budget")
+        return fallback_plan(cm, run, guard.left(), over, objective, budget_per_hour, cause="budget")
     if best is None:
-        return fallback_plan(cm, run, time_limit_s, last_error or InfeasibleError("no device subset of the cluster "
+        return fallback_plan(cm, run, guard.left(), last_error or InfeasibleError("no device subset of the cluster "
                                                                                   "has a plan that fits."),
                              objective, budget_per_hour)
     return best
@@ -138,11 +158,14 @@ def without_slow_types(cm: CostModel, run: Searcher, whole: Plan, time_limit_s: 
     subsets = fastest_types(cm)
     if not subsets:
         return whole
-    share = max(1.0, time_limit_s / len(subsets))
+    guard = WallGuard(time_limit_s)
     best, best_keep = whole, None
-    for keep in subsets:
+    for i, keep in enumerate(subsets):
+        if guard.passed():
+            _stopped(guard, i, len(subsets), "subsets without the slowest device types")
+            break
         try:
-            best = run(cm.on_subset(keep), share, best.predicted["step_time_s"])
+            best = run(cm.on_subset(keep), guard.left(), best.predicted["step_time_s"])
         except InfeasibleError:
             continue
         best_keep = keep
@@ -263,20 +286,17 @@ def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: Infe
     cands = (memory_candidates if cause == "memory" else layout_candidates)(cm)[:SUBSET_SEARCHES]
     if not cands:
         raise error
-    share = max(1.0, time_limit_s / len(cands))
-    deadline = time.perf_counter() + time_limit_s
+    guard = WallGuard(time_limit_s)
     found: list[tuple[float, int, list[int], Plan]] = []
     largest: tuple[int, InfeasibleError] | None = None
     for i, keep in enumerate(cands):
-        if found and time.perf_counter() > deadline:
-            warnings.warn(f"planning stopped at the wall-clock guard ({time_limit_s:.3g} s left for the device "
-                          f"subsets) after {i} of the {len(cands)} subsets: this plan depends on the machine's speed "
-                          f"and load. Raise time_limit_s for every subset to be searched.", stacklevel=4)
+        if found and guard.passed():
+            _stopped(guard, i, len(cands), "device subsets")
             break
         cutoff = min((f[0] for f in found), default=math.inf) if objective == "time" else math.inf
         sub = cm.on_subset(keep)
         try:
-            plan = run(sub, share, cutoff)
+            plan = run(sub, max(0.0, guard.left()), cutoff)
         except InfeasibleError as e:
             memory = sum(cm.cluster.devices[d].spec.memory for d in keep)
             if not found and (largest is None or memory > largest[0]):
