@@ -12,7 +12,7 @@ import pytest
 from ortools.sat.python import cp_model
 
 from autopar.api import cost_model
-from autopar.models import gpt
+from autopar.models import gpt, moe_gpt
 from autopar.solver import budget
 from autopar.solver.search.search import Search, search
 
@@ -200,3 +200,90 @@ def test_subset_searches_cut_by_the_guard_warn(monkeypatch: pytest.MonkeyPatch, 
     assert any(re.search(r"wall-clock guard .* after 1 of the \d+ (subsets without the slowest device types|device "
                          r"subsets): this plan depends on the machine's speed and load; raise time_limit_s", s)
                for s in said), said
+
+
+def _cp_plan_on_clock(monkeypatch: pytest.MonkeyPatch, tick: float, limit_s: float, spike: int | None
+                      ) -> tuple[str, int, list[str]]:
+    """A sequence one device cannot hold (tests/test_cp_pricing.py's): its cp = 1 search, then one per
+    context-parallel degree (solver/search/context.py `choose`), planned as `_subset_plan_on_clock` plans."""
+    from tests.test_cp_pricing import LONG, short_of_one_sample
+
+    case = gpt(device="meta", **LONG)
+    cm = cost_model(case.model, short_of_one_sample(**LONG), case.example_inputs, case.example_target, case.loss_fn)
+    now, runs = [1000.0], [0]
+    inner = Search.run
+
+    def clock() -> float:
+        now[0] += tick
+        return now[0]
+
+    def run(self: Search):
+        runs[0] += 1
+        if runs[0] == spike:
+            now[0] += JUMP_S
+        return inner(self)
+
+    with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        mp.setattr(time, "perf_counter", clock)
+        mp.setattr(Search, "run", run)
+        plan = search(cm, time_limit_s=limit_s)
+    return plan.to_json(), runs[0], [str(w.message) for w in record]
+
+
+def test_context_parallel_degrees_do_not_depend_on_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cp degree's search runs on its work budget, the time left of the overall limit only its guard: a 1e9 s
+    spike inside the cp = 2 search, within 1.5e9 s in all, gives the frozen clock's plan (cp 4) and every degree
+    searched, without a warning (half of the limit per degree would cut it); a limit the spike outruns stops the
+    loop over the degrees after that search, and says so."""
+    frozen, runs_frozen, said_frozen = _cp_plan_on_clock(monkeypatch, 0.0, 1.5 * JUMP_S, None)
+    slow, runs_slow, said_slow = _cp_plan_on_clock(monkeypatch, 1.0, 1.5 * JUMP_S, 2)
+    assert json.loads(frozen)["predicted"]["cp"]["chosen"] == 4
+    assert slow == frozen and runs_slow == runs_frozen == 3
+    assert said_frozen == said_slow == []
+    _, runs, said = _cp_plan_on_clock(monkeypatch, 1.0, 0.5 * JUMP_S, 2)
+    assert runs == 2
+    assert any(re.search(r"wall-clock guard .* after 1 of the 2 context-parallel degrees > 1: this plan depends on "
+                         r"the machine's speed and load; raise time_limit_s", s) for s in said), said
+
+
+def _ep_plan_on_clock(monkeypatch: pytest.MonkeyPatch, tick: float, limit_s: float, spike: int | None
+                      ) -> tuple[str, int, list[str]]:
+    """A mixture-of-experts GPT on 4 devices: one search per expert-parallel degree (solver/pricing/experts.py
+    `choose`), planned as `_subset_plan_on_clock` plans."""
+    case = moe_gpt(device="meta", batch=8, seq=64, hidden=128, layers=2, heads=4, experts=4, top_k=2)
+    cm = cost_model(case.model, "1x4xA100-80GB", case.example_inputs, case.example_target, case.loss_fn)
+    now, runs = [1000.0], [0]
+    inner = Search.run
+
+    def clock() -> float:
+        now[0] += tick
+        return now[0]
+
+    def run(self: Search):
+        runs[0] += 1
+        if runs[0] == spike:
+            now[0] += JUMP_S
+        return inner(self)
+
+    with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        mp.setattr(time, "perf_counter", clock)
+        mp.setattr(Search, "run", run)
+        plan = search(cm, time_limit_s=limit_s)
+    return plan.to_json(), runs[0], [str(w.message) for w in record]
+
+
+def test_expert_parallel_degrees_do_not_depend_on_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for the cp degrees: a 1e9 s spike inside the first degree's search, within 1.5e9 s in all, gives the
+    frozen clock's plan with every degree searched and no warning (a third of the limit per degree would cut
+    it); a limit the spike outruns stops the loop after that search, and says so."""
+    frozen, runs_frozen, said_frozen = _ep_plan_on_clock(monkeypatch, 0.0, 1.5 * JUMP_S, None)
+    slow, runs_slow, said_slow = _ep_plan_on_clock(monkeypatch, 1.0, 1.5 * JUMP_S, 1)
+    assert runs_frozen == 3  # ep 4, 2 and 1
+    assert slow == frozen and runs_slow == runs_frozen
+    assert said_frozen == said_slow == []
+    _, runs, said = _ep_plan_on_clock(monkeypatch, 1.0, 0.5 * JUMP_S, 1)
+    assert runs == 1
+    assert any(re.search(r"wall-clock guard .* after 1 of the 3 expert-parallel degrees: this plan depends on the "
+                         r"machine's speed and load; raise time_limit_s", s) for s in said), said

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import re
-import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -66,6 +66,7 @@ from typing import Any
 from ...cost_models.compute import kernel_flops
 from ...errors import InfeasibleError, PlanError
 from ...ir.graph import DTYPE_BYTES, TrainingGraph
+from ..budget import RAISE, WallGuard
 
 IMBALANCE = 1.1  # busiest expert rank's routed tokens / mean, with ep > 1
 _OWN = re.compile(r"^(?P<m>.+)\.experts\.\d+\.(fc|proj)\.(weight|bias)$")
@@ -385,16 +386,23 @@ def checked(cm: Any, plan: Any) -> Any:
 def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> Any:
     """Run the search (`run(cost model, seconds)`) once per candidate degree; the fastest plan wins.
 
-    Degrees > 1 go first (their configs are few) and ep = 1 gets the time left."""
+    Degrees > 1 go first (their configs are few); each search runs on its work budget, the time left of
+    `time_limit_s` only its guard (solver/budget.py), and the loop stops, warning, once the guard has passed."""
     cands = candidates(cm)
     if len(cands) == 1 and not moe_layers(cm):
         return run(cm, time_limit_s)
-    deadline = time.perf_counter() + time_limit_s
+    guard = WallGuard(time_limit_s)  # each degree's search gets the time left of it, not a share (budget.py)
     best, error = None, None
-    for k, ep in enumerate(sorted(cands, reverse=True)):
+    order = sorted(cands, reverse=True)
+    for k, ep in enumerate(order):
+        if best is not None and guard.passed():
+            warnings.warn(f"planning stopped at the wall-clock guard ({time_limit_s:.3g} s) after {k} of the "
+                          f"{len(order)} expert-parallel degrees: this plan depends on the machine's speed and load; "
+                          f"{RAISE}.", stacklevel=3)
+            break
         c = with_degree(cm, ep)
         try:
-            plan = run(c, max(1.0, (deadline - time.perf_counter()) / (len(cands) - k)))
+            plan = run(c, max(0.0, guard.left()))
             plan.experts = describe(c, plan)
         except (InfeasibleError, PlanError) as e:
             error = error or e

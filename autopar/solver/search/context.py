@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
-import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -42,6 +42,7 @@ from typing import Any
 from ...errors import InfeasibleError, PlanError
 from ...ir.plan import Strategy, even_split
 from ...report import fmt_time
+from ..budget import RAISE, WallGuard
 from ..pricing import context
 from ..pricing.pricing import CostModel, price, price_strategy
 from .infeasible import least_state_bytes
@@ -78,7 +79,7 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
     ctx = cm.context
     if not ctx.has_attention:
         return run(cm, time_limit_s, cutoff)
-    deadline = time.perf_counter() + time_limit_s
+    guard = WallGuard(time_limit_s)  # each degree's search gets the time left of it, not a share (budget.py)
     best, error = None, None
     try:
         best = run(cm, time_limit_s, cutoff)
@@ -103,7 +104,12 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
         return best
     tried: dict[str, Any] = {"1": best.predicted["step_time_s"] if best is not None else "no plan fits"}
     for k, cp in enumerate(cands):
-        limit = max(1.0, (deadline - time.perf_counter()) / (len(cands) - k))
+        if best is not None and guard.passed():
+            warnings.warn(f"planning stopped at the wall-clock guard ({time_limit_s:.3g} s) after {k} of the "
+                          f"{len(cands)} context-parallel degrees > 1: this plan depends on the machine's speed and "
+                          f"load; {RAISE}.", stacklevel=3)
+            break
+        limit = max(0.0, guard.left())
         # (without a plan yet, a finite cutoff all the same: a search that finds nothing then skips the
         # infeasibility message, which the cp = 1 search's error already gives)
         bar = min(cutoff, best.predicted["step_time_s"] if best is not None else sys.float_info.max)
