@@ -146,14 +146,11 @@ SUBSET_CASES = {
 JUMP_S = 1e9  # a load spike: the clock jumps this far inside one subset search
 
 
-def _subset_plan_on_clock(monkeypatch: pytest.MonkeyPatch, name: str, tick: float, limit_s: float,
-                          spike: int | None) -> tuple[str, int, list[str]]:
-    """SUBSET_CASES[name] planned by `search(time_limit_s=limit_s)` under a clock advancing `tick` seconds a
-    reading and JUMP_S more as Search run number `spike` starts (after that search's guard is set): the plan's
-    JSON, how many searches ran and the warnings."""
-    sizes, cluster, _ = SUBSET_CASES[name]
-    case = gpt(device="meta", **sizes)
-    cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn)
+def _spiked(monkeypatch: pytest.MonkeyPatch, cm, tick: float, limit_s: float, spike: int | None
+            ) -> tuple[str, int, list[str]]:
+    """`cm` planned by `search(time_limit_s=limit_s)` under a clock advancing `tick` seconds a reading and JUMP_S
+    more as Search run number `spike` starts (after that search's guard is set): the plan's JSON, how many
+    searches ran and the warnings."""
     now, runs = [1000.0], [0]
     inner = Search.run
 
@@ -173,6 +170,15 @@ def _subset_plan_on_clock(monkeypatch: pytest.MonkeyPatch, name: str, tick: floa
         mp.setattr(Search, "run", run)
         plan = search(cm, time_limit_s=limit_s)
     return plan.to_json(), runs[0], [str(w.message) for w in record]
+
+
+def _subset_plan_on_clock(monkeypatch: pytest.MonkeyPatch, name: str, tick: float, limit_s: float,
+                          spike: int | None) -> tuple[str, int, list[str]]:
+    """SUBSET_CASES[name] planned on a spiking clock (`_spiked`)."""
+    sizes, cluster, _ = SUBSET_CASES[name]
+    case = gpt(device="meta", **sizes)
+    cm = cost_model(case.model, cluster, case.example_inputs, case.example_target, case.loss_fn)
+    return _spiked(monkeypatch, cm, tick, limit_s, spike)
 
 
 @pytest.mark.parametrize("name", sorted(SUBSET_CASES))
@@ -205,30 +211,12 @@ def test_subset_searches_cut_by_the_guard_warn(monkeypatch: pytest.MonkeyPatch, 
 def _cp_plan_on_clock(monkeypatch: pytest.MonkeyPatch, tick: float, limit_s: float, spike: int | None
                       ) -> tuple[str, int, list[str]]:
     """A sequence one device cannot hold (tests/test_cp_pricing.py's): its cp = 1 search, then one per
-    context-parallel degree (solver/search/context.py `choose`), planned as `_subset_plan_on_clock` plans."""
+    context-parallel degree (solver/search/context.py `choose`), on a spiking clock (`_spiked`)."""
     from tests.test_cp_pricing import LONG, short_of_one_sample
 
     case = gpt(device="meta", **LONG)
     cm = cost_model(case.model, short_of_one_sample(**LONG), case.example_inputs, case.example_target, case.loss_fn)
-    now, runs = [1000.0], [0]
-    inner = Search.run
-
-    def clock() -> float:
-        now[0] += tick
-        return now[0]
-
-    def run(self: Search):
-        runs[0] += 1
-        if runs[0] == spike:
-            now[0] += JUMP_S
-        return inner(self)
-
-    with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        mp.setattr(time, "perf_counter", clock)
-        mp.setattr(Search, "run", run)
-        plan = search(cm, time_limit_s=limit_s)
-    return plan.to_json(), runs[0], [str(w.message) for w in record]
+    return _spiked(monkeypatch, cm, tick, limit_s, spike)
 
 
 def test_context_parallel_degrees_do_not_depend_on_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -250,28 +238,10 @@ def test_context_parallel_degrees_do_not_depend_on_the_wall_clock(monkeypatch: p
 def _ep_plan_on_clock(monkeypatch: pytest.MonkeyPatch, tick: float, limit_s: float, spike: int | None
                       ) -> tuple[str, int, list[str]]:
     """A mixture-of-experts GPT on 4 devices: one search per expert-parallel degree (solver/pricing/experts.py
-    `choose`), planned as `_subset_plan_on_clock` plans."""
+    `choose`), on a spiking clock (`_spiked`)."""
     case = moe_gpt(device="meta", batch=8, seq=64, hidden=128, layers=2, heads=4, experts=4, top_k=2)
     cm = cost_model(case.model, "1x4xA100-80GB", case.example_inputs, case.example_target, case.loss_fn)
-    now, runs = [1000.0], [0]
-    inner = Search.run
-
-    def clock() -> float:
-        now[0] += tick
-        return now[0]
-
-    def run(self: Search):
-        runs[0] += 1
-        if runs[0] == spike:
-            now[0] += JUMP_S
-        return inner(self)
-
-    with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        mp.setattr(time, "perf_counter", clock)
-        mp.setattr(Search, "run", run)
-        plan = search(cm, time_limit_s=limit_s)
-    return plan.to_json(), runs[0], [str(w.message) for w in record]
+    return _spiked(monkeypatch, cm, tick, limit_s, spike)
 
 
 def test_expert_parallel_degrees_do_not_depend_on_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:

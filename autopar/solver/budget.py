@@ -38,6 +38,13 @@ class WallGuard:
         return time.perf_counter() > self.deadline
 
 
+def loop_stopped(guard: WallGuard, done: int, total: int, what: str) -> None:
+    """Warn that `guard` ended a loop of searches (over device subsets, cp or ep degrees) after `done` of its
+    `total` searches of `what`: the plan returned then depends on the machine's speed and load."""
+    warnings.warn(f"planning stopped at the wall-clock guard ({max(0.0, guard.seconds):.3g} s) after {done} of the "
+                  f"{total} {what}: this plan depends on the machine's speed and load; {RAISE}.", stacklevel=4)
+
+
 def wall_limit(deterministic_s: float, guard: WallGuard | None) -> float:
     """The wall-clock seconds a CP-SAT solve of `deterministic_s` deterministic seconds may run: the guard's time
     left, at least GUARDED_FLOOR_S (a search past its guard still solves until it has a plan), else the
@@ -80,4 +87,5 @@ def solve(solver: Any, model: Any, what: str) -> int:
     return status
 
 
-__all__ = ["GUARDED_FLOOR_S", "RAISE", "UNGUARDED_FACTOR", "WALL_FLOOR_S", "WallGuard", "cpsat", "solve", "wall_limit"]
+__all__ = ["GUARDED_FLOOR_S", "RAISE", "UNGUARDED_FACTOR", "WALL_FLOOR_S", "WallGuard", "cpsat", "loop_stopped",
+           "solve", "wall_limit"]

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -66,7 +65,7 @@ from typing import Any
 from ...cost_models.compute import kernel_flops
 from ...errors import InfeasibleError, PlanError
 from ...ir.graph import DTYPE_BYTES, TrainingGraph
-from ..budget import RAISE, WallGuard
+from ..budget import WallGuard, loop_stopped
 
 IMBALANCE = 1.1  # busiest expert rank's routed tokens / mean, with ep > 1
 _OWN = re.compile(r"^(?P<m>.+)\.experts\.\d+\.(fc|proj)\.(weight|bias)$")
@@ -396,9 +395,7 @@ def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> An
     order = sorted(cands, reverse=True)
     for k, ep in enumerate(order):
         if best is not None and guard.passed():
-            warnings.warn(f"planning stopped at the wall-clock guard ({time_limit_s:.3g} s) after {k} of the "
-                          f"{len(order)} expert-parallel degrees: this plan depends on the machine's speed and load; "
-                          f"{RAISE}.", stacklevel=3)
+            loop_stopped(guard, k, len(order), "expert-parallel degrees")
             break
         c = with_degree(cm, ep)
         try:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 from ...errors import InfeasibleError, PlanError
 from ...ir.plan import Strategy, even_split
 from ...report import fmt_time
-from ..budget import RAISE, WallGuard
+from ..budget import WallGuard, loop_stopped
 from ..pricing import context
 from ..pricing.pricing import CostModel, price, price_strategy
 from .infeasible import least_state_bytes
@@ -105,9 +104,7 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
     tried: dict[str, Any] = {"1": best.predicted["step_time_s"] if best is not None else "no plan fits"}
     for k, cp in enumerate(cands):
         if best is not None and guard.passed():
-            warnings.warn(f"planning stopped at the wall-clock guard ({time_limit_s:.3g} s) after {k} of the "
-                          f"{len(cands)} context-parallel degrees > 1: this plan depends on the machine's speed and "
-                          f"load; {RAISE}.", stacklevel=3)
+            loop_stopped(guard, k, len(cands), "context-parallel degrees > 1")
             break
         limit = max(0.0, guard.left())
         # (without a plan yet, a finite cutoff all the same: a search that finds nothing then skips the

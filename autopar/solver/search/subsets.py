@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -59,7 +58,7 @@ from ...cluster import Cluster
 from ...errors import InfeasibleError
 from ...ir.plan import Plan
 from ...report import fmt_time
-from ..budget import RAISE, WallGuard
+from ..budget import WallGuard, loop_stopped
 from ..pricing.pricing import CostModel, price
 from . import infeasible
 from .objective import score
@@ -96,14 +95,6 @@ def on_whole_cluster(cm: CostModel, plan: Plan, keep: list[int], why: str) -> Pl
     return out
 
 
-def _stopped(guard: WallGuard, done: int, total: int, what: str) -> None:
-    """Warn that the wall-clock guard (module docstring, "Wall clock") ended a subset loop after `done` of its
-    `total` searches of `what`."""
-    warnings.warn(f"planning stopped at the wall-clock guard ({max(0.0, guard.seconds):.3g} s left for the device "
-                  f"subsets) after {done} of the {total} {what}: this plan depends on the machine's speed and load; "
-                  f"{RAISE}.", stacklevel=4)
-
-
 def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objective: str,
                      budget_per_hour: float | None) -> Plan:
     """The plan with the best `objective.score` among the fastest plans of every device-type subset."""
@@ -112,7 +103,7 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
     best, best_score, last_error, planned = None, math.inf, None, False
     for i, keep in enumerate(subsets):
         if best is not None and guard.passed():
-            _stopped(guard, i, len(subsets), "unions of device types")
+            loop_stopped(guard, i, len(subsets), "unions of device types")
             break
         sub = cm if len(keep) == cm.cluster.world_size else cm.on_subset(keep)
         try:
@@ -162,7 +153,7 @@ def without_slow_types(cm: CostModel, run: Searcher, whole: Plan, time_limit_s: 
     best, best_keep = whole, None
     for i, keep in enumerate(subsets):
         if guard.passed():
-            _stopped(guard, i, len(subsets), "subsets without the slowest device types")
+            loop_stopped(guard, i, len(subsets), "subsets without the slowest device types")
             break
         try:
             best = run(cm.on_subset(keep), guard.left(), best.predicted["step_time_s"])
@@ -291,7 +282,7 @@ def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: Infe
     largest: tuple[int, InfeasibleError] | None = None
     for i, keep in enumerate(cands):
         if found and guard.passed():
-            _stopped(guard, i, len(cands), "device subsets")
+            loop_stopped(guard, i, len(cands), "device subsets")
             break
         cutoff = min((f[0] for f in found), default=math.inf) if objective == "time" else math.inf
         sub = cm.on_subset(keep)
