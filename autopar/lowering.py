@@ -545,25 +545,39 @@ def priced_schedule(plan: Plan, pipe: Pipeline) -> tuple[Schedule, dict[Any, flo
     them, as the plan does not say which layers hold parameters: their times sum to the stage's either way),
     and the seconds of each memory action by (kind, stage)."""
     ranks = len(pipe.stages) // plan.chunks
-    sched = cached_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks)  # not mutated: copied below
     times: dict[Any, float] = {}
+    actions: list[tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]] = []
     for g in range(ranks):
-        bring: dict[int, set[int]] = {}
-        red: dict[int, set[int]] = {}
+        bring: list[tuple[int, int, int]] = []
+        red: list[tuple[int, int, int]] = []
         for s in range(g, len(pipe.stages), ranks):
             p = pipe.stages[s].predicted
-            layers = set(range(*pipe.stages[s].layers))
-            n = len(layers)
+            lo, hi = pipe.stages[s].layers
+            n = hi - lo
             if p.get("gather_s", 0.0) > 0:
-                bring[s] = layers
+                bring.append((s, lo, hi))
                 for kind in ("GATHER_F", "GATHER_B"):
                     times[(kind, s)] = p["gather_s"] / n
             if p.get("reduce_s", 0.0) > 0:
-                red[s] = layers
+                red.append((s, lo, hi))
                 times[("REDUCE", s)] = p["reduce_s"] / n
+        actions.append((tuple(bring), tuple(red)))
+    return _memory_schedule(plan.schedule, ranks, pipe.num_microbatches, plan.chunks, tuple(actions)), times
+
+
+@functools.lru_cache(maxsize=256)
+def _memory_schedule(name: str, ranks: int, microbatches: int, chunks: int,
+                     actions: tuple[tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]], ...]
+                     ) -> Schedule:
+    """`priced_schedule`'s schedule, memoised on its shape and each pipeline rank's (stage, first layer, end)
+    gathered and reduced: the planner prices many plans of few such shapes, and a schedule object met again
+    keeps its compiled form (`schedule.compiled`). Do not mutate."""
+    sched = cached_schedule(name, ranks, microbatches, chunks)
+    for g, (bring, red) in enumerate(actions):
         if bring or red:
-            sched = memory_actions(sched, g, bring, red)
-    return sched, times
+            sched = memory_actions(sched, g, {s: set(range(lo, hi)) for s, lo, hi in bring},
+                                   {s: set(range(lo, hi)) for s, lo, hi in red})
+    return sched
 
 
 __all__ = ["assign_owners", "check_transfers", "communicator_counts", "communicator_sets", "eval_steps",

@@ -67,8 +67,9 @@ def conditioning(name: str, kwargs: dict, micro: tuple[int, ...] = (1, 4), steps
         return {key: v.detach().double() for key, v in case.model.state_dict().items()}
 
     exact = train(torch.float64, 1)
-    return max(((train(torch.float32, k)[key] - v).abs() / (ATOL + RTOL * v.abs())).max().item()
-               for k in micro for key, v in exact.items())
+    runs = [train(torch.float32, k) for k in micro]  # once per k (not once per parameter)
+    return max(((run[key] - v).abs() / (ATOL + RTOL * v.abs())).max().item()
+               for run in runs for key, v in exact.items())
 
 
 def plan_for(graph: Any, world: int, spec: dict) -> Plan:
