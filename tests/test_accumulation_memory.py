@@ -14,9 +14,9 @@ import pytest
 from autopar.runtime.launch import spawn_local
 
 # measured / predicted, every rank. Measured 2026-12-06: 0.93-1.00 (the embeddings-only stage 0.95 at one and two
-# micro-batches and the last stage 0.93 at one sample are over-predicted by other terms); with the transient priced
-# nowhere the 8-micro-batch and the bucketed first stages measure 1.09-1.10, priced everywhere the one- and
-# two-micro-batch first stages 0.86-0.87
+# micro-batches; the last stage 0.93 at one sample: its plan counts its gradients at the loss's peak, which the
+# first backward reaches before making any); with the transient priced nowhere the 8-micro-batch and the bucketed
+# first stages measure 1.09-1.10, priced everywhere the one- and two-micro-batch first stages 0.86-0.87
 LOW, HIGH = 0.92, 1.05
 SEQ = 512
 
