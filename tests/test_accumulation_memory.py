@@ -5,7 +5,8 @@ most of its first stage's bytes makes that transient a large part of the stage's
 allocator, compile included, must match the plan closely both where it happens (every micro-batch after the first;
 every backward of a DDP-style bucketed plan, whose gradients are the buckets' views from the start) and where it
 does not (a step of one micro-batch without buckets), so pricing it everywhere fails the test as surely as pricing
-it nowhere."""
+it nowhere. A step's first backward also reaches the loss's transient before it has made any gradient: the last
+stage at one micro-batch measures 0.93 of a plan that counts its gradients there."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 
 from autopar.runtime.launch import spawn_local
 
-# measured / predicted, every rank. Measured 2026-12-06: 0.93-1.00 (the embeddings-only stage 0.95 at one and two
-# micro-batches; the last stage 0.93 at one sample: its plan counts its gradients at the loss's peak, which the
-# first backward reaches before making any); with the transient priced nowhere the 8-micro-batch and the bucketed
-# first stages measure 1.09-1.10, priced everywhere the one- and two-micro-batch first stages 0.86-0.87
-LOW, HIGH = 0.92, 1.05
+# measured / predicted, every rank. Measured 2026-12-06: 0.95-1.00 (the embeddings-only stage 0.95 at one and two
+# micro-batches); with the transient priced nowhere the 8-micro-batch and the bucketed first stages measure
+# 1.09-1.10, priced everywhere the one- and two-micro-batch first stages 0.86-0.87; with the last stage's gradients
+# counted at its loss's peak in a step's first backward (which reaches it before making any) that stage 0.93
+LOW, HIGH = 0.94, 1.05
 SEQ = 512
 
 

@@ -127,6 +127,7 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
         for r in range(ranks):
             static, acts, works, syncs = 0.0, [], [0.0], [0.0]
             acts_less, works_accumulating = [], [0.0]  # one micro-batch fewer in flight; a .grad already there
+            works_first = [0.0]  # a step's first backward (no gradient yet at the loss's transient)
             for j in range(r, len(pipe.stages), ranks):
                 st = pipe.stages[j]
                 a, e = st.layers
@@ -178,10 +179,14 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 # the loss's backward precedes any gradient: it overlaps ZeRO-2/3's in-flight layer gradients.
                 # A layer's transient comes after the later layers' backwards freed what they kept
                 transient = freed = 0.0
+                first = 0.0  # a step's first backward: the loss's transient comes before any of the stage's gradients
+                loss_first = e == len(graph.layers) and z == 0 and not off
                 for x in reversed(range(a, e)):
                     transient = max(transient, fp32_grads[x] * frac / t - freed)
+                    first = max(first, fp32_grads[x] * frac / t - freed - (n * g if loss_first and x == e - 1 else 0))
                     freed += kept[x]
                 transient = max(0.0, transient - big * g * (zm >= 2))
+                first = first if loss_first else transient
                 # a backward that finds a .grad computes the new gradient apart and adds it in: the largest
                 # parameter's, beside the output gradient of the op that read it
                 largest_param = max((numel[p] for p, ls in users.items() if p in numel
@@ -198,12 +203,14 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                     works.append(max(saved[x.index] for x in layers if x.kind == "block")
                                  + sb.cast_copy * big * share + transient + transfer)
                     works_accumulating.append(works[-1] + accumulation)
+                    works_first.append(works[-1] - transient + first)
                     act += sb.cast_copy * max(0.0, n * share - sum(cast_owned[x.index] for x in layers
                                                                    if x.kind == "block") / t)
                 else:
                     act = sum(saved.values()) + received + sb.cast_copy * n * share
                     works.append(transient + transfer)
                     works_accumulating.append(works[-1] + accumulation)
+                    works_first.append(first + transfer)
                 act += out
                 acts.append(act * (1 if "activations" in off else inflight[r]))
                 acts_less.append(act * (1 if "activations" in off else max(1, inflight[r] - 1)))
@@ -228,9 +235,9 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
             if bucketed or m > inflight[r]:  # a backward at the full in-flight count finds its .grad there
                 body = max(acts) + max(works_accumulating)
             elif m == 1:
-                body = max(acts) + max(works)
+                body = max(acts) + max(works_first)
             else:  # the first backward accumulates nothing; the second comes with one micro-batch fewer
-                body = max(max(acts) + max(works), max(acts_less) + max(works_accumulating))
+                body = max(max(acts) + max(works_first), max(acts_less) + max(works_accumulating))
             for d in pipe.stages[r].devices:
                 peaks[d] = static + max(body, max(syncs))
     return peaks

@@ -100,6 +100,12 @@ class StageBase:
     bwd_transient: float = 0.0
     bwd_transient_recompute: float = 0.0
     bwd_out_grad: float = 0.0  # per device: the largest op output gradient of the range (cost_models/memory.py)
+    # per device, on the stage ending the model: its last layer's backward transient (the loss's), which a step's
+    # first backward reaches before it has made any gradient, and the transient of the stage's other layers
+    # (without and with recompute); 0 elsewhere
+    bwd_loss: float = 0.0
+    bwd_rest: float = 0.0
+    bwd_rest_recompute: float = 0.0
     # per device, whatever the micro-batch: the largest buffer an op's backward allocates besides autograd's
     # tensors on the stage's device kind (a CPU convolution's weight gradient in oneDNN's layout)
     bwd_workspace: float = 0.0
@@ -508,10 +514,13 @@ class CostModel(CommPricing):
         recv = self.in_bytes[a] * frac if a > 0 else 0.0
         act += recv
         act_rc += 0.0 if self.is_block[a] else recv
-        freed = freed_rc = transient_rc = 0.0
-        for tr, saved_i, kept_rc in reversed(later):
-            transient, freed = max(transient, tr - freed), freed + saved_i
-            transient_rc, freed_rc = max(transient_rc, tr - freed_rc), freed_rc + kept_rc
+        freed = freed_rc = transient_rc = rest = rest_rc = 0.0
+        loss = later[-1][0] if e == self.L and later else 0.0  # (stage_memory.py: a step's first backward)
+        for j, (tr, saved_i, kept_rc) in enumerate(reversed(later)):
+            transient, transient_rc = max(transient, tr - freed), max(transient_rc, tr - freed_rc)
+            if j or not loss:
+                rest, rest_rc = max(rest, tr - freed), max(rest_rc, tr - freed_rc)
+            freed, freed_rc = freed + saved_i, freed_rc + kept_rc
         # host/framework time: the floor under the kernels, or added to them on a CPU (cost_models/overhead.py)
         host = stage_host_seconds(self, a, e, dtype, tuple(measured), tuple(stepped))
         f = floored(f, host.fwd, host.launch_fwd, host.charged_fwd, host.bound) + mf
@@ -525,6 +534,7 @@ class CostModel(CommPricing):
                          any(self.is_block[a:e]), "none" if t == 1 else "ilp" if ilp else "closed_form",
                          extra, tp_max, multi_layer=multi, cast_params=cast, block_params=blocks,
                          bwd_transient=transient, bwd_transient_recompute=transient_rc, bwd_out_grad=out_grad,
+                         bwd_loss=loss, bwd_rest=rest, bwd_rest_recompute=rest_rc,
                          bwd_workspace=workspace,
                          device_kind=self.device_kinds(tp_group)[0],
                          host_step=host.step, max_param=float(self.range_max_param(a, e)),

@@ -156,16 +156,17 @@ def settled_work(mem: StageMemory, inflight: int, microbatches: int | None = Non
     the gradients are the buckets' views from the start (`StageMemory.accumulates`). So it meets the full
     in-flight count only when the step has more micro-batches than are in flight (1F1B's steady state); a stage
     holding every micro-batch at once meets its second backward with one fewer in flight, and a step of one
-    micro-batch never meets it. `microbatches=None` (unknown: an interleaved device's chunks in the search, the
-    asynchronous modes) counts it always, which is never less than the runtime's."""
-    if not mem.accumulation or mem.accumulates or microbatches is None or microbatches > inflight:
+    micro-batch never meets it. Nor does a step's first backward have the stage's gradients yet where it
+    reaches the loss's transient (`StageMemory.first`: both). `microbatches=None` (unknown: an interleaved
+    device's chunks in the search, the asynchronous modes) counts them always, never less than the runtime's."""
+    if not mem.first or mem.accumulates or microbatches is None or microbatches > inflight:
         return mem.work
-    settled = mem.work - mem.accumulation
+    settled = mem.work - mem.first  # the step's first backward (`StageMemory.first`)
     if microbatches <= 1:
         return settled
     # the larger of the first backward at the full count and the second at one fewer: an offloaded stage keeps
     # one micro-batch's activations on the device either way
-    return mem.work if mem.offload_act else settled + max(0.0, mem.accumulation - mem.act)
+    return mem.work if mem.offload_act else settled + max(0.0, mem.first - mem.act)
 
 
 def rank_peak(mems: list[StageMemory], inflight: int, microbatches: int | None = None) -> float:

@@ -118,6 +118,10 @@ class StageMemory:
     # wherever the option allows it)
     accumulation: float = 0.0
     accumulates: bool = False
+    # of `work`: what a step's first backward does not reach (no `.grad` there yet: neither the accumulation's
+    # transient nor, at the loss's transient, the stage's gradients, which `static` counts); at least
+    # `accumulation` (`plan.settled_work`)
+    first: float = 0.0
     # of `static`: the parameters, gradients and optimizer state the stage keeps (the rest of it, prefetched
     # layers and gradients in flight, are buffers): how a device's peak divides (`pricing.peak_parts`)
     params: float = 0.0
@@ -230,6 +234,12 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         work += with_accum
         bucketable = dp > 1 and tp == 1 and z == 0 and not {"params", "optimizer"} & set(offload) \
             and not base.moe_layers
+        # a step's first backward reaches the loss's transient before it has made any of the stage's gradients
+        # (they are None until then; ZeRO, offload and streaming keep gradients of their own: not counted there)
+        op_first = op_work
+        if base.bwd_loss and z == 0 and not offload and not base.moe_layers:
+            rest = base.bwd_rest_recompute if k else base.bwd_rest
+            op_first = max(base.bwd_loss - grads, rest, base.bwd_workspace, base.cp_work)
         # a pipeline stage's messages (runtime/program.py): each micro-batch's output stays for its backward
         # (autograd saves none of it); during a backward the received output gradient, and one batch of send
         # buffers (the previous batch's sends finish before the next goes out), are live
@@ -252,7 +262,8 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         step = 0.0 if "optimizer" in offload else \
             optimizer_step_bytes(cm.optimizer, base.device_kind, owned, base.max_param / tp)
         out.append(StageMemory(static, act, work, off_act, host, act if off_act else 0.0, max(sync, step), host_step,
-                               step_freed, host_work, step, with_accum - op_work, bucketable, params, grads, optim))
+                               step_freed, host_work, step, with_accum - op_work, bucketable, with_accum - op_first,
+                               params, grads, optim))
     return out
 
 

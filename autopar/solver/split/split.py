@@ -178,7 +178,7 @@ class Splitter:
             dropped = [mem.act for mem in mems if mem.offload_act]
             hit = self._floors[id(ranked)] = (ranked, (  # the list itself kept, so its id stays its own
                 min(mem.static for mem in mems), min(kept, default=math.inf), min(dropped, default=math.inf),
-                min(mem.work - mem.accumulation for mem in mems), min(mem.host for mem in mems),
+                min(mem.work - mem.first for mem in mems), min(mem.host for mem in mems),
                 min(mem.host_act for mem in mems), min(mem.sync for mem in mems)))
         static, kept_act, dropped_act, work, host, host_act, sync = hit[1]
         act = min(inflight * kept_act, min(inflight, 1) * dropped_act) if inflight else 0.0
