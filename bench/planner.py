@@ -93,6 +93,7 @@ from autopar.solver.search.search import (
     schedules,
     tp_units,
 )
+from autopar.solver.split.surrogate import position_microbatches
 
 TIME_LIMIT_S = 60.0  # autopar.plan's default
 EXACT_RTOL = 1e-9
@@ -260,7 +261,7 @@ class Exhaustive:
                     combos = []
                     for combo in itertools.product(*lists):
                         # micro-batches as the search's positions count them (`Slot.microbatches`)
-                        if rank_peak([c[1][1] for c in combo], inflight[r], m if v == 1 else None) <= budget:
+                        if rank_peak([c[1][1] for c in combo], inflight[r], position_microbatches(m, v)) <= budget:
                             combos.append((tuple(x for c in combo for x in c[0][:5]), combo))
                     if not combos:
                         break

@@ -32,7 +32,8 @@ class WallGuard:
         self.deadline = time.perf_counter() + seconds
 
     def left(self) -> float:
-        return self.deadline - time.perf_counter()
+        """Seconds to the deadline, 0 once it has passed."""
+        return max(0.0, self.deadline - time.perf_counter())
 
     def passed(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -41,7 +42,7 @@ class WallGuard:
 def loop_stopped(guard: WallGuard, done: int, total: int, what: str) -> None:
     """Warn that `guard` ended a loop of searches (over device subsets, cp or ep degrees) after `done` of its
     `total` searches of `what`: the plan returned then depends on the machine's speed and load."""
-    warnings.warn(f"planning stopped at the wall-clock guard ({max(0.0, guard.seconds):.3g} s) after {done} of the "
+    warnings.warn(f"planning stopped at the wall-clock guard ({guard.seconds:.3g} s) after {done} of the "
                   f"{total} {what}: this plan depends on the machine's speed and load; {RAISE}.", stacklevel=4)
 
 

@@ -399,7 +399,7 @@ def choose(cm: Any, run: Callable[[Any, float], Any], time_limit_s: float) -> An
             break
         c = with_degree(cm, ep)
         try:
-            plan = run(c, max(0.0, guard.left()))
+            plan = run(c, guard.left())
             plan.experts = describe(c, plan)
         except (InfeasibleError, PlanError) as e:
             error = error or e

@@ -106,7 +106,7 @@ def choose(cm: CostModel, run: Callable[[CostModel, float, float], Any], time_li
         if best is not None and guard.passed():
             loop_stopped(guard, k, len(cands), "context-parallel degrees > 1")
             break
-        limit = max(0.0, guard.left())
+        limit = guard.left()
         # (without a plan yet, a finite cutoff all the same: a search that finds nothing then skips the
         # infeasibility message, which the cp = 1 search's error already gives)
         bar = min(cutoff, best.predicted["step_time_s"] if best is not None else sys.float_info.max)

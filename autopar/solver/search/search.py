@@ -140,6 +140,7 @@ from ..pricing import context, experts
 from ..pricing.pricing import CostModel, StageMemory, inflight_closed_form, lower_bound, model_summary, price
 from ..split.selective import selective
 from ..split.split import STAGE_MODEL_TIME_S, Slot, Split, Splitter, Unit, priced_surrogate, rank_fits
+from ..split.surrogate import position_microbatches
 from .bounds import ConfigBounds
 from .configs import (
     config_microbatch_sizes,
@@ -355,7 +356,7 @@ class Search:
                      min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
                      (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
                      min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
-                     alike and len(pipe[j % p]) == cp, mixed[j % p], m if v == 1 else None)
+                     alike and len(pipe[j % p]) == cp, mixed[j % p], position_microbatches(m, v))
                 for j in range(p * v)]
 
     # -- batch split --
@@ -457,7 +458,7 @@ class Search:
             base = cm.base(a, e, slot.dtype, n, slot.tp_group)
             mems[j % p].append(cm.stage_memory(base, c.option, len(slot.tp_group), len(slot.dp_group),
                                                slot.layerwise))
-        count = m if cfg.chunks == 1 else None  # `Slot.microbatches`
+        count = position_microbatches(m, cfg.chunks)
         return all(rank_fits(mems[r], inflight[r], slots[r], count) for r in range(p))
 
     # -- one config --

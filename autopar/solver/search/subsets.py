@@ -107,7 +107,7 @@ def best_subset_plan(cm: CostModel, run: Searcher, time_limit_s: float, objectiv
             break
         sub = cm if len(keep) == cm.cluster.world_size else cm.on_subset(keep)
         try:
-            plan = run(sub, max(0.0, guard.left()), math.inf)
+            plan = run(sub, guard.left(), math.inf)
         except InfeasibleError as e:
             last_error = e
             continue
@@ -287,7 +287,7 @@ def fallback_plan(cm: CostModel, run: Searcher, time_limit_s: float, error: Infe
         cutoff = min((f[0] for f in found), default=math.inf) if objective == "time" else math.inf
         sub = cm.on_subset(keep)
         try:
-            plan = run(sub, max(0.0, guard.left()), cutoff)
+            plan = run(sub, guard.left(), cutoff)
         except InfeasibleError as e:
             memory = sum(cm.cluster.devices[d].spec.memory for d in keep)
             if not found and (largest is None or memory > largest[0]):

@@ -41,6 +41,11 @@ class Slot(NamedTuple):
         return host <= self.host_budget and need + (host if self.unified else 0.0) <= self.budget
 
 
+def position_microbatches(microbatches: int, chunks: int) -> int | None:
+    """`Slot.microbatches` of a pipeline of `microbatches` per step whose devices hold `chunks` model chunks each."""
+    return microbatches if chunks == 1 else None
+
+
 def rank_fits(mems: list[StageMemory], inflight: int, slot: Slot, microbatches: int | None) -> bool:
     """Whether one device of `slot` holding these stages fits with `inflight` of `microbatches` micro-batches in
     flight (`rank_peak`, `rank_host`)."""
@@ -143,5 +148,5 @@ def priced_surrogate(cm: CostModel, slots: list[Slot], stages: list[tuple[int, i
     return surrogate([c.times for _, _, c in stages], sends, S // chunks, mult)
 
 
-__all__ = ["NO_CHUNKS", "Choice", "Closest", "RankState", "Slot", "Split", "Unit", "priced_surrogate", "rank_fits",
-           "surrogate"]
+__all__ = ["NO_CHUNKS", "Choice", "Closest", "RankState", "Slot", "Split", "Unit", "position_microbatches",
+           "priced_surrogate", "rank_fits", "surrogate"]
