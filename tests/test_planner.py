@@ -180,7 +180,7 @@ def independent_peaks(plan: Plan, graph: TrainingGraph, cluster: autopar.Cluster
                 # A layer's transient comes after the later layers' backwards freed what they kept
                 transient = freed = 0.0
                 first = 0.0  # a step's first backward: the loss's transient comes before any of the stage's gradients
-                loss_first = e == len(graph.layers) and z == 0 and not off
+                loss_first = e == len(graph.layers) and t == 1 and z == 0 and not off
                 for x in reversed(range(a, e)):
                     transient = max(transient, fp32_grads[x] * frac / t - freed)
                     first = max(first, fp32_grads[x] * frac / t - freed - (n * g if loss_first and x == e - 1 else 0))

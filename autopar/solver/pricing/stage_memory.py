@@ -235,9 +235,11 @@ def stage_memories(cm: CostModel, base: StageBase, opts: list[Option], tp: int, 
         bucketable = dp > 1 and tp == 1 and z == 0 and not {"params", "optimizer"} & set(offload) \
             and not base.moe_layers
         # a step's first backward reaches the loss's transient before it has made any of the stage's gradients
-        # (they are None until then; ZeRO, offload and streaming keep gradients of their own: not counted there)
+        # (they are None until then; ZeRO, offload and streaming keep gradients of their own: not counted there).
+        # Measured on tp 1 only: tensor-parallel stages measured their full plan there (bench/long_context.py's
+        # tp 4 rows went 1.09-1.13 -> 1.15-1.19 of the plan with it), so they keep it
         op_first = op_work
-        if base.bwd_loss and z == 0 and not offload and not base.moe_layers:
+        if base.bwd_loss and tp == 1 and z == 0 and not offload and not base.moe_layers:
             rest = base.bwd_rest_recompute if k else base.bwd_rest
             op_first = max(base.bwd_loss - grads, rest, base.bwd_workspace, base.cp_work)
         # a pipeline stage's messages (runtime/program.py): each micro-batch's output stays for its backward
