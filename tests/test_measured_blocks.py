@@ -182,3 +182,31 @@ def test_bad_profiling_requests_are_named():
         profile_blocks(*args, budget_s=0)
     with pytest.raises(PlanError, match="fp32 programs only"):
         profile_blocks(*args, precision="bf16")
+
+
+def test_the_chain_times_each_layer_on_the_values_and_gradients_of_a_step():
+    """`autopar profile` times the layers chained, as a pipeline of one-layer stages runs them: one pass gives
+    every parameter the gradient of the model's own loss (the layers received the real values and gradients,
+    not stand-ins), and the recompute runs each layer again on what it received."""
+    import torch
+
+    from autopar.codegen.split import split_stages
+    from autopar.runtime.block_profiler import _chain_pass, _Runner, _weights
+
+    case = models.CASES["hf_gpt2"](batch=4, seq=8, vocab=64, hidden=32, layers=3, heads=2, seed=0)  # tied head
+    n = 2
+    user = (*(x[:n] for x in case.example_inputs), case.example_target[:n])
+    g = autopar.capture(case.model, user[:-1], case.loss_fn, user[-1])
+    runs = [_Runner(st, g, _weights(case.model), user, torch.device("cpu"))
+            for st in split_stages(g, [(i, i + 1) for i in range(len(g.layers))])]
+    fwd, bwd, rc = _chain_pass(runs)
+    assert len(fwd) == len(bwd) == len(rc) == len(runs) and min(fwd + bwd + rc) > 0
+    got: dict[str, torch.Tensor] = {}
+    for run in runs:
+        for name, t in run.params.items():
+            got[name] = got[name] + t.grad if name in got else t.grad
+    models.loss_of(case, *user[:-1], target=user[-1]).backward()
+    want = {k: p.grad for k, p in case.model.named_parameters()}  # a tied weight once, as the programs name it
+    assert got.keys() == want.keys()
+    for name, v in want.items():
+        torch.testing.assert_close(got[name], v, rtol=1e-5, atol=1e-6, msg=name)

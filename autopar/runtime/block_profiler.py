@@ -2,14 +2,17 @@
 
 The model is captured at each micro-batch size asked for and split into one program per layer
 (codegen/split.py, the programs the runtime runs per stage), so a layer runs exactly as a pipeline stage
-holding it alone would: its parameters, the user inputs it reads, the values it receives. Each distinct
-layer is timed once and its figures given to every layer alike (the repeated blocks of one signature; the
-layers before and after them are their own): forward, backward (autograd from ones at its outputs), the
-forward again as recompute runs it, each the fastest of `repeats` after a warm-up, with a host sync around
-each pass on a GPU (CUDA events would hide the host issuing time the floor is about), and one optimizer step
-over the layer's own parameters (`optimizer`, as the runtime builds it). Peak memory is what
-the allocator held above the inputs during forward + backward (`torch.cuda.max_memory_allocated`, or
-torch.profiler memory events on the CPU: runtime/memtrace.py).
+holding it alone would: its parameters, the user inputs it reads, the values it receives. The layers run as
+a chain, as a pipeline of one-layer stages runs them (`_time_chain`): the forwards in order on the values the
+layer before made, the backwards in reverse from the gradients the layer after gave, the forwards again as
+recompute runs them, so each is timed with the other layers' traffic through the caches, as in a step (a
+layer timed alone, over and over, keeps its weights in the caches: 1.2-1.4x faster than in the step on this
+CPU for small blocks). Each figure is the median of `repeats` after a warm-up, with a host sync around each
+pass on a GPU (CUDA events would hide the host issuing time the floor is about); the layers of one class (the
+repeated blocks of one signature; the layers before and after them are their own) share the median of their
+members' figures. One optimizer step over each class's own parameters (`optimizer`, as the runtime builds it)
+is timed too. Peak memory is what the allocator held above the inputs during one layer's forward + backward,
+run alone (`torch.cuda.max_memory_allocated`, or torch.profiler memory events on the CPU: runtime/memtrace.py).
 
 Device types: a cluster type of kind `cpu` is timed on this host's CPU; a GPU type on a local GPU whose
 name names it (`torch.cuda.get_device_name`). Types this machine has no device of are left out and
@@ -24,6 +27,7 @@ between the sizes measured (cost_models/measured_blocks.py).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +44,11 @@ from ..ir.graph import TrainingGraph
 from ..passes.capture import capture
 from .memtrace import track_memory
 from .program import batch_slice, make_optimizer
+
+# layers per timed chain (`_time_chain`): a chain holds its layers' weights and activations at once, so a model
+# larger than one device is timed in windows of this many consecutive layers (a window's first layer receives
+# random values)
+CHAIN = 8
 
 
 def default_sizes(batch: int) -> list[int]:
@@ -141,48 +150,106 @@ def _time_step(run: _Runner, optimizer: Any, repeats: int, owned: set[str]) -> t
     opt = make_optimizer(optimizer, params)
     for _ in range(2):
         opt.step()
-    best = math.inf
+    times = []
     for _ in range(repeats):
         _sync(run.device)
         t = time.perf_counter()
         opt.step()
         _sync(run.device)
-        best = min(best, time.perf_counter() - t)
-    return best, sum(p.numel() for p in params)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), sum(p.numel() for p in params)
 
 
-def _time_layer(run: _Runner, repeats: int) -> tuple[float, float, float, float]:
-    """(forward, backward, recompute seconds, peak bytes) of one layer's program: the fastest of `repeats`."""
-    dev = run.device
-    for _ in range(2):  # warm-up: allocator pools, lazy kernels, autotuning
-        run.backward(run.forward())
-    fwd = bwd = rc = math.inf
-    for _ in range(repeats):
+def _chain_pass(runs: list[_Runner]) -> tuple[list[float], list[float], list[float]]:
+    """One timed pass of `_time_chain`: (forward, backward, recompute seconds) per layer. The layers' parameter
+    gradients are left as the pass made them."""
+    dev = runs[0].device
+    values: dict[str, torch.Tensor] = {}
+
+    def received(run: _Runner) -> tuple[list[Any], list[torch.Tensor]]:
+        """The run's arguments before its received values, and those values: the previous layer's outputs
+        (detached: each layer's backward is its own), or the run's own stand-ins at a chain's start."""
+        k = len(run.st.recv)
+        own = run.args[len(run.args) - k:]
+        return run.args[:len(run.args) - k], [values[n].detach().requires_grad_(values[n].requires_grad)
+                                               if n in values else a for n, a in zip(run.st.recv, own, strict=True)]
+
+    fwd, bwd, rc, done = [], [], [], []
+    for run in runs:
+        args, recv = received(run)
         _sync(dev)
-        t0 = time.perf_counter()
-        out = run.forward()
+        t = time.perf_counter()
+        out = run.st.gm(*args, *recv)
         _sync(dev)
-        t1 = time.perf_counter()
-        run.backward(out)
+        fwd.append(time.perf_counter() - t)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if not run.st.is_last:
+            values.update(zip(run.st.send, outs, strict=True))
+        done.append((outs, recv))
+    grads: dict[str, torch.Tensor] = {}
+    for run, (outs, recv) in zip(reversed(runs), reversed(done), strict=True):
+        st = run.st
+        # the model's loss, and the outputs of a chain's last layer (no layer after it here), from ones
+        end = st.is_last or run is runs[-1]
+        names = [None] * len(outs) if st.is_last else st.send
+        pairs = [(o, torch.ones_like(o) if end else grads[n]) for o, n in zip(outs, names, strict=True)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and (end or n in grads)]
         _sync(dev)
-        t2 = time.perf_counter()
-        again = run.forward()  # recompute: the forward again, its graph kept for the backward that follows
+        t = time.perf_counter()
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         _sync(dev)
-        t3 = time.perf_counter()
+        bwd.append(time.perf_counter() - t)
+        grads.update({n: v.grad for n, v in zip(st.recv, recv, strict=True) if v.grad is not None})
+    bwd.reverse()
+    del done, grads
+    for run in runs:  # recompute: the same programs again, on the values they received
+        args, recv = received(run)
+        _sync(dev)
+        t = time.perf_counter()
+        again = run.st.gm(*args, *recv)
+        _sync(dev)
+        rc.append(time.perf_counter() - t)
         del again
-        fwd, bwd, rc = min(fwd, t1 - t0), min(bwd, t2 - t1), min(rc, t3 - t2)
-        del out
+    return fwd, bwd, rc
+
+
+def _time_chain(runs: list[_Runner], repeats: int) -> list[tuple[float, float, float]]:
+    """(forward, backward, recompute seconds) of each layer of `runs` (consecutive layers, in order), run as a
+    pipeline of one-layer stages would run them (`_chain_pass`): the forwards in order, each layer's received
+    values the previous one's outputs, then the backwards in reverse, each from the gradients of the layer
+    after it, then the forwards again (recompute). A layer timed alone, over and over, keeps its weights and
+    activations in the caches; in a step the other layers' traffic evicts them (on this CPU 1.2-1.4x slower for
+    blocks of hidden 128, about the same for hidden 256: bench/measured_blocks.py's models). The median of
+    `repeats` after a warm-up."""
+    leaves = [t for run in runs for t in run.leaves]
+
+    def once() -> tuple[list[float], list[float], list[float]]:
+        out = _chain_pass(runs)
+        for t in leaves:
+            t.grad = None
+        return out
+
+    for _ in range(2):  # warm-up: allocator pools, lazy kernels, autotuning
+        once()
+    timed = [once() for _ in range(repeats)]
+    return [tuple(statistics.median(r[kind][i] for r in timed) for kind in range(3))  # type: ignore[misc]
+            for i in range(len(runs))]
+
+
+def _peak(run: _Runner) -> float:
+    """Bytes one layer's forward + backward allocates above its inputs, timed alone (the allocator's peak)."""
+    dev = run.device
+    run.backward(run.forward())  # warm-up: lazy kernels allocate on their first call
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         run.backward(run.forward())
         _sync(dev)
-        peak = float(torch.cuda.max_memory_allocated(dev) - base)
-    else:
-        with track_memory("cpu") as trace:
-            run.backward(run.forward())
-        peak = float(trace.peak_bytes)
-    return fwd, bwd, rc, peak
+        return float(torch.cuda.max_memory_allocated(dev) - base)
+    with track_memory("cpu") as trace:
+        run.backward(run.forward())
+    return float(trace.peak_bytes)
 
 
 def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inputs: tuple = (),
@@ -243,10 +310,16 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
             for name in st.params:
                 first.setdefault(name, i)
         for t, dev in devices.items():
+            timed: dict[int, tuple[float, float, float]] = {}
+            for w0 in range(0, len(programs), CHAIN):
+                runs = [_Runner(st, g, weights, user, dev) for st in programs[w0:w0 + CHAIN]]
+                timed.update(enumerate(_time_chain(runs, repeats), w0))
+                del runs
             for members in classes.values():
                 run = _Runner(programs[members[0]], g, weights, user, dev)
-                f, b, r, peak = _time_layer(run, repeats)
-                points.setdefault((t, members[0]), []).append(Point(n, f, b, r, peak))
+                # a class's figure: the median over its members, each timed in its place in the chain
+                f, b, r = (statistics.median(timed[i][k] for i in members) for k in range(3))
+                points.setdefault((t, members[0]), []).append(Point(n, f, b, r, _peak(run)))
                 if (t, members[0]) not in steps:  # the step does not depend on the micro-batch
                     owned = {name for name in run.params if first[name] == members[0]}
                     steps[(t, members[0])] = _time_step(run, optimizer, repeats, owned)
