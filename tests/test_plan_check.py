@@ -99,6 +99,20 @@ def test_report_gathers_every_rank_and_drift_is_an_error_in_ranks() -> None:
                                                       scale=0.01), timeout_s=120)
 
 
+def test_a_stage_waiting_for_its_gradient_is_not_timed_as_computing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 emulates a device 8x slower (its forwards and backwards sleep): rank 0's backwards wait for rank 1's
+    gradients, and that wait is no compute, so rank 0's measured compute stays its own, far below rank 1's."""
+    from autopar.runtime.straggler import SLOWDOWN_ENV
+
+    case = _case()
+    monkeypatch.setenv(SLOWDOWN_ENV, "1:8")
+    results = spawn_local(_two_ranks, 2, _plan(case, "1x2xcpu", autopar.Strategy(pp=2, microbatch_size=2)),
+                          timeout_s=120)
+    (_, _, _, stages), _ = results
+    (_, _, fast), (_, _, slow) = stages[0][0], stages[1][0]
+    assert fast < 0.4 * slow, stages
+
+
 def _train_expecting_error(rank: int, world: int, plan: str) -> None:
     _train(plan, "1x2xcpu")
 

@@ -202,6 +202,8 @@ class FlushlessProgram(AsyncProgram):
 
     def _backward(self, st: Any, key: tuple[int, int], weight: float, stage: int) -> None:
         fl = self._flight
+        # the received gradient is waited for outside the compute timer (as Program._run does)
+        received = None if st.is_last else fl.grads_out.pop(key).take(self.timeout_s)
         with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(stage):
             if st.is_last:  # the loss is counted once per tensor-parallel group (as Program._run does)
                 loss = fl.outputs.pop(key)
@@ -211,7 +213,7 @@ class FlushlessProgram(AsyncProgram):
                 outs, out_grads = [self.amp.scale(loss * weight)], None
             else:
                 outs = [o for o, n in zip(fl.outputs.pop(key), st.send, strict=True) if n in st.grad_values]
-                out_grads = fl.grads_out.pop(key).take(self.timeout_s)
+                out_grads, received = received, None
             torch.autograd.backward(outs, out_grads)
 
     def _apply(self, wave: Wave) -> None:
