@@ -499,8 +499,13 @@ def _pareto(items: list[tuple[Option, tuple]]) -> list[Option]:
 def brute_force(cm: CostModel) -> float:
     """The shortest predicted step over every tp degree, grouping, schedule, micro-batch size, batch split,
     layer split and (Pareto-optimal) per-stage options, each priced by `price` (replicas with equal device
-    types and shares use the same split and options)."""
-    best = math.inf
+    types and shares use the same split and options).
+
+    Plans are priced in increasing order of `_candidates`' compute-stream bound, and once that bound reaches
+    the best fitting step found, the remaining plans (whose bounds are no smaller) cannot price below it: the
+    minimum is that of pricing every plan."""
+    cluster, model = cm.cluster.to_dict(), model_summary(cm.graph)  # the same for every plan
+    plans: list[tuple[float, int, tuple]] = []
     gcd = math.gcd(*(len(n.devices) for n in cm.cluster.nodes))
     for t in divisors(gcd):
         for _, pipes in groupings(cm, tp_units(cm, t)):
@@ -516,34 +521,60 @@ def brute_force(cm: CostModel) -> float:
                         per_key = [list(_candidates(cm, pipes, types, shares, ms, key, p * v))
                                    for key in keys]
                         for choice in itertools.product(*per_key):
-                            table = dict(zip(keys, choice, strict=True))
-                            out = []
-                            for d, pipe in enumerate(pipes):
-                                edges, opts = table[(types[d], shares[d], ms[d])]
-                                stages = [Stage([edges[j], edges[j + 1]], list(pipe[j % p]), o.zero,
-                                                o.recompute, list(o.offload)) for j, o in enumerate(opts)]
-                                out.append(Pipeline(shares[d], -(-shares[d] // ms[d]), ms[d], stages))
-                            plan = Plan(cm.B, cm.precision, cm.optimizer, sched, v, cm.cluster.to_dict(),
-                                        model_summary(cm.graph), out, {}, cm.reserve)
-                            priced = price(cm, plan)
-                            if priced.fits:
-                                best = min(best, priced.plan.predicted["step_time_s"])
+                            table = {k: c[:2] for k, c in zip(keys, choice, strict=True)}
+                            plans.append((max(c[2] for c in choice), len(plans),
+                                          (pipes, types, sched, v, shares, ms, table)))
+    plans.sort(key=lambda x: x[:2])
+    best = math.inf
+    for bound, _, (pipes, types, sched, v, shares, ms, table) in plans:
+        if bound * (1 - 1e-6) >= best:  # 1e-6: the bound sums its terms in another order than the simulator
+            break
+        p = len(pipes[0])
+        out = []
+        for d, pipe in enumerate(pipes):
+            edges, opts = table[(types[d], shares[d], ms[d])]
+            stages = [Stage([edges[j], edges[j + 1]], list(pipe[j % p]), o.zero,
+                            o.recompute, list(o.offload)) for j, o in enumerate(opts)]
+            out.append(Pipeline(shares[d], -(-shares[d] // ms[d]), ms[d], stages))
+        plan = Plan(cm.B, cm.precision, cm.optimizer, sched, v, cluster, model, out, {}, cm.reserve)
+        priced = price(cm, plan)
+        if priced.fits:
+            best = min(best, priced.plan.predicted["step_time_s"])
     return best
 
 
 def _candidates(cm: CostModel, pipes, types, shares, ms, key, S):
+    """(edges, options, bound) of the pipelines of `key`: every layer split and Pareto-optimal per-stage options
+    but those that cannot fit, and a bound no priced step of a plan using them is below: the most seconds any
+    rank of the first such pipeline spends on its compute stream.
+
+    Cannot fit: a device's priced peak (`rank_peak`, `rank_peak_ordered`) is its stages' static bytes plus a
+    non-negative rest, `price` computes those bytes with its layerwise flag (the smaller of both counted here)
+    and flags the device when its peak exceeds `usable` with its NCCL communicators, at most `usable(d, 0)`
+    (unified devices, whose peak also counts host bytes, are not judged here). Such a plan never fits, so
+    leaving it out does not change the best fitting step.
+
+    Why it is a bound: `Plan.simulate` runs each rank's F, B and W actions (and memory actions, >= 0 seconds)
+    one after another on its compute stream, each starting no earlier than its predecessor ends, so the step
+    is at least the sum of their durations. F of stage j takes fwd - gather, B + W together bwd - gather -
+    reduce (plan_simulate._arguments, simulate._duration), from `price`'s `stage_times` of the stage: those
+    parts (base compute and tensor-parallel traffic, recompute, activation offload) do not depend on the
+    layerwise / mixed-tp modes or data-parallel group `price` passes (ZeRO's gathers and reductions, which do,
+    are the memory actions' share), and a zero-bubble schedule only lengthens bwd (`zero_bubble_backward`)."""
     d = next(i for i in range(len(pipes)) if (types[i], shares[i], ms[i]) == key)
     pipe, share, m = pipes[d], key[1], key[2]
     p, n, small = len(pipe), -(-share // m), share % m != 0
+    m_full = share % m or m
+    usable = [math.inf if any(cm.unified(x) for x in unit) else min(cm.usable(x, 0) for x in unit) for unit in pipe]
     for split in _compositions(cm.L, S):
         edges = [0, *itertools.accumulate(split)]
-        per_stage = []
+        per_stage, work, static = [], [], []
         for j in range(S):
             unit = pipe[j % p]
             dtype, dp = cm.cluster.devices[unit[0]].spec.name, tuple(o[j % p][0] for o in pipes)
             base = cm.base(edges[j], edges[j + 1], dtype, n, unit)
             small_base = cm.base(edges[j], edges[j + 1], dtype, n - 1, unit) if small else base
-            items = []
+            items, seconds, least = [], {}, {}
             for opt in _options(len(pipes), base.has_blocks):
                 tf = cm.stage_times(base, opt, dtype, unit, dp)
                 ts = cm.stage_times(small_base, opt, dtype, unit, dp)
@@ -551,9 +582,15 @@ def _candidates(cm: CostModel, pipes, types, shares, ms, key, S):
                 per_inflight, once = (0.0, mem.act) if mem.offload_act else (mem.act, 0.0)
                 items.append((opt, (tf.fwd, ts.fwd, tf.bwd, ts.bwd, tf.sync, mem.static, mem.work,
                                     per_inflight, once)))
+                seconds[opt] = (m_full * (tf.fwd + tf.bwd - 2 * tf.gather - tf.reduce)
+                                + (m - m_full) * (ts.fwd + ts.bwd - 2 * tf.gather - tf.reduce))
+                least[opt] = min(mem.static, cm.stage_memory(base, opt, len(unit), len(pipes), False).static)
             per_stage.append(_pareto(items))
+            work.append(seconds)
+            static.append(least)
         for opts in itertools.product(*per_stage):
-            yield edges, opts
+            if all(sum(static[j][opts[j]] for j in range(r, S, p)) <= usable[r] for r in range(p)):
+                yield edges, opts, max(sum(work[j][opts[j]] for j in range(r, S, p)) for r in range(p))
 
 
 SMALL = [

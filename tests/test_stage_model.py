@@ -73,8 +73,13 @@ def _options(cm: CostModel, slot: Slot, a: int, e: int, n: int, chunks: int, pru
 
 def _brute(cm: CostModel, slots: list[Slot], m: int, n: int, chunks: int, prune: bool = False,
            every: list[float] | None = None) -> tuple[float, list]:
-    """The minimum surrogate over every split and option combination that fits, and its argmin; `every`
-    collects the surrogate of each such combination."""
+    """The minimum surrogate over every split and option combination that fits, and its argmin (the first such
+    combination in listing order); `every` collects the surrogate of each such combination.
+
+    Without `every`, a combination is skipped when some rank's work, m (fwd + bwd) summed over its stages as
+    `_surrogate` sums it for the rank's last stage, is at least the best so far: the surrogate adds
+    non-negative times to that sum, so it is no smaller, and only a strictly smaller one replaces the best.
+    A rank's fit depends on its own stages' options alone, so it is checked once per such tuple."""
     S, p, L = len(slots), len(slots) // chunks, cm.L
     best, arg = math.inf, None
     table: dict[tuple[int, int, int], list[tuple]] = {}
@@ -86,16 +91,27 @@ def _brute(cm: CostModel, slots: list[Slot], m: int, n: int, chunks: int, prune:
             if key not in table:
                 table[key] = _options(cm, slot, edges[j], edges[j + 1], n, chunks, prune)
             per_stage.append(table[key])
-        for combo in itertools.product(*per_stage):
-            ok = all(rank_peak([c[2] for c in combo[q::p]], slots[q].inflight, slots[q].microbatches)
-                     <= slots[q].budget
-                     and rank_host([c[2] for c in combo[q::p]], slots[q].inflight) <= slots[q].host_budget
-                     for q in range(p))
-            if not ok:
+        if not all(per_stage):
+            continue
+        work = [[m * (o[1][0] + o[1][1]) for o in opts] for opts in per_stage]
+        fits: dict[tuple, bool] = {}
+
+        def fit(q: int, ix: tuple[int, ...], per_stage: list = per_stage, fits: dict = fits) -> bool:
+            if (q, ix) not in fits:
+                mems = [per_stage[j][i][2] for j, i in zip(range(q, S, p), ix, strict=True)]
+                fits[(q, ix)] = (rank_peak(mems, slots[q].inflight, slots[q].microbatches) <= slots[q].budget
+                                 and rank_host(mems, slots[q].inflight) <= slots[q].host_budget)
+            return fits[(q, ix)]
+
+        # the sends depend on the stages' ranges and devices alone (every option of a range has its out bytes)
+        sends = [0.0 if j + 1 == S else cm.boundary_send(per_stage[j][0][3], slots[j].tp_group[0],
+                                                         slots[j + 1].tp_group[0]) for j in range(S)]
+        for ix in itertools.product(*(range(len(opts)) for opts in per_stage)):
+            if every is None and any(sum(work[k][ix[k]] for k in range(q, S, p)) >= best for q in range(p)):
                 continue
-            sends = [0.0 if j + 1 == S else
-                     cm.boundary_send(combo[j][3], slots[j].tp_group[0], slots[j + 1].tp_group[0])
-                     for j in range(S)]
+            if not all(fit(q, ix[q::p]) for q in range(p)):
+                continue
+            combo = [per_stage[j][i] for j, i in enumerate(ix)]
             value = _surrogate([c[1] for c in combo], sends, p, m)
             if every is not None:
                 every.append(value)
