@@ -74,13 +74,15 @@ def test_class_bound_is_at_most_the_min_max_over_every_batch_split() -> None:
 
 
 def test_pruned_search_matches_the_unpruned_one(monkeypatch) -> None:  # noqa: ANN001
-    """The class bound and the share tables' pruning (shares whose work bound reaches the incumbent) change
-    no plan: the same step as a search with the throughput bound and every share in the tables."""
+    """The class bound, the mixed-pipeline capacity bound and the share tables' pruning (shares whose work bound
+    reaches the incumbent) change no plan: the same step as a search with the throughput bound and every share in
+    the tables."""
     cm = cm_for("1x2xA100-80GB+1x2xV100-16GB", layers=8, batch=8, hidden=1024, seq=256)
     pruned = Search(cm, 600).run().predicted["step_time_s"]
     import autopar.solver.search.bounds as bounds
 
     monkeypatch.setattr(bounds.ConfigBounds, "shares",
-                        lambda self, cfg, w, mb, top: [math.inf] + [0.0] * top)  # prunes no share
+                        lambda self, cfg, w, mb, top, capacity=None: [math.inf] + [0.0] * top)  # prunes no share
+    monkeypatch.setattr(bounds.ConfigBounds, "capacity", lambda self, pipe, b: math.inf)  # no mixed-pipeline bound
     unpruned = Search(cm, 600).run().predicted["step_time_s"]
     assert pruned == unpruned

@@ -17,6 +17,15 @@ every choice of per-stage options the inner search may make (search.py's docstri
       It is never below the throughput bound B / sum_d (p / w_d) (which it takes the larger of): with
       f_d(s) >= s w_d / p, shares summing to B reach max_d s_d w_d / p >= B / sum_d (p / w_d).
 
+  mixed pipelines (`ConfigBounds.capacity`): X prices each layer on the pipeline's fastest type, as if every
+      device were that fast. A unit u of a slower type is at least r_u(S) = min over the layers l of S of
+      cost_u(l) / min_v cost_v(l) slower on any set S of layers; with F_S the fastest per-sample seconds of S, the
+      busiest device of a replica of share s then takes T >= s F_S / sum_u 1 / r_u(S) (each device's time over
+      its r_u is at least s times its layers' fastest work, and those sum to s F_S). S is taken as all layers and
+      as the repeated blocks (whose slowdowns agree), with the per-micro-batch setup of one stage counted once
+      (m >= s / b micro-batches): f(s) >= s (setup / b + F_S / (b C_S)) for either S, written s w / capacity
+      (`_pipeline_work`). On a pipeline of one type C_S is p and the bound the weaker X / p.
+
   memory bound (`ConfigBounds.memory`), one device type, replicas alike (B divisible by D), uniform chain
       The p devices tile the L_b repeated blocks, so one of them holds k >= ceil(L_b / p) blocks in its v
       chunks, the largest of which has g >= ceil(k / v) blocks. Costs and memory grow with the blocks
@@ -83,11 +92,12 @@ def _lp(per_block: list[tuple[float, float]], blocks: int, budget: float) -> flo
     return blocks * best
 
 
-def _pipeline_work(X: float, m: int, p: int, schedule: str) -> float:
-    """The work bound of one pipeline of p ranks running work X (seconds) in m micro-batches (module docstring)."""
-    if schedule == "interleaved_1f1b":
-        return max(X / p, X / m)
-    return X / m / (1 - (1 - 1 / m) ** p)
+def _pipeline_work(X: float, m: int, p: int, schedule: str, capacity: float | None = None) -> float:
+    """The work bound of one pipeline of p ranks running work X (seconds at the fastest device type of each layer)
+    in m micro-batches (module docstring); `capacity`: the pipeline's devices as fastest-device equivalents
+    (`ConfigBounds.capacity`), whose bound X / capacity is taken where larger."""
+    fill = max(X / p, X / m) if schedule == "interleaved_1f1b" else X / m / (1 - (1 - 1 / m) ** p)
+    return fill if capacity is None else max(fill, X / capacity)
 
 
 class ConfigBounds:
@@ -99,6 +109,8 @@ class ConfigBounds:
         self._work: dict[tuple, float] = {}
         self._device: dict[tuple, float] = {}
         self._per_pipes: dict[tuple[int, int], tuple[tuple, list[float]]] = {}
+        self._capacity: dict[tuple, float] = {}
+        self._caps: dict[tuple[int, int], tuple[tuple, list[float]]] = {}
 
     def per_sample(self, pipe: tuple[Unit, ...], b: int) -> float:
         """Seconds per sample of the whole model at micro-batch size b (the most efficient size a
@@ -116,6 +128,33 @@ class ConfigBounds:
             self._work[key] = total / b
         return self._work[key]
 
+    def capacity(self, pipe: tuple[Unit, ...], b: int) -> float:
+        """The pipeline's devices counted as devices of the fastest type per layer (module docstring, "mixed
+        pipelines"), against `per_sample`'s w: w / max over two layer sets S (all layers, the repeated blocks) of
+        setup / b + F_S / (b C_S), with C_S = sum_u 1 / r_u(S) and r_u(S) = min over the layers l of S of
+        cost_u(l) / min_v cost_v(l) (the least slowdown of unit u's type), F_S the fastest seconds of S at
+        micro-batch size b; so that s w / capacity is the largest of those bounds for a share of s samples."""
+        cm = self.cm
+        units = {(cm.cluster.devices[u[0]].spec.name, cm.group_sig(u)): u for u in pipe}
+        key = (b, tuple((cm.cluster.devices[u[0]].spec.name, cm.group_sig(u)) for u in pipe))
+        hit = self._capacity.get(key)
+        if hit is None:
+            setup = {k: 2 * cm.models[k[0]].host.microbatch_s for k in units}
+            costs = {k: [c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - setup[k]
+                         for c in (cm.base(i, i + 1, k[0], b, u) for i in range(cm.L))] for k, u in units.items()}
+            fastest = [min(costs[k][i] for k in units) for i in range(cm.L)]
+            low = 0.0  # the largest per-sample bound over the layer sets
+            for layers in (range(cm.L), [i for i in range(cm.L) if cm.is_block[i]]):
+                live = [i for i in layers if fastest[i] > 0]
+                if not live:
+                    continue
+                slow = {k: min(costs[k][i] / fastest[i] for i in live) for k in units}
+                C = sum(1 / slow[(cm.cluster.devices[u[0]].spec.name, cm.group_sig(u))] for u in pipe)
+                low = max(low, (min(setup.values()) + sum(fastest[i] for i in live) / C) / b)
+            w = self.per_sample(pipe, b)
+            hit = self._capacity[key] = w / low if low > 0 else math.inf
+        return hit
+
     def throughput(self, cfg: BoundConfig) -> float | None:
         """Where the config's pipelines differ in per-sample work, B / sum_d (p / w_d) (module docstring), else
         None. The inner split's bisection starts from it, not from the config's bound: a pipeline lighter than
@@ -131,41 +170,52 @@ class ConfigBounds:
             hit = self._per_pipes[(id(pipes), cfg.b)] = (pipes, [self.per_sample(pipe, cfg.b) for pipe in pipes])
         return hit[1]
 
+    def _capacities(self, cfg: BoundConfig) -> list[float]:
+        """`capacity` of each pipeline of the config (memoised per grouping, as `_per_pipe`)."""
+        pipes = cfg.pipelines
+        hit = self._caps.get((id(pipes), cfg.b))
+        if hit is None or hit[0] is not pipes:
+            hit = self._caps[(id(pipes), cfg.b)] = (pipes, [self.capacity(pipe, cfg.b) for pipe in pipes])
+        return hit[1]
+
     def work(self, cfg: BoundConfig, microbatches: Callable[[int], int | None]) -> float | None:
         """The work bound; None where the config cannot run (a micro-batch size above the share, or no
         valid micro-batch count). `microbatches(share)`: the count a replica with that share runs."""
         cm, pipes = self.cm, cfg.pipelines
         D, p = len(pipes), len(pipes[0])
-        per = self._per_pipe(cfg)
-        if len(set(per)) > 1:
-            return self._classes(cfg, per, microbatches)
+        per, caps = self._per_pipe(cfg), self._capacities(cfg)
+        if len(set(zip(per, caps, strict=True))) > 1:
+            return self._classes(cfg, list(zip(per, caps, strict=True)), microbatches)
         share = -(-cm.B // D)
         m = microbatches(share)
         if m is None or (cfg.b > share):
             return None
-        return _pipeline_work(share * per[0], m, p, cfg.schedule)
+        return _pipeline_work(share * per[0], m, p, cfg.schedule, caps[0])
 
-    def shares(self, cfg: BoundConfig, w: float, microbatches: Callable[[int], int | None], top: int) -> list[float]:
+    def shares(self, cfg: BoundConfig, w: float, microbatches: Callable[[int], int | None], top: int,
+               capacity: float | None = None) -> list[float]:
         """Per batch share s = 0..top, the work bound f(s) of one pipeline of `cfg` doing w seconds per sample
-        with share s (inf where it cannot run, and at s = 0): no pipeline of that share steps faster."""
+        with share s (inf where it cannot run, and at s = 0): no pipeline of that share steps faster.
+        `capacity`: the pipeline's (`capacity`), for the bound of mixed pipelines too."""
         p = len(cfg.pipelines[0])
         out = [math.inf]
         for s in range(1, top + 1):
             m = microbatches(s)
-            out.append(math.inf if m is None else _pipeline_work(s * w, m, p, cfg.schedule))
+            out.append(math.inf if m is None else _pipeline_work(s * w, m, p, cfg.schedule, capacity))
         return out
 
-    def _classes(self, cfg: BoundConfig, per: list[float], microbatches: Callable[[int], int | None]
+    def _classes(self, cfg: BoundConfig, per: list[tuple[float, float]], microbatches: Callable[[int], int | None]
                  ) -> float | None:
-        """The work bound of pipelines whose per-sample work differs (module docstring, "several classes"):
-        min over integer shares s_d >= 1 summing to B of max_d f_d(s_d), relaxed to each class's interval
-        of shares at most T; None where no shares can run."""
+        """The work bound of pipelines whose per-sample work or capacity differs (module docstring, "several
+        classes"): min over integer shares s_d >= 1 summing to B of max_d f_d(s_d), relaxed to each class's
+        interval of shares at most T; None where no shares can run. `per`: each pipeline's (per-sample work,
+        capacity)."""
         cm, D = self.cm, len(cfg.pipelines)
         top = cm.B - (D - 1)
-        counts: dict[float, int] = {}
-        for w in per:
-            counts[w] = counts.get(w, 0) + 1
-        tables = [(k, self.shares(cfg, w, microbatches, top)[1:]) for w, k in counts.items()]
+        counts: dict[tuple[float, float], int] = {}
+        for wc in per:
+            counts[wc] = counts.get(wc, 0) + 1
+        tables = [(k, self.shares(cfg, w, microbatches, top, c)[1:]) for (w, c), k in counts.items()]
 
         def feasible(T: float) -> bool:
             lo = hi = 0
