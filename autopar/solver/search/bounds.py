@@ -108,9 +108,27 @@ class ConfigBounds:
         self.splitter = splitter
         self._work: dict[tuple, float] = {}
         self._device: dict[tuple, float] = {}
-        self._per_pipes: dict[tuple[int, int], tuple[tuple, list[float]]] = {}
+        self._costs: dict[tuple, list[float]] = {}
         self._capacity: dict[tuple, float] = {}
-        self._caps: dict[tuple[int, int], tuple[tuple, list[float]]] = {}
+        self._per_pipes: dict[tuple[int, int], tuple[tuple, list[tuple[float, float]]]] = {}
+
+    def _setup(self, dtype: str) -> float:
+        """A stage's per-micro-batch host setup on `dtype` (forward and backward): paid once per stage, not per
+        layer."""
+        return 2 * self.cm.models[dtype].host.microbatch_s
+
+    def _unit_costs(self, u: Unit, b: int) -> list[float]:
+        """Per layer, its forward + backward seconds (tensor-parallel traffic included) on unit `u` at micro-batch
+        size b, less the stage's setup (`_setup`), which a bound counts once."""
+        cm = self.cm
+        dtype = cm.cluster.devices[u[0]].spec.name
+        key = (dtype, cm.group_sig(u), b)
+        hit = self._costs.get(key)
+        if hit is None:
+            setup = self._setup(dtype)
+            hit = self._costs[key] = [c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - setup
+                                      for c in (cm.base(i, i + 1, dtype, b, u) for i in range(cm.L))]
+        return hit
 
     def per_sample(self, pipe: tuple[Unit, ...], b: int) -> float:
         """Seconds per sample of the whole model at micro-batch size b (the most efficient size a
@@ -119,12 +137,10 @@ class ConfigBounds:
         units = {cm.cluster.devices[u[0]].spec.name: u for u in reversed(pipe)}
         key = tuple((d, cm.group_sig(u)) for d, u in sorted(units.items())) + (b,)
         if key not in self._work:
-            # a stage's per-micro-batch host setup (forward and backward) is paid once per stage, not per layer
-            setup = {d: 2 * cm.models[d].host.microbatch_s for d in units}
-            total = min(setup.values())
+            costs = [self._unit_costs(u, b) for u in units.values()]
+            total = min(self._setup(d) for d in units)
             for i in range(cm.L):
-                costs = [(cm.base(i, i + 1, d, b, u), setup[d]) for d, u in units.items()]
-                total += min(c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - once for c, once in costs)
+                total += min(c[i] for c in costs)
             self._work[key] = total / b
         return self._work[key]
 
@@ -135,47 +151,39 @@ class ConfigBounds:
         cost_u(l) / min_v cost_v(l) (the least slowdown of unit u's type), F_S the fastest seconds of S at
         micro-batch size b; so that s w / capacity is the largest of those bounds for a share of s samples."""
         cm = self.cm
-        units = {(cm.cluster.devices[u[0]].spec.name, cm.group_sig(u)): u for u in pipe}
-        key = (b, tuple((cm.cluster.devices[u[0]].spec.name, cm.group_sig(u)) for u in pipe))
+        kinds = [(cm.cluster.devices[u[0]].spec.name, cm.group_sig(u)) for u in pipe]
+        key = (b, tuple(kinds))
         hit = self._capacity.get(key)
         if hit is None:
-            setup = {k: 2 * cm.models[k[0]].host.microbatch_s for k in units}
-            costs = {k: [c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - setup[k]
-                         for c in (cm.base(i, i + 1, k[0], b, u) for i in range(cm.L))] for k, u in units.items()}
-            fastest = [min(costs[k][i] for k in units) for i in range(cm.L)]
+            costs = {k: self._unit_costs(u, b) for k, u in zip(kinds, pipe, strict=True)}
+            fastest = [min(c[i] for c in costs.values()) for i in range(cm.L)]
+            setup = min(self._setup(k[0]) for k in costs)
             low = 0.0  # the largest per-sample bound over the layer sets
             for layers in (range(cm.L), [i for i in range(cm.L) if cm.is_block[i]]):
                 live = [i for i in layers if fastest[i] > 0]
                 if not live:
                     continue
-                slow = {k: min(costs[k][i] / fastest[i] for i in live) for k in units}
-                C = sum(1 / slow[(cm.cluster.devices[u[0]].spec.name, cm.group_sig(u))] for u in pipe)
-                low = max(low, (min(setup.values()) + sum(fastest[i] for i in live) / C) / b)
-            w = self.per_sample(pipe, b)
-            hit = self._capacity[key] = w / low if low > 0 else math.inf
+                slow = {k: min(c[i] / fastest[i] for i in live) for k, c in costs.items()}
+                C = sum(1 / slow[k] for k in kinds)
+                low = max(low, (setup + sum(fastest[i] for i in live) / C) / b)
+            hit = self._capacity[key] = self.per_sample(pipe, b) / low if low > 0 else math.inf
         return hit
 
     def throughput(self, cfg: BoundConfig) -> float | None:
         """Where the config's pipelines differ in per-sample work, B / sum_d (p / w_d) (module docstring), else
         None. The inner split's bisection starts from it, not from the config's bound: a pipeline lighter than
         the slowest may split below that (search.py `_split`)."""
-        per = self._per_pipe(cfg)
+        per = [w for w, _ in self._per_pipe(cfg)]
         return self.cm.B / sum(len(cfg.pipelines[0]) / w for w in per) if len(set(per)) > 1 else None
 
-    def _per_pipe(self, cfg: BoundConfig) -> list[float]:
-        """`per_sample` of each pipeline of the config (memoised per grouping: configs share its tuple)."""
+    def _per_pipe(self, cfg: BoundConfig) -> list[tuple[float, float]]:
+        """(`per_sample`, `capacity`) of each pipeline of the config (memoised per grouping: configs share its
+        tuple)."""
         pipes = cfg.pipelines
         hit = self._per_pipes.get((id(pipes), cfg.b))
         if hit is None or hit[0] is not pipes:
-            hit = self._per_pipes[(id(pipes), cfg.b)] = (pipes, [self.per_sample(pipe, cfg.b) for pipe in pipes])
-        return hit[1]
-
-    def _capacities(self, cfg: BoundConfig) -> list[float]:
-        """`capacity` of each pipeline of the config (memoised per grouping, as `_per_pipe`)."""
-        pipes = cfg.pipelines
-        hit = self._caps.get((id(pipes), cfg.b))
-        if hit is None or hit[0] is not pipes:
-            hit = self._caps[(id(pipes), cfg.b)] = (pipes, [self.capacity(pipe, cfg.b) for pipe in pipes])
+            hit = self._per_pipes[(id(pipes), cfg.b)] = (
+                pipes, [(self.per_sample(pipe, cfg.b), self.capacity(pipe, cfg.b)) for pipe in pipes])
         return hit[1]
 
     def work(self, cfg: BoundConfig, microbatches: Callable[[int], int | None]) -> float | None:
@@ -183,14 +191,15 @@ class ConfigBounds:
         valid micro-batch count). `microbatches(share)`: the count a replica with that share runs."""
         cm, pipes = self.cm, cfg.pipelines
         D, p = len(pipes), len(pipes[0])
-        per, caps = self._per_pipe(cfg), self._capacities(cfg)
-        if len(set(zip(per, caps, strict=True))) > 1:
-            return self._classes(cfg, list(zip(per, caps, strict=True)), microbatches)
+        per = self._per_pipe(cfg)
+        if len(set(per)) > 1:
+            return self._classes(cfg, per, microbatches)
         share = -(-cm.B // D)
         m = microbatches(share)
         if m is None or (cfg.b > share):
             return None
-        return _pipeline_work(share * per[0], m, p, cfg.schedule, caps[0])
+        w, capacity = per[0]
+        return _pipeline_work(share * w, m, p, cfg.schedule, capacity)
 
     def shares(self, cfg: BoundConfig, w: float, microbatches: Callable[[int], int | None], top: int,
                capacity: float | None = None) -> list[float]:
