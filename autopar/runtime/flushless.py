@@ -203,17 +203,16 @@ class FlushlessProgram(AsyncProgram):
     def _backward(self, st: Any, key: tuple[int, int], weight: float, stage: int) -> None:
         fl = self._flight
         # the received gradient is waited for outside the compute timer (as Program._run does)
-        received = None if st.is_last else fl.grads_out.pop(key).take(self.timeout_s)
+        out_grads = None if st.is_last else fl.grads_out.pop(key).take(self.timeout_s)
         with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(stage):
             if st.is_last:  # the loss is counted once per tensor-parallel group (as Program._run does)
                 loss = fl.outputs.pop(key)
                 if self.position.tp_index == 0:  # on the device: no host read per micro-batch
                     share = loss.detach().reshape(()).to(torch.float64) * weight
                     fl.loss[key[0]] = fl.loss.get(key[0], 0.0) + share
-                outs, out_grads = [self.amp.scale(loss * weight)], None
+                outs = [self.amp.scale(loss * weight)]
             else:
                 outs = [o for o, n in zip(fl.outputs.pop(key), st.send, strict=True) if n in st.grad_values]
-                out_grads, received = received, None
             torch.autograd.backward(outs, out_grads)
 
     def _apply(self, wave: Wave) -> None:

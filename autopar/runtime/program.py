@@ -637,7 +637,7 @@ class Program:
                     self.layers.begin(action, memory)
                 # the gradient received from the next stage is waited for outside the compute timer (a wait for a
                 # transfer is no compute: `report()` sets these seconds against the plan's compute_s)
-                received_grads = None if st.is_last else grads_out.pop(key).take(self.timeout_s)
+                out_grads = None if st.is_last else grads_out.pop(key).take(self.timeout_s)
                 with implicit_replication() if self.tp else contextlib.nullcontext(), self.timer.compute(s):
                     if st.is_last:
                         loss = outputs.pop(key)
@@ -645,11 +645,10 @@ class Program:
                             loss_sum += loss.detach().reshape(()).to(torch.float64) * weight
                         if self.grad_sync is not None:
                             self.grad_sync.loss = loss_sum
-                        outs, out_grads = [self.amp.scale(loss * weight)], None
+                        outs = [self.amp.scale(loss * weight)]
                     else:
                         outs = [o for o, n in zip(outputs.pop(key), st.send, strict=True)
                                 if n in st.grad_values]
-                        out_grads, received_grads = received_grads, None
                     if split:  # zero-bubble B: the received inputs' gradients only
                         pending[key] = backward_input(outs, out_grads, recv_in.get(key, []),
                                                       [self.params[p] for p in st.params if p in self.params])
