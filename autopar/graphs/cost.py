@@ -377,7 +377,7 @@ class GraphCostModel:
             return self._infeasible("partition", [f"device {d} holds at most {int(caps[d])} nodes"
                                                   for d in devices] + [f"the graph has {s.num_nodes} nodes"])
         order = self.locality() if s.edge_index is not None else None
-        best, best_t, best_marginal = None, math.inf, marginal
+        best, best_t, best_marginal, best_allowed = None, math.inf, marginal, caps
         # the balance ignores the halo exchange, which grows with every rank that owns nodes (over the network
         # most): also try fewer owners (_owner_sets); the others own no nodes, their `idle` reasons say why
         for owners in self._owner_sets(marginal):
@@ -391,7 +391,7 @@ class GraphCostModel:
                 priced = self._price_partition(shares, order)
                 t = max(priced[2]) + self._halo_comm(priced[1])
                 if t < best_t:
-                    best, best_t, best_marginal = priced, t, rates
+                    best, best_t, best_marginal, best_allowed = priced, t, rates, allowed
                 rates = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else rates[d]
                          for d in devices]
             # the affine fit at N / world overstates a slow device's fixed time where its time per node falls
@@ -404,12 +404,12 @@ class GraphCostModel:
                 priced = self._price_partition(shares, order)
                 t = max(priced[2]) + self._halo_comm(priced[1])
                 if t < best_t:
-                    best, best_t = priced, t
+                    best, best_t, best_allowed = priced, t, allowed
                     best_marginal = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else marginal[d]
                                      for d in devices]
                 scale = [priced[2][d] / max(self._partition_time(d, shares[d]), 1e-15) if shares[d] else 1.0
                          for d in devices]
-        best, order, chosen = self._partitioners(best, order)
+        best, order, chosen = self._partitioners(best, order, best_allowed)
 
         def price(alt: list[int]) -> tuple[list[float], float]:
             priced = self._price_partition(alt, order)
@@ -480,12 +480,13 @@ class GraphCostModel:
         per_row, per_edge = (t(2 * n, 0) - t(n, 0)) / n, (t(n, n) - t(n, 0)) / n
         return [float(WEIGHT_SCALE), WEIGHT_SCALE * max(per_edge, 0.0) / max(per_row, 1e-30)]
 
-    def _partitioners(self, best: tuple, order: torch.Tensor | None) -> tuple[tuple, torch.Tensor | None, dict]:
+    def _partitioners(self, best: tuple, order: torch.Tensor | None, allowed: list[float]
+                      ) -> tuple[tuple, torch.Tensor | None, dict]:
         """Price the locality order's partition `best` against METIS's and a random one's on the same graph;
         the fastest predicted step that fits memory wins (ties keep the locality order). Returns the winner's
         priced partition, its order, and the plan entries: `partitioner`, `partitioners` (per partitioner its
         step, edge cut, crossing edges, halos and shares) and, for METIS, its inputs (`metis`), from which every
-        rank recomputes the same parts."""
+        rank recomputes the same parts. `allowed`: each rank's node cap for `best`'s owners (0 elsewhere)."""
         s, world = self.stats, self.cluster.world_size
         shares = best[0]
         if s.edge_index is None or order is None or sum(1 for x in shares if x) < 2:
@@ -496,16 +497,36 @@ class GraphCostModel:
         cands: dict[str, tuple] = {"locality": (order, best), "random": (rnd, self._price_partition(shares, rnd))}
         coeffs = self.metis_weights()
         weights = node_weights(ei, n, coeffs)
-        targets = [x / n for x in shares]
-        for _ in range(4):  # a part over its rank's memory: aim lower and partition again
-            part, cut = metis_parts(ei, n, targets, weights, 0, METIS_UFACTOR)
-            m_order, m_shares = order_of_parts(part, world)
-            priced = self._price_partition(m_shares, m_order)
-            over = [d for d in range(world) if priced[3][d] > self.usable(d) and m_shares[d]]
-            if not over:
+
+        def metis(targets: list[float]) -> tuple:
+            for _ in range(4):  # a part over its rank's memory: aim lower and partition again
+                part, cut = metis_parts(ei, n, targets, weights, 0, METIS_UFACTOR)
+                m_order, m_shares = order_of_parts(part, world)
+                priced = self._price_partition(m_shares, m_order)
+                over = [d for d in range(world) if priced[3][d] > self.usable(d) and m_shares[d]]
+                if not over:
+                    break
+                targets = list(targets)
+                for d in over:
+                    targets[d] *= 0.97 * max(self.usable(d) - self.state, 0.0) / max(priced[3][d] - self.state, 1.0)
+            return m_order, priced, targets, cut, not over
+
+        def step(priced: tuple) -> float:
+            return max(priced[2]) + self._halo_comm(priced[1])
+
+        m_order, priced, targets, cut, _ = metis([x / n for x in shares])
+        # METIS's parts differ from the locality order's in their edges and halos, so the shares balanced on
+        # that order need not balance here (a small part's edges and halo most): re-balance on METIS's own
+        # priced times, as `partition` does on the locality order, while that shortens the step
+        for _ in range(2):
+            m_shares = priced[0]
+            scale = [priced[2][d] / max(self._partition_time(d, m_shares[d]), 1e-15) if m_shares[d] else 1.0
+                     for d in range(world)]
+            again = self._level_shares(n, allowed, scale)
+            tried = metis([x / n for x in again])
+            if not tried[4] or step(tried[1]) >= step(priced):
                 break
-            for d in over:
-                targets[d] *= 0.97 * max(self.usable(d) - self.state, 0.0) / max(priced[3][d] - self.state, 1.0)
+            m_order, priced, targets, cut, _ = tried
         cands["metis"] = (m_order, priced)
         metis = {"targets": targets, "weights": coeffs, "seed": 0, "ufactor": METIS_UFACTOR, "edge_cut": cut}
         table = {}
