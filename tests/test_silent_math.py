@@ -62,6 +62,21 @@ def test_an_in_place_op_on_an_activation_is_measured() -> None:
         annotate(g, autopar.Cluster.load("1x2xcpu"), "fp32")
 
 
+def test_attention_with_a_learned_bias_is_measured() -> None:
+    """hf_t5's attention adds a position bias that needs a gradient; the flash form sdpa is priced as refuses
+    such a mask, so it was priced by bytes in silence-but-for-a-warning; torch runs the math formulation there,
+    and that is what is measured now (its FLOPs and the softmax it saves)."""
+    pytest.importorskip("transformers")
+    case = models.CASES["hf_t5"](seed=0, batch=2)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    sdpa = [n for n in g.nodes.values() if str(n.target) == "aten.scaled_dot_product_attention.default"]
+    assert sdpa
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.UnpricedOpWarning)
+        priced = annotate(g, autopar.Cluster.load("1x2xcpu"), "fp32")
+    assert all(sum(k.flops for k in priced.nodes[n.name].kernels_fwd) > 0 for n in sdpa)
+
+
 def test_an_unmeasurable_op_is_named_with_the_price_used(monkeypatch: pytest.MonkeyPatch) -> None:
     import autopar.passes.annotate as ann
 

@@ -68,6 +68,13 @@ def _sdpa_as_flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     )[0]
 
 
+def _grad_mask(args: list, kwargs: dict) -> bool:
+    """Whether sdpa's attention mask needs a gradient (a learned bias, T5's): no fused kernel of torch's CPU
+    backend takes one, so torch runs (and prices here) the math formulation, its softmax saved for backward."""
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    return isinstance(mask, torch.Tensor) and mask.requires_grad
+
+
 class _KernelRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -165,7 +172,7 @@ def _measure(target: Any, arg_specs: tuple, kwarg_specs: tuple) -> _NodeCost:
     keyed = keyed_call(target, tuple(args), kwargs, 0)  # a random op: priced as the keyed draw that runs
     if keyed is not None:
         target, args, kwargs = keyed[0], list(keyed[1]), keyed[2]
-    elif target is aten.scaled_dot_product_attention.default:
+    elif target is aten.scaled_dot_product_attention.default and not _grad_mask(args, kwargs):
         target = _sdpa_as_flash
     rec = _KernelRecorder()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
