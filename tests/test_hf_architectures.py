@@ -140,7 +140,6 @@ def worker(rank: int, world: int, items: list[tuple[str, dict, str]]) -> dict[st
         out[name] = {"losses": losses, "final": prog.state_dict()["model"], "work": work_of(prog),
                      "trace": trace.summary(top=12)}
         del prog, trace
-        gc.collect()
     return out
 
 
