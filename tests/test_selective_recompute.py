@@ -51,8 +51,7 @@ def run(rank: int, world: int) -> dict[str, Any]:
         out[cid] = {"losses": losses, "model": prog.state_dict()["model"], "calls": calls,
                     "peak": trace.peak_bytes, "kinds": [layer.kind for layer in prog.graph.layers],
                     "recompute": {s: sorted(b) for s, b in prog.lowered.recompute.items()}}
-        del prog
-        gc.collect()
+        del prog  # collected before the next one is measured
     return out
 
 
