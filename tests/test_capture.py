@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -173,3 +174,19 @@ def test_plan_takes_a_meta_model_with_real_inputs() -> None:
     meta, real = hf_gpt2(device="meta"), hf_gpt2()
     plan = autopar.plan(meta.model, "1x2xA100-80GB", real.example_inputs, real.example_target, meta.loss_fn)
     assert plan.world_size == 2
+
+
+def test_a_capture_without_sources_is_the_same_graph() -> None:
+    """`sources=False` (a rank's capture at its micro-batch size) records no stack traces: the same nodes,
+    ops, shapes, layers and program, only `OpNode.source` empty; torch's flag is restored after it."""
+    import torch.fx.config as fx_config
+
+    case = models.gpt(layers=2, seed=0)
+    full = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    bare = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
+    assert fx_config.do_not_emit_stack_traces is False
+    assert any(n.source for n in full.nodes.values()) and not any(n.source for n in bare.nodes.values())
+    strip = {name: dataclasses.replace(n, source="") for name, n in full.nodes.items()}
+    assert strip == bare.nodes
+    assert full.layers == bare.layers
+    assert full.gm.graph_module.code == bare.gm.graph_module.code

@@ -56,11 +56,16 @@ def capture(
     example_inputs: tuple | list | torch.Tensor,
     loss_fn: LossFn | None = None,
     example_target: Any = None,
+    *,
+    sources: bool = True,
 ) -> TrainingGraph:
     """Capture the training graph of `loss_fn(model(*example_inputs), example_target)`.
 
     `example_inputs` is one global batch (the first dimension of the first tensor input is the batch);
-    meta tensors and a model on the meta device are fine.
+    meta tensors and a model on the meta device are fine. `sources=False` leaves each node's user source line
+    (`OpNode.source`) empty: torch then records no stack trace per node (`torch.fx.config.
+    do_not_emit_stack_traces`), a fifth to a half of a small model's export, for captures nobody is shown
+    (a rank's capture at its micro-batch size).
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture() needs a torch.nn.Module, got {type(model).__name__}.")
@@ -73,19 +78,25 @@ def capture(
     args = tuple(example_inputs) + ((example_target,) if loss_fn is not None else ())
     on_meta = is_on_meta(model)
     wrapper = LossWrapper(model, loss_fn)
-    ep = _export(wrapper, to_meta(args) if on_meta else args)
+    ep = _export(wrapper, to_meta(args) if on_meta else args, sources)
     if on_meta and any(v.is_meta for v in ep.constants.values() if isinstance(v, torch.Tensor)):
         _fill_lifted_constants(ep, wrapper, args)
     return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
 
 
-def _export(wrapper: nn.Module, args: tuple) -> torch.export.ExportedProgram:
+def _export(wrapper: nn.Module, args: tuple, sources: bool = True) -> torch.export.ExportedProgram:
+    import torch.fx.config as fx_config
+
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = before or not sources
     try:
         return torch.export.export(wrapper, args, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types here; turn each into one clear message
         raise CaptureError(explain_export_failure(e)) from e
+    finally:
+        fx_config.do_not_emit_stack_traces = before
 
 
 def is_on_meta(model: nn.Module) -> bool:

@@ -326,7 +326,7 @@ class Program:
         else:
             with self.experts.swapped(model) if self.experts else contextlib.nullcontext():
                 g = self.graph if size == self.layout.global_batch and not self.experts \
-                    else capture(model, mb_inputs, self.loss_fn, mb_target)
+                    else capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
             if len(g.layers) != len(self.graph.layers):
                 raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                                 f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
@@ -349,10 +349,10 @@ class Program:
         cp = self.cp
         assert cp is not None
         full = self.graph if size == self.layout.global_batch \
-            else capture(model, mb_inputs, self.loss_fn, mb_target)
+            else capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
         local_in = tuple(cp.tokens(x) for x in mb_inputs)
         local_target = cp.tokens(mb_target)
-        g = capture(model, local_in, self.loss_fn, local_target)
+        g = capture(model, local_in, self.loss_fn, local_target, sources=False)
         if len(g.layers) != len(self.graph.layers):
             raise PlanError(f"capturing at {cp.seq_local} tokens per sequence gave {len(g.layers)} layers, not "
                             f"{len(self.graph.layers)}; the model's structure depends on the sequence length: "
