@@ -82,9 +82,10 @@ than R = 2p + v + 2 ns (`rounding_slack`).
     to gap 0 did not change that, and cost GPT-3 on 4096 A100 seconds);
   * its deterministic time limit (STAGE_MODEL_TIME_S, `split.py`; the pool's POOL_DETERMINISTIC_S) ends first:
     the best split found with its (larger) gap, or None when it found none, and the caller keeps the
-    incumbent. Measured 2026-12-06: GPT-3 175B on 1024 A100's 64-stage interleaved finalist ends so (none
-    found at 0.5 deterministic seconds, 1.2 s of CPU; at 1.0 and 2.0 a split under the cap that the simulator
-    did not take, 10 and ~16 s of CPU: the same plan), and the last of its 32-stage finalist's pool solves.
+    incumbent. Measured 2026-12-06: GPT-3 175B on 1024 A100's 64-stage interleaved finalist ends so (with
+    CP-SAT's LP cuts: none found at 0.5 deterministic seconds, 5.1 s of wall on a quiet 2-core host; without
+    them, `solver_for`, a split under the cap that the simulator does not take, 0.9 s: the same plan; its
+    32-stage finalist's four pool solves 4.2 -> 0.6 s; all nine plans of bench/plan_identity.py identical).
 The gap is the surrogate's: the simulator (`plan.simulated_step_time`) still judges, `split.Splitter.split`
 keeps the fastest simulated of the model's split, its pool, the incumbent and Megatron's even split.
 
@@ -410,7 +411,12 @@ class StageTable:
 def solver_for(time_limit_s: float, gap: float = GAP, guard: WallGuard | None = None):
     """A CP-SAT solver as the stage models run it: one worker, fixed seed, relative gap `gap`, a deterministic
     time limit; the wall clock only as the planning run's guard (budget.py: it warns where it cuts a solve)."""
-    return budget.cpsat(max(0.05, time_limit_s), guard, gap)
+    solver = budget.cpsat(max(0.05, time_limit_s), guard, gap)
+    # no LP cuts: on a capped model (a feasibility question near the incumbent) the cut rounds filled the
+    # deterministic time's wall clock 10x over without a split or a proof (GPT-3 175B on 1024 A100's 64-stage
+    # finalist: 5.1 s of wall for 0.5 deterministic seconds, UNKNOWN; without cuts 0.9 s, a split found)
+    solver.parameters.cut_level = 0
+    return solver
 
 
 class StageModel:
