@@ -119,6 +119,42 @@ def test_a_kernel_that_does_not_build_fails_the_check() -> None:
     assert not bad_ok and "FAILED" in bad_text
 
 
+def _fusion_requested(rank: int, world: int) -> list:
+    import triton
+
+    from autopar.codegen.aot import compile_for_target
+
+    asked = []
+    knobs = triton.knobs.language
+    real = knobs.fp_fusion_enabled
+    knobs.fp_fusion_enabled = lambda requested: asked.append(requested) or real(requested)
+    try:
+        (r,) = _regions(lambda x: (x * 0.125).softmax(-1), [(4, 256)])
+        compile_for_target(r, 90, which=("fwd",), num_warps=4)
+    finally:
+        knobs.fp_fusion_enabled = real
+    return asked
+
+
+def test_kernels_say_their_floating_point_fusion() -> None:
+    """Triton 3.9 fuses a * b + c into one FMA unless told (3.10 will not): every build and launch says
+    `triton_gen.FP_FUSION`, so a Triton upgrade does not change the kernels' rounding unasked."""
+    from autopar.codegen.kernels import _launch
+    from autopar.runtime.launch import spawn_local
+
+    (asked,) = spawn_local(_fusion_requested, 1, timeout_s=120)
+    assert asked and all(a is triton_gen.FP_FUSION for a in asked), asked
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    (r,) = _regions(lambda x: (x * 0.125).softmax(-1), [(4, 256)])
+    _launch(Kernel(), [], r.program, 0, launch_config(r.program, interpret=False), interpret=False)
+    assert launched and launched[0]["enable_fp_fusion"] is triton_gen.FP_FUSION
+
+
 # ---------------------------------------------------------------------------------------------- long rows
 LONG = {
     "softmax": (lambda x: (x * 0.5).softmax(-1) * 2.0, lambda n: [(3, n)], None),

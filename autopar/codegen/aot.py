@@ -159,7 +159,8 @@ def _build(p: KernelProgram, fn: Any, w: str, arch: int, name: str, bm: int, bn:
         with compiled_stdlib():
             ast = triton.compiler.ASTSource(fn=fn, signature=signature(p, w, list(fn.arg_names)),
                                             constexprs={"BLOCK_M": bm, "BLOCK_N": bn})
-            k = triton.compile(ast, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            options = {"num_warps": warps, "enable_fp_fusion": triton_gen.FP_FUSION}
+            k = triton.compile(ast, target=GPUTarget("cuda", arch, 32), options=options)
         res = _ptxas_report(k.asm["ptx"], arch)
     except Exception as e:  # the build failing is the finding
         msg = " ".join(str(e).split())[:400]

@@ -113,7 +113,8 @@ def _launch(kernel: Any, args: list[Any], p: KernelProgram, seed: int, cfg: Laun
         blocks["BLOCK_N"] = cfg.block_n
     periods = [i.period for i in p.inputs if i.kind == "P"]
     with interpreted_stdlib() if interpret else contextlib.nullcontext():
-        kernel[(cfg.grid,)](*args, *periods, p.m, p.n, p.numel, seed, **blocks)
+        kernel[(cfg.grid,)](*args, *periods, p.m, p.n, p.numel, seed, **blocks,
+                            enable_fp_fusion=triton_gen.FP_FUSION)  # the interpreter drops it
 
 
 def tuned_config(kernel: Any) -> str:

@@ -35,6 +35,11 @@ from typing import Any
 import torch
 
 VIRTUAL_ROW = 1024
+# Triton's floating-point fusion (a * b + c contracted to one FMA, rounded once) for every kernel built, said
+# explicitly: Triton 3.9 defaults it on and warns that 3.10 turns it off, which would change the generated
+# kernels' rounding with a pip upgrade, unasked. On is what these kernels were built and checked with; eager
+# CUDA kernels (nvcc's default --fmad=true) contract within each kernel too.
+FP_FUSION = True
 
 
 class Unfusible(Exception):
