@@ -116,7 +116,9 @@ def capture_model(model: nn.Module, inputs: tuple, example_target: Any, loss_fn:
     """Phase 2: the model captured once on one global batch (CaptureError naming the op and source line when
     it cannot be); every later phase, and every re-plan, reuses it."""
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
-    graph = capture(model, capture_inputs, loss_fn, capture_target)
+    # no per-node source lines: only a dump shows them, and `dump_phase` writes the graph through `analyze`'s
+    # own capture (a CaptureError still names the user's line: it comes from the failing frame)
+    graph = capture(model, capture_inputs, loss_fn, capture_target, sources=False)
     return Captured(graph, inputs, example_target, capture_inputs, capture_target)
 
 
