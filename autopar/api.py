@@ -55,17 +55,18 @@ def cost_model(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, ex
                precision: str | None = None, memory_reserve: float = 0.1, kernels: str = "auto", *,
                captured: TrainingGraph | None = None, compress: str | None = None,
                profiles: dict[str, Profile] | None = None,
-               profile: BlockProfile | str | os.PathLike | None = None) -> CostModel:
+               profile: BlockProfile | str | os.PathLike | None = None, sources: bool = True) -> CostModel:
     """Capture and annotate `model` and wrap it in the planner's cost model (what plan/estimate use).
     `captured`: the model's capture at this batch when the caller has it (`autopar.compile` passes its own,
     so a model is captured once per compile). `compress`: the wire dtype stage sends may be rounded to
-    (`plan`'s), None for never. `profiles`, `profile`: as in `plan`."""
+    (`plan`'s), None for never. `profiles`, `profile`: as in `plan`. `sources`: as in `capture` (False: the
+    graph's nodes keep no user source line, which only its JSON shows; `plan` and `estimate` price without)."""
     check_memory_reserve(memory_reserve)
     cluster = Cluster.load(cluster)
     precision = resolve_precision(cluster, precision)
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if captured is None:
-        captured = capture(model, tuple(inputs), loss_fn, example_target)
+        captured = capture(model, tuple(inputs), loss_fn, example_target, sources=sources)
     profiles = check_profiles(profiles, cluster)
     graph = annotate(captured, cluster, precision=precision, kernels=kernels, profiles=profiles)
     return CostModel(graph, cluster, precision, optimizer, memory_reserve, compress=compress, profiles=profiles,
@@ -148,7 +149,7 @@ def plan(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, example_
     start = time.perf_counter()
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
                     memory_reserve, kernels, captured=captured, compress=compress, profiles=profiles,
-                    profile=profile)
+                    profile=profile, sources=_dump_dir() is not None)  # the dump's graph.json shows them
     remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
     result = search(cm, time_limit_s=remaining, progress=progress, objective=objective,
                     budget_per_hour=budget_per_hour, work_limit=work_limit)
@@ -188,7 +189,7 @@ def price_async(plan: Plan, model: nn.Module, example_inputs: tuple = (), exampl
     with its pending wave gradients (and, where sync="2bw" runs the flushless schedule, its second weight
     version: solver/async_memory.py); PlanError naming each device that does not fit. `profiles`: as in `plan`."""
     cm = cost_model(model, plan.cluster, example_inputs, example_target, loss_fn, optimizer, plan.precision,
-                    plan.memory_reserve, kernels, captured=captured, profiles=profiles)
+                    plan.memory_reserve, kernels, captured=captured, profiles=profiles, sources=False)
     return force_async(plan, sync, staleness, functools.partial(async_memory, cm))
 
 
@@ -219,7 +220,7 @@ def estimate(model: nn.Module, cluster: Cluster | str | dict | os.PathLike, stra
     memory_reserve = check_memory_reserve(memory_reserve if memory_reserve is not None
                                           else (own.memory_reserve if own else 0.1))
     cm = cost_model(model, cluster, example_inputs, example_target, loss_fn, optimizer, precision,
-                    memory_reserve, kernels, captured=captured, profiles=profiles, profile=profile)
+                    memory_reserve, kernels, captured=captured, profiles=profiles, profile=profile, sources=False)
     est = price_plan(cm, strategy) if isinstance(strategy, Plan) else price_strategy(cm, strategy)
     est.plan.model.update(kernels=kernels, fused_device_types=cm.graph.fused_types)
     return est

@@ -122,6 +122,16 @@ def test_graph_json_round_trip_and_dump(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "graph.dot").read_text().startswith("digraph")
 
 
+def test_a_plans_dumped_graph_names_each_nodes_source(tmp_path, monkeypatch) -> None:
+    """`plan` captures without per-node source lines unless it dumps (the dump's graph.json shows them)."""
+    case = models.gpt(layers=2)
+    args = dict(example_inputs=case.example_inputs, example_target=case.example_target, loss_fn=case.loss_fn)
+    monkeypatch.setenv("AUTOPAR_DUMP", str(tmp_path))
+    autopar.plan(case.model, "1x2xA100-80GB", **args)
+    nodes = json.loads((tmp_path / "graph.json").read_text())["nodes"]
+    assert any("models.py:" in n["source"] for n in nodes)
+
+
 class _Offsets(nn.Module):
     """A forward that makes tensors from Python data on its input's device (as transformers' Falcon does):
     export lifts them out of the graph as constants."""
