@@ -389,7 +389,7 @@ class GraphCostModel:
             for _ in range(2):
                 shares = balanced_shares(s.num_nodes, fixed, rates, allowed)
                 priced = self._price_partition(shares, order)
-                t = max(priced[2]) + self._halo_comm(priced[1])
+                t = self._partition_step(priced)
                 if t < best_t:
                     best, best_t, best_marginal, best_allowed = priced, t, rates, allowed
                 rates = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else rates[d]
@@ -402,7 +402,7 @@ class GraphCostModel:
             for _ in range(2):
                 shares = self._level_shares(s.num_nodes, allowed, scale)
                 priced = self._price_partition(shares, order)
-                t = max(priced[2]) + self._halo_comm(priced[1])
+                t = self._partition_step(priced)
                 if t < best_t:
                     best, best_t, best_allowed = priced, t, allowed
                     best_marginal = [max((priced[2][d] - fixed[d]) / shares[d], 1e-15) if shares[d] else marginal[d]
@@ -426,7 +426,7 @@ class GraphCostModel:
             idle = self._idle(best[0], best[2], self._halo_comm(best[1]), fixed, best_marginal, caps, price)
             table = chosen.get("partitioners", {}).get(chosen.get("partitioner"))
             if table is not None and s.edge_index is not None and order is not None:
-                table.update(step_time_s=max(best[2]) + self._halo_comm(best[1]) + self.sync_s,
+                table.update(step_time_s=self._partition_step(best) + self.sync_s,
                              shares=list(best[0]), **partition_quality(s.edge_index, s.num_nodes, order, best[0]))
         shares, halos, compute, mems, flops, owner_edges, exact, graph_bytes = best
         problems = [_mem_problem(self.cluster, d, mems[d], self.usable(d), f"{shares[d]} nodes")
@@ -498,7 +498,7 @@ class GraphCostModel:
         coeffs = self.metis_weights()
         weights = node_weights(ei, n, coeffs)
 
-        def metis(targets: list[float]) -> tuple:
+        def metis_partition(targets: list[float]) -> tuple:
             for _ in range(4):  # a part over its rank's memory: aim lower and partition again
                 part, cut = metis_parts(ei, n, targets, weights, 0, METIS_UFACTOR)
                 m_order, m_shares = order_of_parts(part, world)
@@ -511,10 +511,7 @@ class GraphCostModel:
                     targets[d] *= 0.97 * max(self.usable(d) - self.state, 0.0) / max(priced[3][d] - self.state, 1.0)
             return m_order, priced, targets, cut, not over
 
-        def step(priced: tuple) -> float:
-            return max(priced[2]) + self._halo_comm(priced[1])
-
-        m_order, priced, targets, cut, _ = metis([x / n for x in shares])
+        m_order, priced, targets, cut, _ = metis_partition([x / n for x in shares])
         # METIS's parts differ from the locality order's in their edges and halos, so the shares balanced on
         # that order need not balance here (a small part's edges and halo most): re-balance on METIS's own
         # priced times, as `partition` does on the locality order, while that shortens the step
@@ -523,10 +520,10 @@ class GraphCostModel:
             scale = [priced[2][d] / max(self._partition_time(d, m_shares[d]), 1e-15) if m_shares[d] else 1.0
                      for d in range(world)]
             again = self._level_shares(n, allowed, scale)
-            tried = metis([x / n for x in again])
-            if not tried[4] or step(tried[1]) >= step(priced):
+            t_order, t_priced, t_targets, t_cut, fits = metis_partition([x / n for x in again])
+            if not fits or self._partition_step(t_priced) >= self._partition_step(priced):
                 break
-            m_order, priced, targets, cut, _ = tried
+            m_order, priced, targets, cut = t_order, t_priced, t_targets, t_cut
         cands["metis"] = (m_order, priced)
         metis = {"targets": targets, "weights": coeffs, "seed": 0, "ufactor": METIS_UFACTOR, "edge_cut": cut}
         table = {}
@@ -534,7 +531,7 @@ class GraphCostModel:
             o, p = cands[name]
             q = partition_quality(ei, n, o, p[0])
             fits = all(p[3][d] <= self.usable(d) for d in range(world))
-            table[name] = {"step_time_s": max(p[2]) + self._halo_comm(p[1]) + self.sync_s, "fits": fits,
+            table[name] = {"step_time_s": self._partition_step(p) + self.sync_s, "fits": fits,
                            "shares": list(p[0]), **q}
         ok = [m for m in PARTITIONERS if table[m]["fits"]] or list(PARTITIONERS)
         name = min(ok, key=lambda m: (table[m]["step_time_s"], PARTITIONERS.index(m)))
@@ -566,6 +563,10 @@ class GraphCostModel:
             sets += [frozenset(d.index for d in typed), frozenset(d.index for d in typed if d.node == node)]
         sets.append(frozenset([min(range(len(devs)), key=marginal.__getitem__)]))
         return list(dict.fromkeys(sets))
+
+    def _partition_step(self, priced: tuple) -> float:
+        """A priced partition's step before the gradient sync: its slowest rank's compute, then the halo exchange."""
+        return max(priced[2]) + self._halo_comm(priced[1])
 
     def _halo_comm(self, halos: list[float]) -> float:
         """Two all_to_all per message-passing layer (forward rows, backward gradients), every rank taking part.
