@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -73,8 +74,17 @@ def _serve(rank: int, jobs: Connection) -> None:
     _freeze_survivors()
     try:
         _serve_jobs(rank, jobs, first_seed)
-    finally:
+    except BaseException:
         gc.unfreeze()  # back in reach before the interpreter's exit, which frees (and nanobind checks) them
+        raise
+    # Served: every job has closed its process group and written its results, and the caller waits in `join`.
+    # An interpreter's exit with torch, transformers and triton loaded takes 1-4 s (a final collection over
+    # every object, module teardown) that nobody needs here: run the exit handlers (multiprocessing's release
+    # the semaphores a job made, e.g. tqdm's lock, which the resource tracker would report as leaked), then go.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve_jobs(rank: int, jobs: Connection, first_seed: int) -> None:
