@@ -104,20 +104,26 @@ class _OnTeardown:
         write(open_(self.path, flags), b"torn down")  # type: ignore[operator]
 
 
-def _leave_marks(rank: int, world: int, out: str) -> None:
+def _leave_marks(rank: int, world: int, out: str) -> int:
     _KEPT.append(multiprocessing.get_context("spawn").RLock())  # a semaphore, as tqdm's lock in fx's Interpreter
     atexit.register(Path(out, f"atexit{rank}").write_text, "ran")
     _KEPT.append(_OnTeardown(Path(out, f"teardown{rank}")))
+    return os.getpid()
 
 
-def test_a_closed_pool_runs_exit_handlers_but_skips_the_interpreter_teardown(tmp_path: Path) -> None:
-    """A served rank leaves without the interpreter's teardown (1-4 s with torch, transformers and triton
-    loaded, paid at every pool close), yet runs its exit handlers: multiprocessing's release the semaphores
-    its jobs made, which the resource tracker would otherwise report as leaked."""
+def test_a_smaller_call_runs_on_kept_ranks_and_a_closed_pool_skips_the_teardown(tmp_path: Path) -> None:
+    """A call of fewer ranks runs on the first ranks of a kept set (no processes started for it); a served rank
+    leaves without the interpreter's teardown (1-4 s with torch, transformers and triton loaded, paid at every
+    pool close), yet runs its exit handlers: multiprocessing's release the semaphores its jobs made, which the
+    resource tracker would otherwise report as leaked."""
     pool = LocalPool()  # beside the suite's: not entered, closed here
-    pool.run(_leave_marks, 2, (str(tmp_path),), str(tmp_path), 60.0)
+    out = str(tmp_path)
+    pool.run(_seen, 3, (), out, 60.0)
     procs = [proc for kept in pool._pools.values() for proc in kept.procs]
+    pool.run(_leave_marks, 2, (out,), out, 60.0)
+    assert len(pool._pools) == 1 and sorted(torch.load(Path(out, f"rank{r}.pt")) for r in (0, 1)) \
+        == sorted(proc.pid for proc in procs[:2])
     pool.close()
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
     assert sorted(f.name for f in tmp_path.glob("atexit*")) == ["atexit0", "atexit1"]
     assert not list(tmp_path.glob("teardown*"))

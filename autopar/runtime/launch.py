@@ -152,13 +152,13 @@ class _Pool:
             self.conns.append(mine)
             self.procs.append(proc)
 
-    def run(self, job: tuple, timeout_s: float) -> None:
-        """Send `job` to every rank and wait until all finished; on a failure, death or timeout, close the pool
-        and raise naming the rank."""
-        for conn in self.conns:
+    def run(self, job: tuple, timeout_s: float, world_size: int) -> None:
+        """Send `job` to the first `world_size` ranks (the others wait for a later job) and wait until they
+        finished; on a failure, death or timeout, close the pool and raise naming the rank."""
+        for conn in self.conns[:world_size]:
             conn.send(job)
         deadline = time.monotonic() + timeout_s
-        pending = dict(enumerate(self.conns))
+        pending = dict(enumerate(self.conns[:world_size]))
         try:
             while pending:
                 left = deadline - time.monotonic()
@@ -204,8 +204,9 @@ class LocalPool:
     """Processes kept between `spawn_local` calls, one set per (world size, environment): what the test
     suite uses so that each call does not pay for starting Python and importing torch again. Each call still
     runs in a fresh gloo process group, with the caller's environment, sys.path and warning filters; a call
-    that fails closes its processes (the next call starts new ones). Use it as a context manager
-    (`with LocalPool(): ...`); at most `max_processes` are kept, the least recently used closed first."""
+    that fails closes its processes (the next call starts new ones). A call of fewer ranks than a kept set
+    runs on that set's first ranks, the others idle. Use it as a context manager (`with LocalPool(): ...`); at
+    most `max_processes` are kept, the least recently used closed first."""
 
     _active: LocalPool | None = None
 
@@ -230,17 +231,22 @@ class LocalPool:
     def run(self, fn: Callable, world_size: int, args: tuple, out_dir: str, timeout_s: float) -> None:
         env = dict(os.environ)
         # import-time reads see the environment the processes started with: a changed one gets its own
-        key = (world_size, frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV))
+        same_env = frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV)
+        # the smallest kept set of at least world_size ranks started in this environment
+        fitting = [key for key, kept in self._pools.items() if key[1] == same_env and len(kept.procs) >= world_size]
+        key = min(fitting, key=lambda k: k[0], default=(world_size, same_env))
         pool = self._pools.pop(key, None)
         if pool is not None and not pool.alive():
             pool.close()
-            pool = None
+            pool, key = None, (world_size, same_env)
         if pool is None:
+            for smaller in [k for k in self._pools if k[1] == same_env]:  # the new set serves their calls too
+                self._pools.pop(smaller).close()
             while self._pools and sum(len(p.procs) for p in self._pools.values()) + world_size > self.max_processes:
                 self._pools.pop(next(iter(self._pools))).close()
             pool = _Pool(world_size)
         job = (fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters), env, list(sys.path))
-        pool.run(job, timeout_s + 60)  # raises (and has closed the pool) on a failure
+        pool.run(job, timeout_s + 60, world_size)  # raises (and has closed the pool) on a failure
         self._pools[key] = pool
 
 
