@@ -26,6 +26,10 @@ class InfeasibleError(AutoparError, RuntimeError):
     """No plan fits the cluster's memory (or other hard limits)."""
 
 
+class RendezvousError(AutoparError, RuntimeError):
+    """The process group did not form: a rank started too late or cannot reach the others."""
+
+
 class KernelError(AutoparError, RuntimeError):
     """A generated kernel failed to build or launch where kernels="triton" forces Triton."""
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import autopar
 from autopar import compiler, models
 from autopar.cluster import Cluster, catalog_name_for_gpu
-from autopar.errors import PlanError
+from autopar.errors import PlanError, RendezvousError
 from autopar.runtime import devices, elastic, run
 from autopar.runtime import dist as rdist
 from autopar.runtime.devices import DeviceMismatchError, check_rank_gpu, launch_device, rank_device
@@ -91,6 +91,24 @@ def test_setup_sets_the_device_before_the_group_with_device_id_and_a_mixed_backe
     calls.clear()
     rdist.ensure_initialized(30, torch.device("cpu"))
     assert calls == [("init", "cpu:gloo,cuda:nccl", {"timeout": calls[0][2]["timeout"]})]
+
+
+def test_a_group_that_does_not_form_in_time_is_a_clear_error(monkeypatch) -> None:
+    """A peer that never joins (a rank started later than timeout_s, or unreachable): torch says only "Wait
+    timeout"; the error names the timeout and the fix, and is still a RuntimeError for callers catching those."""
+    monkeypatch.setenv("AUTOPAR_BACKEND", "gloo")
+    with pytest.raises(RendezvousError, match=r"gloo process group did not form within timeout_s=1 s(.|\n)*"
+                                              r"Raise timeout_s") as caught:
+        devices.init_process_group(1.0, store=dist.HashStore(), rank=0, world_size=2)
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value.__cause__, dist.DistError)
+    assert not dist.is_initialized()
+
+    def fails(backend: str, **kw: object) -> None:
+        raise RuntimeError("Default process group has already been initialized")  # not a timeout: unchanged
+
+    with pytest.raises(RuntimeError, match="already been initialized") as other:
+        devices.init_process_group(1.0, init=fails)
+    assert not isinstance(other.value, RendezvousError)
 
 
 def test_elastic_restarts_join_through_the_same_setup(monkeypatch) -> None:

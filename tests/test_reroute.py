@@ -101,7 +101,7 @@ def _worker(out: str, dp: int, pp: int, deaths: str, steps: int, tp: int = 1) ->
         [GPT["batch"] // dp + (1 if i < GPT["batch"] % dp else 0) for i in range(dp)]
     prog = autopar.compile(case.model, os.environ["AUTOPAR_CLUSTER"], case.example_inputs, case.example_target,
                            case.loss_fn, _optimizer, plan=autopar.Strategy(dp=dp, pp=pp, tp=tp, batch_split=split),
-                           timeout_s=5)
+                           timeout_s=10)  # (5 s: on 2 loaded cores the 4 workers' group once did not form in time)
     rank = int(os.environ["RANK"])
     die_after = dict(tuple(map(int, d.split(":"))) for d in deaths.split(",")).get(rank)
     losses = []

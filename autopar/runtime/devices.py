@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import AutoparError, PlanError
+from ..errors import AutoparError, PlanError, RendezvousError
 
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 
@@ -178,7 +178,16 @@ def init_process_group(timeout_s: float, device: torch.device | None = None, *, 
     if device is not None and device.type == "cuda" and forced is None:
         torch.cuda.set_device(device)  # before the group: NCCL binds its communicator to the current device
         kwargs["device_id"] = device
-    (init or dist.init_process_group)(backend, **kwargs)
+    try:
+        (init or dist.init_process_group)(backend, **kwargs)
+    except RuntimeError as e:  # torch's store errors (DistError) and gloo's connect errors are RuntimeErrors
+        if not isinstance(e, dist.DistError) and "timed out" not in str(e) and "timeout" not in str(e).lower():
+            raise
+        raise RendezvousError(
+            f"the {backend} process group did not form within timeout_s={timeout_s:g} s: a rank started that much "
+            f"later than the others, or cannot reach them (torch: {str(e).strip().splitlines()[0][:200]}). Raise "
+            f"timeout_s (compile(..., timeout_s=...)), and check that every rank runs and reaches MASTER_ADDR / "
+            f"MASTER_PORT.") from e
     return backend
 
 
