@@ -18,6 +18,7 @@ from .errors import (
     PlanFallbackWarning,
     PrecisionChangeWarning,
     RandomnessWarning,
+    RendezvousError,
     UnpricedOpWarning,
 )
 from .ir.plan import Estimate, Plan, Strategy
@@ -49,6 +50,7 @@ __all__ = [
     "InfeasibleError",
     "PlanError",
     "KernelError",
+    "RendezvousError",
     "KernelFallbackWarning",
     "PlanDriftWarning",
     "PlanFallbackWarning",
