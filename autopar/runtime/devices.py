@@ -181,7 +181,8 @@ def init_process_group(timeout_s: float, device: torch.device | None = None, *, 
     try:
         (init or dist.init_process_group)(backend, **kwargs)
     except RuntimeError as e:  # torch's store errors (DistError) and gloo's connect errors are RuntimeErrors
-        if not isinstance(e, dist.DistError) and "timed out" not in str(e) and "timeout" not in str(e).lower():
+        text = str(e).lower()
+        if not isinstance(e, dist.DistError) and "timed out" not in text and "timeout" not in text:
             raise
         raise RendezvousError(
             f"the {backend} process group did not form within timeout_s={timeout_s:g} s: a rank started that much "

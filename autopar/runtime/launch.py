@@ -201,18 +201,18 @@ class _Pool:
 
 
 class LocalPool:
-    """Processes kept between `spawn_local` calls, one set per (world size, environment): what the test
-    suite uses so that each call does not pay for starting Python and importing torch again. Each call still
-    runs in a fresh gloo process group, with the caller's environment, sys.path and warning filters; a call
-    that fails closes its processes (the next call starts new ones). A call of fewer ranks than a kept set
-    runs on that set's first ranks, the others idle. Use it as a context manager (`with LocalPool(): ...`); at
-    most `max_processes` are kept, the least recently used closed first."""
+    """Processes kept between `spawn_local` calls, one set per environment: what the test suite uses so that
+    each call does not pay for starting Python and importing torch again. Each call still runs in a fresh gloo
+    process group, with the caller's environment, sys.path and warning filters; a call that fails closes its
+    processes (the next call starts new ones). A call runs on the set's first ranks, the others idle; one of
+    more ranks than the set replaces it with a larger one. Use it as a context manager (`with LocalPool():
+    ...`); at most `max_processes` are kept, the least recently used closed first."""
 
     _active: LocalPool | None = None
 
     def __init__(self, max_processes: int = 12) -> None:
         self.max_processes = max_processes
-        self._pools: dict[tuple, _Pool] = {}
+        self._pools: dict[frozenset, _Pool] = {}  # by the environment the set started in
 
     def __enter__(self) -> LocalPool:
         if LocalPool._active is not None:
@@ -230,18 +230,13 @@ class LocalPool:
 
     def run(self, fn: Callable, world_size: int, args: tuple, out_dir: str, timeout_s: float) -> None:
         env = dict(os.environ)
-        # import-time reads see the environment the processes started with: a changed one gets its own
-        same_env = frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV)
-        # the smallest kept set of at least world_size ranks started in this environment
-        fitting = [key for key, kept in self._pools.items() if key[1] == same_env and len(kept.procs) >= world_size]
-        key = min(fitting, key=lambda k: k[0], default=(world_size, same_env))
+        # import-time reads see the environment the processes started with: a changed one gets its own set
+        key = frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV)
         pool = self._pools.pop(key, None)
-        if pool is not None and not pool.alive():
-            pool.close()
-            pool, key = None, (world_size, same_env)
+        if pool is not None and (len(pool.procs) < world_size or not pool.alive()):
+            pool.close()  # too few ranks: the larger set that replaces it serves the smaller calls too
+            pool = None
         if pool is None:
-            for smaller in [k for k in self._pools if k[1] == same_env]:  # the new set serves their calls too
-                self._pools.pop(smaller).close()
             while self._pools and sum(len(p.procs) for p in self._pools.values()) + world_size > self.max_processes:
                 self._pools.pop(next(iter(self._pools))).close()
             pool = _Pool(world_size)
