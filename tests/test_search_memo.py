@@ -6,16 +6,24 @@
 * `Splitter.stage` prices a range's options' memory on demand, in time order, and takes the first that fits
   clear of the budget without the floor check: it must pick what the full check over every option
   (`Splitter.ranked`, the floor, the first that fits) picks, budgets at an option's exact need included.
+* `Splitter._exact` drops dynamic-program states whose term reaches the search's cutoff (`split(prune=True)`):
+  sound because, with every micro-batch full, a split's lower bound is at least its surrogate, so the search
+  keeps the same splits and plans while the dynamic program holds fewer states.
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
 from autopar.api import cost_model
+from autopar.ir.plan import even_split
 from autopar.models import gpt
+from autopar.solver.pricing.pricing import lower_bound
 from autopar.solver.search.search import Search, config_communicators
-from autopar.solver.split.split import NO_CHUNKS, Splitter
+from autopar.solver.split import split as split_module
+from autopar.solver.split.split import NO_CHUNKS, Splitter, priced_surrogate
 
 
 def _cm(cluster: str, layers: int = 8):
@@ -100,3 +108,82 @@ def test_layer_keys_and_groups_kept_across_micro_batch_sizes_name_their_own_size
         got, want = ctx.merged(members, merge_followers), merge_followers(fresh, members)
         assert [(g.members, [{m: (s.ins, s.grads) for m, s in c.items()} for c in g.choices]) for g in got] == \
             [(g.members, [{m: (s.ins, s.grads) for m, s in c.items()} for c in g.choices]) for g in want]
+
+
+def _exact_case(cm):
+    """A 4-stage 1F1B pipeline of `cm` with 8 full micro-batches, its slots and `split`'s starting incumbent."""
+    search = Search(cm)
+    cfg = next(c for c in search._configs() if len(c.pipelines[0]) == 4 and c.schedule == "1f1b")
+    m, share = 8, 8 * cm.B // 8
+    slots = search._slots(cfg, cfg.pipelines[0], m)
+    sp = Splitter(cm)
+    return sp, slots, m, -(-share // m), sp.greedy(slots, math.inf, m, -(-share // m), 1)
+
+
+def test_exact_with_a_cutoff_returns_the_same_split_under_it_and_the_incumbent_at_it() -> None:
+    cm = _cm("1x4xA100-80GB", layers=16)
+    sp, slots, m, n, start = _exact_case(cm)
+    best = sp._exact(slots, m, n, start)
+    assert best.surrogate < start.surrogate, "the incumbent is already optimal: the case does not exercise the DP"
+    above = sp._exact(slots, m, n, start, best.surrogate * (1 + 1e-9))
+    assert [(a, e, c.option) for a, e, c in above.stages] == [(a, e, c.option) for a, e, c in best.stages]
+    assert above.surrogate == best.surrogate
+    assert sp._exact(slots, m, n, start, best.surrogate) is start
+
+
+def test_a_split_lower_bound_is_at_least_its_surrogate_with_full_micro_batches() -> None:
+    """The premise of the pruning: what `Search._solve` bounds a split by never undercuts the surrogate the
+    dynamic program prunes on (every micro-batch full, a schedule whose backward is not split)."""
+    cm = _cm("1x4xA100-80GB", layers=16)
+    sp, slots, m, n, start = _exact_case(cm)
+    checked = 0
+    for cuts in ((1, 2, 3), (5, 9, 13), (3, 8, 17), (2, 10, 12)):
+        edges = (0, *cuts, cm.L)
+        stages = [(edges[j], edges[j + 1], sp.stage(slots[j], edges[j], edges[j + 1], m, n)) for j in range(4)]
+        if any(c is None for _, _, c in stages):
+            continue
+        split = split_module.Split(stages, 0.0)
+        vals = sp.values(slots, split, 0)
+        assert lower_bound(vals, even_split(m * n, m), 4) >= priced_surrogate(cm, slots, stages, 1, m) * (1 - 1e-12)
+        checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.timeout(120)
+def test_pruned_dynamic_program_plans_the_same_with_fewer_states(monkeypatch) -> None:
+    """Every dynamic program the search runs with a cutoff gives the unpruned optimum where it is under the
+    cutoff and the incumbent where not, from fewer states (counted at the Pareto filter), and the plan is the
+    one the search finds without pruning."""
+    cm = _cm("1x8xT4", layers=16)
+    seen = {"states": 0}
+    pareto, exact = split_module._pareto, Splitter._exact
+    totals = {"pruned": 0, "unpruned": 0, "calls": 0}
+
+    def counted(states):
+        seen["states"] += len(states)
+        return pareto(states)
+
+    def checked(self, slots, m, n, incumbent, cutoff=math.inf):
+        seen["states"] = 0
+        got = exact(self, slots, m, n, incumbent, cutoff)
+        if cutoff < math.inf:
+            pruned = seen["states"]
+            seen["states"] = 0
+            want = exact(self, slots, m, n, incumbent)
+            if want.surrogate < cutoff:
+                assert [(a, e, c.option) for a, e, c in got.stages] == [(a, e, c.option) for a, e, c in want.stages]
+            else:
+                assert got is incumbent
+            totals["pruned"] += pruned
+            totals["unpruned"] += seen["states"]
+            totals["calls"] += 1
+        return got
+
+    monkeypatch.setattr(split_module, "_pareto", counted)
+    monkeypatch.setattr(Splitter, "_exact", checked)
+    plan = Search(cm, work_limit=None).run()
+    assert totals["calls"] >= 5, totals
+    assert totals["pruned"] < 0.75 * totals["unpruned"], totals
+    plain_split = Splitter.split
+    monkeypatch.setattr(Splitter, "split", lambda self, *a, **k: plain_split(self, *a, **{**k, "prune": False}))
+    assert plan.to_json() == Search(cm, work_limit=None).run().to_json()

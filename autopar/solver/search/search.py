@@ -329,8 +329,9 @@ class Search:
 
     def _split(self, cfg: Config, slots: list[Slot], share: int, m: int) -> Split | None:
         lo = self.bounds.throughput(cfg)  # where pipelines differ: a light one may split below the config's bound
+        # refining, selective recompute reworks the split returned: the inner solve must not drop any
         return self.splitter.split(slots, share, m, cfg.schedule, cfg.chunks, lo=cfg.bound if lo is None else lo,
-                                   cutoff=self.best_step, model=self.model_splits)
+                                   cutoff=self.best_step, model=self.model_splits, prune=not self.refining)
 
     def _slots(self, cfg: Config, pipe: tuple[Unit, ...], m: int, alike: bool = True) -> list[Slot]:
         """The stage positions of one pipeline; `alike`: every replica of the config gets the same split and

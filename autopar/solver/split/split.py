@@ -313,7 +313,8 @@ class Splitter:
         return Split(out, worst)
 
     def split(self, slots: list[Slot], share: int, m: int, schedule: str, chunks: int, lo: float = 0.0,
-              fast: bool = False, cutoff: float = math.inf, model: bool = False) -> Split | None:
+              fast: bool = False, cutoff: float = math.inf, model: bool = False, prune: bool = False
+              ) -> Split | None:
         """The layer split of one pipeline (with its stage options) for `share` samples in m micro-batches.
 
         Few possible splits: all are scored by their lower bound and simulated in bound order (exact).
@@ -324,7 +325,9 @@ class Splitter:
         `cutoff`: a step the caller already has; candidates whose lower bound reaches it are not simulated
         (the one returned then has a bound >= cutoff, so the caller discards it). `model`: then the CP-SAT
         stage model (stage_model.py: split and per-stage options together, the best of the above as its
-        incumbent, proven within its GAP of the surrogate's optimum, `Split.gap`), on every chain.
+        incumbent, proven within its GAP of the surrogate's optimum, `Split.gap`), on every chain. `prune`: the
+        caller drops any split whose lower bound reaches `cutoff` (and uses none of its parts), so `_exact` may
+        drop states whose term reaches it where the surrogate bounds `pricing.lower_bound` from below (`_exact`).
         """
         n = -(-share // m)
         if not fast and math.comb(self.cm.L - 1, len(slots) - 1) <= SPLIT_ENUMERATION:
@@ -338,7 +341,10 @@ class Splitter:
         if chunks == 1 and len(slots) * self.cm.L ** 2 <= EXACT_SPLIT_LIMIT:
             # the dynamic program drops states whose term reaches the incumbent's: start from the better one
             start = even if even is not None and even.surrogate < best.surrogate else best
-            known = [self._exact(slots, m, n, start), even]
+            # all micro-batches full and B not split from W: a split's lower bound (`values` adds the tied sync)
+            # is at least its surrogate, so a state whose term reaches the cutoff leads to no split the caller keeps
+            full = prune and not model and share % m == 0 and schedule not in SPLIT_SCHEDULES
+            known = [self._exact(slots, m, n, start, cutoff if full else math.inf), even]
         else:
             known = [self._bisect(slots, m, n, chunks, lo, best, even), even]
         if model:
@@ -503,14 +509,17 @@ class Splitter:
         best.surrogate = best_step
         return best
 
-    def _exact(self, slots: list[Slot], m: int, n: int, incumbent: Split) -> Split:
+    def _exact(self, slots: list[Slot], m: int, n: int, incumbent: Split, cutoff: float = math.inf) -> Split:
         """The split minimising the surrogate, by dynamic programming over (stage, first free layer) with
         Pareto fronts of (max term so far, forward prefix, backward prefix, stage 0's sync): the prefix
-        sums decide later terms, so one value per state is not enough. Non-interleaved schedules only."""
+        sums decide later terms, so one value per state is not enough. Non-interleaved schedules only.
+        States whose term reaches the incumbent's surrogate or `cutoff` are dropped (terms only grow along a
+        split, and a state that dominates one kept is below both too): the incumbent is returned where no
+        split is under both."""
         cm, S = self.cm, len(slots)
         # state: (max term, fwd prefix, bwd prefix, sync of stage 0, last send, back pointer)
         fronts: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0.0, 0.0, None)]}
-        cap = incumbent.surrogate
+        cap = min(incumbent.surrogate, cutoff)
         for j, slot in enumerate(slots):
             new: dict[int, list[tuple]] = {}
             nxt = slots[j + 1].tp_group if j + 1 < S else slot.tp_group
