@@ -14,6 +14,7 @@ from ortools.sat.python import cp_model
 from autopar.api import cost_model
 from autopar.models import gpt, moe_gpt
 from autopar.solver import budget
+from autopar.solver.search import search as search_module
 from autopar.solver.search.search import Search, search
 
 GENEROUS_S = 1e12  # a wall-clock guard that never fires, even on a clock running 1e4 s per reading
@@ -55,6 +56,9 @@ def _plan_on_clock(monkeypatch: pytest.MonkeyPatch, cm, tick: float) -> tuple[st
         return inner_cpsat(solver, *args, **kwargs)
 
     with monkeypatch.context() as mp:
+        # the solves are recorded in this process: the search runs in it (with workers, each step it takes is the
+        # one-process search's, tests/test_speculative.py)
+        mp.setattr(search_module, "workers_for", lambda configs, requested: 0)
         mp.setattr(time, "perf_counter", clock)
         mp.setattr(budget, "solve", record_what)
         mp.setattr(cp_model.CpSolver, "solve", record_params)

@@ -116,7 +116,9 @@ solved (`work_limit`) and CP-SAT's deterministic time (the batch split's, the st
 ILP's, single-threaded with a fixed seed), so equal inputs give equal plans on any machine. The wall clock
 (`time_limit_s`) is one outer guard, `budget.WallGuard`: the search loop, `_refine` and every CP-SAT solve
 (its wall limit is the guard's time left) stop at it, and each warns when it does (the plan then depends on the
-machine's speed and load); tests/test_plan_budget.py plans under a frozen and a racing clock.
+machine's speed and load); tests/test_plan_budget.py plans under a frozen and a racing clock. Large searches
+solve configurations ahead on forked workers (speculative.py): `run` takes each result in its own order and only
+when it was solved with the cutoff it would have given it, so every step, and the plan, are the one-process run's.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ import heapq
 import inspect
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -153,6 +155,7 @@ from .configs import (
     tp_units,
 )
 from .context import choose as choose_context
+from .speculative import Speculative, workers_for
 
 Progress = Callable[..., None]  # (done, total, best step or None[, least lower bound left or None])
 SHARE_TABLE_EXACT = 64  # batch shares up to which the batch split's table solves a split per share
@@ -249,8 +252,11 @@ class Search:
     """One planning run on a cost model (see the module docstring); `run()` returns the best Plan."""
 
     def __init__(self, cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None = None,
-                 work_limit: int | None = WORK_LIMIT, cutoff: float = math.inf) -> None:
+                 work_limit: int | None = WORK_LIMIT, cutoff: float = math.inf, workers: int | None = None) -> None:
         self.cm = cm
+        # processes solving configurations ahead (speculative.py; the same plan): None decides by the search's size
+        self.workers = workers
+        self._by_index: dict[int, Config] = {}
         # a step time another search already reached (subsets.py): only faster plans count, and the search
         # ends, as with an incumbent, when the bounds reach it (InfeasibleError when nothing beats it)
         self.cutoff = cutoff
@@ -525,19 +531,57 @@ class Search:
         return Solved(build, bound, list(distinct.values()))
 
     # -- driver --
-    def _consider(self, cfg: Config, shares: list[int] | None = None) -> float | None:
-        """Solve one config (at `shares`, where given); its simulated step, or None (no candidate, or none that
-        can beat the incumbent). A faster one becomes the incumbent, priced in full only when the search ends
-        (`_best_priced`)."""
+    def _evaluate(self, cfg: Config, shares: list[int] | None = None) -> tuple[float, Solved] | None:
+        """Solve one config (at `shares`, where given): its simulated step and solution, or None (no candidate,
+        or none that can beat the incumbent)."""
         solved = self._solve(cfg, shares)
         if solved is None or solved.bound >= self.best_step:
             return None
-        step = max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
-                   for share, m, vals in solved.pipelines)
+        return max(simulated_step_time(cfg.schedule, cfg.chunks, share, m, vals)
+                   for share, m, vals in solved.pipelines), solved
+
+    def _consider(self, cfg: Config, shares: list[int] | None = None) -> float | None:
+        """`_evaluate`'s step; a faster one becomes the incumbent, priced in full only when the search ends
+        (`_best_priced`)."""
+        got = self._evaluate(cfg, shares)
+        if got is None:
+            return None
+        self._accept(got[0], got[1].build)
+        return got[0]
+
+    def _accept(self, step: float, build: Callable[[], Plan]) -> None:
         if step < self.best_step:
             self.best_step = step
-            self._incumbents.append((step, len(self._incumbents), solved.build))
+            self._incumbents.append((step, len(self._incumbents), build))
+
+    def _solve_ahead(self, index: int, bound: float, cutoff: float) -> tuple[float | None, Plan | None]:
+        """What a worker (speculative.py) computes: config `index` at `bound` solved with `cutoff` as the
+        incumbent's step, its step and, where it beats the cutoff, its plan."""
+        self.best_step = cutoff
+        got = self._evaluate(self._by_index[index]._replace(bound=bound))
+        if got is None:
+            return None, None
+        return got[0], (got[1].build() if got[0] < cutoff else None)
+
+    def _take(self, spec: Speculative, cfg: Config) -> float | None:
+        """`_consider` on a result solved ahead with this incumbent's step (speculative.py)."""
+        step, plan = spec.result(cfg.index, cfg.bound, self.best_step)
+        if step is not None and plan is not None:
+            self._accept(step, lambda: plan)
         return step
+
+    def _visits(self, heap: list[tuple[Config, bool]]) -> Iterator[tuple[int, float]]:
+        """The configs `run` solves, in its order, with the bounds it solves them at (its queue's rule, on
+        `heap`, a copy): what workers solve ahead. The order does not depend on the solves, only where it
+        stops."""
+        while heap:
+            cfg, tight = heapq.heappop(heap)
+            if not tight:
+                bound = max(cfg.bound, self._memory_bound(cfg))
+                if bound > cfg.bound:
+                    heapq.heappush(heap, (cfg._replace(bound=bound), True))
+                    continue
+            yield cfg.index, cfg.bound
 
     def _best_priced(self) -> Plan | None:
         """The fastest incumbent priced in full (`pricing.price`: memory per device). The search's per-stage
@@ -601,6 +645,27 @@ class Search:
         # raises goes back in its place (the order stays increasing in the larger bound)
         heap = [(cfg, False) for cfg in configs]
         k = 0
+        n = workers_for(len(configs), self.workers)
+        spec = None
+        if n:
+            self._by_index = {cfg.index: cfg for cfg in configs}
+            spec = Speculative(n, self._visits(list(heap)), lambda i: id(self._by_index[i].pipelines),
+                               self._solve_ahead)
+        try:
+            k, stopped_early, unsolved = self._loop(configs, heap, finalists, spec)
+        finally:
+            if spec is not None:
+                spec.close()
+        if spec is not None and not self._incumbents and self.cutoff == math.inf:
+            # nothing fits: the nearest misses were noted in the workers; the one-process search names them
+            return Search(self.cm, self.time_limit_s, None, self.work_limit, self.cutoff, workers=0).run()
+        return self._finish(configs, finalists, k, stopped_early, unsolved)
+
+    def _loop(self, configs: list[Config], heap: list[tuple[Config, bool]], finalists: list[tuple[float, int, Config]],
+              spec: Speculative | None) -> tuple[int, str, float]:
+        """The branch and bound over `heap` (module docstring): configs solved, why it stopped early (\"work\",
+        \"wall\" or \"\"), and the least bound left where it did."""
+        stopped_early, unsolved, k = "", 0.0, 0
         while heap:
             cfg, tight = heapq.heappop(heap)
             if cfg.bound >= self.best_step and self._bounded():
@@ -618,7 +683,7 @@ class Search:
                 self.stopped_by_wall = not out_of_work
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
-            step = self._consider(cfg)
+            step = self._consider(cfg) if spec is None else self._take(spec, cfg)
             if step is not None:
                 finalists.append((step, k, cfg))
             k += 1
@@ -628,6 +693,11 @@ class Search:
                     self.progress(len(configs) - len(heap), len(configs), best, heap[0][0].bound if heap else None)
                 else:
                     self.progress(len(configs) - len(heap), len(configs), best)
+        return k, stopped_early, unsolved
+
+    def _finish(self, configs: list[Config], finalists: list[tuple[float, int, Config]], k: int, stopped_early: str,
+                unsolved: float) -> Plan:
+        """Refine the finalists and return the best plan priced in full, warning where the search stopped early."""
         self._refine(finalists)
         best = self._best_priced()
         if best is None and self.cutoff < math.inf:

@@ -1,0 +1,233 @@
+"""Speculative solves: the search's configurations solved ahead on forked worker processes, taken in order.
+
+The branch and bound of search.py visits configurations in a fixed order (their lower bounds, which do not
+depend on what is solved) and solves each with the incumbent's step as its cutoff; a solve is a pure function of
+the configuration and that cutoff (every cache on the way memoises a pure computation). So the search can run on
+several cores and still give the plan the one-process search gives, on any machine and under any load:
+
+  * workers, forked from the searching process once its configurations and their bounds are built (so they start
+    with its caches), solve configurations ahead of the search, each with the cutoff it is predicted to get: the
+    incumbent's step now, lowered by every result already back for a configuration before it that beats it;
+  * the search takes the results in its own order and uses one only if it was solved with the cutoff the
+    one-process search gives it (the incumbent after every configuration before it), else has it solved again
+    with that cutoff. The incumbent changes rarely, so nearly every result computed ahead is used (OPT-350M's
+    shape on 16 mixed GPUs: 8 incumbents in 488 solves, ~500 solved);
+  * a result that sets a new incumbent comes back with its plan (built in the worker), so the search never solves
+    a configuration twice to build one.
+
+Each grouping belongs to the first worker given one of its configurations (its caches then hold that grouping's
+ranges and splits); a free worker takes the next configuration of its own groupings within LOOKAHEAD, else of a
+grouping nobody has yet, else any. A worker that dies or raises hands its configuration back: the search solves
+it in its own process (raising there, as the one-process search does, if the solve itself fails). The workers'
+wall clock is the planning run's guard, which the search checks as before; workers still solving when the search
+ends are stopped (what they solve then is past the search's last configuration).
+
+Used where it can pay and is safe (`workers_for`): on Linux (fork after torch's import, as torch's DataLoader
+does; the workers touch no accelerator), not inside a torch.distributed process group (a rank's peers and threads,
+and the ranks' cores are taken), with at least two cores, and at least PARALLEL_MIN_CONFIGS configurations (small
+searches end before workers would pay for their start).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+PARALLEL_MIN_CONFIGS = 200  # configurations a search needs before it forks workers
+MAX_WORKERS = 4
+AHEAD_PER_WORKER = 3  # configurations dispatched to a worker at once (one solving, the others in its pipe)
+LOOKAHEAD = 64  # how far ahead of the search a free worker looks for a configuration of its own groupings
+
+# (index, bound, cutoff) -> (step or None, plan built when step < cutoff, else None)
+Solve = Callable[[int, float, float], tuple[float | None, Any]]
+
+
+def workers_for(configs: int, requested: int | None) -> int:
+    """Worker processes for a search of `configs` configurations: `requested` where given (0 or 1: none), else
+    as the module docstring says (0 where it would not pay or would not be safe)."""
+    if requested is not None:
+        return requested if requested > 1 and _can_fork() else 0
+    if configs < PARALLEL_MIN_CONFIGS or not _can_fork() or _in_process_group():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_WORKERS, cores) if cores > 1 else 0
+
+
+def _can_fork() -> bool:
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def _in_process_group() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def _serve(conn: Connection, solve: Solve) -> None:
+    """A worker's loop: (index, bound, cutoff) in, (index, cutoff, step, plan, error) out; None ends it."""
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        i, bound, cutoff = task
+        try:
+            step, plan = solve(i, bound, cutoff)
+            conn.send((i, cutoff, step, plan, None))
+        except Exception as e:  # the search solves it itself and raises there
+            conn.send((i, cutoff, None, None, repr(e)))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, solve: Solve) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, solve), daemon=True)
+        self.process.start()
+        child.close()
+        self.queued: deque[tuple[int, float]] = deque()  # (index, cutoff) sent and not answered yet
+        self.groupings: set[int] = set()
+        self.alive = True
+
+    def send(self, i: int, bound: float, cutoff: float, grouping: int) -> bool:
+        try:
+            self.conn.send((i, bound, cutoff))
+        except (OSError, ValueError, pickle.PicklingError):
+            self.alive = False
+            return False
+        self.queued.append((i, cutoff))
+        self.groupings.add(grouping)
+        return True
+
+    def close(self) -> None:
+        # what it may still be solving is speculation past the search's end: stopped, not waited for
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+class Speculative:
+    """Configurations solved ahead on `n` forked workers (module docstring). `order` yields (index, bound) in the
+    search's visiting order (the bounds it solves with), computed apart from the search's own queue; `grouping(i)`
+    names a configuration's grouping; `solve` is the search's solve, run in the workers and, for what they hand
+    back, here."""
+
+    def __init__(self, n: int, order: Iterator[tuple[int, float]], grouping: Callable[[int], int],
+                 solve: Solve) -> None:
+        self.order = order
+        self.grouping = grouping
+        self.solve = solve
+        self.ahead: deque[tuple[int, float]] = deque()  # visiting order after the last configuration taken
+        self.results: dict[tuple[int, float], tuple[float | None, Any]] = {}  # (index, cutoff) -> result
+        self.sent: set[tuple[int, float]] = set()
+        self.failed: set[tuple[int, float]] = set()  # a worker raised: solved here
+        self.owner: dict[int, _Worker] = {}  # grouping -> the worker whose caches hold it
+        ctx = multiprocessing.get_context("fork")
+        self.workers = [_Worker(ctx, solve) for _ in range(n)]
+
+    def result(self, i: int, bound: float, cutoff: float) -> tuple[float | None, Any]:
+        """Configuration i's (step, plan) solved with `cutoff` (the search takes configurations in `order`):
+        computed ahead, or waited for, or solved here."""
+        self._fill(1)
+        while self.ahead and self.ahead.popleft()[0] != i:
+            self._fill(1)
+        key = (i, cutoff)
+        while key not in self.results:
+            if key in self.failed or (key not in self.sent and not self._dispatch(i, bound, cutoff)):
+                self.failed.discard(key)
+                self.results[key] = self.solve(i, bound, cutoff)  # raises here if the solve raises
+                break
+            self._feed(cutoff)
+            self._receive()
+        return self.results.pop(key)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+    # -- internals --
+    def _fill(self, k: int) -> None:
+        while len(self.ahead) < k:
+            nxt = next(self.order, None)
+            if nxt is None:
+                return
+            self.ahead.append(nxt)
+
+    def _dispatch(self, i: int, bound: float, cutoff: float) -> bool:
+        """Send configuration i to a worker (the least loaded, one that knows its grouping first)."""
+        live = [w for w in self.workers if w.alive]
+        if not live:
+            return False
+        g = self.grouping(i)
+        w = self.owner.get(g)
+        if w is None or not w.alive:
+            w = self.owner[g] = min(live, key=lambda w: len(w.queued))
+        if not w.send(i, bound, cutoff, g):
+            return self._dispatch(i, bound, cutoff)
+        self.sent.add((i, cutoff))
+        return True
+
+    def _predicted(self, cutoff: float) -> list[tuple[int, float, float]]:
+        """The configurations ahead as (index, bound, cutoff it will be solved with): the incumbent's step now,
+        lowered by each result already back ahead of it that beats the step before it (exact unless a result
+        not yet back sets an incumbent in between)."""
+        out = []
+        for i, b in self.ahead:
+            out.append((i, b, cutoff))
+            got = self.results.get((i, cutoff))
+            if got is not None and got[0] is not None and got[0] < cutoff:
+                cutoff = got[0]
+        return out
+
+    def _feed(self, cutoff: float) -> None:
+        """Keep the free workers busy with the configurations ahead, each solved with its predicted cutoff."""
+        for w in self.workers:
+            if not w.alive or len(w.queued) >= AHEAD_PER_WORKER:
+                continue
+            self._fill(LOOKAHEAD)
+            taken = self.sent | self.failed | self.results.keys()
+            todo = [x for x in self._predicted(cutoff) if (x[0], x[2]) not in taken]
+            if not todo:
+                return
+            mine = next((x for x in todo if self.owner.get(self.grouping(x[0])) is w), None)
+            new = next((x for x in todo if self.grouping(x[0]) not in self.owner), None)
+            i, b, c = mine or new or todo[0]
+            self.owner.setdefault(self.grouping(i), w)
+            if w.send(i, b, c, self.grouping(i)):
+                self.sent.add((i, c))
+
+    def _receive(self) -> None:
+        """Wait for answers; a worker that died hands back what it was sent (solved here)."""
+        live = {w.conn: w for w in self.workers if w.alive and w.queued}
+        if not live:
+            return
+        for conn in wait(list(live)):
+            w = live[conn]
+            try:
+                i, cutoff, step, plan, error = conn.recv()
+            except (EOFError, OSError):
+                w.alive = False
+                for key in w.queued:
+                    self.sent.discard(key)
+                    self.failed.add(key)
+                w.queued.clear()
+                continue
+            w.queued.popleft()
+            self.sent.discard((i, cutoff))
+            if error is None:
+                self.results[(i, cutoff)] = (step, plan)
+            else:
+                self.failed.add((i, cutoff))
+
+
+__all__ = ["PARALLEL_MIN_CONFIGS", "Speculative", "workers_for"]
