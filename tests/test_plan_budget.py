@@ -86,9 +86,9 @@ def test_refinement_cut_by_the_guard_warns(monkeypatch: pytest.MonkeyPatch) -> N
     cm = _cm()
     refine = Search._refine
 
-    def late(self: Search, finalists: list) -> None:
+    def late(self: Search, finalists: list, spec=None) -> None:
         self.guard.deadline = -float("inf")  # the guard passes once the search loop is done
-        refine(self, finalists)
+        refine(self, finalists, spec)
 
     monkeypatch.setattr(Search, "_refine", late)
     with pytest.warns(UserWarning, match=r"wall-clock guard .* while refining: (\d+) of its \1 finalists were not "

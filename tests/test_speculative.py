@@ -20,6 +20,7 @@ from autopar.solver.search import speculative
 from autopar.solver.search.search import Search
 
 pytestmark = pytest.mark.timeout(300)
+TAKEN_MODES: set[int] = set()  # how the last `_trace`'s results solved ahead were solved
 
 
 def _cm(cluster: str, layers: int = 8, hidden: int = 64, batch: int = 16):
@@ -32,9 +33,16 @@ def mixed():
     return _cm("1x4xA100-80GB+1x4xV100-16GB", layers=12)
 
 
+@pytest.fixture(scope="module")
+def deep():
+    """Single-class finalists whose refinement passes change their results (solved ahead too)."""
+    mc = gpt(batch=64, seq=1024, vocab=50257, hidden=2048, layers=24, heads=16, device="meta")
+    return cost_model(mc.model, "1x8xA100-80GB", mc.example_inputs, mc.example_target, mc.loss_fn)
+
+
 def _trace(monkeypatch, cm, workers: int) -> tuple[str, list, int]:
-    """(plan JSON, [(config index, step)] in the order the loop took them, solves run in this process during the
-    loop) of one search."""
+    """(plan JSON, [(config index, how it was solved, shares, step)] in the order the search and its refinement took
+    them, solves run in this process during the loop) of one search."""
     taken: list = []
     here = {"solves": 0, "loop": False}
     consider, take, solve, loop = (Search._consider, Search._take, Search._solve, Search._loop)
@@ -54,13 +62,16 @@ def _trace(monkeypatch, cm, workers: int) -> tuple[str, list, int]:
 
     def traced_consider(self, cfg, shares=None):
         step = consider(self, cfg, shares)
-        if here["loop"]:
-            taken.append((cfg.index, step))
+        if os.getpid() == pid:
+            mode = search_module.SEARCH if not self.refining else \
+                search_module.REFINE_MODEL if self.model_splits else search_module.REFINE_SPLITS
+            taken.append((cfg.index, mode, shares, step))
         return step
 
-    def traced_take(self, spec, cfg):
-        step = take(self, spec, cfg)
-        taken.append((cfg.index, step))
+    def traced_take(self, spec, cfg, mode):
+        step = take(self, spec, cfg, mode)
+        taken.append((cfg.index, mode, None, step))
+        here.setdefault("taken_modes", set()).add(mode)
         return step
 
     monkeypatch.setattr(Search, "_solve", counted_solve)
@@ -72,16 +83,22 @@ def _trace(monkeypatch, cm, workers: int) -> tuple[str, list, int]:
     finally:
         for name, fn in (("_solve", solve), ("_loop", loop), ("_consider", consider), ("_take", take)):
             monkeypatch.setattr(Search, name, fn)
+    TAKEN_MODES.clear()
+    TAKEN_MODES.update(here.get("taken_modes", set()))
     return plan.to_json(), taken, here["solves"]
 
 
-def test_workers_take_the_one_process_steps_and_plan(monkeypatch, mixed) -> None:
-    want_plan, want, solved_here = _trace(monkeypatch, mixed, 0)
-    got_plan, got, parallel_here = _trace(monkeypatch, mixed, 2)
+@pytest.mark.parametrize("case", ["mixed", "deep"])
+def test_workers_take_the_one_process_steps_and_plan(monkeypatch, request, case: str) -> None:
+    cm = request.getfixturevalue(case)
+    want_plan, want, solved_here = _trace(monkeypatch, cm, 0)
+    got_plan, got, parallel_here = _trace(monkeypatch, cm, 2)
     assert len(want) >= 20, "too small a search to say anything"
     assert got == want
     assert got_plan == want_plan
-    assert solved_here == len(want) and parallel_here == 0  # every solve of the loop ran in a worker
+    loop = [x for x in want if x[1] == search_module.SEARCH]
+    assert solved_here == len(loop) and parallel_here == 0  # every solve of the loop ran in a worker
+    assert TAKEN_MODES == {search_module.SEARCH, search_module.REFINE_SPLITS, search_module.REFINE_MODEL}
 
 
 def test_wrong_predictions_are_solved_again_with_the_right_cutoff(monkeypatch, mixed) -> None:
@@ -176,3 +193,30 @@ def test_search_module_uses_workers_for_by_default(monkeypatch, mixed) -> None:
     monkeypatch.setattr(search_module, "workers_for", lambda n, requested: asked.append((n, requested)) or 0)
     Search(mixed).run()
     assert asked and asked[0][1] is None and asked[0][0] > 0
+
+
+def test_solved_ahead_as_the_search_or_each_refinement_pass_solves(deep) -> None:
+    """`_solve_ahead` solves a config as the loop or one of `_refine`'s passes does (what a worker runs)."""
+    search = Search(deep, workers=0)
+    configs = search._configs()
+    search._by_index = {c.index: c for c in configs}
+    modes = {search_module.SEARCH: (False, False), search_module.REFINE_SPLITS: (True, False),
+             search_module.REFINE_MODEL: (True, True)}
+    checked = set()
+    for cfg in configs:
+        if len(checked) >= 2:
+            break
+        want = {}
+        for mode, (refining, model) in modes.items():
+            search.best_step, search.refining, search.model_splits = float("inf"), refining, model
+            got = search._evaluate(cfg)
+            want[mode] = None if got is None else got[0]
+        search.refining = search.model_splits = False
+        for mode in modes:
+            step, plan = search._solve_ahead((cfg.index, mode), cfg.bound, float("inf"))
+            assert step == want[mode]
+            assert (plan is None) == (step is None)
+        assert not search.refining and not search.model_splits
+        if len(set(want.values())) > 1:
+            checked.add(cfg.index)
+    assert checked, "no config whose passes differ: the check cannot tell them apart"

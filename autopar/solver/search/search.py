@@ -167,6 +167,7 @@ REFINE_WINDOW = 0.05
 # machine's load); the wall-clock limit is only a guard that warns
 WORK_LIMIT = 2000
 SHARES_DETERMINISTIC_S = 1.0  # CP-SAT deterministic seconds of the batch split's integer shares
+SEARCH, REFINE_SPLITS, REFINE_MODEL = 0, 1, 2  # how a config is solved: the search loop's, `_refine`'s two passes
 
 
 def config_communicators(pipelines: tuple[tuple[Unit, ...], ...], dp: list[Unit], chunks: int, world: int,
@@ -257,6 +258,7 @@ class Search:
         # processes solving configurations ahead (speculative.py; the same plan): None decides by the search's size
         self.workers = workers
         self._by_index: dict[int, Config] = {}
+        self._memory_bounds: dict[int, float] = {}  # config index -> `_memory_bound`
         # a step time another search already reached (subsets.py): only faster plans count, and the search
         # ends, as with an incumbent, when the bounds reach it (InfeasibleError when nothing beats it)
         self.cutoff = cutoff
@@ -303,7 +305,14 @@ class Search:
         return self.bounds.work(cfg, lambda share: microbatch_count(share, min(cfg.b, share), p, cfg.schedule))
 
     def _memory_bound(self, cfg: Config) -> float:
-        """bounds.py's memory bound where it applies (replicas alike on a uniform chain), else 0."""
+        """bounds.py's memory bound where it applies (replicas alike on a uniform chain), else 0 (memoised per
+        config: the search's queue and the order its workers solve ahead in both ask, speculative.py)."""
+        hit = self._memory_bounds.get(cfg.index)
+        if hit is None:
+            hit = self._memory_bounds[cfg.index] = self._memory_bound_of(cfg)
+        return hit
+
+    def _memory_bound_of(self, cfg: Config) -> float:
         cm, pipes = self.cm, cfg.pipelines
         if not cm.uniform or cm.B % len(pipes) or len(set(self._replica_types(cfg))) > 1:
             return 0.0
@@ -554,23 +563,31 @@ class Search:
             self.best_step = step
             self._incumbents.append((step, len(self._incumbents), build))
 
-    def _solve_ahead(self, index: int, bound: float, cutoff: float) -> tuple[float | None, Plan | None]:
-        """What a worker (speculative.py) computes: config `index` at `bound` solved with `cutoff` as the
-        incumbent's step, its step and, where it beats the cutoff, its plan."""
+    def _solve_ahead(self, key: tuple[int, int], bound: float, cutoff: float) -> tuple[float | None, Plan | None]:
+        """What a worker (speculative.py) computes: config `key[0]` at `bound` solved with `cutoff` as the
+        incumbent's step, as the search loop (`key[1]` SEARCH) or one of `_refine`'s passes (REFINE_SPLITS,
+        REFINE_MODEL) solves it: its step and, where it beats the cutoff, its plan."""
+        index, mode = key
         self.best_step = cutoff
-        got = self._evaluate(self._by_index[index]._replace(bound=bound))
+        was = self.refining, self.model_splits  # (here, where a worker hands a solve back, `_refine` may be on)
+        self.refining, self.model_splits = mode != SEARCH, mode == REFINE_MODEL
+        try:
+            got = self._evaluate(self._by_index[index]._replace(bound=bound))
+        finally:
+            self.refining, self.model_splits = was
         if got is None:
             return None, None
         return got[0], (got[1].build() if got[0] < cutoff else None)
 
-    def _take(self, spec: Speculative, cfg: Config) -> float | None:
-        """`_consider` on a result solved ahead with this incumbent's step (speculative.py)."""
-        step, plan = spec.result(cfg.index, cfg.bound, self.best_step)
+    def _take(self, spec: Speculative, cfg: Config, mode: int = 0) -> float | None:
+        """`_consider` (as the search loop or one of `_refine`'s passes runs it: `mode`) on a result solved ahead
+        with this incumbent's step (speculative.py)."""
+        step, plan = spec.result((cfg.index, mode), cfg.bound, self.best_step)
         if step is not None and plan is not None:
             self._accept(step, lambda: plan)
         return step
 
-    def _visits(self, heap: list[tuple[Config, bool]]) -> Iterator[tuple[int, float]]:
+    def _visits(self, heap: list[tuple[Config, bool]]) -> Iterator[tuple[tuple[int, int], float]]:
         """The configs `run` solves, in its order, with the bounds it solves them at (its queue's rule, on
         `heap`, a copy): what workers solve ahead. The order does not depend on the solves, only where it
         stops."""
@@ -581,7 +598,7 @@ class Search:
                 if bound > cfg.bound:
                     heapq.heappush(heap, (cfg._replace(bound=bound), True))
                     continue
-            yield cfg.index, cfg.bound
+            yield (cfg.index, SEARCH), cfg.bound
 
     def _best_priced(self) -> Plan | None:
         """The fastest incumbent priced in full (`pricing.price`: memory per device). The search's per-stage
@@ -595,7 +612,7 @@ class Search:
                           f"when priced in full ({priced.problems[0]}); skipped. Please report this.", stacklevel=4)
         return None
 
-    def _refine(self, finalists: list[tuple[float, int, Config]]) -> None:
+    def _refine(self, finalists: list[tuple[float, int, Config]], spec: Speculative | None = None) -> None:
         """Re-solve the fastest configs (REFINE, REFINE_WINDOW): first their inner-loop splits with selective
         recompute, then with splits and options decided together (`split.Splitter.split(model=True)`: every
         split with every non-dominated option combination where few, else the CP-SAT stage model, proven within
@@ -610,6 +627,10 @@ class Search:
         try:
             top = sorted(finalists)[:REFINE]
             top = [f for f in top if f[0] <= top[0][0] * (1 + REFINE_WINDOW)]
+            if spec is not None:  # one pipeline class: both passes solved ahead (several: solved here, below)
+                spec.restart(((cfg.index, mode), cfg.bound) for _, _, cfg in top
+                             if len(_pipeline_classes(self._replica_types(cfg))) == 1
+                             for mode in (REFINE_SPLITS, REFINE_MODEL))
             for i, (_, _, cfg) in enumerate(top):
                 if self.guard.passed():
                     if self.stopped_by_wall:  # `run` says so already
@@ -619,6 +640,10 @@ class Search:
                                   f"plan depends on the machine's speed and load; {budget.RAISE}.", stacklevel=4)
                     break
                 classes = _pipeline_classes(self._replica_types(cfg))
+                if spec is not None and len(classes) == 1:
+                    self._take(spec, cfg, REFINE_SPLITS)
+                    self._take(spec, cfg, REFINE_MODEL)
+                    continue
                 # the batch split once for both passes (None: one class, its even split)
                 inner = self._batch_split(cfg, classes) if len(classes) > 1 else None
                 self.model_splits = False
@@ -649,17 +674,19 @@ class Search:
         spec = None
         if n:
             self._by_index = {cfg.index: cfg for cfg in configs}
-            spec = Speculative(n, self._visits(list(heap)), lambda i: id(self._by_index[i].pipelines),
+            spec = Speculative(n, self._visits(list(heap)), lambda key: id(self._by_index[key[0]].pipelines),
                                self._solve_ahead)
         try:
             k, stopped_early, unsolved = self._loop(configs, heap, finalists, spec)
+            if spec is not None and not self._incumbents and self.cutoff == math.inf:
+                # nothing fits: the nearest misses were noted in the workers; the one-process search names them
+                spec.close()
+                spec = None
+                return Search(self.cm, self.time_limit_s, None, self.work_limit, self.cutoff, workers=0).run()
+            return self._finish(configs, finalists, k, stopped_early, unsolved, spec)
         finally:
             if spec is not None:
                 spec.close()
-        if spec is not None and not self._incumbents and self.cutoff == math.inf:
-            # nothing fits: the nearest misses were noted in the workers; the one-process search names them
-            return Search(self.cm, self.time_limit_s, None, self.work_limit, self.cutoff, workers=0).run()
-        return self._finish(configs, finalists, k, stopped_early, unsolved)
 
     def _loop(self, configs: list[Config], heap: list[tuple[Config, bool]], finalists: list[tuple[float, int, Config]],
               spec: Speculative | None) -> tuple[int, str, float]:
@@ -683,7 +710,7 @@ class Search:
                 self.stopped_by_wall = not out_of_work
                 unsolved = min(cfg.bound, heap[0][0].bound) if heap else cfg.bound  # the least bound left
                 break
-            step = self._consider(cfg) if spec is None else self._take(spec, cfg)
+            step = self._consider(cfg) if spec is None else self._take(spec, cfg, SEARCH)
             if step is not None:
                 finalists.append((step, k, cfg))
             k += 1
@@ -696,9 +723,9 @@ class Search:
         return k, stopped_early, unsolved
 
     def _finish(self, configs: list[Config], finalists: list[tuple[float, int, Config]], k: int, stopped_early: str,
-                unsolved: float) -> Plan:
+                unsolved: float, spec: Speculative | None = None) -> Plan:
         """Refine the finalists and return the best plan priced in full, warning where the search stopped early."""
-        self._refine(finalists)
+        self._refine(finalists, spec)
         best = self._best_priced()
         if best is None and self.cutoff < math.inf:
             if stopped_early == "wall":  # (a subset search, subsets.py: its caller goes on as if none were faster)

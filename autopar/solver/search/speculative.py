@@ -13,7 +13,11 @@ several cores and still give the plan the one-process search gives, on any machi
     with that cutoff. The incumbent changes rarely, so nearly every result computed ahead is used (OPT-350M's
     shape on 16 mixed GPUs: 8 incumbents in 488 solves, ~500 solved);
   * a result that sets a new incumbent comes back with its plan (built in the worker), so the search never solves
-    a configuration twice to build one.
+    a configuration twice to build one;
+  * the refinement (`Search._refine`) goes the same way: its finalists' two passes (splits with selective
+    recompute, then the CP-SAT stage model) are solved ahead on the same workers (`restart`), keyed by how they
+    are solved; finalists with several pipeline classes (a batch split between passes) are solved in the search's
+    process.
 
 Each grouping belongs to the first worker given one of its configurations (its caches then hold that grouping's
 ranges and splits); a free worker takes the next configuration of its own groupings within LOOKAHEAD, else of a
@@ -35,7 +39,7 @@ import os
 import pickle
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -44,8 +48,8 @@ MAX_WORKERS = 4
 AHEAD_PER_WORKER = 3  # configurations dispatched to a worker at once (one solving, the others in its pipe)
 LOOKAHEAD = 64  # how far ahead of the search a free worker looks for a configuration of its own groupings
 
-# (index, bound, cutoff) -> (step or None, plan built when step < cutoff, else None)
-Solve = Callable[[int, float, float], tuple[float | None, Any]]
+# (key, bound, cutoff) -> (step or None, plan built when step < cutoff, else None); a key names what to solve
+Solve = Callable[[Hashable, float, float], tuple[float | None, Any]]
 
 
 def workers_for(configs: int, requested: int | None) -> int:
@@ -72,7 +76,7 @@ def _in_process_group() -> bool:
 
 
 def _serve(conn: Connection, solve: Solve) -> None:
-    """A worker's loop: (index, bound, cutoff) in, (index, cutoff, step, plan, error) out; None ends it."""
+    """A worker's loop: (key, bound, cutoff) in, (key, cutoff, step, plan, error) out; None ends it."""
     while True:
         try:
             task = conn.recv()
@@ -94,11 +98,11 @@ class _Worker:
         self.process = ctx.Process(target=_serve, args=(child, solve), daemon=True)
         self.process.start()
         child.close()
-        self.queued: deque[tuple[int, float]] = deque()  # (index, cutoff) sent and not answered yet
+        self.queued: deque[tuple[Hashable, float]] = deque()  # (key, cutoff) sent and not answered yet
         self.groupings: set[int] = set()
         self.alive = True
 
-    def send(self, i: int, bound: float, cutoff: float, grouping: int) -> bool:
+    def send(self, i: Hashable, bound: float, cutoff: float, grouping: int) -> bool:
         try:
             self.conn.send((i, bound, cutoff))
         except (OSError, ValueError, pickle.PicklingError):
@@ -117,25 +121,30 @@ class _Worker:
 
 
 class Speculative:
-    """Configurations solved ahead on `n` forked workers (module docstring). `order` yields (index, bound) in the
-    search's visiting order (the bounds it solves with), computed apart from the search's own queue; `grouping(i)`
+    """Configurations solved ahead on `n` forked workers (module docstring). `order` yields (key, bound) in the
+    search's visiting order (the bounds it solves with), computed apart from the search's own queue; `grouping(key)`
     names a configuration's grouping; `solve` is the search's solve, run in the workers and, for what they hand
-    back, here."""
+    back, here. `restart` gives a new order (the refinement's solves) to the same workers."""
 
-    def __init__(self, n: int, order: Iterator[tuple[int, float]], grouping: Callable[[int], int],
+    def __init__(self, n: int, order: Iterator[tuple[Hashable, float]], grouping: Callable[[Hashable], int],
                  solve: Solve) -> None:
         self.order = order
         self.grouping = grouping
         self.solve = solve
-        self.ahead: deque[tuple[int, float]] = deque()  # visiting order after the last configuration taken
-        self.results: dict[tuple[int, float], tuple[float | None, Any]] = {}  # (index, cutoff) -> result
-        self.sent: set[tuple[int, float]] = set()
-        self.failed: set[tuple[int, float]] = set()  # a worker raised: solved here
+        self.ahead: deque[tuple[Hashable, float]] = deque()  # visiting order after the last configuration taken
+        self.results: dict[tuple[Hashable, float], tuple[float | None, Any]] = {}  # (key, cutoff) -> result
+        self.sent: set[tuple[Hashable, float]] = set()
+        self.failed: set[tuple[Hashable, float]] = set()  # a worker raised: solved here
         self.owner: dict[int, _Worker] = {}  # grouping -> the worker whose caches hold it
         ctx = multiprocessing.get_context("fork")
         self.workers = [_Worker(ctx, solve) for _ in range(n)]
 
-    def result(self, i: int, bound: float, cutoff: float) -> tuple[float | None, Any]:
+    def restart(self, order: Iterable[tuple[Hashable, float]]) -> None:
+        """Solve ahead in `order` from now on (what was ahead is dropped; results already back are kept)."""
+        self.order = iter(order)
+        self.ahead.clear()
+
+    def result(self, i: Hashable, bound: float, cutoff: float) -> tuple[float | None, Any]:
         """Configuration i's (step, plan) solved with `cutoff` (the search takes configurations in `order`):
         computed ahead, or waited for, or solved here."""
         self._fill(1)
@@ -163,7 +172,7 @@ class Speculative:
                 return
             self.ahead.append(nxt)
 
-    def _dispatch(self, i: int, bound: float, cutoff: float) -> bool:
+    def _dispatch(self, i: Hashable, bound: float, cutoff: float) -> bool:
         """Send configuration i to a worker (the least loaded, one that knows its grouping first)."""
         live = [w for w in self.workers if w.alive]
         if not live:
@@ -177,7 +186,7 @@ class Speculative:
         self.sent.add((i, cutoff))
         return True
 
-    def _predicted(self, cutoff: float) -> list[tuple[int, float, float]]:
+    def _predicted(self, cutoff: float) -> list[tuple[Hashable, float, float]]:
         """The configurations ahead as (index, bound, cutoff it will be solved with): the incumbent's step now,
         lowered by each result already back ahead of it that beats the step before it (exact unless a result
         not yet back sets an incumbent in between)."""
