@@ -352,8 +352,20 @@ class Search:
         """The stage positions of one pipeline; `alike`: every replica of the config gets the same split and
         micro-batch count, so its ZeRO-2/3 can run per layer (`Slot.layerwise`)."""
         cm, p, v = self.cm, len(pipe), cfg.chunks
-        cp = context.degree(cm)  # cp > 1: a unit is cp tensor-parallel groups (pricing/context.py)
         inflight = inflight_closed_form(cfg.schedule, p, m, v)
+        dp, mixed, comms = self._groups_of(cfg)
+        return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
+                     min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
+                     (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
+                     min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
+                     alike and len(pipe[j % p]) == context.degree(cm), mixed[j % p], position_microbatches(m, v))
+                for j in range(p * v)]
+
+    def _groups_of(self, cfg: Config) -> tuple[list[Unit], list[bool], dict[int, int]]:
+        """A config's data-parallel groups per stage position, whether each mixes tensor-parallel degrees, and its
+        devices' NCCL communicator counts (memoised per grouping, and per grouping and chunks)."""
+        cm, p, v = self.cm, len(cfg.pipelines[0]), cfg.chunks
+        cp = context.degree(cm)  # cp > 1: a unit is cp tensor-parallel groups (pricing/context.py)
         hit = self._dp_cache.get(id(cfg.pipelines))
         if hit is None or hit[0] is not cfg.pipelines:
             # a stage's replicas: the first device of every tensor-parallel group holding it (dp x cp of them)
@@ -367,13 +379,7 @@ class Search:
         if comm_hit is None or comm_hit[0] is not cfg.pipelines:
             comm_hit = self._comm_cache[(id(cfg.pipelines), v)] = (
                 cfg.pipelines, config_communicators(cfg.pipelines, dp, v, cm.world_size, cp))
-        comms = comm_hit[1]
-        return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
-                     min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
-                     (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
-                     min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
-                     alike and len(pipe[j % p]) == cp, mixed[j % p], position_microbatches(m, v))
-                for j in range(p * v)]
+        return dp, mixed, comm_hit[1]
 
     # -- batch split --
     def _batch_split(self, cfg: Config, classes: dict[tuple, list[int]]) -> list[int] | None:
@@ -674,6 +680,8 @@ class Search:
         spec = None
         if n:
             self._by_index = {cfg.index: cfg for cfg in configs}
+            for cfg in configs:  # each grouping's groups once, before the fork: the workers and the queue share them
+                self._groups_of(cfg)
             spec = Speculative(n, self._visits(list(heap)), lambda key: id(self._by_index[key[0]].pipelines),
                                self._solve_ahead)
         try:
