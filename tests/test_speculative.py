@@ -220,3 +220,25 @@ def test_solved_ahead_as_the_search_or_each_refinement_pass_solves(deep) -> None
         if len(set(want.values())) > 1:
             checked.add(cfg.index)
     assert checked, "no config whose passes differ: the check cannot tell them apart"
+
+
+def test_warnings_a_solve_raises_reach_the_caller_as_in_one_process(monkeypatch, mixed) -> None:
+    """A solve's warning (the wall-clock guard cutting a CP-SAT solve, say) raised in a worker is raised again when
+    the search takes that result: the caller sees the one-process search's warnings."""
+    import warnings
+
+    evaluate = Search._evaluate
+
+    def noisy(self, cfg, shares=None):
+        if cfg.index % 7 == 0:
+            warnings.warn(f"solve of config {cfg.index}", UserWarning, stacklevel=2)
+        return evaluate(self, cfg, shares)
+
+    monkeypatch.setattr(Search, "_evaluate", noisy)
+    said = {}
+    for workers in (0, 2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Search(mixed, workers=workers).run()
+        said[workers] = sorted(str(w.message) for w in caught if str(w.message).startswith("solve of config"))
+    assert said[0] and said[2] == said[0]

@@ -13,7 +13,9 @@ several cores and still give the plan the one-process search gives, on any machi
     with that cutoff. The incumbent changes rarely, so nearly every result computed ahead is used (OPT-350M's
     shape on 16 mixed GPUs: 8 incumbents in 488 solves, ~500 solved);
   * a result that sets a new incumbent comes back with its plan (built in the worker), so the search never solves
-    a configuration twice to build one;
+    a configuration twice to build one; a result comes back with the warnings its solve raised (the wall-clock
+    guard cutting a CP-SAT solve), raised again when the search takes it, so the caller is told what the
+    one-process search tells;
   * the refinement (`Search._refine`) goes the same way: its finalists' two passes (splits with selective
     recompute, then the CP-SAT stage model) are solved ahead on the same workers (`restart`), keyed by how they
     are solved; finalists with several pipeline classes (a batch split between passes) are solved in the search's
@@ -24,7 +26,8 @@ ranges and splits); a free worker takes the next configuration of its own groupi
 grouping nobody has yet, else any. A worker that dies or raises hands its configuration back: the search solves
 it in its own process (raising there, as the one-process search does, if the solve itself fails). The workers'
 wall clock is the planning run's guard, which the search checks as before; workers still solving when the search
-ends are stopped (what they solve then is past the search's last configuration).
+ends are stopped (what they solve then is past the search's last configuration). An interrupt (Ctrl-C) is the
+searching process's: workers ignore it and are stopped with the search.
 
 Used where it can pay and is safe (`workers_for`): on Linux (fork after torch's import, as torch's DataLoader
 does; the workers touch no accelerator), not inside a torch.distributed process group (a rank's peers and threads,
@@ -37,7 +40,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
+import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from multiprocessing.connection import Connection, wait
@@ -76,7 +81,9 @@ def _in_process_group() -> bool:
 
 
 def _serve(conn: Connection, solve: Solve) -> None:
-    """A worker's loop: (key, bound, cutoff) in, (key, cutoff, step, plan, error) out; None ends it."""
+    """A worker's loop: (key, bound, cutoff) in, (key, cutoff, (step, plan, warnings), error) out; None ends it.
+    The warnings a solve raised go back with its result (the search raises them when it takes it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is the searching process's to handle
     while True:
         try:
             task = conn.recv()
@@ -86,10 +93,13 @@ def _serve(conn: Connection, solve: Solve) -> None:
             return
         i, bound, cutoff = task
         try:
-            step, plan = solve(i, bound, cutoff)
-            conn.send((i, cutoff, step, plan, None))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step, plan = solve(i, bound, cutoff)
+            said = [(str(w.message), w.category) for w in caught]
+            conn.send((i, cutoff, (step, plan, said), None))
         except Exception as e:  # the search solves it itself and raises there
-            conn.send((i, cutoff, None, None, repr(e)))
+            conn.send((i, cutoff, None, repr(e)))
 
 
 class _Worker:
@@ -132,7 +142,8 @@ class Speculative:
         self.grouping = grouping
         self.solve = solve
         self.ahead: deque[tuple[Hashable, float]] = deque()  # visiting order after the last configuration taken
-        self.results: dict[tuple[Hashable, float], tuple[float | None, Any]] = {}  # (key, cutoff) -> result
+        # (key, cutoff) -> (step, plan, the warnings its solve raised)
+        self.results: dict[tuple[Hashable, float], tuple[float | None, Any, list]] = {}
         self.sent: set[tuple[Hashable, float]] = set()
         self.failed: set[tuple[Hashable, float]] = set()  # a worker raised: solved here
         self.owner: dict[int, _Worker] = {}  # grouping -> the worker whose caches hold it
@@ -146,7 +157,7 @@ class Speculative:
 
     def result(self, i: Hashable, bound: float, cutoff: float) -> tuple[float | None, Any]:
         """Configuration i's (step, plan) solved with `cutoff` (the search takes configurations in `order`):
-        computed ahead, or waited for, or solved here."""
+        computed ahead (the warnings its solve raised raised again here), or waited for, or solved here."""
         self._fill(1)
         while self.ahead and self.ahead.popleft()[0] != i:
             self._fill(1)
@@ -154,11 +165,13 @@ class Speculative:
         while key not in self.results:
             if key in self.failed or (key not in self.sent and not self._dispatch(i, bound, cutoff)):
                 self.failed.discard(key)
-                self.results[key] = self.solve(i, bound, cutoff)  # raises here if the solve raises
-                break
+                return self.solve(i, bound, cutoff)  # raises here if the solve raises
             self._feed(cutoff)
             self._receive()
-        return self.results.pop(key)
+        step, plan, said = self.results.pop(key)
+        for message, category in said:
+            warnings.warn(message, category, stacklevel=4)
+        return step, plan
 
     def close(self) -> None:
         for w in self.workers:
@@ -223,7 +236,7 @@ class Speculative:
         for conn in wait(list(live)):
             w = live[conn]
             try:
-                i, cutoff, step, plan, error = conn.recv()
+                i, cutoff, got, error = conn.recv()
             except (EOFError, OSError):
                 w.alive = False
                 for key in w.queued:
@@ -234,7 +247,7 @@ class Speculative:
             w.queued.popleft()
             self.sent.discard((i, cutoff))
             if error is None:
-                self.results[(i, cutoff)] = (step, plan)
+                self.results[(i, cutoff)] = got
             else:
                 self.failed.add((i, cutoff))
 
