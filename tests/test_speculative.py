@@ -34,6 +34,13 @@ def mixed():
 
 
 @pytest.fixture(scope="module")
+def mixed_one_process(mixed):
+    """`_trace` of the one-process search on `mixed`, which several tests compare with."""
+    with pytest.MonkeyPatch.context() as mp:
+        return _trace(mp, mixed, 0)
+
+
+@pytest.fixture(scope="module")
 def deep():
     """Single-class finalists whose refinement passes change their results (solved ahead too)."""
     mc = gpt(batch=64, seq=1024, vocab=50257, hidden=2048, layers=24, heads=16, device="meta")
@@ -91,7 +98,8 @@ def _trace(monkeypatch, cm, workers: int) -> tuple[str, list, int]:
 @pytest.mark.parametrize("case", ["mixed", "deep"])
 def test_workers_take_the_one_process_steps_and_plan(monkeypatch, request, case: str) -> None:
     cm = request.getfixturevalue(case)
-    want_plan, want, solved_here = _trace(monkeypatch, cm, 0)
+    want_plan, want, solved_here = request.getfixturevalue("mixed_one_process") if case == "mixed" else \
+        _trace(monkeypatch, cm, 0)
     got_plan, got, parallel_here = _trace(monkeypatch, cm, 2)
     assert len(want) >= 20, "too small a search to say anything"
     assert got == want
@@ -101,18 +109,18 @@ def test_workers_take_the_one_process_steps_and_plan(monkeypatch, request, case:
     assert TAKEN_MODES == {search_module.SEARCH, search_module.REFINE_SPLITS, search_module.REFINE_MODEL}
 
 
-def test_wrong_predictions_are_solved_again_with_the_right_cutoff(monkeypatch, mixed) -> None:
+def test_wrong_predictions_are_solved_again_with_the_right_cutoff(monkeypatch, mixed, mixed_one_process) -> None:
     """Every configuration sent with no cutoff at all: each result comes back with the wrong one and must be
     solved again, not used."""
-    _, want, _ = _trace(monkeypatch, mixed, 0)
+    _, want, _ = mixed_one_process
     monkeypatch.setattr(speculative.Speculative, "_predicted",
                         lambda self, cutoff: [(i, b, float("inf")) for i, b in self.ahead])
     _, got, _ = _trace(monkeypatch, mixed, 2)
     assert got == want
 
 
-def test_a_worker_that_dies_or_raises_hands_its_configurations_back(monkeypatch, mixed) -> None:
-    want_plan, want, _ = _trace(monkeypatch, mixed, 0)
+def test_a_worker_that_dies_or_raises_hands_its_configurations_back(monkeypatch, mixed, mixed_one_process) -> None:
+    want_plan, want, _ = mixed_one_process
     parent = os.getpid()
     ahead = Search._solve_ahead
     calls = {"n": 0}
