@@ -670,12 +670,10 @@ class Search:
 
     def run(self) -> Plan:
         configs = self._configs()
-        stopped_early = ""
         finalists: list[tuple[float, int, Config]] = []
         # best first on the work bound; a config's memory bound is computed when it comes up, and a config it
         # raises goes back in its place (the order stays increasing in the larger bound)
         heap = [(cfg, False) for cfg in configs]
-        k = 0
         n = workers_for(len(configs), self.workers)
         spec = None
         if n:
@@ -690,7 +688,7 @@ class Search:
                 # nothing fits: the nearest misses were noted in the workers; the one-process search names them
                 spec.close()
                 spec = None
-                return Search(self.cm, self.time_limit_s, None, self.work_limit, self.cutoff, workers=0).run()
+                return Search(self.cm, self.guard.left(), None, self.work_limit, self.cutoff, workers=0).run()
             return self._finish(configs, finalists, k, stopped_early, unsolved, spec)
         finally:
             if spec is not None:
@@ -698,8 +696,8 @@ class Search:
 
     def _loop(self, configs: list[Config], heap: list[tuple[Config, bool]], finalists: list[tuple[float, int, Config]],
               spec: Speculative | None) -> tuple[int, str, float]:
-        """The branch and bound over `heap` (module docstring): configs solved, why it stopped early (\"work\",
-        \"wall\" or \"\"), and the least bound left where it did."""
+        """The branch and bound over `heap` (module docstring): configs solved, why it stopped early ("work",
+        "wall" or ""), and the least bound left where it did."""
         stopped_early, unsolved, k = "", 0.0, 0
         while heap:
             cfg, tight = heapq.heappop(heap)

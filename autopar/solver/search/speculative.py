@@ -109,17 +109,15 @@ class _Worker:
         self.process.start()
         child.close()
         self.queued: deque[tuple[Hashable, float]] = deque()  # (key, cutoff) sent and not answered yet
-        self.groupings: set[int] = set()
         self.alive = True
 
-    def send(self, i: Hashable, bound: float, cutoff: float, grouping: int) -> bool:
+    def send(self, i: Hashable, bound: float, cutoff: float) -> bool:
         try:
             self.conn.send((i, bound, cutoff))
         except (OSError, ValueError, pickle.PicklingError):
             self.alive = False
             return False
         self.queued.append((i, cutoff))
-        self.groupings.add(grouping)
         return True
 
     def close(self) -> None:
@@ -194,7 +192,7 @@ class Speculative:
         w = self.owner.get(g)
         if w is None or not w.alive:
             w = self.owner[g] = min(live, key=lambda w: len(w.queued))
-        if not w.send(i, bound, cutoff, g):
+        if not w.send(i, bound, cutoff):
             return self._dispatch(i, bound, cutoff)
         self.sent.add((i, cutoff))
         return True
@@ -225,7 +223,7 @@ class Speculative:
             new = next((x for x in todo if self.grouping(x[0]) not in self.owner), None)
             i, b, c = mine or new or todo[0]
             self.owner.setdefault(self.grouping(i), w)
-            if w.send(i, b, c, self.grouping(i)):
+            if w.send(i, b, c):
                 self.sent.add((i, c))
 
     def _receive(self) -> None:
