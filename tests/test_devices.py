@@ -110,6 +110,14 @@ def test_a_group_that_does_not_form_in_time_is_a_clear_error(monkeypatch) -> Non
         devices.init_process_group(1.0, init=fails)
     assert not isinstance(other.value, RendezvousError)
 
+    def port_taken(backend: str, **kw: object) -> None:  # torch's own words for a port in use
+        raise dist.DistNetworkError("The server socket has failed to listen on any local network address. port: 29500, "
+                                    "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+
+    with pytest.raises(dist.DistNetworkError, match="EADDRINUSE") as taken:
+        devices.init_process_group(1.0, init=port_taken)
+    assert not isinstance(taken.value, RendezvousError)  # not a late peer: "raise timeout_s" would not fix it
+
 
 def test_elastic_restarts_join_through_the_same_setup(monkeypatch) -> None:
     calls: list = []

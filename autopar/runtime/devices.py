@@ -182,7 +182,9 @@ def init_process_group(timeout_s: float, device: torch.device | None = None, *, 
         (init or dist.init_process_group)(backend, **kwargs)
     except RuntimeError as e:  # torch's store errors (DistError) and gloo's connect errors are RuntimeErrors
         text = str(e).lower()
-        if not isinstance(e, dist.DistError) and "timed out" not in text and "timeout" not in text:
+        # a store's wait that ran out, or a connection that timed out; other DistErrors (a port already in use)
+        # are no late or unreachable peer, and raising timeout_s would not fix them
+        if not isinstance(e, dist.DistStoreError) and "timed out" not in text and "timeout" not in text:
             raise
         raise RendezvousError(
             f"the {backend} process group did not form within timeout_s={timeout_s:g} s: a rank started that much "
