@@ -50,12 +50,13 @@ tighter bound means fewer configs solved, never a different optimum.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, settled_work
 from ..split.split import Slot, Splitter, Unit
+from .configs import microbatch_count
 
 Ranked = list[tuple[float, Option, StageTimes, StageMemory]]
 
@@ -111,6 +112,7 @@ class ConfigBounds:
         self._costs: dict[tuple, list[float]] = {}
         self._capacity: dict[tuple, float] = {}
         self._per_pipes: dict[tuple[int, int], tuple[tuple, list[tuple[float, float]]]] = {}
+        self._shares: dict[tuple, list[float]] = {}
 
     def _setup(self, dtype: str) -> float:
         """A stage's per-micro-batch host setup on `dtype` (forward and backward): paid once per stage, not per
@@ -179,42 +181,52 @@ class ConfigBounds:
     def _per_pipe(self, cfg: BoundConfig) -> list[tuple[float, float]]:
         """(`per_sample`, `capacity`) of each pipeline of the config (memoised per grouping: configs share its
         tuple)."""
-        pipes = cfg.pipelines
+        cm, pipes = self.cm, cfg.pipelines
         hit = self._per_pipes.get((id(pipes), cfg.b))
         if hit is None or hit[0] is not pipes:
-            hit = self._per_pipes[(id(pipes), cfg.b)] = (
-                pipes, [(self.per_sample(pipe, cfg.b), self.capacity(pipe, cfg.b)) for pipe in pipes])
+            # both depend on the pipeline's device types and tensor-parallel groups only: once per kind of pipeline
+            of_kind: dict[tuple, tuple[float, float]] = {}
+            out = []
+            for pipe in pipes:
+                kind = tuple((cm.cluster.devices[u[0]].spec.name, cm.group_sig(u)) for u in pipe)
+                got = of_kind.get(kind)
+                if got is None:
+                    got = of_kind[kind] = (self.per_sample(pipe, cfg.b), self.capacity(pipe, cfg.b))
+                out.append(got)
+            hit = self._per_pipes[(id(pipes), cfg.b)] = (pipes, out)
         return hit[1]
 
-    def work(self, cfg: BoundConfig, microbatches: Callable[[int], int | None]) -> float | None:
+    def work(self, cfg: BoundConfig) -> float | None:
         """The work bound; None where the config cannot run (a micro-batch size above the share, or no
-        valid micro-batch count). `microbatches(share)`: the count a replica with that share runs."""
+        valid micro-batch count)."""
         cm, pipes = self.cm, cfg.pipelines
         D, p = len(pipes), len(pipes[0])
         per = self._per_pipe(cfg)
         if len(set(per)) > 1:
-            return self._classes(cfg, per, microbatches)
+            return self._classes(cfg, per)
         share = -(-cm.B // D)
-        m = microbatches(share)
+        m = microbatch_count(share, min(cfg.b, share), p, cfg.schedule)
         if m is None or (cfg.b > share):
             return None
         w, capacity = per[0]
         return _pipeline_work(share * w, m, p, cfg.schedule, capacity)
 
-    def shares(self, cfg: BoundConfig, w: float, microbatches: Callable[[int], int | None], top: int,
-               capacity: float | None = None) -> list[float]:
+    def shares(self, cfg: BoundConfig, w: float, top: int, capacity: float | None = None) -> list[float]:
         """Per batch share s = 0..top, the work bound f(s) of one pipeline of `cfg` doing w seconds per sample
-        with share s (inf where it cannot run, and at s = 0): no pipeline of that share steps faster.
-        `capacity`: the pipeline's (`capacity`), for the bound of mixed pipelines too."""
+        with share s in the micro-batches a replica of that share runs (`microbatch_count`; inf where it cannot
+        run, and at s = 0): no pipeline of that share steps faster. `capacity`: the pipeline's (`capacity`), for
+        the bound of mixed pipelines too. Memoised (configs of one schedule and micro-batch size share tables)."""
         p = len(cfg.pipelines[0])
-        out = [math.inf]
-        for s in range(1, top + 1):
-            m = microbatches(s)
-            out.append(math.inf if m is None else _pipeline_work(s * w, m, p, cfg.schedule, capacity))
+        key = (w, capacity, p, cfg.schedule, cfg.b, top)
+        out = self._shares.get(key)
+        if out is None:
+            out = self._shares[key] = [math.inf]
+            for s in range(1, top + 1):
+                m = microbatch_count(s, min(cfg.b, s), p, cfg.schedule)
+                out.append(math.inf if m is None else _pipeline_work(s * w, m, p, cfg.schedule, capacity))
         return out
 
-    def _classes(self, cfg: BoundConfig, per: list[tuple[float, float]], microbatches: Callable[[int], int | None]
-                 ) -> float | None:
+    def _classes(self, cfg: BoundConfig, per: list[tuple[float, float]]) -> float | None:
         """The work bound of pipelines whose per-sample work or capacity differs (module docstring, "several
         classes"): min over integer shares s_d >= 1 summing to B of max_d f_d(s_d), relaxed to each class's
         interval of shares at most T; None where no shares can run. `per`: each pipeline's (per-sample work,
@@ -224,15 +236,24 @@ class ConfigBounds:
         counts: dict[tuple[float, float], int] = {}
         for wc in per:
             counts[wc] = counts.get(wc, 0) + 1
-        tables = [(k, self.shares(cfg, w, microbatches, top, c)[1:]) for (w, c), k in counts.items()]
+        tables = [(k, self.shares(cfg, w, top, c)[1:]) for (w, c), k in counts.items()]
+        # per class, the running minimum of f from the left (non-increasing) and from the right (non-decreasing):
+        # the least share with f <= T is the first whose left minimum is <= T, the largest the last whose right
+        # minimum is
+        reach = []
+        for k, f in tables:
+            left = list(itertools.accumulate(f, min))
+            right = list(itertools.accumulate(reversed(f), min))[::-1]
+            reach.append((k, left, right))
 
         def feasible(T: float) -> bool:
             lo = hi = 0
-            for k, f in tables:
-                ok = [s for s, x in enumerate(f, 1) if x <= T]
-                if not ok:
+            for k, left, right in reach:
+                if left[-1] > T:
                     return False
-                lo, hi = lo + k * ok[0], hi + k * ok[-1]
+                first = bisect.bisect_left(left, True, key=lambda x: x <= T)
+                last = bisect.bisect_right(right, T) - 1
+                lo, hi = lo + k * (first + 1), hi + k * (last + 1)
             return lo <= cm.B <= hi
 
         values = sorted({x for _, f in tables for x in f if x < math.inf})

@@ -271,6 +271,7 @@ class Search:
         self.bounds = ConfigBounds(cm, self.splitter)
         self._types: dict[int, tuple[tuple, list[tuple]]] = {}
         self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
+        self._positions: dict[tuple, tuple[tuple, list[tuple]]] = {}  # `_slots`' per-position entries
         self._entries: dict[tuple, tuple[tuple, int | None]] = {}  # `_share_table` entries
         self._anchors: dict[tuple, tuple[tuple, tuple]] = {}  # `_share_table`'s solved shares
         # per grouping (its pipelines tuple, kept so its id stays its own): its data-parallel groups and whether
@@ -294,15 +295,10 @@ class Search:
             for schedule, v in schedules(p, cm.L):
                 for b in config_microbatch_sizes(cm, pipes):
                     cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
-                    bound = self._work_bound(cfg)
+                    bound = self.bounds.work(cfg)  # None where the config cannot run
                     if bound is not None:
                         out.append(cfg._replace(bound=bound))
         return sorted(out)
-
-    def _work_bound(self, cfg: Config) -> float | None:
-        """bounds.py's work bound; None where the config cannot run."""
-        p = len(cfg.pipelines[0])
-        return self.bounds.work(cfg, lambda share: microbatch_count(share, min(cfg.b, share), p, cfg.schedule))
 
     def _memory_bound(self, cfg: Config) -> float:
         """bounds.py's memory bound where it applies (replicas alike on a uniform chain), else 0 (memoised per
@@ -354,12 +350,23 @@ class Search:
         cm, p, v = self.cm, len(pipe), cfg.chunks
         inflight = inflight_closed_form(cfg.schedule, p, m, v)
         dp, mixed, comms = self._groups_of(cfg)
-        return [Slot(cm.cluster.devices[pipe[j % p][0]].spec.name, pipe[j % p], dp[j % p], inflight[j % p],
-                     min(cm.usable(d, comms.get(d)) for d in pipe[j % p]),
-                     (cm.group_sig(pipe[j % p]), cm.group_sig(dp[j % p])),
-                     min(cm.host_budget(d) for d in pipe[j % p]), any(cm.unified(d) for d in pipe[j % p]),
-                     alike and len(pipe[j % p]) == context.degree(cm), mixed[j % p], position_microbatches(m, v))
-                for j in range(p * v)]
+        # what a position is apart from the schedule: per grouping, chunks (the communicator counts) and pipeline
+        key = (id(cfg.pipelines), v, pipe)
+        hit = self._positions.get(key)
+        if hit is None or hit[0] is not cfg.pipelines:
+            hit = self._positions[key] = (cfg.pipelines, [
+                (cm.cluster.devices[u[0]].spec.name, min(cm.usable(d, comms.get(d)) for d in u),
+                 (cm.group_sig(u), cm.group_sig(dp[r])), min(cm.host_budget(d) for d in u),
+                 any(cm.unified(d) for d in u), len(u) == context.degree(cm))
+                for r, u in enumerate(pipe)])
+        count = position_microbatches(m, v)
+        out = []
+        for j in range(p * v):
+            r = j % p
+            dtype, budget, sigs, host, unified, one_group = hit[1][r]
+            out.append(Slot(dtype, pipe[r], dp[r], inflight[r], budget, sigs, host, unified, alike and one_group,
+                            mixed[r], count))
+        return out
 
     def _groups_of(self, cfg: Config) -> tuple[list[Unit], list[bool], dict[int, int]]:
         """A config's data-parallel groups per stage position, whether each mixes tensor-parallel degrees, and its
@@ -436,7 +443,7 @@ class Search:
         exact = top <= SHARE_TABLE_EXACT
         count = lambda s: microbatch_count(s, min(cfg.b, s), p, cfg.schedule)  # noqa: E731
         # a share whose work bound (bounds.py) reaches the incumbent cannot be in a split that beats it
-        lows = self.bounds.shares(cfg, self.bounds.per_sample(pipe, cfg.b), count, top)
+        lows = self.bounds.shares(cfg, self.bounds.per_sample(pipe, cfg.b), top)
         for s in range(1, top + 1):
             m = count(s)
             if m is None or lows[s] >= self.best_step:
@@ -635,9 +642,11 @@ class Search:
             top = [f for f in top if f[0] <= top[0][0] * (1 + REFINE_WINDOW)]
             if spec is not None:  # one pipeline class: both passes solved ahead (several: solved here, below)
                 spec.restart(((cfg.index, mode), cfg.bound) for _, _, cfg in top
-                             if len(_pipeline_classes(self._replica_types(cfg))) == 1
+                             if len(_pipeline_classes(self._replica_types(cfg))) == 1 and cfg.bound < self.best_step
                              for mode in (REFINE_SPLITS, REFINE_MODEL))
             for i, (_, _, cfg) in enumerate(top):
+                if cfg.bound >= self.best_step:
+                    continue  # no split or option of it can beat the incumbent (its bound holds for every one)
                 if self.guard.passed():
                     if self.stopped_by_wall:  # `run` says so already
                         break

@@ -37,6 +37,7 @@ searches end before workers would pay for their start).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import pickle
@@ -176,8 +177,14 @@ class Speculative:
             w.close()
 
     # -- internals --
-    def _fill(self, k: int) -> None:
+    def _fill(self, k: int, cutoff: float = math.inf) -> None:
+        """Pull the visiting order into `ahead` up to k configurations, and not past one whose bound reaches
+        `cutoff` (the incumbent's step, which only falls): the search solves no such configuration (its loop goes
+        in increasing bound order and stops at the first, its refinement skips them), and the search loop's
+        order computes a memory bound for each configuration it yields."""
         while len(self.ahead) < k:
+            if self.ahead and self.ahead[-1][1] >= cutoff:
+                return
             nxt = next(self.order, None)
             if nxt is None:
                 return
@@ -214,9 +221,11 @@ class Speculative:
         for w in self.workers:
             if not w.alive or len(w.queued) >= AHEAD_PER_WORKER:
                 continue
-            self._fill(LOOKAHEAD)
+            self._fill(LOOKAHEAD, cutoff)
             taken = self.sent | self.failed | self.results.keys()
-            todo = [x for x in self._predicted(cutoff) if (x[0], x[2]) not in taken]
+            # (a configuration whose bound reaches its predicted cutoff is one the search never solves: the cutoff
+            # it gets is no higher)
+            todo = [x for x in self._predicted(cutoff) if (x[0], x[2]) not in taken and x[1] < x[2]]
             if not todo:
                 return
             mine = next((x for x in todo if self.owner.get(self.grouping(x[0])) is w), None)
