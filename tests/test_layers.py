@@ -25,7 +25,8 @@ PACKAGE = ROOT / "autopar"
 
 # Bottom to top. A module's layer is that of the longest pattern matching its dotted name (without "autopar.").
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "checks", "report", "catalog", "host_memory", "cluster_files", "cluster_links")),
+    ("base", ("errors", "checks", "report", "catalog", "host_memory", "cluster_files", "cluster_links",
+              "collector")),
     ("ir", ("ir", "ir.*")),
     ("zoo", ("model_case", "models", "hf_models", "graphs.data", "graphs.sampling", "graphs.halo",
              "graphs.partitioners", "graphs.store", "graphs.layers", "graphs.models", "graphs.layer_pipeline")),

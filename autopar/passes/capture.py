@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..collector import collector_paused
 from ..errors import CaptureError
 from ..ir.graph import OpNode, ParamInfo, TensorMeta, TrainingGraph
 from .blocks import group_layers
@@ -78,10 +79,11 @@ def capture(
     args = tuple(example_inputs) + ((example_target,) if loss_fn is not None else ())
     on_meta = is_on_meta(model)
     wrapper = LossWrapper(model, loss_fn)
-    ep = _export(wrapper, to_meta(args) if on_meta else args, sources)
-    if on_meta and any(v.is_meta for v in ep.constants.values() if isinstance(v, torch.Tensor)):
-        _fill_lifted_constants(ep, wrapper, args)
-    return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
+    with collector_paused():  # export builds many long-lived objects (collector.py)
+        ep = _export(wrapper, to_meta(args) if on_meta else args, sources)
+        if on_meta and any(v.is_meta for v in ep.constants.values() if isinstance(v, torch.Tensor)):
+            _fill_lifted_constants(ep, wrapper, args)
+        return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
 
 
 def _export(wrapper: nn.Module, args: tuple, sources: bool = True) -> torch.export.ExportedProgram:

@@ -131,6 +131,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
+from ...collector import collector_paused
 from ...errors import InfeasibleError
 from ...ir.plan import Pipeline, Plan, Stage, even_split, simulated_step_time
 from ...ir.schedule import SPLIT_SCHEDULES
@@ -806,14 +807,15 @@ def search(cm: CostModel, time_limit_s: float = 60.0, progress: Progress | None 
 
     from .subsets import best_subset_plan, fallback_plan, without_slow_types  # plans that leave devices out
 
-    if objective == "time" and budget_per_hour is None:
-        guard = WallGuard(time_limit_s)  # the subset searches get what is left of it (subsets.py, "Wall clock")
-        try:
-            whole = run(cm, time_limit_s)
-        except InfeasibleError as e:  # no plan uses every device: leave some idle rather than refuse
-            return fallback_plan(cm, run, guard.left(), e)
-        return without_slow_types(cm, run, whole, guard.left())
-    return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
+    with collector_paused():  # the memo tables are many long-lived objects; the workers fork from here (collector.py)
+        if objective == "time" and budget_per_hour is None:
+            guard = WallGuard(time_limit_s)  # the subset searches get what is left of it (subsets.py, "Wall clock")
+            try:
+                whole = run(cm, time_limit_s)
+            except InfeasibleError as e:  # no plan uses every device: leave some idle rather than refuse
+                return fallback_plan(cm, run, guard.left(), e)
+            return without_slow_types(cm, run, whole, guard.left())
+        return best_subset_plan(cm, run, time_limit_s, objective, budget_per_hour)
 
 
 __all__ = ["WORK_LIMIT", "Config", "Search", "config_microbatch_sizes", "divisors", "groupings", "microbatch_count",

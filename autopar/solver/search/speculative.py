@@ -52,6 +52,10 @@ from typing import Any
 PARALLEL_MIN_CONFIGS = 200  # configurations a search needs before it forks workers
 MAX_WORKERS = 4
 AHEAD_PER_WORKER = 3  # configurations dispatched to a worker at once (one solving, the others in its pipe)
+# the refinement's: one at a time, so that each is sent with the cutoff of every result before it that is back
+# (its passes are few and some take a second of CP-SAT; GPT-3 175B's second finalist's stage model had been sent
+# before the first pass of it, which lowered its cutoff, came back: solved twice)
+AHEAD_REFINING = 1
 LOOKAHEAD = 64  # how far ahead of the search a free worker looks for a configuration of its own groupings
 
 # (key, bound, cutoff) -> (step or None, plan built when step < cutoff, else None); a key names what to solve
@@ -146,13 +150,16 @@ class Speculative:
         self.sent: set[tuple[Hashable, float]] = set()
         self.failed: set[tuple[Hashable, float]] = set()  # a worker raised: solved here
         self.owner: dict[int, _Worker] = {}  # grouping -> the worker whose caches hold it
+        self.depth = AHEAD_PER_WORKER  # configurations sent to a worker at once
         ctx = multiprocessing.get_context("fork")
         self.workers = [_Worker(ctx, solve) for _ in range(n)]
 
-    def restart(self, order: Iterable[tuple[Hashable, float]]) -> None:
-        """Solve ahead in `order` from now on (what was ahead is dropped; results already back are kept)."""
+    def restart(self, order: Iterable[tuple[Hashable, float]], depth: int = AHEAD_REFINING) -> None:
+        """Solve ahead in `order` from now on (what was ahead is dropped; results already back are kept), sending
+        each worker at most `depth` at a time."""
         self.order = iter(order)
         self.ahead.clear()
+        self.depth = depth
 
     def result(self, i: Hashable, bound: float, cutoff: float) -> tuple[float | None, Any]:
         """Configuration i's (step, plan) solved with `cutoff` (the search takes configurations in `order`):
@@ -219,7 +226,7 @@ class Speculative:
     def _feed(self, cutoff: float) -> None:
         """Keep the free workers busy with the configurations ahead, each solved with its predicted cutoff."""
         for w in self.workers:
-            if not w.alive or len(w.queued) >= AHEAD_PER_WORKER:
+            if not w.alive or len(w.queued) >= self.depth:
                 continue
             self._fill(LOOKAHEAD, cutoff)
             taken = self.sent | self.failed | self.results.keys()
@@ -259,4 +266,4 @@ class Speculative:
                 self.failed.add((i, cutoff))
 
 
-__all__ = ["PARALLEL_MIN_CONFIGS", "Speculative", "workers_for"]
+__all__ = ["AHEAD_REFINING", "PARALLEL_MIN_CONFIGS", "Speculative", "workers_for"]
