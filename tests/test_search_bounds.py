@@ -82,7 +82,7 @@ def test_pruned_search_matches_the_unpruned_one(monkeypatch) -> None:  # noqa: A
     import autopar.solver.search.bounds as bounds
 
     monkeypatch.setattr(bounds.ConfigBounds, "shares",
-                        lambda self, cfg, w, mb, top, capacity=None: [math.inf] + [0.0] * top)  # prunes no share
+                        lambda self, cfg, w, top, capacity=None: [math.inf] + [0.0] * top)  # prunes no share
     monkeypatch.setattr(bounds.ConfigBounds, "capacity", lambda self, pipe, b: math.inf)  # no mixed-pipeline bound
     unpruned = Search(cm, 600).run().predicted["step_time_s"]
     assert pruned == unpruned

@@ -54,6 +54,8 @@ import itertools
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, settled_work
 from ..split.split import Slot, Splitter, Unit
 from .configs import microbatch_count
@@ -112,7 +114,7 @@ class ConfigBounds:
         self._costs: dict[tuple, list[float]] = {}
         self._capacity: dict[tuple, float] = {}
         self._per_pipes: dict[tuple[int, int], tuple[tuple, list[tuple[float, float]]]] = {}
-        self._shares: dict[tuple, list[float]] = {}
+        self._share_counts: dict[tuple, tuple[np.ndarray, ...]] = {}
 
     def _setup(self, dtype: str) -> float:
         """A stage's per-micro-batch host setup on `dtype` (forward and backward): paid once per stage, not per
@@ -215,16 +217,23 @@ class ConfigBounds:
         """Per batch share s = 0..top, the work bound f(s) of one pipeline of `cfg` doing w seconds per sample
         with share s in the micro-batches a replica of that share runs (`microbatch_count`; inf where it cannot
         run, and at s = 0): no pipeline of that share steps faster. `capacity`: the pipeline's (`capacity`), for
-        the bound of mixed pipelines too. Memoised (configs of one schedule and micro-batch size share tables)."""
+        the bound of mixed pipelines too. `_pipeline_work` at every share, its arithmetic done on arrays (the
+        same operations in the same order, so the same values)."""
         p = len(cfg.pipelines[0])
-        key = (w, capacity, p, cfg.schedule, cfg.b, top)
-        out = self._shares.get(key)
-        if out is None:
-            out = self._shares[key] = [math.inf]
-            for s in range(1, top + 1):
-                m = microbatch_count(s, min(cfg.b, s), p, cfg.schedule)
-                out.append(math.inf if m is None else _pipeline_work(s * w, m, p, cfg.schedule, capacity))
-        return out
+        key = (p, cfg.schedule, cfg.b, top)
+        hit = self._share_counts.get(key)
+        if hit is None:  # per share: s, its micro-batch count m, and the 1f1b fill's divisor at m
+            counts = [microbatch_count(s, min(cfg.b, s), p, cfg.schedule) for s in range(1, top + 1)]
+            runs = np.array([m is not None for m in counts])
+            m = np.array([c or 1 for c in counts], dtype=np.float64)
+            den = np.array([1 - (1 - 1 / c) ** p if c else 1.0 for c in counts])
+            hit = self._share_counts[key] = (np.arange(1, top + 1, dtype=np.float64), m, den, runs)
+        shares, m, den, runs = hit
+        X = shares * w
+        fill = np.maximum(X / p, X / m) if cfg.schedule == "interleaved_1f1b" else X / m / den
+        if capacity is not None:
+            fill = np.maximum(fill, X / capacity)
+        return [math.inf, *np.where(runs, fill, math.inf).tolist()]
 
     def _classes(self, cfg: BoundConfig, per: list[tuple[float, float]]) -> float | None:
         """The work bound of pipelines whose per-sample work or capacity differs (module docstring, "several
