@@ -439,7 +439,7 @@ class Search:
         cm, p = self.cm, len(pipe)
         anchors = list(range(1, top + 1)) if top <= SHARE_TABLE_EXACT else \
             sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
-        solved: dict[int, tuple[list[Slot], Split | None, int]] = {}
+        solved: dict[int, tuple[list[Slot], Split | None, int, dict, dict]] = {}
         table: list[int | None] = [None]
         exact = top <= SHARE_TABLE_EXACT
         count = lambda s: microbatch_count(s, min(cfg.b, s), p, cfg.schedule)  # noqa: E731
@@ -467,12 +467,19 @@ class Search:
                     # many shares: the table only guides CP-SAT, so the cheap bisection split does (from 0, not
                     # the config's bound, so configs of one grouping and schedule share it)
                     split = self.splitter.split(slots, a, ma, cfg.schedule, cfg.chunks, 0.0, fast=not exact)
-                    hit_a = self._anchors[anchor] = (cfg.pipelines, (slots, split, -(-a // ma)))
+                    hit_a = self._anchors[anchor] = (cfg.pipelines, (slots, split, -(-a // ma), {}, {}))
                 solved[a] = hit_a[1]
-            slots, split, n_a = solved[a]
-            value = None
-            if split is not None and (a == s or self._fits(cfg, slots, split, m, -(-s // m))):
-                value = round(priced_surrogate(cm, slots, split.stages, cfg.chunks, s / n_a) * 1e9)
+            slots, split, n_a, fitting, values = solved[a]
+            # what an anchor's split gives share s at m micro-batches (of n samples: whether it fits) is the same for
+            # every config sharing the anchor
+            value = values.get((s, m), values)
+            if value is values:
+                value, n = None, -(-s // m)
+                if split is not None and a != s and (m, n) not in fitting:
+                    fitting[(m, n)] = self._fits(cfg, slots, split, m, n)
+                if split is not None and (a == s or fitting[(m, n)]):
+                    value = round(priced_surrogate(cm, slots, split.stages, cfg.chunks, s / n_a) * 1e9)
+                values[(s, m)] = value
             if exact:
                 self._entries[key] = (cfg.pipelines, value)
             table.append(value)
