@@ -7,7 +7,7 @@ it inherited (copying the parent's pages). Measured on bench/plan_identity.py's 
 host): 20-30 % of `autopar.plan`'s time. Reference counting still frees everything outside a cycle while paused;
 cycles made meanwhile are left to the first collection after. The same pause as torch.distributed.checkpoint's
 `state_dict` takes around its many small objects (`_gc_context`), and what `gc.freeze`'s documentation recommends
-for a parent process that forks. Peak memory of the planning process: +2-5 % (GPT-3 175B, Llama 7B cases).
+for a parent process that forks. Peak memory of the planning process: +4-10 % (GPT-3 175B, Llama 7B, transformers' Llama).
 """
 
 from __future__ import annotations
