@@ -273,8 +273,7 @@ class Search:
         self._types: dict[int, tuple[tuple, list[tuple]]] = {}
         self._link_sigs: dict[tuple, tuple[tuple, list[tuple[int, ...]]]] = {}
         self._positions: dict[tuple, tuple[tuple, list[tuple]]] = {}  # `_slots`' per-position entries
-        self._entries: dict[tuple, tuple[tuple, int | None]] = {}  # `_share_table` entries
-        self._anchors: dict[tuple, tuple[tuple, tuple]] = {}  # `_share_table`'s solved shares
+        self._anchors: dict[tuple, tuple[tuple, tuple]] = {}  # `_share_table`'s solved shares and their entries
         # per grouping (its pipelines tuple, kept so its id stays its own): its data-parallel groups and whether
         # each mixes tensor-parallel degrees; per grouping and chunks, the communicator counts
         self._dp_cache: dict[int, tuple[object, list[Unit], list[bool]]] = {}
@@ -450,16 +449,11 @@ class Search:
             if m is None or lows[s] >= self.best_step:
                 table.append(None)
                 continue
-            # with a split per share, an entry depends on the share and its micro-batch count, not on the
-            # micro-batch size that gave them: configs of one grouping and schedule share it
-            key = (id(cfg.pipelines), pipe, cfg.schedule, cfg.chunks, s, m)
-            hit = self._entries.get(key) if exact else None
-            if hit is not None and hit[0] is cfg.pipelines:
-                table.append(hit[1])
-                continue
             a = next(x for x in anchors if x >= s)
             if a not in solved:
-                ma = microbatch_count(a, min(cfg.b, a), p, cfg.schedule) or m
+                ma = count(a) or m
+                # (with a split per share, a == s and ma == m: an entry depends on the share and its micro-batch
+                # count, not on the micro-batch size that gave them, so configs of one grouping and schedule share it)
                 anchor = (id(cfg.pipelines), pipe, cfg.schedule, cfg.chunks, a, ma)
                 hit_a = self._anchors.get(anchor)
                 if hit_a is None or hit_a[0] is not cfg.pipelines:
@@ -474,14 +468,14 @@ class Search:
             # every config sharing the anchor
             value = values.get((s, m), values)
             if value is values:
-                value, n = None, -(-s // m)
-                if split is not None and a != s and (m, n) not in fitting:
-                    fitting[(m, n)] = self._fits(cfg, slots, split, m, n)
-                if split is not None and (a == s or fitting[(m, n)]):
-                    value = round(priced_surrogate(cm, slots, split.stages, cfg.chunks, s / n_a) * 1e9)
+                value = None
+                if split is not None:
+                    n = -(-s // m)
+                    if a != s and (m, n) not in fitting:
+                        fitting[(m, n)] = self._fits(cfg, slots, split, m, n)
+                    if a == s or fitting[(m, n)]:
+                        value = round(priced_surrogate(cm, slots, split.stages, cfg.chunks, s / n_a) * 1e9)
                 values[(s, m)] = value
-            if exact:
-                self._entries[key] = (cfg.pipelines, value)
             table.append(value)
         return table
 
