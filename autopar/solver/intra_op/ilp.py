@@ -40,6 +40,27 @@ def cached(key: tuple, compute: Callable[[], T]) -> T:
     return value
 
 
+def cache_keys() -> set[tuple]:
+    """The keys CACHE holds now (`cache_entries_since`)."""
+    return set(CACHE)
+
+
+def cache_entries_since(keys: set[tuple]) -> list[tuple[tuple, Any]]:
+    """CACHE's (key, answer) entries whose key is not in `keys` (what was computed since `cache_keys`)."""
+    return [(k, v) for k, v in CACHE.items() if k not in keys]
+
+
+def add_to_cache(entries: Sequence[tuple[tuple, Any]]) -> None:
+    """Answers computed elsewhere (another process's `cache_entries_since`: every key names all its problem
+    depends on, so an answer is the one `cached` would compute here) into CACHE, where absent; not counted in
+    STATS."""
+    for key, value in entries:
+        if key not in CACHE:
+            CACHE[key] = value
+    while len(CACHE) > CACHE_ENTRIES:
+        CACHE.popitem(last=False)
+
+
 def cache_info() -> dict[str, int]:
     """Counters of the solution cache: ILP solves run, cache hits and misses (per layer signature)."""
     return {**STATS, "entries": len(CACHE)}
@@ -125,4 +146,5 @@ def solve_problems(problems: Sequence[tuple[Problem, int]], memory_budget: float
     return [tuple(next(i for i, xi in enumerate(x) if solver.boolean_value(xi)) for x in xs) for xs in xs_all]
 
 
-__all__ = ["CACHE", "STATS", "cache_info", "cached", "clear_cache", "solve_problems"]
+__all__ = ["CACHE", "STATS", "add_to_cache", "cache_entries_since", "cache_info", "cache_keys", "cached", "clear_cache",
+           "solve_problems"]

@@ -26,15 +26,19 @@ class CommPricing:
         node and node links, ring bottleneck), so equivalent groups share cache entries."""
         sig = self._sig_of_group.get(group)
         if sig is None:
-            nodes: dict[int, int] = {}
-            for d in group:
-                node = self.cluster.devices[d].node
-                nodes[node] = nodes.get(node, 0) + 1
-            full = (len(group), tuple((self.cluster.nodes[k].intra_node, self.cluster.nic_bandwidth(k), c)
-                                      for k, c in nodes.items()),
-                    group_bandwidth(group, self.cluster), {self.cluster.devices[d].spec.kind for d in group} == {"gpu"})
-            sig = self._sig_of_group[group] = self._sigs.setdefault(full, len(self._sigs))
+            sig = self._sig_of_group[group] = self._sigs.setdefault(self.group_signature(group), len(self._sigs))
         return sig
+
+    def group_signature(self, group: tuple[int, ...]) -> tuple:
+        """What `group_sig` numbers (in the order groups are first asked for): the same for equivalent groups
+        in any process, whatever was asked before."""
+        nodes: dict[int, int] = {}
+        for d in group:
+            node = self.cluster.devices[d].node
+            nodes[node] = nodes.get(node, 0) + 1
+        return (len(group), tuple((self.cluster.nodes[k].intra_node, self.cluster.nic_bandwidth(k), c)
+                                  for k, c in nodes.items()),
+                group_bandwidth(group, self.cluster), {self.cluster.devices[d].spec.kind for d in group} == {"gpu"})
 
     def collective(self, kind: str, nbytes: float, group: tuple[int, ...], concurrent: int = 1) -> float:
         """`concurrent`: groups of this shape running it at once, sharing their nodes' NICs (comm.py)."""

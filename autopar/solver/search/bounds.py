@@ -59,6 +59,7 @@ import numpy as np
 from ..pricing.pricing import CostModel, Option, StageMemory, StageTimes, settled_work
 from ..split.split import Slot, Splitter, Unit
 from .configs import microbatch_count
+from .ilp_ahead import IlpAhead
 
 Ranked = list[tuple[float, Option, StageTimes, StageMemory]]
 
@@ -115,13 +116,15 @@ class ConfigBounds:
         self._capacity: dict[tuple, float] = {}
         self._per_pipes: dict[tuple[int, int], tuple[tuple, list[tuple[float, float]]]] = {}
         self._share_counts: dict[tuple, tuple[np.ndarray, ...]] = {}
+        # a helper solving some of the ILPs the unit costs ask for (ilp_ahead.py), while the bounds are computed
+        self.ahead: IlpAhead | None = None
 
     def _setup(self, dtype: str) -> float:
         """A stage's per-micro-batch host setup on `dtype` (forward and backward): paid once per stage, not per
         layer."""
         return 2 * self.cm.models[dtype].host.microbatch_s
 
-    def _unit_costs(self, u: Unit, b: int) -> list[float]:
+    def unit_costs(self, u: Unit, b: int) -> list[float]:
         """Per layer, its forward + backward seconds (tensor-parallel traffic included) on unit `u` at micro-batch
         size b, less the stage's setup (`_setup`), which a bound counts once."""
         cm = self.cm
@@ -129,6 +132,8 @@ class ConfigBounds:
         key = (dtype, cm.group_sig(u), b)
         hit = self._costs.get(key)
         if hit is None:
+            if self.ahead is not None:
+                self.ahead.before(dtype, u, b)
             setup = self._setup(dtype)
             hit = self._costs[key] = [c.fwd + c.bwd + c.fwd_comm + c.bwd_comm - setup
                                       for c in (cm.base(i, i + 1, dtype, b, u) for i in range(cm.L))]
@@ -141,7 +146,7 @@ class ConfigBounds:
         units = {cm.cluster.devices[u[0]].spec.name: u for u in reversed(pipe)}
         key = tuple((d, cm.group_sig(u)) for d, u in sorted(units.items())) + (b,)
         if key not in self._work:
-            costs = [self._unit_costs(u, b) for u in units.values()]
+            costs = [self.unit_costs(u, b) for u in units.values()]
             total = min(self._setup(d) for d in units)
             for i in range(cm.L):
                 total += min(c[i] for c in costs)
@@ -159,7 +164,7 @@ class ConfigBounds:
         key = (b, tuple(kinds))
         hit = self._capacity.get(key)
         if hit is None:
-            costs = {k: self._unit_costs(u, b) for k, u in zip(kinds, pipe, strict=True)}
+            costs = {k: self.unit_costs(u, b) for k, u in zip(kinds, pipe, strict=True)}
             fastest = [min(c[i] for c in costs.values()) for i in range(cm.L)]
             setup = min(self._setup(k[0]) for k in costs)
             low = 0.0  # the largest per-sample bound over the layer sets

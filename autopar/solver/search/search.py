@@ -118,7 +118,9 @@ ILP's, single-threaded with a fixed seed), so equal inputs give equal plans on a
 (its wall limit is the guard's time left) stop at it, and each warns when it does (the plan then depends on the
 machine's speed and load); tests/test_plan_budget.py plans under a frozen and a racing clock. Large searches
 solve configurations ahead on forked workers (speculative.py): `run` takes each result in its own order and only
-when it was solved with the cutoff it would have given it, so every step, and the plan, are the one-process run's.
+when it was solved with the cutoff it would have given it, so every step, and the plan, are the one-process run's;
+while the configurations' bounds are built, before those workers fork, a helper solves half of the intra-op ILPs
+the bounds ask for (ilp_ahead.py: only ILP answers cross over, into the cache keyed by all they depend on).
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ from .configs import (
     tp_units,
 )
 from .context import choose as choose_context
+from .ilp_ahead import IlpAhead, bound_items
 from .speculative import Speculative, workers_for
 
 Progress = Callable[..., None]  # (done, total, best step or None[, least lower bound left or None])
@@ -290,15 +293,32 @@ class Search:
     def _configs(self) -> list[Config]:
         cm = self.cm
         out: list[Config] = []
-        for t, name, pipes in layouts(cm):
-            p = len(pipes[0])
-            for schedule, v in schedules(p, cm.L):
-                for b in config_microbatch_sizes(cm, pipes):
-                    cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
-                    bound = self.bounds.work(cfg)  # None where the config cannot run
-                    if bound is not None:
-                        out.append(cfg._replace(bound=bound))
+        groupings = [(t, name, pipes, config_microbatch_sizes(cm, pipes)) for t, name, pipes in layouts(cm)]
+        self.bounds.ahead = self._ilp_ahead(groupings)
+        try:
+            for t, name, pipes, sizes in groupings:
+                p = len(pipes[0])
+                for schedule, v in schedules(p, cm.L):
+                    for b in sizes:
+                        cfg = Config(0.0, len(out), t, name, pipes, schedule, v, b)
+                        bound = self.bounds.work(cfg)  # None where the config cannot run
+                        if bound is not None:
+                            out.append(cfg._replace(bound=bound))
+        finally:
+            if self.bounds.ahead is not None:
+                self.bounds.ahead.close()
+                self.bounds.ahead = None
         return sorted(out)
+
+    def _ilp_ahead(self, groupings: list[tuple[int, str, tuple[tuple[Unit, ...], ...], list[int]]]
+                   ) -> IlpAhead | None:
+        """A helper solving the later half of the bounds' intra-op ILPs (ilp_ahead.py), where the search will
+        have workers (`workers_for`, on the configurations before their bounds) and there are ILPs to share."""
+        configs = sum(len(schedules(len(pipes[0]), self.cm.L)) * len(sizes) for _, _, pipes, sizes in groupings)
+        if not workers_for(configs, self.workers):
+            return None
+        items = bound_items(self.cm, [(pipes, sizes) for _, _, pipes, sizes in groupings])
+        return IlpAhead(self.cm, items, self.bounds.unit_costs) if len(items) > 1 else None
 
     def _memory_bound(self, cfg: Config) -> float:
         """bounds.py's memory bound where it applies (replicas alike on a uniform chain), else 0 (memoised per
