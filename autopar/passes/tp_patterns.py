@@ -195,10 +195,11 @@ def bias_of(graph: TrainingGraph, node_name: str) -> str | None:
     return None
 
 
-def megatron_placements(graph: TrainingGraph, layers: tuple[int, int]) -> Placements:
+def megatron_placements(graph: TrainingGraph, layers: tuple[int, int], heads: list[str] | None = None) -> Placements:
     """Megatron-style placements derived from the graph: an MLP's first linear column-parallel and its
     second row-parallel; attention head-parallel with its output projection row-parallel. Fused QKV
-    projections stay replicated (their output is split by a view DTensor cannot shard evenly)."""
+    projections stay replicated (their output is split by a view DTensor cannot shard evenly). `heads`:
+    `loss_heads(graph)` where the caller has it (it reads the whole graph; a planner asks per layer)."""
     spec = Placements()
     names = [n for layer in graph.layers[layers[0] : layers[1]] for n in layer.nodes]
     readers = users(graph, names)
@@ -226,7 +227,7 @@ def megatron_placements(graph: TrainingGraph, layers: tuple[int, int]) -> Placem
             spec.params[graph.canonical(b1)] = 0
         spec.params[graph.canonical(w2)] = 1 - d2
         row_done.update({name, second})
-    _vocab_parallel(graph, names, spec, row_done)
+    _vocab_parallel(graph, names, spec, row_done, loss_heads(graph) if heads is None else heads)
     return spec
 
 
@@ -251,12 +252,12 @@ def loss_heads(graph: TrainingGraph) -> list[str]:
     return heads
 
 
-def _vocab_parallel(graph: TrainingGraph, names: list[str], spec: Placements, done: set[str]) -> None:
+def _vocab_parallel(graph: TrainingGraph, names: list[str], spec: Placements, done: set[str], heads: list[str]
+                    ) -> None:
     """The LM head (a linear feeding a cross-entropy) column-parallel along the vocabulary, and embedding
     tables with as many rows as a head has classes shard(0) (see runtime/vocab_parallel.py); position and
     other small tables stay replicated. A tied head and embedding get the same placement; a parameter
-    already placed otherwise is left alone."""
-    heads = loss_heads(graph)
+    already placed otherwise is left alone. `heads`: `loss_heads(graph)`."""
     vocab = {graph.params[w].meta.shape[d] for w, d in (weight_of(graph, h) for h in heads)}  # type: ignore[misc]
     mine = set(names)
     for name in names:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ...cluster import Cluster
 from ...errors import PlanError
 from ...ir.graph import Layer, TrainingGraph
-from ...passes.tp_patterns import attention_cores, attention_projection, fused_qkv, megatron_placements
+from ...passes.tp_patterns import attention_cores, attention_projection, fused_qkv, loss_heads, megatron_placements
 from ...report import fmt_time
 from .build import build_problem, check_args, merge_followers
 from .context import FORBIDDEN, Context
@@ -60,6 +60,12 @@ class LayerPricer:
         self.ctx = Context(graph, tp, device_type, cluster, group, runtime=runtime, profile=profile)
         self.time_limit_s = time_limit_s
         self._megatron: dict[int, dict[str, int]] = {}  # layer index -> megatron_layouts
+        self._heads: list[str] | None = None  # `loss_heads` of the graph
+
+    def _loss_heads(self) -> list[str]:
+        if self._heads is None:
+            self._heads = loss_heads(self.ctx.graph)
+        return self._heads
 
     def _at(self, batch: int) -> Context:
         ctx = copy.copy(self.ctx)  # shares the strategy and collective memo tables: neither depends on frac
@@ -125,7 +131,7 @@ class LayerPricer:
                 add(layouts, "ilp")
         if ctx.runtime and options:  # also replicated parameters (no communication) and Megatron's placements
             if layer.index not in self._megatron:
-                self._megatron[layer.index] = megatron_layouts(ctx, layer)
+                self._megatron[layer.index] = megatron_layouts(ctx, layer, self._loss_heads())
             add(dict.fromkeys(param_layouts(ctx, groups, (0,) * len(groups)) or {}, R), "replicated")
             add(self._megatron[layer.index], "megatron")
         best: tuple[float, IntraOpResult] | None = None
@@ -183,9 +189,10 @@ def couple_attention(ctx: Context, layer: Layer, prob: Problem) -> None:
                         mat[i][j] += pen
 
 
-def megatron_layouts(ctx: Context, layer: Layer) -> dict[str, int]:
-    """The layouts the runtime's `megatron_spec` gives the layer's parameters (placeholder -> layout)."""
-    spec = megatron_placements(ctx.graph, (layer.index, layer.index + 1))
+def megatron_layouts(ctx: Context, layer: Layer, heads: list[str] | None = None) -> dict[str, int]:
+    """The layouts the runtime's `megatron_spec` gives the layer's parameters (placeholder -> layout); `heads`: as
+    in `megatron_placements`."""
+    spec = megatron_placements(ctx.graph, (layer.index, layer.index + 1), heads)
     return {p: spec.params.get(name, R) for p, name in layer_params(ctx.graph, layer)}
 
 
@@ -312,16 +319,17 @@ def closed_form(cm: CostModel, layer: int, dtype: str, n: int, tp_group: tuple[i
         # pricing Megatron-LM's own runs (bench/measured.py): it shards every matmul weight of a block (a fused
         # QKV by heads) and the vocabulary tables, which autopar's runtime placements do not all do
         return LayerCost(fwd, bwd, ar, ar, 1 / tp)
-    frac = cm.memoised(("megatron-param-frac", layer, tp), lambda: megatron_param_frac(cm.graph, layer, tp))
+    frac = cm.memoised(("megatron-param-frac", layer, tp), lambda: megatron_param_frac(
+        cm.graph, layer, tp, cm.memoised(("loss-heads",), lambda: loss_heads(cm.graph))))
     return LayerCost(fwd, bwd, ar, ar, frac)
 
 
-def megatron_param_frac(graph: TrainingGraph, layer: int, tp: int) -> float:
+def megatron_param_frac(graph: TrainingGraph, layer: int, tp: int, heads: list[str] | None = None) -> float:
     """The share of layer `layer`'s own parameters a rank of `tp` holds under Megatron's placements, as the runtime
     places them (runtime/tensor_parallel.py `megatron_spec`): the sharded ones 1/tp, the rest whole (norms, biases
     of row-parallel linears, position and other tables not vocabulary-sized); 1/tp for a layer without
-    parameters."""
-    sharded = megatron_placements(graph, (layer, layer + 1)).params
+    parameters. `heads`: as in `megatron_placements`."""
+    sharded = megatron_placements(graph, (layer, layer + 1), heads).params
     sizes = [(graph.params[p].meta.nbytes, name in sharded) for p, name in layer_params(graph, graph.layers[layer])]
     total = sum(b for b, _ in sizes)
     return sum(b / tp if s else b for b, s in sizes) / total if total else 1 / tp
