@@ -133,3 +133,25 @@ def test_megatron_runs_are_priced_with_megatron_lm_s_own_sharding() -> None:
     assert own > 1 / 4  # the runtime keeps part of the block whole
     assert closed_form(cm, block, "A100-80GB", 2, (0, 1, 2, 3)).param_frac == pytest.approx(own)
     assert closed_form(megatron, block, "A100-80GB", 2, (0, 1, 2, 3)).param_frac == pytest.approx(1 / 4)
+
+
+def test_the_closed_form_holds_every_layer_as_the_runtime_places_it() -> None:
+    """Every layer's share under the closed form (the LM head and the embedding vocabulary-parallel, found from
+    the loss heads the cost model reads once) is the share of the runtime's own placements, found from the graph
+    alone (`megatron_placements` without `heads`), the embedding and head included."""
+    from autopar.passes.tp_patterns import megatron_placements
+    from autopar.solver.intra_op.pricing import closed_form, layer_params
+    from autopar.solver.pricing.pricing import CostModel
+
+    cm = cm_for("1x4xA100-80GB", layers=2, batch=8)
+    cm = CostModel(cm.graph, cm.cluster, cm.precision, cm.optimizer, cm.reserve, intra_op=False)
+    g = cm.graph
+    vocab_parallel = 0
+    for i, layer in enumerate(g.layers):
+        sharded = megatron_placements(g, (i, i + 1)).params
+        sizes = [(g.params[p].meta.nbytes, name in sharded) for p, name in layer_params(g, layer)]
+        total = sum(b for b, _ in sizes)
+        expected = sum(b / 4 if s else b for b, s in sizes) / total if total else 1 / 4
+        assert closed_form(cm, i, "A100-80GB", 2, (0, 1, 2, 3)).param_frac == pytest.approx(expected), i
+        vocab_parallel += layer.kind != "block" and any(s for _, s in sizes)
+    assert vocab_parallel  # the embedding or the head is sharded: the loss heads were read
