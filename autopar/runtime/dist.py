@@ -101,7 +101,11 @@ def _poll(work: dist.Work, what: str, timeout_s: float) -> None:
             raise PeerLostError(f"{what} timed out after {timeout_s:.0f} s.")
         if now - checked > 0.02:
             checked = now
-            if store.check([key]):
+            try:
+                announced = store.check([key])
+            except RuntimeError:  # the store's host (a peer that finished its job first) has left: nothing more
+                return  # can be announced there; `wait` waits for the work itself, its timeout still applies
+            if announced:
                 err = PeerLostError(f"{what} abandoned: the survivors of a lost rank re-route around it.")
                 err.lost_ranks = json.loads(store.get(key))  # type: ignore[attr-defined]
                 _abandon(work, start + timeout_s)
