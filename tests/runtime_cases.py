@@ -155,7 +155,8 @@ def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> 
     import autopar
 
     case = build(name, **kwargs)
-    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    # no per-node source lines: a rank's program shows none (a fifth of a small model's capture, 308 captures a run)
+    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
     prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
                    case.loss_fn, optimizer, rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"), graph=g)
     return case, prog
