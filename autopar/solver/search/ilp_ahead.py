@@ -1,4 +1,4 @@
-"""The intra-op ILPs of the configurations' work bounds, half of them solved ahead on a forked helper process.
+"""The intra-op ILPs of the configurations' work bounds, shared with a forked helper process that solves them ahead.
 
 Before the search's workers fork (speculative.py), its process prices every configuration's work bound
 (`ConfigBounds.work`), one core idle meanwhile; the first bound asking for a device type, tensor-parallel group and
@@ -6,15 +6,16 @@ micro-batch size prices each layer on that group, and for a repeated block that 
 (`intra_op.pricing.LayerPricer`: a CP-SAT solve per micro-batch bucket and boundary layout; GPT-Neo-2.7B's shape
 on 8 A100 + 8 V100: 54 solves, ~0.5 s of the bounds' ~1.1 s).
 
-`IlpAhead` forks a helper at the start that prices the later half of those (device type, group, micro-batch size)
-items, in the order the bounds first ask for them, into its copy of the ILPs' answer cache (`intra_op.ilp.CACHE`,
-each key naming everything its problem depends on). The bounds are computed in the search's process, in their
-own order, as before; when they first ask for an item of the helper's, the helper's new cache entries are taken
-(waiting for them), so its ILPs are cache hits there. Nothing else crosses over: the cost model's memo is keyed
-by group signatures numbered in the order groups are first asked for, so every price is computed where it was
-and the bounds, the configurations' order and the plan are the one-process search's. A helper that fails, dies
-or warned (the wall-clock guard cut a solve: that answer depends on the machine) hands back nothing, and those
-ILPs are solved here, warning here.
+`IlpAhead` forks a helper at the start that prices those (device type, group, micro-batch size) items from the
+last, in the order the bounds first ask for them, into its copy of the ILPs' answer cache (`intra_op.ilp.CACHE`,
+each key naming everything its problem depends on), sending each item's new answers as it goes. The bounds are
+computed in the search's process, in their own order (from the first item), as before; before pricing an item
+there, the answers the helper has sent are taken, so its ILPs are cache hits, and once the search's process reaches
+an item the helper has priced the two have met and the helper is stopped. Nothing else crosses over: the cost
+model's memo is keyed by group signatures numbered in the order groups are first asked for, so every price is
+computed where it was and the bounds, the configurations' order and the plan are the one-process search's. A
+helper that fails, dies or warns (the wall-clock guard cut a solve: that answer depends on the machine) stops
+there; what it has not sent is solved in the search's process, warning there.
 """
 
 from __future__ import annotations
@@ -78,14 +79,13 @@ def _solve(conn: Connection, price: Any, items: list[Item], keys: list[tuple]) -
 class IlpAhead:
     """A forked helper pricing `items` from the last with `price(unit, b)` (`ConfigBounds` unit costs) while the
     search's process prices them from the first: before pricing one (`before`), the search's process takes the
-    answers the helper has sent; once it reaches one the helper has priced, the rest are too and the helper is
-    stopped."""
+    answers the helper has sent; once it reaches one the helper has priced, they have met and the helper is
+    stopped (anything left is priced in the search's process)."""
 
     def __init__(self, cm: Any, items: list[Item], price: Any) -> None:
         self.cm = cm
         keys = [(dtype, cm.group_signature(u), b) for dtype, u, b in items]
         self.done: set[tuple] = set()  # items the helper has priced
-        self.taken = 0  # cache entries it handed back
         ctx = multiprocessing.get_context("fork")
         self.conn, child = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=_solve, args=(child, price, items, keys), daemon=True)
@@ -95,7 +95,7 @@ class IlpAhead:
 
     def before(self, dtype: str, u: Unit, b: int) -> None:
         """Called before pricing unit u at micro-batch size b: take what the helper has sent; where it has priced
-        this one, it is done with every later one: stopped."""
+        this one, the two have met: it is stopped."""
         if not self.open:
             return
         self._receive()
@@ -107,7 +107,6 @@ class IlpAhead:
             while self.conn.poll():
                 key, entries = self.conn.recv()
                 ilp.add_to_cache(entries)
-                self.taken += len(entries)
                 self.done.add(key)
         except (EOFError, OSError):  # it finished, stopped at a warning, or died: the rest is priced here
             self.close()

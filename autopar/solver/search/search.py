@@ -119,7 +119,7 @@ ILP's, single-threaded with a fixed seed), so equal inputs give equal plans on a
 machine's speed and load); tests/test_plan_budget.py plans under a frozen and a racing clock. Large searches
 solve configurations ahead on forked workers (speculative.py): `run` takes each result in its own order and only
 when it was solved with the cutoff it would have given it, so every step, and the plan, are the one-process run's;
-while the configurations' bounds are built, before those workers fork, a helper solves half of the intra-op ILPs
+while the configurations' bounds are built, before those workers fork, a helper shares the intra-op ILPs
 the bounds ask for (ilp_ahead.py: only ILP answers cross over, into the cache keyed by all they depend on).
 """
 
@@ -312,7 +312,7 @@ class Search:
 
     def _ilp_ahead(self, groupings: list[tuple[int, str, tuple[tuple[Unit, ...], ...], list[int]]]
                    ) -> IlpAhead | None:
-        """A helper solving the later half of the bounds' intra-op ILPs (ilp_ahead.py), where the search will
+        """A helper sharing the bounds' intra-op ILPs from the last (ilp_ahead.py), where the search will
         have workers (`workers_for`, on the configurations before their bounds) and there are ILPs to share."""
         configs = sum(len(schedules(len(pipes[0]), self.cm.L)) * len(sizes) for _, _, pipes, sizes in groupings)
         if not workers_for(configs, self.workers):
