@@ -43,17 +43,19 @@ def bound_items(cm: Any, groupings: Iterable[tuple[tuple[tuple[Unit, ...], ...],
         return []
     seen: set[tuple] = set()
     out: list[Item] = []
+    kinds: dict[Unit, tuple] = {}  # unit -> (device type, group signature): units recur in every grouping and size
     for pipes, sizes in groupings:
         for b in sizes:
             for pipe in pipes:
                 for u in pipe:
                     if len(u) < 2:
                         continue
-                    dtype = cm.cluster.devices[u[0]].spec.name
-                    key = (dtype, cm.group_signature(u), b)
-                    if key not in seen:
-                        seen.add(key)
-                        out.append((dtype, u, b))
+                    kind = kinds.get(u)
+                    if kind is None:
+                        kind = kinds[u] = (cm.cluster.devices[u[0]].spec.name, cm.group_signature(u))
+                    if (*kind, b) not in seen:
+                        seen.add((*kind, b))
+                        out.append((kind[0], u, b))
     return out
 
 

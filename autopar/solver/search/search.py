@@ -486,8 +486,7 @@ class Search:
             slots, split, n_a, fitting, values = solved[a]
             # what an anchor's split gives share s at m micro-batches (of n samples: whether it fits) is the same for
             # every config sharing the anchor
-            value = values.get((s, m), values)
-            if value is values:
+            if (s, m) not in values:
                 value = None
                 if split is not None:
                     n = -(-s // m)
@@ -496,7 +495,7 @@ class Search:
                     if a == s or fitting[(m, n)]:
                         value = round(priced_surrogate(cm, slots, split.stages, cfg.chunks, s / n_a) * 1e9)
                 values[(s, m)] = value
-            table.append(value)
+            table.append(values[(s, m)])
         return table
 
     def _fits(self, cfg: Config, slots: list[Slot], split: Split, m: int, n: int) -> bool:
