@@ -30,7 +30,7 @@ from .ir.plan import Plan, Strategy
 from .ir.precision import precision_change
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
-from .passes.capture import LossFn, capture
+from .passes.capture import Captures, LossFn, capture
 from .passes.sequence_split import check_masks
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
@@ -102,14 +102,17 @@ def connect(cluster: Cluster | str | dict | os.PathLike, timeout_s: float) -> Jo
 
 @dataclass(frozen=True)
 class Captured:
-    """`capture_model`'s output: the captured graph, the step's example batch as the user gave it, and the
-    batch the capture (and the planner) read (a meta model's inputs and target as its weights allow)."""
+    """`capture_model`'s output: the captured graph, the step's example batch as the user gave it, the
+    batch the capture (and the planner) read (a meta model's inputs and target as its weights allow), and the
+    memo of the model's micro-batch captures that every program this compile builds shares (a re-routed,
+    re-planned or reshared program captures no size again)."""
 
     graph: TrainingGraph
     inputs: tuple
     target: Any
     capture_inputs: tuple
     capture_target: Any
+    captures: Captures = field(default_factory=Captures)
 
 
 def capture_model(model: nn.Module, inputs: tuple, example_target: Any, loss_fn: LossFn | None) -> Captured:
@@ -255,7 +258,7 @@ def build_phase(model: nn.Module, job: Job, captured: Captured, plan: Plan, dela
     try:
         prog = program(model, plan, captured.inputs, captured.target, asked.loss_fn, asked.optimizer, job.rank,
                        job.world, timeout_s=asked.timeout_s, kernels=asked.kernels, weights=asked.weights,
-                       graph=captured.graph, seed=asked.seed)
+                       graph=captured.graph, seed=asked.seed, captures=captured.captures)
     except BaseException:
         if check is not None:
             check.abandon()
@@ -438,7 +441,8 @@ def compile(
     dump_phase(prog, plan, dump_dir, model, job, captured, loss_fn, kernels)
     # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)
     rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights,
-                           captured.graph, (captured.capture_inputs, captured.capture_target), seed=seed)
+                           captured.graph, (captured.capture_inputs, captured.capture_target), seed=seed,
+                           captures=captured.captures)
     prog = rebuilder.wrap(prog, reroute)
     if not adapt:
         return prog
@@ -477,11 +481,12 @@ class _Rebuilder:
     capture_args: tuple
     cost_models: dict = field(default_factory=dict)
     seed: int = 0
+    captures: Captures = field(default_factory=Captures)
 
     def build(self, plan: Any, rank: int, world: int) -> Program:
         return Program(self.model, plan, self.inputs, self.target, self.loss_fn, self.optimizer, rank, world,
                        timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=self.graph,
-                       seed=self.seed)
+                       seed=self.seed, captures=self.captures)
 
     def cost_model(self, plan: Any) -> Any:
         """The planner's cost model for `plan`'s cluster (one per cluster: a loss prices and copies on one)."""

@@ -13,6 +13,7 @@ from autopar.cluster import Cluster
 from autopar.ir.lowered import Layout
 from autopar.ir.plan import Pipeline, Plan, Stage, Strategy, plan_from_strategy
 from autopar.lowering import layout_of
+from autopar.passes.capture import Captures
 from autopar.runtime.program import Program
 
 STEPS = 3
@@ -151,22 +152,28 @@ def reference_eval(name: str, kwargs: dict, steps: int = STEPS) -> tuple[torch.T
     return before, losses, model_output(case)
 
 
-def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> tuple[models.ModelCase, Program]:
-    import autopar
-
+def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None
+                 ) -> tuple[models.ModelCase, Program]:
+    """Case `name` built afresh and its Program for `spec`. `memo` (a dict a worker keeps over its list of
+    cases): the captures of each (name, kwargs) model, shared by the cases that build that same model (built
+    alike from the same seed) as compile shares them between the programs of one model (`Captures`)."""
     case = build(name, **kwargs)
+    memo = {} if memo is None else memo
+    captures = memo.setdefault((name, repr(sorted(kwargs.items()))), Captures())
     # no per-node source lines: a rank's program shows none (a fifth of a small model's capture, 308 captures a run)
-    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
+    g = captures.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
     prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
-                   case.loss_fn, optimizer, rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"), graph=g)
+                   case.loss_fn, optimizer, rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"), graph=g,
+                   captures=captures)
     return case, prog
 
 
 def run_eval_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple]:
     """Worker body: eval_step output before training, the training losses, eval_step output after."""
     out = []
+    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
-        case, prog = compile_case(name, kwargs, spec, rank, world)
+        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
         before = prog.eval_step(*case.example_inputs)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((before, losses, prog.eval_step(*case.example_inputs), work_of(prog)))
@@ -188,8 +195,9 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> lis
     """Worker body: train every case on this process group; return losses, the full final state and what
     this rank was given (`work_of`)."""
     out = []
+    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
-        case, prog = compile_case(name, kwargs, spec, rank, world)
+        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((losses, prog.state_dict()["model"], work_of(prog)))
     return out
@@ -237,6 +245,7 @@ def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]
     loss_op = torch.ops.aten.cross_entropy_loss.default
     original = rules[loss_op]
     out = []
+    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
         counted = [0]
 
@@ -247,7 +256,7 @@ def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]
 
         rules[loss_op] = counting
         try:
-            case, prog = compile_case(name, kwargs, spec, rank, world)
+            case, prog = compile_case(name, kwargs, spec, rank, world, memo)
             shapes = {k: tuple(getattr(v, "_local_tensor", v).shape) for k, v in prog.params.items()}
             losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         finally:

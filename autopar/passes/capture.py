@@ -86,6 +86,40 @@ def capture(
         return graph_from_export(ep, type(model).__name__, batch_size=_batch_size(example_inputs))
 
 
+class Captures:
+    """One model's captures, each made once: a memo keyed by the batch a capture was made on (the shapes,
+    dtypes and devices of its inputs and target, the loss function, whether source lines were kept).
+
+    A program rebuilt for the same model (a re-route's, a re-plan's or a shed share's program, each rank's
+    program in a device audit) takes its micro-batch captures from here instead of capturing again; a capture
+    is a pure function of the model and its batch's shapes, so a hit gives the graph a capture would. Whoever
+    holds the memo keeps it to one model in one state (or models built identically: the key does not look at
+    the model); a capture of a model whose forward was swapped for a program (expert dispatch) is not kept."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, TrainingGraph] = {}
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def capture(self, model: nn.Module, example_inputs: tuple | list | torch.Tensor, loss_fn: LossFn | None = None,
+                example_target: Any = None, *, sources: bool = True) -> TrainingGraph:
+        """`capture(...)`'s graph for these arguments: the kept one when this batch was captured before."""
+        key = (_batch_key(example_inputs), _batch_key(example_target), loss_fn, sources)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = capture(model, example_inputs, loss_fn, example_target, sources=sources)
+        return graph
+
+
+def _batch_key(tree: Any) -> tuple:
+    """What a capture reads of a batch: each tensor's shape, dtype, device and whether it requires a gradient,
+    every other leaf's value."""
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    return (str(spec), *((tuple(x.shape), x.dtype, x.device.type, x.requires_grad) if isinstance(x, torch.Tensor)
+                         else repr(x) for x in leaves))
+
+
 def _export(wrapper: nn.Module, args: tuple, sources: bool = True) -> torch.export.ExportedProgram:
     import torch.fx.config as fx_config
 

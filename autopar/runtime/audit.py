@@ -188,7 +188,7 @@ def audit_devices(model: nn.Module, plan: Any, example_inputs: tuple, example_ta
     accelerator ranks on the meta device, and report every tensor handed to communication that is not on its
     rank's device (module docstring). Needs no process group of its own (one must not exist)."""
     from ..cluster import Cluster
-    from ..passes.capture import capture
+    from ..passes.capture import Captures
 
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -200,12 +200,13 @@ def audit_devices(model: nn.Module, plan: Any, example_inputs: tuple, example_ta
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cluster = Cluster.load(plan.cluster)
     world = cluster.world_size
-    graph = capture(model, inputs, loss_fn, example_target)
+    captures = Captures()  # every rank's program takes its micro-batch captures from the first that made them
+    graph = captures.capture(model, inputs, loss_fn, example_target)
     report = DeviceReport()
     with _meta_mesh_host(world):
         for rank in ranks if ranks is not None else range(world):
-            _audit_rank(model, plan, inputs, example_target, loss_fn, steps, optimizer, kernels, graph, cluster,
-                        world, rank, report, FakeStore)
+            _audit_rank(model, plan, inputs, example_target, loss_fn, steps, optimizer, kernels, graph, captures,
+                        cluster, world, rank, report, FakeStore)
     report.backend_mismatches = _mismatches(report)
     return report
 
@@ -222,8 +223,8 @@ def _meta_mesh_host(world: int) -> Any:
 
 
 def _audit_rank(model: nn.Module, plan: Any, inputs: tuple, example_target: Any, loss_fn: Any, steps: int,
-                optimizer: Any, kernels: str, graph: Any, cluster: Any, world: int, rank: int, report: DeviceReport,
-                fake_store: Any) -> None:
+                optimizer: Any, kernels: str, graph: Any, captures: Any, cluster: Any, world: int, rank: int,
+                report: DeviceReport, fake_store: Any) -> None:
     from .elastic import stop_heartbeat
     from .program import Program
 
@@ -233,7 +234,7 @@ def _audit_rank(model: nn.Module, plan: Any, inputs: tuple, example_target: Any,
     try:
         with _Recorder(rank, device, report, CommDevices.of_cluster(cluster, device)):
             prog = Program(model, plan, inputs, example_target, loss_fn, optimizer, rank, world,
-                           kernels=kernels, graph=graph, device=device)
+                           kernels=kernels, graph=graph, device=device, captures=captures)
             if prog.tp is not None:
                 report.meshes[rank] = prog.tp.mesh.device_type
             for _ in range(steps):

@@ -422,12 +422,13 @@ class ExpertRuntime:
             for m in done:
                 del m.forward
 
-    def capture(self, model: nn.Module, inputs: tuple, loss_fn: object, target: object) -> TrainingGraph:
+    def capture(self, model: nn.Module, inputs: tuple, loss_fn: object, target: object, sources: bool = True
+                ) -> TrainingGraph:
         """The model captured as its stages run: supported MoE modules dispatching through the op."""
         from ..passes.capture import capture
 
         with self.swapped(model):
-            return capture(model, inputs, loss_fn, target)
+            return capture(model, inputs, loss_fn, target, sources=sources)
 
     def adapt_tp(self, tp: TPStage, graph: TrainingGraph) -> None:
         """Tensor parallelism on a stage with experts (`graph` from `capture`): the experts stay whole and

@@ -34,7 +34,7 @@ from ..ir.lowered import PipelineLayout, RankProgram
 from ..ir.schedule import MEMORY_OF, Action
 from ..ir.schedule_nccl import TRANSFER_KINDS
 from ..lowering import lower
-from ..passes.capture import LossFn, capture
+from ..passes.capture import Captures, LossFn
 from ..passes.randomness import Draws, draws, draws_random, keyed_randomness, remembering
 from ..passes.sequence_split import loss_is_token_mean, sequence_roles
 from .context_parallel import ContextParallel
@@ -124,10 +124,12 @@ class Program:
                  loss_fn: LossFn | None, optimizer: str | OptimizerFactory, rank: int, world_size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, kernels: str = "auto",
                  weights: WeightsArg = None, graph: TrainingGraph | None = None,
-                 device: torch.device | None = None, seed: int = 0) -> None:
+                 device: torch.device | None = None, seed: int = 0, captures: Captures | None = None) -> None:
         """`plan`: an `autopar.Plan` (what `autopar.plan`, `estimate` or `plan_from_strategy` return).
         `graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
-        caller has it (compile does), so the model is not captured again for it. `device`: where this rank
+        caller has it (compile does), so the model is not captured again for it. `captures`: the memo of the
+        model's captures this program takes its micro-batch captures from and adds its own to (compile keeps one
+        per compile, so a rebuilt program of the same model captures nothing it has). `device`: where this rank
         computes (default: the plan's device of `rank`, devices.py's rule; the device audit passes meta).
         `seed`: what the random ops' keyed stream starts from (passes/randomness.py), the same on every rank."""
         self.plan = plan
@@ -152,7 +154,9 @@ class Program:
         example_inputs, example_target = self._weights.capture_args(example_inputs, example_target)
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
-        self.graph = graph if graph is not None else capture(model, example_inputs, loss_fn, example_target)
+        self._captures = captures if captures is not None else Captures()
+        self.graph = graph if graph is not None else \
+            self._captures.capture(model, example_inputs, loss_fn, example_target)
         self.lowered: RankProgram = lower(plan, self.graph, rank)  # what this rank executes
         layout = self.lowered.layout
         if world_size != layout.world_size:
@@ -324,9 +328,11 @@ class Program:
         if self.cp is not None:
             g, finish = self._capture_tokens(model, mb_inputs, mb_target, size)
         else:
-            with self.experts.swapped(model) if self.experts else contextlib.nullcontext():
-                g = self.graph if size == self.layout.global_batch and not self.experts \
-                    else capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
+            if self.experts:  # the swapped forward names this program's dispatch contexts: not kept
+                g = self.experts.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
+            else:
+                g = self.graph if size == self.layout.global_batch \
+                    else self._captures.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
             if len(g.layers) != len(self.graph.layers):
                 raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                                 f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
@@ -349,10 +355,10 @@ class Program:
         cp = self.cp
         assert cp is not None
         full = self.graph if size == self.layout.global_batch \
-            else capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
+            else self._captures.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
         local_in = tuple(cp.tokens(x) for x in mb_inputs)
         local_target = cp.tokens(mb_target)
-        g = capture(model, local_in, self.loss_fn, local_target, sources=False)
+        g = self._captures.capture(model, local_in, self.loss_fn, local_target, sources=False)
         if len(g.layers) != len(self.graph.layers):
             raise PlanError(f"capturing at {cp.seq_local} tokens per sequence gave {len(g.layers)} layers, not "
                             f"{len(self.graph.layers)}; the model's structure depends on the sequence length: "
