@@ -21,7 +21,7 @@ from autopar.runtime.checkpoint import CheckpointError, load_into_model
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 
-from .runtime_cases import assert_work_split, build, optimizer, plan_for, reference, work_of
+from .runtime_cases import assert_work_split, build, compile_case, optimizer, plan_for, reference, work_of
 
 RTOL, ATOL = 1e-4, 1e-5
 SAVED_AT = 2
@@ -42,27 +42,25 @@ CASES: dict[str, tuple[str, dict, dict, list[dict], dict]] = {
 }
 
 
-def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> tuple[Program, models.ModelCase]:
-    import autopar
-
-    case = build(name, **kwargs)
-    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    return Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
-                   case.loss_fn, optimizer, rank, world, timeout_s=60, graph=g), case
+def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None
+             ) -> tuple[Program, models.ModelCase]:
+    case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+    return prog, case
 
 
 def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
     """4 ranks: train SAVED_AT steps, save, reload under each other layout and train one more step."""
     out: dict[str, Any] = {}
+    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec, reloads, _) in CASES.items():
-        prog, case = _program(name, kwargs, spec, rank, world)
+        prog, case = _program(name, kwargs, spec, rank, world, memo)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(SAVED_AT)]
         path = Path(root) / cid
         prog.save(str(path))
         saved = prog.state_dict()
         out[cid] = {"losses": losses, "saved": saved["model"], "reloads": [], "work": work_of(prog)}
         for other in reloads:
-            new, case = _program(name, kwargs, other, rank, world)
+            new, case = _program(name, kwargs, other, rank, world, memo)
             new.load(str(path))
             again = new.state_dict()
             loss = new.step(*case.example_inputs, target=case.example_target)
@@ -76,13 +74,14 @@ def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
 def reload_small(rank: int, world: int, root: str) -> dict[str, Any]:
     """2 ranks: load the 4-rank checkpoints and train one more step."""
     out = {}
+    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, _, _, small) in CASES.items():
-        prog, case = _program(name, kwargs, small, rank, world)
+        prog, case = _program(name, kwargs, small, rank, world, memo)
         prog.load(str(Path(root) / cid))
         loss = prog.step(*case.example_inputs, target=case.example_target)
         out[cid] = {"loss": loss, "final": prog.state_dict()["model"]}
     # a checkpoint of another model fails on every rank (none is left waiting in the collective load)
-    prog, _ = _program("gpt", {"layers": 2, "batch": 4}, {"pp": 2, "m": 2}, rank, world)
+    prog, _ = _program("gpt", {"layers": 2, "batch": 4}, {"pp": 2, "m": 2}, rank, world, memo)
     try:
         prog.load(str(Path(root) / "dp-pp-zero1"))
         out["mismatch"] = "loaded"

@@ -24,6 +24,7 @@ from autopar.ir.schedule_waves import (
     validate_waves,
     waves_1f1b,
 )
+from autopar.passes.capture import Captures
 from autopar.runtime.asynchronous import AsyncProgram
 from autopar.runtime.flushless import FlushlessProgram, async_program
 from autopar.runtime.launch import spawn_local
@@ -152,11 +153,12 @@ CASES_4 = [({}, {"dp": 2, "pp": 2, "m": 2, "batch_split": [3, 1]}), ({"layers": 
 EVAL_AFTER = 3  # an eval_step after this many waves: the pipeline drains, the updates stay pending
 
 
-def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int) -> tuple:
+def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int, memo: dict) -> tuple:
     case = build("gpt", **kwargs)
-    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
+    captures = memo.setdefault(repr(sorted(kwargs.items())), Captures())  # one model's, shared by its programs
+    g = captures.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
     prog = cls(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target, case.loss_fn,
-               optimizer, rank, world, timeout_s=60, graph=g, sync="2bw")
+               optimizer, rank, world, timeout_s=60, graph=g, sync="2bw", captures=captures)
     losses, evaluated = [], None
     for c in range(WAVES):
         losses.append(prog.step(*case.example_inputs, target=case.example_target))
@@ -170,7 +172,8 @@ def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int) -> tuple:
 
 def run_cases(rank: int, world: int, cases: list) -> list:
     os.environ.pop("AUTOPAR_SLOWDOWN", None)
-    return [(_train(FlushlessProgram, kw, spec, rank, world), _train(AsyncProgram, kw, spec, rank, world))
+    memo: dict = {}
+    return [(_train(FlushlessProgram, kw, spec, rank, world, memo), _train(AsyncProgram, kw, spec, rank, world, memo))
             for kw, spec in cases]
 
 

@@ -19,7 +19,7 @@ from autopar.runtime import zero
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.zero import BUCKET_BYTES
 
-from .runtime_cases import STEPS, assert_matches_reference, build, optimizer, plan_for, reference
+from .runtime_cases import STEPS, assert_matches_reference, build, compile_case, optimizer, reference
 
 RTOL, ATOL = 1e-4, 1e-5
 GPT = ("gpt", {"layers": 4, "batch": 8})
@@ -106,23 +106,19 @@ def _grad_bytes_after_sync(prog: Any, case: models.ModelCase) -> int:
     return out
 
 
-def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int) -> tuple[Any, models.ModelCase]:
-    import autopar
-    from autopar.runtime.program import Program
-
-    case = build(name, **kwargs)
-    g = autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target)
-    prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target, case.loss_fn,
-                   optimizer, rank, world, timeout_s=60, graph=g)
+def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None
+             ) -> tuple[Any, models.ModelCase]:
+    case, prog = compile_case(name, kwargs, spec, rank, world, memo)
     return prog, case
 
 
 def run_memory_cases(rank: int, world: int) -> dict:
     """Worker body: every case, then the reload cases, on one process group."""
     out: dict[str, Any] = {}
+    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec) in CASES.items():
         t0 = time.perf_counter()
-        prog, case = _program(name, kwargs, spec, rank, world)
+        prog, case = _program(name, kwargs, spec, rank, world, memo)
         real, _CountingSaveOnCpu.packed = torch.autograd.graph.save_on_cpu, 0
         torch.autograd.graph.save_on_cpu = _CountingSaveOnCpu
         zero.BUCKET_BYTES = spec.get("bucket_bytes", BUCKET_BYTES)
@@ -139,7 +135,7 @@ def run_memory_cases(rank: int, world: int) -> dict:
         if cid == "zero2":
             out["zero2-state"] = sd
     for cid, spec in RELOAD.items():
-        prog, case = _program(*GPT, spec, rank, world)
+        prog, case = _program(*GPT, spec, rank, world, memo)
         prog.load_state_dict(out["zero2-state"])
         loss = prog.step(*case.example_inputs, target=case.example_target)
         out[f"reload-{cid}"] = {"loss": loss, "model": prog.state_dict()["model"], "step": prog.step_count}
