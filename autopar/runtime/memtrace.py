@@ -153,14 +153,18 @@ def allocations(roots: list[Any], device: str = "cpu") -> list[Allocation]:
     """The allocator events on `device` in a profiler event tree (`experimental_event_tree()`), attributed,
     in time order (ns since the first of them)."""
     out: list[Allocation] = []
-    stack = list(reversed(roots))
-    while stack:  # depth first, in recorded order
-        node = stack.pop()
+    top = ("", None, None)  # what a root's ancestors say: no phase, no kind, no op
+    stack = [(root, top) for root in reversed(roots)]
+    while stack:  # depth first, in recorded order, each node with its ancestors' attribution (`_below`)
+        node, (phase, kind, op) = stack.pop()
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == device:
             ef = node.extra_fields
-            out.append(Allocation(int(ef.alloc_size), node.start_time_ns, *_attribute(node),
+            out.append(Allocation(int(ef.alloc_size), node.start_time_ns, phase, kind or op or UNTRACED,
                                   int(ef.ptr), device))
-        stack.extend(reversed(node.children))
+        children = node.children
+        if children:
+            below = _below(node.name, phase, kind, op)
+            stack.extend((child, below) for child in reversed(children))
     out.sort(key=lambda a: a.t_ns)  # stable: ties keep the recorded order
     t0 = out[0].t_ns if out else 0
     for a in out:
@@ -168,17 +172,16 @@ def allocations(roots: list[Any], device: str = "cpu") -> list[Allocation]:
     return out
 
 
-def _attribute(node: Any) -> tuple[str, str]:
-    """(phase, what) of an allocation event, from its ancestors."""
-    names = []
-    p = node.parent
-    while p is not None:
-        names.append(p.name)
-        p = p.parent
-    phases = [n[len(PHASE):] for n in names if n.startswith(PHASE)]
-    ops = [n for n in names if not n.startswith(PHASE) and ("::" in n or n.startswith("Optimizer."))]
-    kind = next((k for n in ops for prefix, k in KINDS if n.startswith(prefix)), None)
-    return (phases[-1] if phases else ""), kind or (ops[-1] if ops else UNTRACED)
+def _below(name: str, phase: str, kind: str | None, op: str | None) -> tuple[str, str | None, str | None]:
+    """What the nodes under one named `name` inherit, from what its own ancestors say (phase: the outermost
+    phase; kind: the innermost op that says what an allocation is for, KINDS; op: the outermost op): an
+    allocation's (phase, what) is its phase and its kind, else its outermost op. Passed down the tree once,
+    not walked up from every allocation."""
+    if name.startswith(PHASE):
+        return phase or name[len(PHASE):], kind, op
+    if "::" in name or name.startswith("Optimizer."):
+        return phase, next((k for prefix, k in KINDS if name.startswith(prefix)), None) or kind, op or name
+    return phase, kind, op
 
 
 def fill(trace: MemoryTrace, allocs: list[Allocation]) -> None:
