@@ -75,6 +75,7 @@ def test_every_program_kind_implements_the_protocol(kind: str, tmp_path: Path) -
         assert (prog.plan is None) == (kind == "ReplicatedProgram")
         losses = [prog.step(*step_inputs, target=target) for _ in range(STEPS)]
         assert all(isinstance(v, float) for v in losses)
+        assert prog.step_count == STEPS
 
         # eval_step: the model's output under the trained state, no update
         state = prog.state_dict()
@@ -146,6 +147,7 @@ def _rerouting(rank: int, world: int) -> dict[str, Any]:
                            ADAM, plan=autopar.Strategy(dp=world), reroute=True)
     losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
     return {"kind": type(prog).__name__, "protocol": isinstance(prog, TrainingProgram), "losses": losses,
+            "step_count": prog.step_count,
             "eval": prog.eval_step(*case.example_inputs).detach(), "state": prog.state_dict()["model"],
             "report_ranks": len(prog.report().ranks), "plan": prog.plan.to_json()}
 
@@ -158,5 +160,6 @@ def test_the_rerouting_wrapper_forwards_the_protocol() -> None:
         expected = case.model(*case.example_inputs)
     for r in results:
         assert r["kind"] == "ReroutingProgram" and r["protocol"] and r["report_ranks"] == 2
+        assert r["step_count"] == STEPS
         torch.testing.assert_close(r["eval"], expected, rtol=1e-5, atol=1e-6)
     assert results[0]["losses"] == results[1]["losses"] and results[0]["plan"] == results[1]["plan"]

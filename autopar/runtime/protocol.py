@@ -7,6 +7,7 @@ Every program, whatever the plan and the training mode (the pipeline `Program`; 
 one of these to survive a lost rank or adapt to a straggler) has:
 
 - `plan`: the `Plan` it trains (None only for `ReplicatedProgram`, which trains the model as written);
+- `step_count`: the optimizer steps taken (a loaded state's "step" included);
 - `step(*inputs, target=None)`: one optimizer step on one global batch; the global mean loss, the same on
   every rank;
 - `eval_step(*inputs)`: forward only on one global batch, no gradient and no update: the model's full
@@ -19,8 +20,9 @@ one of these to survive a lost rank or adapt to a straggler) has:
 - `report()`: every rank's predicted vs measured peak memory and step time (`RunReport`;
   `print(prog.report())`).
 
-All but `plan` are collective: every rank calls them, in the same order. Wrappers forward what they do not
-change to the program they hold (`Wrapping`): explicitly, member by member, never through `__getattr__`.
+All but `plan` and `step_count` are collective: every rank calls them, in the same order. Wrappers forward what
+they do not change to the program they hold (`Wrapping`): explicitly, member by member, never through
+`__getattr__`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class TrainingProgram(Protocol):
 
     @property
     def plan(self) -> Plan | None: ...
+
+    @property
+    def step_count(self) -> int: ...
 
     def step(self, *inputs: Any, target: Any = None) -> float: ...
 
@@ -63,6 +68,10 @@ class Wrapping:
     @property
     def plan(self) -> Plan | None:
         return self.program.plan
+
+    @property
+    def step_count(self) -> int:
+        return self.program.step_count
 
     @property
     def rank(self) -> int:
