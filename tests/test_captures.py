@@ -5,6 +5,7 @@ captures. Exports are counted at torch's entry point (`torch.export.export`), no
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -46,6 +47,23 @@ def test_a_batch_is_captured_once_and_each_shape_on_its_own(exports: list) -> No
     fresh = capture(case.model, half[0], case.loss_fn, half[1], sources=False)
     assert [(n.target, [t.shape for t in n.outputs]) for n in h.nodes.values()] == \
         [(n.target, [t.shape for t in n.outputs]) for n in fresh.nodes.values()]
+
+
+@dataclasses.dataclass
+class _Loss:  # compares by value, so it cannot be hashed
+    scale: float = 1.0
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.scale * torch.nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
+
+
+def test_a_loss_function_that_cannot_be_hashed_is_kept_by_identity(exports: list) -> None:
+    case = build("gpt", layers=2, batch=4)
+    memo, loss = Captures(), _Loss()
+    g = memo.capture(case.model, case.example_inputs, loss, case.example_target, sources=False)
+    assert memo.capture(case.model, case.example_inputs, loss, case.example_target, sources=False) is g
+    assert memo.capture(case.model, case.example_inputs, _Loss(2.0), case.example_target, sources=False) is not g
+    assert len(exports) == 2
 
 
 def _train(prog: Program, case: Any) -> tuple[list[float], dict]:

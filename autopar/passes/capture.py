@@ -7,7 +7,7 @@ and works on meta tensors, so a 175B-parameter model is captured without allocat
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -105,7 +105,9 @@ class Captures:
     def capture(self, model: nn.Module, example_inputs: tuple | list | torch.Tensor, loss_fn: LossFn | None = None,
                 example_target: Any = None, *, sources: bool = True) -> TrainingGraph:
         """`capture(...)`'s graph for these arguments: the kept one when this batch was captured before."""
-        key = (_batch_key(example_inputs), _batch_key(example_target), loss_fn, sources)
+        # a loss function that compares by value but cannot be hashed (a dataclass with eq) is keyed by identity
+        fn = loss_fn if isinstance(loss_fn, Hashable) else ("id", id(loss_fn))
+        key = (_batch_key(example_inputs), _batch_key(example_target), fn, sources)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = capture(model, example_inputs, loss_fn, example_target, sources=sources)
