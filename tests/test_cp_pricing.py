@@ -17,6 +17,7 @@ import autopar
 from autopar import Plan, PlanError, Strategy
 from autopar.api import cost_model
 from autopar.cost_models.context import cp_exchange_bytes, exchange_steps, kv_block_bytes
+from autopar.ir.graph import TrainingGraph
 from autopar.models import gpt, lm_loss, mlp
 from autopar.solver.pricing.context import candidates
 from autopar.solver.pricing.pricing import Option
@@ -37,14 +38,22 @@ def _gpt(batch: int = 2, seq: int = 4096, hidden: int = 256, layers: int = 2, he
                device="meta")
 
 
+@functools.cache
+def _graph(**kw: object) -> TrainingGraph:
+    """The case's capture, once: each estimate and plan annotates a copy of it."""
+    c = _gpt(**kw)
+    return autopar.capture(c.model, c.example_inputs, c.loss_fn, c.example_target, sources=False)
+
+
 def _estimate(strategy: Strategy | Plan, cluster: str | dict, **kw) -> autopar.Estimate:
     c = _gpt(**kw)
-    return autopar.estimate(c.model, cluster, strategy, c.example_inputs, c.example_target, c.loss_fn)
+    return autopar.estimate(c.model, cluster, strategy, c.example_inputs, c.example_target, c.loss_fn,
+                            captured=_graph(**kw))
 
 
 def _plan(cluster: str | dict, **kw) -> Plan:
     c = _gpt(**kw)
-    return autopar.plan(c.model, cluster, c.example_inputs, c.example_target, c.loss_fn)
+    return autopar.plan(c.model, cluster, c.example_inputs, c.example_target, c.loss_fn, captured=_graph(**kw))
 
 
 # ---- the bytes -------------------------------------------------------------------------------------------------

@@ -47,10 +47,17 @@ def _case(kind: str = "gpt", **kw):
 
 
 @functools.cache
+def _graph(kind: str = "gpt", **kw) -> TrainingGraph:
+    """The case's capture, once: its cost models on every cluster annotate copies of it."""
+    c = _case(kind, **kw)
+    return autopar.capture(c.model, c.example_inputs, c.loss_fn, c.example_target, sources=False)
+
+
+@functools.cache
 def _cm(cluster_json: str, kind: str = "gpt", reserve: float = 0.1, **kw) -> CostModel:
     c = _case(kind, **kw)
     return cost_model(c.model, json.loads(cluster_json), c.example_inputs, c.example_target, c.loss_fn,
-                      memory_reserve=reserve)
+                      memory_reserve=reserve, captured=_graph(kind, **kw))
 
 
 def cm_for(cluster: str | dict, kind: str = "gpt", reserve: float = 0.1, **kw) -> CostModel:
