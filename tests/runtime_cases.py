@@ -152,19 +152,20 @@ def reference_eval(name: str, kwargs: dict, steps: int = STEPS) -> tuple[torch.T
     return before, losses, model_output(case)
 
 
-def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None
-                 ) -> tuple[models.ModelCase, Program]:
-    """Case `name` built afresh and its Program for `spec`. `memo` (a dict a worker keeps over its list of
-    cases): the captures of each (name, kwargs) model, shared by the cases that build that same model (built
-    alike from the same seed) as compile shares them between the programs of one model (`Captures`)."""
+def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None,
+                 program: type = Program, **options: Any) -> tuple[models.ModelCase, Program]:
+    """Case `name` built afresh and its Program for `spec` (or another `program` class, with its `options`).
+    `memo` (a dict a worker keeps over its list of cases): the captures of each (name, kwargs) model, shared by
+    the cases that build that same model (built alike from the same seed) as compile shares them between the
+    programs of one model (`Captures`)."""
     case = build(name, **kwargs)
     memo = {} if memo is None else memo
     captures = memo.setdefault((name, repr(sorted(kwargs.items()))), Captures())
     # no per-node source lines: a rank's program shows none (a fifth of a small model's capture, 308 captures a run)
     g = captures.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
-    prog = Program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
+    prog = program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,
                    case.loss_fn, optimizer, rank, world, timeout_s=60, kernels=spec.get("kernels", "auto"), graph=g,
-                   captures=captures)
+                   captures=captures, **options)
     return case, prog
 
 

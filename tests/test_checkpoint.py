@@ -42,25 +42,19 @@ CASES: dict[str, tuple[str, dict, dict, list[dict], dict]] = {
 }
 
 
-def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None
-             ) -> tuple[Program, models.ModelCase]:
-    case, prog = compile_case(name, kwargs, spec, rank, world, memo)
-    return prog, case
-
-
 def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
     """4 ranks: train SAVED_AT steps, save, reload under each other layout and train one more step."""
     out: dict[str, Any] = {}
     memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec, reloads, _) in CASES.items():
-        prog, case = _program(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(SAVED_AT)]
         path = Path(root) / cid
         prog.save(str(path))
         saved = prog.state_dict()
         out[cid] = {"losses": losses, "saved": saved["model"], "reloads": [], "work": work_of(prog)}
         for other in reloads:
-            new, case = _program(name, kwargs, other, rank, world, memo)
+            case, new = compile_case(name, kwargs, other, rank, world, memo)
             new.load(str(path))
             again = new.state_dict()
             loss = new.step(*case.example_inputs, target=case.example_target)
@@ -76,12 +70,12 @@ def reload_small(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {}
     memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, _, _, small) in CASES.items():
-        prog, case = _program(name, kwargs, small, rank, world, memo)
+        case, prog = compile_case(name, kwargs, small, rank, world, memo)
         prog.load(str(Path(root) / cid))
         loss = prog.step(*case.example_inputs, target=case.example_target)
         out[cid] = {"loss": loss, "final": prog.state_dict()["model"]}
     # a checkpoint of another model fails on every rank (none is left waiting in the collective load)
-    prog, _ = _program("gpt", {"layers": 2, "batch": 4}, {"pp": 2, "m": 2}, rank, world, memo)
+    _, prog = compile_case("gpt", {"layers": 2, "batch": 4}, {"pp": 2, "m": 2}, rank, world, memo)
     try:
         prog.load(str(Path(root) / "dp-pp-zero1"))
         out["mismatch"] = "loaded"
@@ -189,10 +183,10 @@ def test_every_entry_written_once(saved: tuple, cid: str) -> None:
 
 
 def test_single_process_program_roundtrip(tmp_path: Path) -> None:
-    prog, case = _program("gpt", {"layers": 2, "batch": 4}, {}, 0, 1)
+    case, prog = compile_case("gpt", {"layers": 2, "batch": 4}, {}, 0, 1)
     prog.step(*case.example_inputs, target=case.example_target)
     prog.save(str(tmp_path / "c"))
-    again, _ = _program("gpt", {"layers": 2, "batch": 4}, {"pp": 1, "m": 2}, 0, 1)
+    _, again = compile_case("gpt", {"layers": 2, "batch": 4}, {"pp": 1, "m": 2}, 0, 1)
     again.load(str(tmp_path / "c"))
     assert again.step_count == 1
     a, b = prog.state_dict(), again.state_dict()
@@ -229,7 +223,7 @@ def test_buffers_and_unused_parameters_are_saved(tmp_path: Path) -> None:
 
 
 def test_checkpoint_errors_say_what_is_wrong(tmp_path: Path) -> None:
-    prog, case = _program("gpt", {"layers": 2, "batch": 4}, {}, 0, 1)
+    case, prog = compile_case("gpt", {"layers": 2, "batch": 4}, {}, 0, 1)
     prog.save(str(tmp_path / "small"))
     with pytest.raises(CheckpointError, match="does not exist"):
         prog.load(str(tmp_path / "nothing"))

@@ -24,14 +24,21 @@ from autopar.ir.schedule_waves import (
     validate_waves,
     waves_1f1b,
 )
-from autopar.passes.capture import Captures
 from autopar.runtime.asynchronous import AsyncProgram
 from autopar.runtime.flushless import FlushlessProgram, async_program
 from autopar.runtime.launch import spawn_local
 from autopar.runtime.memtrace import tensor_bytes
 from autopar.solver.asynchronous import flushless_problems, flushless_wave
 from autopar.solver.flushless_memory import flushless_inflight, second_version_bytes
-from tests.runtime_cases import assert_matches_reference, assert_work_split, build, optimizer, plan_for, work_of
+from tests.runtime_cases import (
+    assert_matches_reference,
+    assert_work_split,
+    build,
+    compile_case,
+    optimizer,
+    plan_for,
+    work_of,
+)
 from tests.test_async import delayed_reference
 
 # ---- the IR ----------------------------------------------------------------------------------------------
@@ -154,11 +161,7 @@ EVAL_AFTER = 3  # an eval_step after this many waves: the pipeline drains, the u
 
 
 def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int, memo: dict) -> tuple:
-    case = build("gpt", **kwargs)
-    captures = memo.setdefault(repr(sorted(kwargs.items())), Captures())  # one model's, shared by its programs
-    g = captures.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
-    prog = cls(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target, case.loss_fn,
-               optimizer, rank, world, timeout_s=60, graph=g, sync="2bw", captures=captures)
+    case, prog = compile_case("gpt", kwargs, spec, rank, world, memo, program=cls, sync="2bw")
     losses, evaluated = [], None
     for c in range(WAVES):
         losses.append(prog.step(*case.example_inputs, target=case.example_target))

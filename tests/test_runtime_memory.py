@@ -106,19 +106,13 @@ def _grad_bytes_after_sync(prog: Any, case: models.ModelCase) -> int:
     return out
 
 
-def _program(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None
-             ) -> tuple[Any, models.ModelCase]:
-    case, prog = compile_case(name, kwargs, spec, rank, world, memo)
-    return prog, case
-
-
 def run_memory_cases(rank: int, world: int) -> dict:
     """Worker body: every case, then the reload cases, on one process group."""
     out: dict[str, Any] = {}
     memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec) in CASES.items():
         t0 = time.perf_counter()
-        prog, case = _program(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
         real, _CountingSaveOnCpu.packed = torch.autograd.graph.save_on_cpu, 0
         torch.autograd.graph.save_on_cpu = _CountingSaveOnCpu
         zero.BUCKET_BYTES = spec.get("bucket_bytes", BUCKET_BYTES)
@@ -135,7 +129,7 @@ def run_memory_cases(rank: int, world: int) -> dict:
         if cid == "zero2":
             out["zero2-state"] = sd
     for cid, spec in RELOAD.items():
-        prog, case = _program(*GPT, spec, rank, world, memo)
+        case, prog = compile_case(*GPT, spec, rank, world, memo)
         prog.load_state_dict(out["zero2-state"])
         loss = prog.step(*case.example_inputs, target=case.example_target)
         out[f"reload-{cid}"] = {"loss": loss, "model": prog.state_dict()["model"], "step": prog.step_count}
