@@ -30,7 +30,7 @@ from .ir.plan import Plan, Strategy
 from .ir.precision import precision_change
 from .lowering import check_transfers, layout_of
 from .passes.batch_stats import pieces_of, warn_if_batch_split
-from .passes.capture import Captures, LossFn, capture
+from .passes.capture import Captures, LossFn
 from .passes.sequence_split import check_masks
 from .report import dump_dir as _dump_dir
 from .runtime import checkpoint
@@ -100,29 +100,67 @@ def connect(cluster: Cluster | str | dict | os.PathLike, timeout_s: float) -> Jo
     return Job(cluster, device, rank, world)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Captured:
-    """`capture_model`'s output: the captured graph, the step's example batch as the user gave it, the
-    batch the capture (and the planner) read (a meta model's inputs and target as its weights allow), and the
-    memo of the model's micro-batch captures that every program this compile builds shares (a re-routed,
-    re-planned or reshared program captures no size again)."""
+    """`capture_model`'s output: the model's capture at one global batch (made when first asked for: on the rank
+    that plans, or when a phase prices the plan), the step's example batch as the user gave it, the batch the
+    capture (and the planner) read (a meta model's inputs and target as its weights allow), and the memo of the
+    model's captures that every program this compile builds shares (a re-routed, re-planned or reshared program
+    captures no size again). A rank that only trains the plan rank 0 made never captures the global batch: its
+    program lowers with its first micro-batch capture (`Program._structure`)."""
 
-    graph: TrainingGraph
+    model: nn.Module
+    loss_fn: LossFn | None
     inputs: tuple
     target: Any
     capture_inputs: tuple
     capture_target: Any
     captures: Captures = field(default_factory=Captures)
 
+    @property
+    def graph(self) -> TrainingGraph:
+        """The capture at the global batch (CaptureError naming the op and source line when the model cannot
+        be captured)."""
+        # no per-node source lines: only a dump shows them, and `dump_phase` writes the graph through `analyze`'s
+        # own capture (a CaptureError still names the user's line: it comes from the failing frame)
+        return self.captures.capture(self.model, self.capture_inputs, self.loss_fn, self.capture_target,
+                                     sources=False)
 
-def capture_model(model: nn.Module, inputs: tuple, example_target: Any, loss_fn: LossFn | None) -> Captured:
-    """Phase 2: the model captured once on one global batch (CaptureError naming the op and source line when
-    it cannot be); every later phase, and every re-plan, reuses it."""
+    @property
+    def global_graph(self) -> TrainingGraph | None:
+        """The capture at the global batch when one was made, else None (a program then lowers with its own)."""
+        return self.captures.kept(self.capture_inputs, self.loss_fn, self.capture_target, sources=False)
+
+    def num_layers(self, plan: Plan) -> int:
+        """The model's layer count: the capture's where there is one, else the plan's (which the program's
+        lowering then checks against its own capture)."""
+        graph = self.global_graph
+        if graph is None and plan.model.get("num_layers") is not None:
+            return int(plan.model["num_layers"])
+        return len(self.graph.layers)
+
+
+def capture_model(model: nn.Module, job: Job, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
+                  rank0_plans: bool) -> Captured:
+    """Phase 2: the model captured once on one global batch, where it is needed: by every rank, or only by rank
+    0 where rank 0 plans (`rank0_plans`: the others take its plan and capture only their micro-batch sizes).
+    The same CaptureError (naming the op and source line) is raised on every rank when the model cannot be
+    captured: rank 0 sends its outcome to the others. Every later phase, and every re-plan, reuses it."""
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
-    # no per-node source lines: only a dump shows them, and `dump_phase` writes the graph through `analyze`'s
-    # own capture (a CaptureError still names the user's line: it comes from the failing frame)
-    graph = capture(model, capture_inputs, loss_fn, capture_target, sources=False)
-    return Captured(graph, inputs, example_target, capture_inputs, capture_target)
+    captured = Captured(model, loss_fn, inputs, example_target, capture_inputs, capture_target)
+    if not rank0_plans or job.world == 1:
+        captured.graph  # noqa: B018  (raises here, before any other phase, when the model cannot be captured)
+        return captured
+    box: list[Any] = [None]
+    if job.rank == 0:
+        try:
+            captured.graph  # noqa: B018
+        except CaptureError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0, device=world_comm_device(job.cluster, job.device))
+    if box[0] is not None:
+        raise box[0]
+    return captured
 
 
 @dataclass(frozen=True)
@@ -239,7 +277,7 @@ def build_phase(model: nn.Module, job: Job, captured: Captured, plan: Plan, dela
     program = Program if not delay else functools.partial(async_program(plan, asked.sync), sync=asked.sync,
                                                           staleness=asked.staleness)
     # every rank's transfers as the executors issue them, under NCCL's rules (before any rank trains)
-    check_transfers(layout_of(plan, len(captured.graph.layers)),
+    check_transfers(layout_of(plan, captured.num_layers(plan)),
                     flushless=bool(delay) and not flushless_problems(plan, asked.sync))
     if any(st.cp > 1 for p in plan.pipelines for st in p.stages):
         # a cp plan's attention masks are computed once on the host to check they are causal (setup, not
@@ -258,7 +296,7 @@ def build_phase(model: nn.Module, job: Job, captured: Captured, plan: Plan, dela
     try:
         prog = program(model, plan, captured.inputs, captured.target, asked.loss_fn, asked.optimizer, job.rank,
                        job.world, timeout_s=asked.timeout_s, kernels=asked.kernels, weights=asked.weights,
-                       graph=captured.graph, seed=asked.seed, captures=captured.captures)
+                       graph=captured.global_graph, seed=asked.seed, captures=captured.captures)
     except BaseException:
         if check is not None:
             check.abandon()
@@ -422,7 +460,8 @@ def compile(
         return compile_graph(model, job.cluster, inputs, example_target, loss_fn, optimizer, plan, job.rank,
                              job.world, timeout_s, graph_options, precision, profiles, graph_data, check_plan)
     try:
-        captured = capture_model(model, inputs, example_target, loss_fn)
+        captured = capture_model(model, job, inputs, example_target, loss_fn,
+                                 rank0_plans=plan is None or isinstance(plan, Strategy))
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a
         # meta model: replicas would need it whole)
@@ -440,9 +479,7 @@ def compile(
     prog = build_phase(model, job, captured, plan, delay, building)
     dump_phase(prog, plan, dump_dir, model, job, captured, loss_fn, kernels)
     # a lost rank's micro-batches re-routed to its peers, a slow rank's shed to them (runtime/reroute.py)
-    rebuilder = _Rebuilder(model, inputs, example_target, loss_fn, optimizer, timeout_s, kernels, weights,
-                           captured.graph, (captured.capture_inputs, captured.capture_target), seed=seed,
-                           captures=captured.captures)
+    rebuilder = _Rebuilder(captured, optimizer, timeout_s, kernels, weights, seed=seed)
     prog = rebuilder.wrap(prog, reroute)
     if not adapt:
         return prog
@@ -469,34 +506,31 @@ class _Rebuilder:
     """Builds and prices Programs for rewritten plans of one compile (a lost rank's plan, shed batch shares):
     the runtime's re-routing and shedding call back into it, since the runtime cannot price plans itself."""
 
-    model: nn.Module
-    inputs: tuple
-    target: Any
-    loss_fn: LossFn | None
+    captured: Captured
     optimizer: Any
     timeout_s: float
     kernels: str
     weights: WeightsArg
-    graph: Any
-    capture_args: tuple
     cost_models: dict = field(default_factory=dict)
     seed: int = 0
-    captures: Captures = field(default_factory=Captures)
 
     def build(self, plan: Any, rank: int, world: int) -> Program:
-        return Program(self.model, plan, self.inputs, self.target, self.loss_fn, self.optimizer, rank, world,
-                       timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=self.graph,
-                       seed=self.seed, captures=self.captures)
+        c = self.captured
+        return Program(c.model, plan, c.inputs, c.target, c.loss_fn, self.optimizer, rank, world,
+                       timeout_s=self.timeout_s, kernels=self.kernels, weights=self.weights, graph=c.global_graph,
+                       seed=self.seed, captures=c.captures)
 
     def cost_model(self, plan: Any) -> Any:
-        """The planner's cost model for `plan`'s cluster (one per cluster: a loss prices and copies on one)."""
+        """The planner's cost model for `plan`'s cluster (one per cluster: a loss prices and copies on one),
+        from the global batch's capture (made here on a rank that had none)."""
         from .api import cost_model
 
         key = (json.dumps(plan.cluster, sort_keys=True), plan.precision, plan.memory_reserve)
         if key not in self.cost_models:
-            opt = priced_optimizer(self.optimizer)
-            self.cost_models[key] = cost_model(self.model, plan.cluster, *self.capture_args, self.loss_fn, opt,
-                                               plan.precision, plan.memory_reserve, self.kernels, captured=self.graph)
+            c = self.captured
+            self.cost_models[key] = cost_model(c.model, plan.cluster, c.capture_inputs, c.capture_target, c.loss_fn,
+                                               priced_optimizer(self.optimizer), plan.precision, plan.memory_reserve,
+                                               self.kernels, captured=c.graph)
         return self.cost_models[key]
 
     def price(self, plan: Any) -> Any:

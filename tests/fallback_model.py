@@ -37,3 +37,17 @@ def train(rank: int, world: int, cluster: str) -> tuple[list[float], dict]:
     assert any("if h.mean() > 0" in str(w.message) for w in caught), [str(w.message) for w in caught]
     losses = [prog.step(x, target=y) for _ in range(3)]
     return losses, prog.state_dict()["model"], prog.shares
+
+
+def refuse(rank: int, world: int, cluster: str) -> str:
+    """compile(..., fallback=False) on every rank: the CaptureError each rank raises."""
+    from autopar.compiler import compile
+    from autopar.errors import CaptureError
+
+    model, x, y = build()
+    try:
+        compile(model, cluster, example_inputs=(x,), example_target=y, loss_fn=nn.functional.cross_entropy,
+                fallback=False)
+    except CaptureError as e:
+        return str(e)
+    return "compiled"

@@ -14,6 +14,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.passes.capture import Captures, capture
 from autopar.runtime.audit import audit_devices
+from autopar.runtime.launch import spawn_local
 from autopar.runtime.program import Program
 
 from .runtime_cases import STEPS, build, optimizer, plan_for
@@ -109,3 +110,40 @@ def test_the_device_audit_captures_each_size_once(exports: list) -> None:
     assert report.ok, report.text()
     batch = case.example_inputs[0].shape[0]
     assert sorted(shapes[0][0] for shapes in exports[before:]) == [batch // 4, batch]
+
+
+def compile_counting(rank: int, world: int) -> list[tuple]:
+    """compile with a hand-written Strategy (priced on rank 0, which sends its plan): the batch shapes this
+    rank's `torch.export.export` calls were made on, then its training losses and final parameters."""
+    import autopar
+    from autopar.compiler import compile
+
+    calls: list[tuple] = []
+    real = torch.export.export
+
+    def counted(mod: Any, args: tuple, *a: Any, **k: Any) -> Any:
+        calls.append(tuple(x.shape[0] for x in args if isinstance(x, torch.Tensor))[0])
+        return real(mod, args, *a, **k)
+
+    torch.export.export = counted
+    try:
+        case = build("gpt", layers=2, batch=8)
+        prog = compile(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn, optimizer,
+                       plan=autopar.Strategy(dp=2, microbatch_size=2))
+    finally:
+        torch.export.export = real
+    return [calls, *_train(prog, case)]
+
+
+def test_only_the_planning_rank_captures_the_global_batch() -> None:
+    """dp 2, two micro-batches of 2 per replica: rank 0 captures the global batch (8) to price the plan and its
+    micro-batch size (2); rank 1, which takes rank 0's plan, captures only the micro-batch size, lowers with
+    that capture, and trains as one process does."""
+    from .runtime_cases import assert_matches_reference, reference
+
+    results = spawn_local(compile_counting, 2, timeout_s=120)
+    assert sorted(results[0][0]) == [2, 8]
+    assert results[1][0] == [2]
+    ref_losses, ref_params = reference("gpt", dict(layers=2, batch=8))
+    for rank, (_, losses, params) in enumerate(results):
+        assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")

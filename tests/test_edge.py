@@ -12,6 +12,7 @@ from autopar import models
 from autopar.api import cost_model
 from autopar.errors import PlanError
 from autopar.ir.plan import Strategy
+from autopar.passes.capture import capture
 from autopar.solver.pricing.pricing import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES, price
 from autopar.solver.search.search import search
 
@@ -25,12 +26,15 @@ BERT_BASE = dict(layers=12, hidden=768, heads=12, seq=128, vocab=30522)
 
 @pytest.fixture(scope="module")
 def bert_base():
-    return models.hf_bert(**BERT_BASE, batch=32, device="meta")
+    """The model and its capture (one per module: each cost model annotates its own copy of it)."""
+    mc = models.hf_bert(**BERT_BASE, batch=32, device="meta")
+    return mc, capture(mc.model, mc.example_inputs, mc.loss_fn, mc.example_target)
 
 
-def _cm(mc, cluster, precision="fp32", compress="bf16"):
+def _cm(bert, cluster, precision="fp32", compress="bf16"):
+    mc, graph = bert
     return cost_model(mc.model, cluster, mc.example_inputs, mc.example_target, mc.loss_fn, precision=precision,
-                      compress=compress)
+                      compress=compress, captured=graph)
 
 
 def _without_compression(plan):

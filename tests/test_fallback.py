@@ -10,7 +10,7 @@ from autopar.compiler import compile
 from autopar.errors import CaptureError
 from autopar.runtime.launch import spawn_local
 
-from .fallback_model import build, train
+from .fallback_model import build, refuse, train
 
 
 def _reference() -> tuple[list[float], dict]:
@@ -41,3 +41,11 @@ def test_fallback_can_be_refused() -> None:
     with pytest.raises(CaptureError, match="if h.mean"):
         compile(model, "1x1xcpu", example_inputs=(x,), example_target=y, loss_fn=nn.functional.cross_entropy,
                 fallback=False)
+
+
+def test_every_rank_raises_the_capture_error_when_fallback_is_refused() -> None:
+    """Only rank 0 captures the global batch when it plans (compiler.capture_model): the others are sent its
+    outcome, so every rank raises the same error instead of waiting for a plan that never comes."""
+    messages = spawn_local(refuse, 2, "1x2xcpu", timeout_s=60)
+    assert all("if h.mean" in m for m in messages), messages
+    assert messages[0] == messages[1]

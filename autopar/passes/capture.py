@@ -105,13 +105,22 @@ class Captures:
     def capture(self, model: nn.Module, example_inputs: tuple | list | torch.Tensor, loss_fn: LossFn | None = None,
                 example_target: Any = None, *, sources: bool = True) -> TrainingGraph:
         """`capture(...)`'s graph for these arguments: the kept one when this batch was captured before."""
-        # a loss function that compares by value but cannot be hashed (a dataclass with eq) is keyed by identity
-        fn = loss_fn if isinstance(loss_fn, Hashable) else ("id", id(loss_fn))
-        key = (_batch_key(example_inputs), _batch_key(example_target), fn, sources)
+        key = _memo_key(example_inputs, loss_fn, example_target, sources)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = capture(model, example_inputs, loss_fn, example_target, sources=sources)
         return graph
+
+    def kept(self, example_inputs: tuple | list | torch.Tensor, loss_fn: LossFn | None = None,
+             example_target: Any = None, *, sources: bool = True) -> TrainingGraph | None:
+        """The kept capture for these arguments, or None when this batch was not captured (nothing is captured)."""
+        return self._graphs.get(_memo_key(example_inputs, loss_fn, example_target, sources))
+
+
+def _memo_key(example_inputs: Any, loss_fn: LossFn | None, example_target: Any, sources: bool) -> tuple:
+    # a loss function that compares by value but cannot be hashed (a dataclass with eq) is keyed by identity
+    fn = loss_fn if isinstance(loss_fn, Hashable) else ("id", id(loss_fn))
+    return (_batch_key(example_inputs), _batch_key(example_target), fn, sources)
 
 
 def _batch_key(tree: Any) -> tuple:

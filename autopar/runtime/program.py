@@ -33,7 +33,7 @@ from ..ir.graph import TrainingGraph
 from ..ir.lowered import PipelineLayout, RankProgram
 from ..ir.schedule import MEMORY_OF, Action
 from ..ir.schedule_nccl import TRANSFER_KINDS
-from ..lowering import lower
+from ..lowering import layout_of, lower
 from ..passes.capture import Captures, LossFn
 from ..passes.randomness import Draws, draws, draws_random, keyed_randomness, remembering
 from ..passes.sequence_split import loss_is_token_mean, sequence_roles
@@ -127,7 +127,8 @@ class Program:
                  device: torch.device | None = None, seed: int = 0, captures: Captures | None = None) -> None:
         """`plan`: an `autopar.Plan` (what `autopar.plan`, `estimate` or `plan_from_strategy` return).
         `graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
-        caller has it (compile does), so the model is not captured again for it. `captures`: the memo of the
+        caller has it (rank 0 of a compile does); without it the program lowers with its first micro-batch
+        capture, which it makes for its stages anyway (`_structure`). `captures`: the memo of the
         model's captures this program takes its micro-batch captures from and adds its own to (compile keeps one
         per compile, so a rebuilt program of the same model captures nothing it has). `device`: where this rank
         computes (default: the plan's device of `rank`, devices.py's rule; the device audit passes meta).
@@ -155,8 +156,7 @@ class Program:
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
         self._captures = captures if captures is not None else Captures()
-        self.graph = graph if graph is not None else \
-            self._captures.capture(model, example_inputs, loss_fn, example_target)
+        self.graph = graph if graph is not None else self._structure(model, example_inputs, example_target)
         self.lowered: RankProgram = lower(plan, self.graph, rank)  # what this rank executes
         layout = self.lowered.layout
         if world_size != layout.world_size:
@@ -321,6 +321,28 @@ class Program:
         return ContextParallel(int(first.shape[1]), cp, c, self.groups.get(group), plan_stage.cp_attention,
                                self.device)
 
+    def _structure(self, model: nn.Module, inputs: tuple, target: Any) -> TrainingGraph:
+        """The graph this program lowers with when its caller has no capture: the capture at this rank's first
+        micro-batch size, which `_capture_stages` then takes from the memo (what lowering reads of a graph,
+        its layers, parameters and nodes, does not depend on the batch size; each stage's capture is checked
+        to have the same layers). The global batch's when the plan does not say its layer count."""
+        size, batch = self.plan.global_batch, self.plan.global_batch
+        if self.plan.model.get("num_layers") is not None:
+            layout = layout_of(self.plan, self.plan.model["num_layers"])
+            pos = layout.position(self.rank)
+            size = min(layout.pipelines[pos.pipeline if pos is not None else 0].microbatch_sizes)
+        mb_target = batch_slice(target, batch, 0, size) if target is not None else None
+        return self._captures.capture(model, tuple(batch_slice(x, batch, 0, size) for x in inputs), self.loss_fn,
+                                      mb_target, sources=False)
+
+    def _micro_capture(self, model: nn.Module, mb_inputs: tuple, mb_target: Any, size: int) -> TrainingGraph:
+        """The capture at one micro-batch size: the program's own graph at the global batch, else the memo's
+        (made once per size and model; the program's graph is the memo's when it lowered with a micro-batch
+        capture)."""
+        if size == self.plan.global_batch:
+            return self.graph
+        return self._captures.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
+
     def _capture_stages(self, model: nn.Module, inputs: tuple, target: Any, pipe: PipelineLayout,
                         size: int) -> list[StageProgram]:
         mb_inputs = tuple(self._slice(x, 0, size) for x in inputs)
@@ -331,8 +353,7 @@ class Program:
             if self.experts:  # the swapped forward names this program's dispatch contexts: not kept
                 g = self.experts.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
             else:
-                g = self.graph if size == self.layout.global_batch \
-                    else self._captures.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
+                g = self._micro_capture(model, mb_inputs, mb_target, size)
             if len(g.layers) != len(self.graph.layers):
                 raise PlanError(f"capturing at micro-batch size {size} gave {len(g.layers)} layers, not "
                                 f"{len(self.graph.layers)}; the model's structure depends on the batch size.")
@@ -354,8 +375,7 @@ class Program:
         attentions replaced (`ContextParallel.rewrite`)."""
         cp = self.cp
         assert cp is not None
-        full = self.graph if size == self.layout.global_batch \
-            else self._captures.capture(model, mb_inputs, self.loss_fn, mb_target, sources=False)
+        full = self._micro_capture(model, mb_inputs, mb_target, size)
         local_in = tuple(cp.tokens(x) for x in mb_inputs)
         local_target = cp.tokens(mb_target)
         g = self._captures.capture(model, local_in, self.loss_fn, local_target, sources=False)
