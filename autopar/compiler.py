@@ -41,7 +41,7 @@ from .runtime.elastic import LOST_FILE, device_usable, join_attempt, lost_device
 from .runtime.fallback import ReplicatedProgram
 from .runtime.flushless import async_program  # 2BW's flushless schedule where it runs
 from .runtime.plan_check import PlanCheck
-from .runtime.program import OptimizerFactory, Program
+from .runtime.program import OptimizerFactory, Program, structure_capture
 from .runtime.protocol import TrainingProgram
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
@@ -141,25 +141,37 @@ class Captured:
 
 
 def capture_model(model: nn.Module, job: Job, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
-                  rank0_plans: bool) -> Captured:
-    """Phase 2: the model captured once on one global batch, where it is needed: by every rank, or only by rank
-    0 where rank 0 plans (`rank0_plans`: the others take its plan and capture only their micro-batch sizes).
-    The same CaptureError (naming the op and source line) is raised on every rank when the model cannot be
-    captured: rank 0 sends its outcome to the others. Every later phase, and every re-plan, reuses it."""
+                  plan: Any) -> Captured:
+    """Phase 2: the model captured where a later phase needs it, each capture once: at the global batch on the
+    rank that plans or prices a Strategy (`plan` None or a Strategy; the other ranks take its plan), at the
+    rank's first micro-batch size on every rank that trains a given Plan (what its program lowers with:
+    `structure_capture`), at the global batch on every rank otherwise. A model that cannot be captured raises
+    the same CaptureError (naming the op and source line) on every rank, so every rank falls back or none does:
+    the ranks share their outcomes. Every later phase, and every re-plan, reuses the captures."""
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
     captured = Captured(model, loss_fn, inputs, example_target, capture_inputs, capture_target)
-    if not rank0_plans or job.world == 1:
+    rank0_plans = plan is None or isinstance(plan, Strategy)
+    if job.world == 1 or not (rank0_plans or isinstance(plan, Plan)):
         captured.graph  # noqa: B018  (raises here, before any other phase, when the model cannot be captured)
         return captured
-    box: list[Any] = [None]
-    if job.rank == 0:
-        try:
+    failed: CaptureError | None = None
+    try:
+        if isinstance(plan, Plan):
+            structure_capture(captured.captures, model, plan, job.rank, capture_inputs, capture_target, loss_fn)
+        elif job.rank == 0:
             captured.graph  # noqa: B018
-        except CaptureError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0, device=world_comm_device(job.cluster, job.device))
-    if box[0] is not None:
-        raise box[0]
+    except CaptureError as e:
+        failed = e
+    device = world_comm_device(job.cluster, job.device)
+    if rank0_plans:
+        outcomes = [failed]
+        dist.broadcast_object_list(outcomes, src=0, device=device)
+    else:
+        outcomes = [None] * job.world
+        dist.all_gather_object(outcomes, failed)
+    first = next((e for e in outcomes if e is not None), None)
+    if first is not None:
+        raise failed if failed is not None else first
     return captured
 
 
@@ -460,8 +472,9 @@ def compile(
         return compile_graph(model, job.cluster, inputs, example_target, loss_fn, optimizer, plan, job.rank,
                              job.world, timeout_s, graph_options, precision, profiles, graph_data, check_plan)
     try:
-        captured = capture_model(model, job, inputs, example_target, loss_fn,
-                                 rank0_plans=plan is None or isinstance(plan, Strategy))
+        if isinstance(plan, (str, bytes)):
+            plan = Plan.from_json(plan)
+        captured = capture_model(model, job, inputs, example_target, loss_fn, plan)
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a
         # meta model: replicas would need it whole)

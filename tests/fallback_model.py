@@ -19,9 +19,18 @@ class Branchy(nn.Module):
         return self.b(h)
 
 
-def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+class Picky(Branchy):
+    """Captured at every batch size but one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            raise ValueError("Picky takes no batch of one sample")
+        return self.b(torch.relu(self.a(x)))
+
+
+def build(model: type = Branchy) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return Branchy(), torch.randn(12, 8), torch.randint(0, 4, (12,))
+    return model(), torch.randn(12, 8), torch.randint(0, 4, (12,))
 
 
 def train(rank: int, world: int, cluster: str) -> tuple[list[float], dict]:
@@ -39,15 +48,26 @@ def train(rank: int, world: int, cluster: str) -> tuple[list[float], dict]:
     return losses, prog.state_dict()["model"], prog.shares
 
 
-def refuse(rank: int, world: int, cluster: str) -> str:
-    """compile(..., fallback=False) on every rank: the CaptureError each rank raises."""
+def refuse(rank: int, world: int, cluster: str, plan: str | None = None, model_type: type = Branchy) -> str:
+    """compile(..., fallback=False) on every rank (autopar plans, or `plan`, a Plan's JSON): the CaptureError
+    each rank raises."""
     from autopar.compiler import compile
     from autopar.errors import CaptureError
 
-    model, x, y = build()
+    model, x, y = build(model_type)
     try:
         compile(model, cluster, example_inputs=(x,), example_target=y, loss_fn=nn.functional.cross_entropy,
-                fallback=False)
+                fallback=False, plan=plan)
     except CaptureError as e:
         return str(e)
     return "compiled"
+
+
+def given_plan(world: int, batch_split: list[int] | None = None) -> str:
+    """A data-parallel Plan for the model (3 layers in its chain: a stand-in, the model cannot be captured)."""
+    from autopar.cluster import Cluster
+    from autopar.ir.plan import Strategy, plan_from_strategy
+
+    return plan_from_strategy(Strategy(dp=world, batch_split=batch_split), world_size=world, global_batch=12,
+                              num_layers=3, first_block=1, num_blocks=1, precision="fp32", optimizer="sgd",
+                              cluster=Cluster.load(f"1x{world}xcpu").to_dict(), model={"num_layers": 3}).to_json()

@@ -112,37 +112,45 @@ def test_the_device_audit_captures_each_size_once(exports: list) -> None:
     assert sorted(shapes[0][0] for shapes in exports[before:]) == [batch // 4, batch]
 
 
-def compile_counting(rank: int, world: int) -> list[tuple]:
-    """compile with a hand-written Strategy (priced on rank 0, which sends its plan): the batch shapes this
-    rank's `torch.export.export` calls were made on, then its training losses and final parameters."""
+def compile_counting(rank: int, world: int, plan: str | None) -> list:
+    """compile on 2 ranks: the batch sizes this rank's `torch.export.export` calls were made on, then its
+    training losses and final parameters. `plan`: a Plan's JSON, or None for a hand-written Strategy (priced on
+    rank 0, which sends its plan)."""
     import autopar
     from autopar.compiler import compile
 
-    calls: list[tuple] = []
+    calls: list[int] = []
     real = torch.export.export
 
     def counted(mod: Any, args: tuple, *a: Any, **k: Any) -> Any:
-        calls.append(tuple(x.shape[0] for x in args if isinstance(x, torch.Tensor))[0])
+        calls.append(next(x.shape[0] for x in args if isinstance(x, torch.Tensor)))
         return real(mod, args, *a, **k)
 
     torch.export.export = counted
     try:
         case = build("gpt", layers=2, batch=8)
         prog = compile(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                       plan=autopar.Strategy(dp=2, microbatch_size=2))
+                       plan=plan if plan is not None else autopar.Strategy(dp=2, microbatch_size=2))
     finally:
         torch.export.export = real
     return [calls, *_train(prog, case)]
 
 
-def test_only_the_planning_rank_captures_the_global_batch() -> None:
-    """dp 2, two micro-batches of 2 per replica: rank 0 captures the global batch (8) to price the plan and its
-    micro-batch size (2); rank 1, which takes rank 0's plan, captures only the micro-batch size, lowers with
-    that capture, and trains as one process does."""
+@pytest.mark.parametrize("given", ["strategy", "plan"])
+def test_only_the_planning_rank_captures_the_global_batch(given: str) -> None:
+    """dp 2, two micro-batches of 2 per replica. A Strategy: rank 0 captures the global batch (8) to price it
+    and its micro-batch size (2); rank 1, which takes rank 0's plan, captures only the micro-batch size and
+    lowers with that capture. A given Plan: no rank captures the global batch. Every rank trains as one
+    process does."""
     from .runtime_cases import assert_matches_reference, reference
 
-    results = spawn_local(compile_counting, 2, timeout_s=120)
-    assert sorted(results[0][0]) == [2, 8]
+    plan = None
+    if given == "plan":
+        case = build("gpt", layers=2, batch=8)
+        plan = plan_for(capture(case.model, case.example_inputs, case.loss_fn, case.example_target), 2,
+                        {"dp": 2, "m": 2}).to_json()
+    results = spawn_local(compile_counting, 2, plan, timeout_s=120)
+    assert sorted(results[0][0]) == ([2, 8] if given == "strategy" else [2])
     assert results[1][0] == [2]
     ref_losses, ref_params = reference("gpt", dict(layers=2, batch=8))
     for rank, (_, losses, params) in enumerate(results):

@@ -10,7 +10,7 @@ from autopar.compiler import compile
 from autopar.errors import CaptureError
 from autopar.runtime.launch import spawn_local
 
-from .fallback_model import build, refuse, train
+from .fallback_model import Picky, build, given_plan, refuse, train
 
 
 def _reference() -> tuple[list[float], dict]:
@@ -43,9 +43,19 @@ def test_fallback_can_be_refused() -> None:
                 fallback=False)
 
 
-def test_every_rank_raises_the_capture_error_when_fallback_is_refused() -> None:
-    """Only rank 0 captures the global batch when it plans (compiler.capture_model): the others are sent its
-    outcome, so every rank raises the same error instead of waiting for a plan that never comes."""
-    messages = spawn_local(refuse, 2, "1x2xcpu", timeout_s=60)
+@pytest.mark.parametrize("given", [False, True], ids=["planned", "given-plan"])
+def test_every_rank_raises_the_capture_error_when_fallback_is_refused(given: bool) -> None:
+    """Only rank 0 captures the global batch when it plans, and with a given plan each rank captures only its
+    micro-batch size (compiler.capture_model): the ranks share their outcomes, so every rank raises the same
+    error instead of waiting for a plan or a peer that never comes."""
+    messages = spawn_local(refuse, 2, "1x2xcpu", given_plan(2) if given else None, timeout_s=60)
     assert all("if h.mean" in m for m in messages), messages
     assert messages[0] == messages[1]
+
+
+def test_a_capture_that_fails_on_one_rank_only_fails_on_every_rank() -> None:
+    """Ranks of a given plan capture their own micro-batch sizes (11 and 1 samples here): the rank whose size
+    can be captured is sent its peer's CaptureError and raises it too, instead of building a program whose
+    collectives its peer never joins."""
+    messages = spawn_local(refuse, 2, "1x2xcpu", given_plan(2, [11, 1]), Picky, timeout_s=60)
+    assert all("no batch of one sample" in m for m in messages), messages

@@ -93,6 +93,23 @@ def finish_sends(sends: list[tuple[Any, Any, list[torch.Tensor]]], what: str, ti
         wait(work, what, peer, timeout_s)
 
 
+def structure_capture(captures: Captures, model: nn.Module, plan: Any, rank: int, inputs: tuple, target: Any,
+                      loss_fn: LossFn | None) -> TrainingGraph:
+    """The capture a rank's Program lowers with when it has none at the global batch: the one at the rank's first
+    micro-batch size, which its stages then take from the memo (what lowering reads of a graph, its layers,
+    parameters and nodes, does not depend on the batch size; each stage's capture is checked to have the same
+    layers). The global batch's when the plan does not say its layer count. `inputs`, `target`: the global
+    batch as the capture reads it (`ModelWeights.capture_args`)."""
+    size = batch = plan.global_batch
+    if plan.model.get("num_layers") is not None:
+        layout = layout_of(plan, plan.model["num_layers"])
+        pos = layout.position(rank)
+        size = min(layout.pipelines[pos.pipeline if pos is not None else 0].microbatch_sizes)
+    mb_target = batch_slice(target, batch, 0, size) if target is not None else None
+    return captures.capture(model, tuple(batch_slice(x, batch, 0, size) for x in inputs), loss_fn, mb_target,
+                            sources=False)
+
+
 def batch_slice(x: Any, batch: int, start: int, size: int) -> Any:
     """Samples [start, start + size) of an input whose first dimension is the global batch; any other value as is."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
@@ -322,18 +339,8 @@ class Program:
                                self.device)
 
     def _structure(self, model: nn.Module, inputs: tuple, target: Any) -> TrainingGraph:
-        """The graph this program lowers with when its caller has no capture: the capture at this rank's first
-        micro-batch size, which `_capture_stages` then takes from the memo (what lowering reads of a graph,
-        its layers, parameters and nodes, does not depend on the batch size; each stage's capture is checked
-        to have the same layers). The global batch's when the plan does not say its layer count."""
-        size, batch = self.plan.global_batch, self.plan.global_batch
-        if self.plan.model.get("num_layers") is not None:
-            layout = layout_of(self.plan, self.plan.model["num_layers"])
-            pos = layout.position(self.rank)
-            size = min(layout.pipelines[pos.pipeline if pos is not None else 0].microbatch_sizes)
-        mb_target = batch_slice(target, batch, 0, size) if target is not None else None
-        return self._captures.capture(model, tuple(batch_slice(x, batch, 0, size) for x in inputs), self.loss_fn,
-                                      mb_target, sources=False)
+        """The graph this program lowers with when its caller has no capture (`structure_capture`)."""
+        return structure_capture(self._captures, model, self.plan, self.rank, inputs, target, self.loss_fn)
 
     def _micro_capture(self, model: nn.Module, mb_inputs: tuple, mb_target: Any, size: int) -> TrainingGraph:
         """The capture at one micro-batch size: the program's own graph at the global batch, else the memo's
