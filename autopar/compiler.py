@@ -102,12 +102,12 @@ def connect(cluster: Cluster | str | dict | os.PathLike, timeout_s: float) -> Jo
 
 @dataclass
 class Captured:
-    """`capture_model`'s output: the model's capture at one global batch (made when first asked for: on the rank
-    that plans, or when a phase prices the plan), the step's example batch as the user gave it, the batch the
-    capture (and the planner) read (a meta model's inputs and target as its weights allow), and the memo of the
-    model's captures that every program this compile builds shares (a re-routed, re-planned or reshared program
-    captures no size again). A rank that only trains the plan rank 0 made never captures the global batch: its
-    program lowers with its first micro-batch capture (`Program._structure`)."""
+    """`capture_model`'s output: the model's capture at one global batch (made when first asked for: where
+    autopar plans, or when a phase prices a given plan), the step's example batch as the user gave it, the batch
+    the capture (and the planner) read (a meta model's inputs and target as its weights allow), and the memo of
+    the model's captures that every program this compile builds shares (a re-routed, re-planned or reshared
+    program captures no size again). A rank that trains a given Plan never captures the global batch unless a
+    phase prices it: its program lowers with its first micro-batch capture (`structure_capture`)."""
 
     model: nn.Module
     loss_fn: LossFn | None
@@ -142,31 +142,26 @@ class Captured:
 
 def capture_model(model: nn.Module, job: Job, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
                   plan: Any) -> Captured:
-    """Phase 2: the model captured where a later phase needs it, each capture once: at the global batch on the
-    rank that plans or prices a Strategy (`plan` None or a Strategy; the other ranks take its plan), at the
-    rank's first micro-batch size on every rank that trains a given Plan (what its program lowers with:
-    `structure_capture`), at the global batch on every rank otherwise. A model that cannot be captured raises
-    the same CaptureError (naming the op and source line) on every rank, so every rank falls back or none does:
-    the ranks share their outcomes. Every later phase, and every re-plan, reuses the captures."""
+    """Phase 2: the model captured where a later phase needs it, each capture once. Where autopar plans or
+    prices a Strategy (`plan` None or a Strategy), every rank captures the global batch: rank 0 plans from it,
+    and the others make it while rank 0 plans, so that whichever rank prices a re-routed plan after a loss has it
+    (a capture at the global batch is on a recovery's critical path, not on this one). A given Plan is priced by
+    nobody: each rank captures only its first micro-batch size, which its program lowers with
+    (`structure_capture`), and the ranks share their outcomes, so a model that cannot be captured at one rank's
+    size raises the same CaptureError (naming the op and source line) on every rank and every rank falls back
+    or none does. Every later phase, and every re-plan, reuses the captures."""
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
     captured = Captured(model, loss_fn, inputs, example_target, capture_inputs, capture_target)
-    rank0_plans = plan is None or isinstance(plan, Strategy)
-    if job.world == 1 or not (rank0_plans or isinstance(plan, Plan)):
+    if not isinstance(plan, Plan):
         captured.graph  # noqa: B018  (raises here, before any other phase, when the model cannot be captured)
         return captured
     failed: CaptureError | None = None
     try:
-        if isinstance(plan, Plan):
-            structure_capture(captured.captures, model, plan, job.rank, capture_inputs, capture_target, loss_fn)
-        elif job.rank == 0:
-            captured.graph  # noqa: B018
+        structure_capture(captured.captures, model, plan, job.rank, capture_inputs, capture_target, loss_fn)
     except CaptureError as e:
         failed = e
-    device = world_comm_device(job.cluster, job.device)
-    if rank0_plans:
-        outcomes = [failed]
-        dist.broadcast_object_list(outcomes, src=0, device=device)
-    else:
+    outcomes = [failed]
+    if job.world > 1:
         outcomes = [None] * job.world
         dist.all_gather_object(outcomes, failed)
     first = next((e for e in outcomes if e is not None), None)

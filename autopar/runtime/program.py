@@ -144,8 +144,8 @@ class Program:
                  device: torch.device | None = None, seed: int = 0, captures: Captures | None = None) -> None:
         """`plan`: an `autopar.Plan` (what `autopar.plan`, `estimate` or `plan_from_strategy` return).
         `graph`: the model's capture at the global batch (`capture(model, example_inputs, ...)`), when the
-        caller has it (rank 0 of a compile does); without it the program lowers with its first micro-batch
-        capture, which it makes for its stages anyway (`_structure`). `captures`: the memo of the
+        caller has it (a compile where autopar plans does); without it the program lowers with its first
+        micro-batch capture, which it makes for its stages anyway (`structure_capture`). `captures`: the memo of the
         model's captures this program takes its micro-batch captures from and adds its own to (compile keeps one
         per compile, so a rebuilt program of the same model captures nothing it has). `device`: where this rank
         computes (default: the plan's device of `rank`, devices.py's rule; the device audit passes meta).
@@ -173,7 +173,8 @@ class Program:
         self.amp = PrecisionPolicy.of_plan(plan, self.device, timeout_s)  # autocast / loss scaling (precision.py)
         self._has_target = loss_fn is not None
         self._captures = captures if captures is not None else Captures()
-        self.graph = graph if graph is not None else self._structure(model, example_inputs, example_target)
+        self.graph = graph if graph is not None else \
+            structure_capture(self._captures, model, plan, rank, example_inputs, example_target, loss_fn)
         self.lowered: RankProgram = lower(plan, self.graph, rank)  # what this rank executes
         layout = self.lowered.layout
         if world_size != layout.world_size:
@@ -337,10 +338,6 @@ class Program:
         plan_stage = self.plan.pipelines[self.pipeline.plan_index].stages[pos.stages[0]]
         return ContextParallel(int(first.shape[1]), cp, c, self.groups.get(group), plan_stage.cp_attention,
                                self.device)
-
-    def _structure(self, model: nn.Module, inputs: tuple, target: Any) -> TrainingGraph:
-        """The graph this program lowers with when its caller has no capture (`structure_capture`)."""
-        return structure_capture(self._captures, model, self.plan, self.rank, inputs, target, self.loss_fn)
 
     def _micro_capture(self, model: nn.Module, mb_inputs: tuple, mb_target: Any, size: int) -> TrainingGraph:
         """The capture at one micro-batch size: the program's own graph at the global batch, else the memo's
