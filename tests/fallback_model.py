@@ -1,4 +1,4 @@
-"""A model torch.export cannot capture: it branches on a tensor value."""
+"""Models torch.export cannot capture: one branches on a tensor value, one refuses a batch of one sample."""
 
 from __future__ import annotations
 
