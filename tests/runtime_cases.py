@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,10 +12,11 @@ import torch
 
 from autopar import models
 from autopar.cluster import Cluster
+from autopar.ir.graph import TrainingGraph
 from autopar.ir.lowered import Layout
 from autopar.ir.plan import Pipeline, Plan, Stage, Strategy, plan_from_strategy
 from autopar.lowering import layout_of
-from autopar.passes.capture import Captures
+from autopar.passes.capture import Captures, capture
 from autopar.runtime.program import Program
 
 STEPS = 3
@@ -32,6 +35,16 @@ def assert_matches_reference(losses: list[float], params: dict, ref_losses: list
 
 def build(name: str, **kwargs: Any) -> models.ModelCase:
     return models.CASES[name](seed=0, **kwargs)
+
+
+@functools.cache
+def captured_case(make: Callable[..., models.ModelCase], *args: Any, **kwargs: Any
+                  ) -> tuple[models.ModelCase, TrainingGraph]:
+    """The case `make(*args, **kwargs)` builds and its capture, made once per test process and arguments: the
+    planning tests price one case on many clusters, and each cost model, estimate or plan annotates its own copy
+    of the graph (`captured=`)."""
+    case = make(*args, **kwargs)
+    return case, capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
 
 
 def optimizer(params: list) -> torch.optim.Optimizer:

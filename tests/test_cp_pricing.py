@@ -17,11 +17,12 @@ import autopar
 from autopar import Plan, PlanError, Strategy
 from autopar.api import cost_model
 from autopar.cost_models.context import cp_exchange_bytes, exchange_steps, kv_block_bytes
-from autopar.ir.graph import TrainingGraph
 from autopar.models import gpt, lm_loss, mlp
 from autopar.solver.pricing.context import candidates
 from autopar.solver.pricing.pricing import Option
 from autopar.solver.search.context import CP_MIN_TOKENS
+
+from .runtime_cases import captured_case
 
 A100 = "A100-80GB"
 # two nodes of two A100s whose intra-node link is very slow (50 MB/s) and whose network is fast: a cp ring inside
@@ -38,22 +39,15 @@ def _gpt(batch: int = 2, seq: int = 4096, hidden: int = 256, layers: int = 2, he
                device="meta")
 
 
-@functools.cache
-def _graph(**kw: object) -> TrainingGraph:
-    """The case's capture, once: each estimate and plan annotates a copy of it."""
-    c = _gpt(**kw)
-    return autopar.capture(c.model, c.example_inputs, c.loss_fn, c.example_target, sources=False)
-
-
 def _estimate(strategy: Strategy | Plan, cluster: str | dict, **kw) -> autopar.Estimate:
-    c = _gpt(**kw)
+    c, graph = captured_case(_gpt, **kw)
     return autopar.estimate(c.model, cluster, strategy, c.example_inputs, c.example_target, c.loss_fn,
-                            captured=_graph(**kw))
+                            captured=graph)
 
 
 def _plan(cluster: str | dict, **kw) -> Plan:
-    c = _gpt(**kw)
-    return autopar.plan(c.model, cluster, c.example_inputs, c.example_target, c.loss_fn, captured=_graph(**kw))
+    c, graph = captured_case(_gpt, **kw)
+    return autopar.plan(c.model, cluster, c.example_inputs, c.example_target, c.loss_fn, captured=graph)
 
 
 # ---- the bytes -------------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ from autopar import models
 from autopar.api import cost_model
 from autopar.errors import PlanError
 from autopar.ir.plan import Strategy
-from autopar.passes.capture import capture
 from autopar.solver.pricing.pricing import ACT_BYTES, SLOW_LINK_BYTES_PER_S, WIRE_BYTES, price
 from autopar.solver.search.search import search
+
+from .runtime_cases import captured_case
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 WIFI = str(CLUSTERS / "edge_orin_wifi.yaml")
@@ -26,9 +27,8 @@ BERT_BASE = dict(layers=12, hidden=768, heads=12, seq=128, vocab=30522)
 
 @pytest.fixture(scope="module")
 def bert_base():
-    """The model and its capture (one per module: each cost model annotates its own copy of it)."""
-    mc = models.hf_bert(**BERT_BASE, batch=32, device="meta")
-    return mc, capture(mc.model, mc.example_inputs, mc.loss_fn, mc.example_target)
+    """The model and its capture (each cost model annotates its own copy of it)."""
+    return captured_case(models.hf_bert, **BERT_BASE, batch=32, device="meta")
 
 
 def _cm(bert, cluster, precision="fp32", compress="bf16"):

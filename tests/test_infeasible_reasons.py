@@ -7,7 +7,6 @@ tests/test_idle_fallback.py) and raises them only when no subset trains the mode
 
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 
@@ -18,27 +17,21 @@ from hypothesis import strategies as st
 import autopar
 from autopar import Cluster, InfeasibleError, models
 from autopar.api import cost_model
-from autopar.ir.graph import TrainingGraph
 from autopar.solver.search.search import Search
+
+from .runtime_cases import captured_case
 
 TYPES = ["A100-80GB", "H100-SXM", "V100-16GB", "T4", "L4", "RTX-3090"]
 ISSUE_CLUSTER = "2x4xH100-SXM+2x4xL4+1x4xRTX-3090"
 MEMORY = "no plan fits in memory"
 
 
-@functools.cache
-def _captured(layers: int, hidden: int, seq: int, batch: int) -> tuple[models.ModelCase, TrainingGraph]:
-    """A meta GPT of this shape and its capture, made once per shape (the examples plan each on many clusters;
-    planning copies the graph it annotates)."""
-    case = models.gpt(layers=layers, hidden=hidden, seq=seq, batch=batch, device="meta")
-    return case, autopar.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
-
-
 def _plan(cluster: object, batch: int, layers: int = 2, hidden: int = 64, seq: int = 16,
           whole: bool = True) -> str | None:
     """None when a plan is found, else the InfeasibleError's message: of the search on every device of the
     cluster (`whole`), or of `autopar.plan` (which may leave devices idle)."""
-    case, graph = _captured(layers, hidden, seq, batch)
+    # the examples plan each shape on many clusters
+    case, graph = captured_case(models.gpt, layers=layers, hidden=hidden, seq=seq, batch=batch, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a time-limit warning is no failure here
         try:

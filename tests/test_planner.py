@@ -35,6 +35,8 @@ from autopar.solver.search.search import (
 from autopar.solver.search.subsets import fastest_types
 from autopar.solver.split.split import OFFLOAD_LADDER
 
+from .runtime_cases import captured_case
+
 
 def _custom(name: str, based_on: str, gib: float, per_node: int, count: int = 1) -> dict:
     return {"device": {"name": name, "based_on": based_on, "memory_GiB": gib}, "devices_per_node": per_node,
@@ -47,17 +49,10 @@ def _case(kind: str = "gpt", **kw):
 
 
 @functools.cache
-def _graph(kind: str = "gpt", **kw) -> TrainingGraph:
-    """The case's capture, once: its cost models on every cluster annotate copies of it."""
-    c = _case(kind, **kw)
-    return autopar.capture(c.model, c.example_inputs, c.loss_fn, c.example_target, sources=False)
-
-
-@functools.cache
 def _cm(cluster_json: str, kind: str = "gpt", reserve: float = 0.1, **kw) -> CostModel:
-    c = _case(kind, **kw)
+    c, graph = captured_case(_case, kind, **kw)
     return cost_model(c.model, json.loads(cluster_json), c.example_inputs, c.example_target, c.loss_fn,
-                      memory_reserve=reserve, captured=_graph(kind, **kw))
+                      memory_reserve=reserve, captured=graph)
 
 
 def cm_for(cluster: str | dict, kind: str = "gpt", reserve: float = 0.1, **kw) -> CostModel:

@@ -9,7 +9,6 @@ time, a device's peak with each memory term)."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
@@ -17,11 +16,12 @@ import pytest
 
 from autopar.api import cost_model
 from autopar.models import gpt, llama
-from autopar.passes.capture import capture
 from autopar.solver.pricing.pricing import CostModel, Option, rank_host, rank_peak
 from autopar.solver.search.search import Search, microbatch_count
 from autopar.solver.split.split import OFFLOAD_LADDER, Choice, Slot, Split
 from autopar.solver.split.stage_model import GAP, POOL, POOL_RTOL, StageModel
+
+from .runtime_cases import captured_case
 
 NS_TOL = 1e-9  # seconds: the model's integer nanoseconds round each coefficient by at most 0.5 ns
 
@@ -122,15 +122,8 @@ def _brute(cm: CostModel, slots: list[Slot], m: int, n: int, chunks: int, prune:
     return best, arg
 
 
-@functools.cache
-def _captured(layers: int, family, batch: int) -> tuple:
-    """A case and its capture, made once per shape (each cost model annotates its own copy)."""
-    mc = family(batch=batch, seq=64, vocab=512, hidden=256, layers=layers, heads=4)
-    return mc, capture(mc.model, mc.example_inputs, mc.loss_fn, mc.example_target)
-
-
 def _setup(gib: float, schedule: str, chunks: int, ranks: int, layers: int = 4, family=gpt, batch: int = 4):
-    mc, graph = _captured(layers, family, batch)
+    mc, graph = captured_case(family, batch=batch, seq=64, vocab=512, hidden=256, layers=layers, heads=4)
     cluster = {"nodes": [{"device": {"name": "small-A100", "based_on": "A100-80GB", "memory_GiB": gib},
                           "devices_per_node": 1, "count": ranks}]}
     cm = cost_model(mc.model, cluster, mc.example_inputs, mc.example_target, mc.loss_fn, captured=graph)
