@@ -190,11 +190,23 @@ class Planning:
         return priced_optimizer(self.optimizer)
 
 
-def plan_phase(model: nn.Module, job: Job, captured: Captured, plan: Any, asked: Planning, delay: int
+def given_plan(plan: Any) -> Plan | Strategy | None:
+    """compile's `plan=` as plan_phase takes it: a Plan's JSON parsed; PlanError, before anything is captured,
+    for anything else than None, a Strategy, a Plan or its JSON."""
+    if isinstance(plan, (str, bytes)):
+        return Plan.from_json(plan)
+    if plan is not None and not isinstance(plan, (Strategy, Plan)):
+        raise PlanError(f"plan must be None (autopar plans), an autopar.Strategy, a Plan or its JSON; got "
+                        f"{type(plan).__name__}.")
+    return plan
+
+
+def plan_phase(model: nn.Module, job: Job, captured: Captured, plan: Plan | Strategy | None, asked: Planning,
+               delay: int
                ) -> tuple[Plan, int]:
     """Phase 3: the plan every rank trains, and the update delay it runs with. Rank 0 plans (plan=None) or
     prices a hand-written Strategy as `autopar.estimate` does, and the others take its plan (its error is raised
-    on every rank, none is left waiting); a given Plan or its JSON is taken as it is. A planner that chose
+    on every rank, none is left waiting); a given Plan (`given_plan`) is taken as it is. A planner that chose
     synchronous training where `sync=` allowed asynchrony sets the delay to 0; a given layout trained with
     delayed updates is priced for them (PlanError on every rank when its pending gradients do not fit)."""
     from .api import estimate, price_async
@@ -233,11 +245,6 @@ def plan_phase(model: nn.Module, job: Job, captured: Captured, plan: Any, asked:
                           f"autopar trains it anyway, as asked, and it may run out of memory; zero=, "
                           f"recompute=True, offload= or more pipeline stages would make it fit, or plan=None "
                           f"lets autopar plan.", stacklevel=3)
-    elif isinstance(plan, (str, bytes)):
-        plan = Plan.from_json(plan)
-    elif not isinstance(plan, Plan):
-        raise PlanError(f"plan must be None (autopar plans), an autopar.Strategy, a Plan or its JSON; got "
-                        f"{type(plan).__name__}.")
     if asked.precision is not None and plan.precision != asked.precision:
         raise PlanError(f"compile(precision={asked.precision!r}) but the plan computes in {plan.precision!r}: "
                         f"drop precision= to train as the plan says, or plan again with autopar.plan(..., "
@@ -466,9 +473,8 @@ def compile(
 
         return compile_graph(model, job.cluster, inputs, example_target, loss_fn, optimizer, plan, job.rank,
                              job.world, timeout_s, graph_options, precision, profiles, graph_data, check_plan)
+    plan = given_plan(plan)
     try:
-        if isinstance(plan, (str, bytes)):
-            plan = Plan.from_json(plan)
         captured = capture_model(model, job, inputs, example_target, loss_fn, plan)
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopar
 from autopar import cli, models
@@ -150,6 +151,17 @@ def test_item6_compile_refuses_nonsense_limits() -> None:
     for kw, name in (({"time_limit_s": -5}, "time_limit_s"), ({"timeout_s": 0}, "timeout_s")):
         with pytest.raises(PlanError, match=f"{name} must be a number > 0"):
             autopar.compile(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn, **kw)
+
+
+def test_compile_refuses_a_plan_of_another_kind_before_capturing(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = _mlp()
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(a) or real(*a, **k))
+    with pytest.raises(PlanError, match="plan must be None .autopar plans., an autopar.Strategy, a Plan or its JSON; "
+                                        "got int"):
+        autopar.compile(c.model, "1x1xcpu", c.example_inputs, c.example_target, c.loss_fn, plan=42)
+    assert exports == []
 
 
 @pytest.mark.parametrize("argv, option", [
