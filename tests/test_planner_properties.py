@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +20,7 @@ from autopar.solver.pricing.pricing import CostModel, inflight_closed_form, lowe
 from autopar.solver.search.search import Search
 from autopar.solver.split.split import surrogate
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_planner import check_plan  # noqa: E402  (the shared plan checker)
+from .test_planner import check_plan  # the shared plan checker
 
 TYPES = ["A100-80GB", "A100-40GB", "V100-16GB", "T4", "H100", "L4", "RTX-3090"]
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
