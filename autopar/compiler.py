@@ -43,6 +43,7 @@ from .runtime.flushless import async_program  # 2BW's flushless schedule where i
 from .runtime.plan_check import PlanCheck
 from .runtime.program import OptimizerFactory, Program, structure_capture
 from .runtime.protocol import TrainingProgram
+from .runtime.reroute import enabled as reroute_enabled
 from .runtime.straggler import AdaptiveProgram, AdaptPolicy
 from .runtime.weights import ModelWeights, WeightsArg, is_meta
 from .solver.asynchronous import delay_of, flushless_problems
@@ -141,32 +142,45 @@ class Captured:
 
 
 def capture_model(model: nn.Module, job: Job, inputs: tuple, example_target: Any, loss_fn: LossFn | None,
-                  plan: Any) -> Captured:
+                  plan: Any, rerouting: bool) -> Captured:
     """Phase 2: the model captured where a later phase needs it, each capture once. Where autopar plans or
-    prices a Strategy (`plan` None or a Strategy), every rank captures the global batch: rank 0 plans from it,
-    and the others make it while rank 0 plans, so that whichever rank prices a re-routed plan after a loss has it
-    (a capture at the global batch is on a recovery's critical path, not on this one). A given Plan is priced by
-    nobody: each rank captures only its first micro-batch size, which its program lowers with
-    (`structure_capture`), and the ranks share their outcomes, so a model that cannot be captured at one rank's
-    size raises the same CaptureError (naming the op and source line) on every rank and every rank falls back
-    or none does. Every later phase, and every re-plan, reuses the captures."""
+    prices a Strategy (`plan` None or a Strategy) rank 0 captures the global batch and plans from it; with
+    `rerouting` (a lost rank's micro-batches may be re-routed) the other ranks make it too while rank 0 plans,
+    so that whichever rank prices a re-routed plan after a loss, rank 0's included, has it (a capture at the
+    global batch is on a recovery's critical path, not on this one); without, they capture only what their
+    programs lower with. A given Plan is priced by nobody: each rank captures only its first micro-batch size,
+    which its program lowers with (`structure_capture`). The ranks share their outcomes, so a model that cannot
+    be captured raises the same CaptureError (naming the op and source line) on every rank and every rank falls
+    back or none does. Every later phase, and every re-plan, reuses the captures."""
     capture_inputs, capture_target = ModelWeights(model).capture_args(inputs, example_target)
     captured = Captured(model, loss_fn, inputs, example_target, capture_inputs, capture_target)
-    if not isinstance(plan, Plan):
+    planned_here = not isinstance(plan, Plan)
+    if planned_here and (job.world == 1 or rerouting):
         captured.graph  # noqa: B018  (raises here, before any other phase, when the model cannot be captured)
         return captured
-    failed: CaptureError | None = None
+    failed: Exception | None = None
     try:
-        structure_capture(captured.captures, model, plan, job.rank, capture_inputs, capture_target, loss_fn)
-    except CaptureError as e:
+        if not planned_here:
+            structure_capture(captured.captures, model, plan, job.rank, capture_inputs, capture_target, loss_fn)
+        elif job.rank == 0:
+            captured.graph  # noqa: B018
+    except Exception as e:  # sent to the peers, which would otherwise wait for a plan or a collective
         failed = e
-    outcomes = [failed]
-    if job.world > 1:
+    sent = failed if failed is None or isinstance(failed, AutoparError) else AutoparError(
+        f"rank {job.rank} failed to capture the model: {failed!r}")
+    if job.world == 1:
+        outcomes = [sent]
+    elif planned_here:  # only rank 0 captured
+        outcomes = [sent]
+        dist.broadcast_object_list(outcomes, src=0, device=world_comm_device(job.cluster, job.device))
+    else:
         outcomes = [None] * job.world
-        dist.all_gather_object(outcomes, failed)
+        dist.all_gather_object(outcomes, sent)
     first = next((e for e in outcomes if e is not None), None)
+    if failed is not None:
+        raise failed
     if first is not None:
-        raise failed if failed is not None else first
+        raise first
     return captured
 
 
@@ -475,7 +489,8 @@ def compile(
                              job.world, timeout_s, graph_options, precision, profiles, graph_data, check_plan)
     plan = given_plan(plan)
     try:
-        captured = capture_model(model, job, inputs, example_target, loss_fn, plan)
+        captured = capture_model(model, job, inputs, example_target, loss_fn, plan,
+                                 rerouting=reroute_enabled() if reroute is None else reroute)
     except CaptureError as e:
         # the error names the op and source line; with fallback the model still trains, replicated (not a
         # meta model: replicas would need it whole)

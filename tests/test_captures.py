@@ -112,7 +112,7 @@ def test_the_device_audit_captures_each_size_once(exports: list) -> None:
     assert sorted(shapes[0][0] for shapes in exports[before:]) == [batch // 4, batch]
 
 
-def compile_counting(rank: int, world: int, plan: str | None) -> list:
+def compile_counting(rank: int, world: int, plan: str | None, reroute: bool = False) -> list:
     """compile on 2 ranks: the batch sizes this rank's `torch.export.export` calls were made on, then its
     training losses and final parameters. `plan`: a Plan's JSON, or None for a hand-written Strategy (priced on
     rank 0, which sends its plan)."""
@@ -130,18 +130,18 @@ def compile_counting(rank: int, world: int, plan: str | None) -> list:
     try:
         case = build("gpt", layers=2, batch=8)
         prog = compile(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn, optimizer,
-                       plan=plan if plan is not None else autopar.Strategy(dp=2, microbatch_size=2))
+                       plan=plan if plan is not None else autopar.Strategy(dp=2, microbatch_size=2), reroute=reroute)
     finally:
         torch.export.export = real
     return [calls, *_train(prog, case)]
 
 
-@pytest.mark.parametrize("given", ["strategy", "plan"])
-def test_a_given_plan_is_trained_without_a_capture_at_the_global_batch(given: str) -> None:
-    """dp 2, two micro-batches of 2 per replica. A Strategy: every rank captures the global batch (8; rank 0
-    prices the plan from it, and whichever rank prices a re-routed plan after a loss has it) and its micro-batch
-    size (2). A given Plan: each rank captures only its micro-batch size and lowers with that capture. Every
-    rank trains as one process does."""
+@pytest.mark.parametrize("given", ["strategy", "strategy-rerouted", "plan"])
+def test_the_global_batch_is_captured_only_where_it_is_priced(given: str) -> None:
+    """dp 2, two micro-batches of 2 per replica. A Strategy: rank 0 captures the global batch (8) and prices
+    the plan from it, and each rank captures its micro-batch size (2); with re-routing on, rank 1 captures the
+    global batch too (whichever rank prices a re-routed plan after a loss has it). A given Plan: each rank
+    captures only its micro-batch size and lowers with that capture. Every rank trains as one process does."""
     from .runtime_cases import assert_matches_reference, reference
 
     plan = None
@@ -149,9 +149,9 @@ def test_a_given_plan_is_trained_without_a_capture_at_the_global_batch(given: st
         case = build("gpt", layers=2, batch=8)
         plan = plan_for(capture(case.model, case.example_inputs, case.loss_fn, case.example_target), 2,
                         {"dp": 2, "m": 2}).to_json()
-    results = spawn_local(compile_counting, 2, plan, timeout_s=120)
-    for calls, _, _ in results:
-        assert sorted(calls) == ([2, 8] if given == "strategy" else [2])
+    results = spawn_local(compile_counting, 2, plan, given == "strategy-rerouted", timeout_s=120)
+    expected = {"strategy": [[2, 8], [2]], "strategy-rerouted": [[2, 8], [2, 8]], "plan": [[2], [2]]}[given]
+    assert [sorted(calls) for calls, _, _ in results] == expected
     ref_losses, ref_params = reference("gpt", dict(layers=2, batch=8))
     for rank, (_, losses, params) in enumerate(results):
         assert_matches_reference(losses, params, ref_losses, ref_params, f"rank {rank}")

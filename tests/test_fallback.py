@@ -46,8 +46,8 @@ def test_fallback_can_be_refused() -> None:
 @pytest.mark.parametrize("given", [False, True], ids=["planned", "given-plan"])
 def test_every_rank_raises_the_capture_error_when_fallback_is_refused(given: bool) -> None:
     """Every rank raises the same error instead of waiting for a plan or a peer that never comes: where autopar
-    plans, each captures the global batch; with a given plan each captures only its micro-batch size
-    (compiler.capture_model) and the ranks share their outcomes."""
+    plans, rank 0 captures the global batch and sends the others its outcome; with a given plan each captures
+    only its micro-batch size and the ranks share their outcomes (compiler.capture_model)."""
     messages = spawn_local(refuse, 2, "1x2xcpu", given_plan(2) if given else None, timeout_s=60)
     assert all("if h.mean" in m for m in messages), messages
     assert messages[0] == messages[1]
