@@ -1,10 +1,7 @@
 """autopar: auto-parallelizing compiler for PyTorch training on heterogeneous clusters."""
 
-# `autopar.plan` is the function: importing .api loads the submodule autopar.plan first, and binding the
-# function afterwards shadows it (the submodule stays reachable as `from autopar.plan import ...`).
-from .api import analyze, estimate, plan
-from .cluster import Cluster, DeviceSpec, Link
-from .compiler import compile  # noqa: A004 (autopar.compile, as users spell it)
+from typing import TYPE_CHECKING
+
 from .errors import (
     AutoparError,
     CaptureError,
@@ -21,13 +18,49 @@ from .errors import (
     RendezvousError,
     UnpricedOpWarning,
 )
-from .ir.plan import Estimate, Plan, Strategy
-from .ir.precision import default_precision
-from .passes.batch_stats import BatchStatisticsWarning
-from .passes.capture import capture
-from .runtime.asynchronous import AsyncUpdateWarning
-from .runtime.protocol import TrainingProgram
-from .runtime.weights import materialize
+
+# The rest is imported when first used (PEP 562): `import autopar` in a launcher, a CLI command or a worker
+# that only trains loads what that process calls, not the planner, the capture and every runtime mode.
+_LAZY = {
+    "analyze": "api", "estimate": "api", "plan": "api",
+    "Cluster": "cluster", "DeviceSpec": "cluster", "Link": "cluster",
+    "compile": "compiler",
+    "Estimate": "ir.plan", "Plan": "ir.plan", "Strategy": "ir.plan",
+    "default_precision": "ir.precision",
+    "BatchStatisticsWarning": "passes.batch_stats",
+    "capture": "passes.capture",
+    "AsyncUpdateWarning": "runtime.asynchronous",
+    "TrainingProgram": "runtime.protocol",
+    "materialize": "runtime.weights",
+}
+
+if TYPE_CHECKING:
+    from .api import analyze, estimate, plan
+    from .cluster import Cluster, DeviceSpec, Link
+    from .compiler import compile  # noqa: A004
+    from .ir.plan import Estimate, Plan, Strategy
+    from .ir.precision import default_precision
+    from .passes.batch_stats import BatchStatisticsWarning
+    from .passes.capture import capture
+    from .runtime.asynchronous import AsyncUpdateWarning
+    from .runtime.protocol import TrainingProgram
+    from .runtime.weights import materialize
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once bound, later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "TrainingProgram",
