@@ -71,3 +71,26 @@ def given_plan(world: int, batch_split: list[int] | None = None) -> str:
     return plan_from_strategy(Strategy(dp=world, batch_split=batch_split), world_size=world, global_batch=12,
                               num_layers=3, first_block=1, num_blocks=1, precision="fp32", optimizer="sgd",
                               cluster=Cluster.load(f"1x{world}xcpu").to_dict(), model={"num_layers": 3}).to_json()
+
+
+def broken_capture(rank: int, world: int) -> str:
+    """compile where autopar plans, rank 0's capture failing with an error that is not a CaptureError (a
+    stand-in for a bug past torch.export): the exception each rank raises, named."""
+    from autopar import models
+    from autopar.compiler import compile
+    from autopar.passes.capture import Captures
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise ValueError("boom")
+
+    real = Captures.capture
+    if rank == 0:
+        Captures.capture = boom  # this rank process only, and put back: the suite's ranks serve later tests
+    case = models.CASES["mlp"](seed=0)
+    try:
+        compile(case.model, "1x2xcpu", case.example_inputs, case.example_target, case.loss_fn)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        Captures.capture = real
+    return "compiled"

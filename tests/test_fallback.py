@@ -10,7 +10,7 @@ from autopar.compiler import compile
 from autopar.errors import CaptureError
 from autopar.runtime.launch import spawn_local
 
-from .fallback_model import Picky, build, given_plan, refuse, train
+from .fallback_model import Picky, broken_capture, build, given_plan, refuse, train
 
 
 def _reference() -> tuple[list[float], dict]:
@@ -59,3 +59,12 @@ def test_a_capture_that_fails_on_one_rank_only_fails_on_every_rank() -> None:
     collectives its peer never joins."""
     messages = spawn_local(refuse, 2, "1x2xcpu", given_plan(2, [11, 1]), Picky, timeout_s=60)
     assert all("no batch of one sample" in m for m in messages), messages
+
+
+def test_a_failure_of_rank_0s_capture_reaches_every_rank() -> None:
+    """Where autopar plans only rank 0 captures the global batch: any error it meets there (here a ValueError,
+    a stand-in for a bug past torch.export) reaches the other ranks, named, instead of leaving them waiting for
+    a plan until the timeout."""
+    messages = spawn_local(broken_capture, 2, timeout_s=60)
+    assert messages[0] == "ValueError: boom", messages
+    assert messages[1] == "AutoparError: rank 0 failed to capture the model: ValueError('boom')", messages
