@@ -176,11 +176,11 @@ def capture_model(model: nn.Module, job: Job, inputs: tuple, example_target: Any
     else:
         outcomes = [None] * job.world
         dist.all_gather_object(outcomes, sent)
-    first = next((e for e in outcomes if e is not None), None)
-    if failed is not None:
+    if failed is not None:  # the peers have it now
         raise failed
-    if first is not None:
-        raise first
+    peer = next((e for e in outcomes if e is not None), None)
+    if peer is not None:
+        raise peer
     return captured
 
 
