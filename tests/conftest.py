@@ -17,9 +17,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# what the pooled ranks' jobs import, imported once in the fork server their processes are forked from
+# (LocalPool's `preload`): a rank then starts in a fork, not in ~5 s of CPU importing torch, the runtime and
+# transformers again (about 35 rank processes per run)
+PRELOAD = ("torch", "torch.distributed", "torch.export", "autopar.runtime.program", "autopar.compiler",
+           "autopar.models", "autopar.hf_models", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.llama.modeling_llama", "torch_geometric", "tests.runtime_cases")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kept_worker_processes() -> Iterator[LocalPool]:
-    with LocalPool() as pool:
+    with LocalPool(preload=PRELOAD) as pool:
         yield pool
 
 

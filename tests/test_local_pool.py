@@ -90,6 +90,24 @@ def test_tensor_parallel_programs_run_in_consecutive_calls() -> None:
     assert spawn_local(_tp_losses, 4, 0) == first
 
 
+def _origin(rank: int, world: int, modules: tuple[str, ...]) -> tuple[int, list[bool]]:
+    return os.getppid(), [m in sys.modules for m in modules]
+
+
+def test_ranks_are_forked_from_the_preloaded_server_where_the_environment_is_the_pools(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's pool preloads (tests/conftest.py PRELOAD): its ranks are children of multiprocessing's fork
+    server with those modules already imported; a set for a changed environment is spawned by this process and
+    imports only what its job needs (a preloaded module read the server's environment at its import)."""
+    pool = LocalPool._active
+    assert pool is not None and pool.preload
+    for ppid, loaded in spawn_local(_origin, 2, pool.preload):
+        assert ppid != os.getpid() and all(loaded), (ppid, dict(zip(pool.preload, loaded, strict=True)))
+    monkeypatch.setenv("AUTOPAR_POOL_MARK", "another environment")
+    for ppid, loaded in spawn_local(_origin, 2, pool.preload):
+        assert ppid == os.getpid() and not all(loaded)
+
+
 _KEPT: list = []  # what a job leaves alive in its rank until the process ends
 
 

@@ -138,10 +138,12 @@ def _freeze_survivors() -> None:
 
 
 class _Pool:
-    """`world_size` spawned processes that serve `spawn_local` calls one after another."""
+    """`world_size` processes that serve `spawn_local` calls one after another, started by `method` ("spawn":
+    a fresh interpreter each; "forkserver": forked from multiprocessing's fork server, which imported its
+    preload modules once)."""
 
-    def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, method: str = "spawn") -> None:
+        ctx = mp.get_context(method)
         self.conns: list[Connection] = []
         self.procs = []
         for rank in range(world_size):
@@ -206,13 +208,23 @@ class LocalPool:
     process group, with the caller's environment, sys.path and warning filters; a call that fails closes its
     processes (the next call starts new ones). A call runs on the set's first ranks, the others idle; one of
     more ranks than the set replaces it with a larger one. Use it as a context manager (`with LocalPool():
-    ...`); at most `max_processes` are kept, the least recently used closed first."""
+    ...`); at most `max_processes` are kept, the least recently used closed first.
+
+    `preload`: modules to import once in multiprocessing's fork server (torch, the code the jobs run), from
+    which the processes of every set for the environment the pool was made in are then forked: a set costs a
+    fork instead of an interpreter importing them again (~5 s of CPU per process with torch and transformers).
+    A set for another environment is spawned as without `preload` (a preloaded module read the server's
+    environment at its import). The server starts with the first forked set; the modules must do no work at
+    import (the server forks single-threaded) and the pool must not be made after CUDA was used."""
 
     _active: LocalPool | None = None
 
-    def __init__(self, max_processes: int = 12) -> None:
+    def __init__(self, max_processes: int = 12, preload: tuple[str, ...] = ()) -> None:
         self.max_processes = max_processes
+        self.preload = tuple(preload)
         self._pools: dict[frozenset, _Pool] = {}  # by the environment the set started in
+        self._home_env = _env_key(os.environ)  # the fork server's: sets for it are forked (`preload`)
+        self._server_ready = False
 
     def __enter__(self) -> LocalPool:
         if LocalPool._active is not None:
@@ -231,7 +243,7 @@ class LocalPool:
     def run(self, fn: Callable, world_size: int, args: tuple, out_dir: str, timeout_s: float) -> None:
         env = dict(os.environ)
         # import-time reads see the environment the processes started with: a changed one gets its own set
-        key = frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV)
+        key = _env_key(env)
         pool = self._pools.pop(key, None)
         if pool is not None and (len(pool.procs) < world_size or not pool.alive()):
             pool.close()  # too few ranks: the larger set that replaces it serves the smaller calls too
@@ -239,13 +251,26 @@ class LocalPool:
         if pool is None:
             while self._pools and sum(len(p.procs) for p in self._pools.values()) + world_size > self.max_processes:
                 self._pools.pop(next(iter(self._pools))).close()
-            pool = _Pool(world_size)
+            pool = _Pool(world_size, self._start_method(key))
         job = (fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters), env, list(sys.path))
         pool.run(job, timeout_s + 60, world_size)  # raises (and has closed the pool) on a failure
         self._pools[key] = pool
 
+    def _start_method(self, key: frozenset) -> str:
+        if not self.preload or key != self._home_env:
+            return "spawn"
+        if not self._server_ready:  # it starts with the first set forked from it, in this environment
+            mp.get_context("forkserver").set_forkserver_preload(list(self.preload))
+            self._server_ready = True
+        return "forkserver"
+
 
 _PER_TEST_ENV = {"PYTEST_CURRENT_TEST"}
+
+
+def _env_key(env: Any) -> frozenset:
+    """What a set of processes is kept for: the environment, less what differs per test."""
+    return frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_ENV)
 
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
