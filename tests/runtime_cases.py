@@ -165,14 +165,19 @@ def reference_eval(name: str, kwargs: dict, steps: int = STEPS) -> tuple[torch.T
     return before, losses, model_output(case)
 
 
+# the captures of each (name, kwargs) model this process made, kept for every later case (in this job or a later
+# one the pooled process runs) that builds the same model, built alike from the same seed: compile shares them
+# between the programs of one model the same way (`Captures`). A capture is a function of the model and the
+# batch's shapes, and no case's check measures one (their memory windows open after compile_case)
+KEPT_CAPTURES: dict[tuple[str, str], Captures] = {}
+
+
 def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None,
                  program: type = Program, **options: Any) -> tuple[models.ModelCase, Program]:
     """Case `name` built afresh and its Program for `spec` (or another `program` class, with its `options`).
-    `memo` (a dict a worker keeps over its list of cases): the captures of each (name, kwargs) model, shared by
-    the cases that build that same model (built alike from the same seed) as compile shares them between the
-    programs of one model (`Captures`)."""
+    `memo`: where the captures of each (name, kwargs) model are kept (KEPT_CAPTURES unless given)."""
     case = build(name, **kwargs)
-    memo = {} if memo is None else memo
+    memo = KEPT_CAPTURES if memo is None else memo
     captures = memo.setdefault((name, repr(sorted(kwargs.items()))), Captures())
     # no per-node source lines: a rank's program shows none (a fifth of a small model's capture, 308 captures a run)
     g = captures.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
@@ -185,9 +190,8 @@ def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, mem
 def run_eval_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> list[tuple]:
     """Worker body: eval_step output before training, the training losses, eval_step output after."""
     out = []
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         before = prog.eval_step(*case.example_inputs)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((before, losses, prog.eval_step(*case.example_inputs), work_of(prog)))
@@ -209,9 +213,8 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]]) -> lis
     """Worker body: train every case on this process group; return losses, the full final state and what
     this rank was given (`work_of`)."""
     out = []
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         out.append((losses, prog.state_dict()["model"], work_of(prog)))
     return out
@@ -259,7 +262,6 @@ def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]
     loss_op = torch.ops.aten.cross_entropy_loss.default
     original = rules[loss_op]
     out = []
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
         counted = [0]
 
@@ -270,7 +272,7 @@ def run_sharding_cases(rank: int, world: int, cases: list[tuple[str, dict, dict]
 
         rules[loss_op] = counting
         try:
-            case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+            case, prog = compile_case(name, kwargs, spec, rank, world)
             shapes = {k: tuple(getattr(v, "_local_tensor", v).shape) for k, v in prog.params.items()}
             losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         finally:

@@ -45,16 +45,15 @@ CASES: dict[str, tuple[str, dict, dict, list[dict], dict]] = {
 def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
     """4 ranks: train SAVED_AT steps, save, reload under each other layout and train one more step."""
     out: dict[str, Any] = {}
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec, reloads, _) in CASES.items():
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(SAVED_AT)]
         path = Path(root) / cid
         prog.save(str(path))
         saved = prog.state_dict()
         out[cid] = {"losses": losses, "saved": saved["model"], "reloads": [], "work": work_of(prog)}
         for other in reloads:
-            case, new = compile_case(name, kwargs, other, rank, world, memo)
+            case, new = compile_case(name, kwargs, other, rank, world)
             new.load(str(path))
             again = new.state_dict()
             loss = new.step(*case.example_inputs, target=case.example_target)
@@ -68,14 +67,13 @@ def save_and_reload(rank: int, world: int, root: str) -> dict[str, Any]:
 def reload_small(rank: int, world: int, root: str) -> dict[str, Any]:
     """2 ranks: load the 4-rank checkpoints and train one more step."""
     out = {}
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, _, _, small) in CASES.items():
-        case, prog = compile_case(name, kwargs, small, rank, world, memo)
+        case, prog = compile_case(name, kwargs, small, rank, world)
         prog.load(str(Path(root) / cid))
         loss = prog.step(*case.example_inputs, target=case.example_target)
         out[cid] = {"loss": loss, "final": prog.state_dict()["model"]}
     # a checkpoint of another model fails on every rank (none is left waiting in the collective load)
-    _, prog = compile_case("gpt", {"layers": 2, "batch": 4}, {"pp": 2, "m": 2}, rank, world, memo)
+    _, prog = compile_case("gpt", {"layers": 2, "batch": 4}, {"pp": 2, "m": 2}, rank, world)
     try:
         prog.load(str(Path(root) / "dp-pp-zero1"))
         out["mismatch"] = "loaded"

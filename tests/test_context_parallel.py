@@ -44,9 +44,8 @@ def run_cp_cases(rank: int, world: int, cases: list) -> list:
     """As runtime_cases.run_cases (losses, final state, work), plus the token positions this rank ran on and the
     shapes of the values its stages send and receive."""
     out = []
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for name, kwargs, spec in cases:
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target) for _ in range(STEPS)]
         seen = sorted({tuple(m.shape) for st in prog._stages.values() for m in st.value_meta.values()})
         # parameter bytes the rank keeps between steps (ZeRO-3: its own only), read before state_dict gathers

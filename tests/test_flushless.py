@@ -160,8 +160,8 @@ CASES_4 = [({}, {"dp": 2, "pp": 2, "m": 2, "batch_split": [3, 1]}), ({"layers": 
 EVAL_AFTER = 3  # an eval_step after this many waves: the pipeline drains, the updates stay pending
 
 
-def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int, memo: dict) -> tuple:
-    case, prog = compile_case("gpt", kwargs, spec, rank, world, memo, program=cls, sync="2bw")
+def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int) -> tuple:
+    case, prog = compile_case("gpt", kwargs, spec, rank, world, program=cls, sync="2bw")
     losses, evaluated = [], None
     for c in range(WAVES):
         losses.append(prog.step(*case.example_inputs, target=case.example_target))
@@ -175,8 +175,7 @@ def _train(cls: type, kwargs: dict, spec: dict, rank: int, world: int, memo: dic
 
 def run_cases(rank: int, world: int, cases: list) -> list:
     os.environ.pop("AUTOPAR_SLOWDOWN", None)
-    memo: dict = {}
-    return [(_train(FlushlessProgram, kw, spec, rank, world, memo), _train(AsyncProgram, kw, spec, rank, world, memo))
+    return [(_train(FlushlessProgram, kw, spec, rank, world), _train(AsyncProgram, kw, spec, rank, world))
             for kw, spec in cases]
 
 

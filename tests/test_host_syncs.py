@@ -54,9 +54,8 @@ def run_sync_cases(rank: int, world: int, cases: list) -> list:
     """Worker: per case, step 1 plain, step 2 inside `host_syncs`, step 3 with the backend reported as
     NCCL and every Work.wait recorded; then the losses and the full state for the reference check."""
     out = []
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for _, name, kwargs, spec in cases:
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         def step(prog: Any = prog, case: Any = case) -> float:  # noqa: ANN401
             return prog.step(*case.example_inputs, target=case.example_target)
 

@@ -109,10 +109,9 @@ def _grad_bytes_after_sync(prog: Any, case: models.ModelCase) -> int:
 def run_memory_cases(rank: int, world: int) -> dict:
     """Worker body: every case, then the reload cases, on one process group."""
     out: dict[str, Any] = {}
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec) in CASES.items():
         t0 = time.perf_counter()
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         real, _CountingSaveOnCpu.packed = torch.autograd.graph.save_on_cpu, 0
         torch.autograd.graph.save_on_cpu = _CountingSaveOnCpu
         zero.BUCKET_BYTES = spec.get("bucket_bytes", BUCKET_BYTES)
@@ -129,7 +128,7 @@ def run_memory_cases(rank: int, world: int) -> dict:
         if cid == "zero2":
             out["zero2-state"] = sd
     for cid, spec in RELOAD.items():
-        case, prog = compile_case(*GPT, spec, rank, world, memo)
+        case, prog = compile_case(*GPT, spec, rank, world)
         prog.load_state_dict(out["zero2-state"])
         loss = prog.step(*case.example_inputs, target=case.example_target)
         out[f"reload-{cid}"] = {"loss": loss, "model": prog.state_dict()["model"], "step": prog.step_count}

@@ -41,9 +41,8 @@ KS = (0, 1, 2, 3, 4)
 def run(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cases = {**CASES, **{f"mem-k{k}": (*MEM, {"dp": 2, "m": 2, "schedule": "gpipe", "recompute": k}) for k in KS}}
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec) in cases.items():
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         losses = [prog.step(*case.example_inputs, target=case.example_target)]  # optimizer state exists now
         gc.collect()
         with track_memory() as trace:

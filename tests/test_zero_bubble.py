@@ -302,9 +302,8 @@ def run_watching_w(rank: int, world: int, cases: list) -> tuple[list, list[dict[
     program.backward_weight = watched
     out, counts = [], []
     try:
-        memo: dict = {}  # the cases' captures, per model (compile_case)
         for name, kwargs, spec in cases:
-            case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+            case, prog = compile_case(name, kwargs, spec, rank, world)
             count = {"W": 0, "elsewhere": 0}
             for p in prog.params.values():
                 if p.requires_grad:

@@ -155,10 +155,9 @@ def run_combo_cases(rank: int, world: int, cases: dict[str, tuple[str, dict, dic
     program.backward_input = recording
     out = {}
     try:
-        memo: dict = {}  # the cases' captures, per model (compile_case)
         for cid, (name, kwargs, spec) in cases.items():
             modes.clear()
-            case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+            case, prog = compile_case(name, kwargs, spec, rank, world)
             if "scale" in spec:
                 prog.amp.scaler.scale = spec["scale"]
             losses, scales = [], []

@@ -63,9 +63,8 @@ def _watch(prog: Any, trace: list[tuple[int, int]], streamed: bool = False) -> N
 
 def run_layer_cases(rank: int, world: int) -> dict:
     out: dict[str, Any] = {}
-    memo: dict = {}  # the cases' captures, per model (compile_case)
     for cid, (name, kwargs, spec) in CASES.items():
-        case, prog = compile_case(name, kwargs, spec, rank, world, memo)
+        case, prog = compile_case(name, kwargs, spec, rank, world)
         trace: list[tuple[int, int]] = []
         device_trace: list[tuple[int, int]] = []
         _watch(prog, trace)
