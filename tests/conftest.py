@@ -20,7 +20,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # what the pooled ranks' jobs import, imported once in the fork server their processes are forked from
 # (LocalPool's `preload`): a rank then starts in a fork, not in ~5 s of CPU importing torch, the runtime and
 # transformers again (about 35 rank processes per run)
-PRELOAD = ("torch", "torch.distributed", "torch.export", "autopar.runtime.program", "autopar.compiler",
+PRELOAD = ("torch", "torch.distributed", "torch.export", "torch.export._trace", "torch._functorch.partitioners",
+           "torch._inductor.codecache", "autopar.runtime.program", "autopar.compiler", "autopar.api", "autopar.graphs",
            "autopar.models", "autopar.hf_models", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.llama.modeling_llama", "torch_geometric", "tests.runtime_cases")
 
