@@ -207,6 +207,7 @@ class Speculative:
         if w is None or not w.alive:
             w = self.owner[g] = min(live, key=lambda w: len(w.queued))
         if not w.send(i, bound, cutoff):
+            self._hand_back(w)
             return self._dispatch(i, bound, cutoff)
         self.sent.add((i, cutoff))
         return True
@@ -241,6 +242,18 @@ class Speculative:
             self.owner.setdefault(self.grouping(i), w)
             if w.send(i, b, c):
                 self.sent.add((i, c))
+            else:
+                self._hand_back(w)
+
+    def _hand_back(self, w: _Worker) -> None:
+        """A worker found dead (its answer or a send failed): what it was sent and did not answer is solved
+        here. Left in `sent`, a configuration whose worker died before a send noticed would be waited for
+        forever (`result` looped without a live worker to answer it)."""
+        w.alive = False
+        for key in w.queued:
+            self.sent.discard(key)
+            self.failed.add(key)
+        w.queued.clear()
 
     def _receive(self) -> None:
         """Wait for answers; a worker that died hands back what it was sent (solved here)."""
@@ -252,11 +265,7 @@ class Speculative:
             try:
                 i, cutoff, got, error = conn.recv()
             except (EOFError, OSError):
-                w.alive = False
-                for key in w.queued:
-                    self.sent.discard(key)
-                    self.failed.add(key)
-                w.queued.clear()
+                self._hand_back(w)
                 continue
             w.queued.popleft()
             self.sent.discard((i, cutoff))
