@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import AutoparError
 from .zero import local_tensor
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from .program import Program
 
 MODEL, OPTIM, STEP, PLAN = "model.", "optim.state.", "step", "autopar.plan"
@@ -56,7 +56,7 @@ class CheckpointError(AutoparError, ValueError):
 def save(prog: Program, path: str | os.PathLike) -> None:
     """Write `prog`'s sharded state to directory `path` (collective: every rank calls it)."""
     sd = _local_state(prog)
-    with quiet_dcp():
+    with quiet_dcp() as dcp:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not _distributed(prog))
 
 
@@ -65,13 +65,16 @@ def _distributed(prog: Program) -> bool:
 
 
 @contextlib.contextmanager
-def quiet_dcp() -> Iterator[None]:
-    """Silence DCP's warning that it assumes a single process, around the saves and loads (here and
-    weights.DCPSource) where a single process is intended."""
+def quiet_dcp() -> Iterator[Any]:
+    """torch.distributed.checkpoint, with its warning that it assumes a single process silenced, around the
+    saves and loads (here, whole_model and weights.DCPSource) where a single process is intended. Imported on
+    first use: ~0.3 s of CPU at every process's start (`autopar run`'s workers, the CLI) that never saves."""
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                                                   "uninitialized")
-        yield
+        yield dcp
 
 
 def _local_state(prog: Program) -> dict[str, Any]:
@@ -197,7 +200,7 @@ def load(prog: Program, path: str | os.PathLike) -> None:
         if key in persistent:
             request[MODEL + key] = _empty(entries, MODEL + key, tuple(b.shape), path, b.device)
     request[STEP] = torch.zeros((), dtype=torch.int64)
-    with quiet_dcp():
+    with quiet_dcp() as dcp:
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed(prog))
     for name in sorted(prog.params):
         if MODEL + name in request:
@@ -221,6 +224,8 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
             "has no .metadata (not a DCP checkpoint, or its save did not finish)"
         raise CheckpointError(f"checkpoint {str(path)!r} {what}; pass a directory written by "
                               f"Program.save() (elastic training keeps them under <dir>/step_<n>).")
+    import torch.distributed.checkpoint as dcp
+
     return dcp.FileSystemReader(str(p)).read_metadata()
 
 
@@ -228,6 +233,8 @@ def _empty(entries: dict, key: str, shape: tuple[int, ...] | None, path: str | o
            device: torch.device | str = "cpu") -> Any:
     """A full-shaped destination for `key` (scalars stay on the CPU, like Adam's step), checked against what
     the checkpoint holds."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     md = _check(entries, key, shape, path)
     if isinstance(md, BytesStorageMetadata):
         return None
@@ -245,6 +252,8 @@ def _check_no_extra(entries: dict, expected: set[str], path: str | os.PathLike) 
 
 def _check(entries: dict, key: str, shape: tuple[int, ...] | None, path: str | os.PathLike) -> Any:
     """The metadata of `key`; an error naming the problem when it is missing or has another shape."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     md = entries.get(key)
     if md is None:
         near = sorted(k for k in entries if k.startswith(MODEL))[:5]
@@ -308,7 +317,7 @@ def load_into_model(model: nn.Module, path: str | os.PathLike,
             for k in opt_keys[fqn]:
                 request[k] = _empty(entries, k, None, path)
     request[STEP] = torch.zeros((), dtype=torch.int64)
-    with quiet_dcp():
+    with quiet_dcp() as dcp:
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     with torch.no_grad():
         for fqn, src in key_of.items():

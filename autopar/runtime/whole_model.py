@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from . import checkpoint
@@ -56,7 +55,7 @@ class WholeModelState:
         each rank writes its `checkpoint_entries()`). Collective."""
         entries = self.checkpoint_entries()
         distributed = self.world_size > 1 and dist.is_initialized()
-        with checkpoint.quiet_dcp():
+        with checkpoint.quiet_dcp() as dcp:
             dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not distributed)
 
     def checkpoint_writer(self) -> int:
