@@ -68,15 +68,14 @@ def test_survivors_name_the_lost_rank() -> None:
     import torch.multiprocessing as mp
 
     from autopar.runtime.elastic import LOST_AFTER_S
-    from autopar.runtime.launch import LocalPool, _run_rank, free_port
+    from autopar.runtime.launch import _run_rank, free_port
 
     timeout_s = 10.0
     with tempfile.TemporaryDirectory() as out:
         # spawn_local's workers, but without its fail-fast join: it would kill the survivors as soon as rank 2
         # exits, before they could report
         args = (_die_in_step_two, 4, free_port(), (out, timeout_s), out, timeout_s)
-        method = LocalPool._active.start_method() if LocalPool._active is not None else "spawn"  # the suite's forks
-        ctx = mp.start_processes(_run_rank, args=args, nprocs=4, join=False, start_method=method)
+        ctx = mp.start_processes(_run_rank, args=args, nprocs=4, join=False, start_method="spawn")
         for p in ctx.processes:
             p.join(120)
         codes = [p.exitcode for p in ctx.processes]

@@ -256,11 +256,6 @@ class LocalPool:
         pool.run(job, timeout_s + 60, world_size)  # raises (and has closed the pool) on a failure
         self._pools[key] = pool
 
-    def start_method(self) -> str:
-        """How a process for the current environment starts here ("forkserver": forked from the preloaded server;
-        else "spawn"), for processes a caller starts itself (`torch.multiprocessing.start_processes`)."""
-        return self._start_method(_env_key(os.environ))
-
     def _start_method(self, key: frozenset) -> str:
         if not self.preload or key != self._home_env:
             return "spawn"
