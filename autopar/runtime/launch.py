@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
+import importlib
 import os
 import signal
 import socket
@@ -211,8 +213,9 @@ class LocalPool:
     ...`); at most `max_processes` are kept, the least recently used closed first.
 
     `preload`: modules to import once in multiprocessing's fork server (torch, the code the jobs run), from
-    which the processes of every set for the environment the pool was made in are then forked: a set costs a
-    fork instead of an interpreter importing them again (~5 s of CPU per process with torch and transformers).
+    which the processes of every set for the environment the pool was made in (having imported them too) are
+    forked: a set costs a fork instead of an interpreter importing them again (~5 s of CPU per process with torch
+    and transformers).
     A set for another environment is spawned as without `preload` (a preloaded module read the server's
     environment at its import). The server starts with the first forked set; the modules must do no work at
     import (the server forks single-threaded) and the pool must not be made after CUDA was used."""
@@ -223,8 +226,13 @@ class LocalPool:
         self.max_processes = max_processes
         self.preload = tuple(preload)
         self._pools: dict[frozenset, _Pool] = {}  # by the environment the set started in
-        self._home_env = _env_key(os.environ)  # the fork server's: sets for it are forked (`preload`)
-        self._server_ready = False
+        # the fork server's environment, in which sets are forked (`preload`): the one here after importing what
+        # it will import, since an import may set variables (torch's inductor sets TORCHINDUCTOR_CACHE_DIR); taken
+        # before, a later import here would change every call's environment and no set would be forked again
+        for name in self.preload:
+            with contextlib.suppress(ImportError):  # as the server does
+                importlib.import_module(name)
+        self._home_env = _env_key(os.environ)
 
     def __enter__(self) -> LocalPool:
         if LocalPool._active is not None:
@@ -259,9 +267,8 @@ class LocalPool:
     def _start_method(self, key: frozenset) -> str:
         if not self.preload or key != self._home_env:
             return "spawn"
-        if not self._server_ready:  # it starts with the first set forked from it, in this environment
-            mp.get_context("forkserver").set_forkserver_preload(list(self.preload))
-            self._server_ready = True
+        # read only when the server starts: with the first set forked from it, in this environment
+        mp.get_context("forkserver").set_forkserver_preload(list(self.preload))
         return "forkserver"
 
 
