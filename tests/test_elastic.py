@@ -12,10 +12,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from autopar.runtime.launch import LocalPool
 
 GPT = {"layers": 4, "batch": 8}
 STEPS = 5
@@ -64,7 +67,7 @@ def _die_in_step_two(rank: int, world: int, out_dir: str, timeout_s: float) -> t
     return result
 
 
-def test_survivors_name_the_lost_rank() -> None:
+def test_survivors_name_the_lost_rank(kept_worker_processes: LocalPool) -> None:
     import torch.multiprocessing as mp
 
     from autopar.runtime.elastic import LOST_AFTER_S
@@ -73,9 +76,10 @@ def test_survivors_name_the_lost_rank() -> None:
     timeout_s = 10.0
     with tempfile.TemporaryDirectory() as out:
         # spawn_local's workers, but without its fail-fast join: it would kill the survivors as soon as rank 2
-        # exits, before they could report
+        # exits, before they could report; forked from the suite's preloaded server as its pool's ranks are
         args = (_die_in_step_two, 4, free_port(), (out, timeout_s), out, timeout_s)
-        ctx = mp.start_processes(_run_rank, args=args, nprocs=4, join=False, start_method="spawn")
+        ctx = mp.start_processes(_run_rank, args=args, nprocs=4, join=False,
+                                 start_method=kept_worker_processes.start_method())
         for p in ctx.processes:
             p.join(120)
         codes = [p.exitcode for p in ctx.processes]

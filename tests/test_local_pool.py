@@ -103,9 +103,11 @@ def test_ranks_are_forked_from_the_preloaded_server_where_the_environment_is_the
     assert pool is not None and pool.preload
     for ppid, loaded in spawn_local(_origin, 2, pool.preload):
         assert ppid != os.getpid() and all(loaded), (ppid, dict(zip(pool.preload, loaded, strict=True)))
+    assert pool.start_method() == "forkserver"  # what a test that starts its own processes is told
     monkeypatch.setenv("AUTOPAR_POOL_MARK", "another environment")
     for ppid, loaded in spawn_local(_origin, 2, pool.preload):
         assert ppid == os.getpid() and not all(loaded)
+    assert pool.start_method() == "spawn"
 
 
 _KEPT: list = []  # what a job leaves alive in its rank until the process ends

@@ -259,12 +259,16 @@ class LocalPool:
         if pool is None:
             while self._pools and sum(len(p.procs) for p in self._pools.values()) + world_size > self.max_processes:
                 self._pools.pop(next(iter(self._pools))).close()
-            pool = _Pool(world_size, self._start_method(key))
+            pool = _Pool(world_size, self.start_method(key))
         job = (fn, world_size, free_port(), args, out_dir, timeout_s, list(warnings.filters), env, list(sys.path))
         pool.run(job, timeout_s + 60, world_size)  # raises (and has closed the pool) on a failure
         self._pools[key] = pool
 
-    def _start_method(self, key: frozenset) -> str:
+    def start_method(self, key: frozenset | None = None) -> str:
+        """How a process for the environment `key` (the current one by default) starts: "forkserver", forked
+        from the preloaded server, where that is the pool's own environment; else "spawn". For processes a
+        caller starts itself (`torch.multiprocessing.start_processes(..., start_method=...)`)."""
+        key = _env_key(os.environ) if key is None else key
         if not self.preload or key != self._home_env:
             return "spawn"
         # read only when the server starts: with the first set forked from it, in this environment
