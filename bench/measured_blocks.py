@@ -6,7 +6,9 @@ For each case (a small GPT on 2 gloo ranks standing in for 2 CPU devices), in on
   3. and a third time with the profile and the link `autopar probe` measured between the 2 ranks (gloo);
   4. the strategy is compiled and trained on 2 gloo processes; the step time is the median of the timed steps.
 Printed: predicted (analytic), predicted (profile), measured, and each ratio; target: the profile's
-prediction within 10 % of the measured step. Predictions are the cost model's beliefs; the measured column is
+prediction within 10 % of the measured step. Also, per case, the optimizer step: the sum of the profile's
+per-layer steps against one AdamW step over the whole model after a backward, timed here (what a one-stage
+rank runs). Predictions are the cost model's beliefs; the measured column is
 the truth. Each rank runs on one thread (launch.spawn_local), as the profile was timed.
 
 Run: cd bench && python measured_blocks.py
@@ -43,6 +45,20 @@ def build(cfg: dict) -> models.ModelCase:
     return models.gpt(**cfg, seed=0)
 
 
+def whole_model_step_s(cfg: dict, repeats: int = 10) -> float:
+    """Median seconds of one AdamW step over the whole model right after a forward + backward (eager)."""
+    case = build(cfg)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3, eps=1e-6)
+    times = []
+    for _ in range(repeats + 2):
+        models.loss_of(case).backward()
+        t = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t)
+        opt.zero_grad()
+    return statistics.median(times[2:])
+
+
 def probe_worker(rank: int, world: int) -> dict | None:
     """`autopar probe`'s measurement of the 2 ranks' link (gloo all_reduce and send/recv), as a cluster dict."""
     from autopar.cluster import Cluster
@@ -72,6 +88,7 @@ def main() -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
     probed = spawn_local(probe_worker, 2, timeout_s=300)[0]
     probed.pop("probe", None)
     link = probed["nodes"][0]["intra_node"]
@@ -80,6 +97,10 @@ def main() -> None:
         case = build(cfg)
         prof = profile_blocks(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
                               budget_s=60)
+        profiled = sum(e.step_s or 0.0 for e in prof.entries)
+        whole = whole_model_step_s(cfg)
+        steps.append({"case": case_name, "profile_step_sum_ms": profiled * 1e3, "whole_model_step_ms": whole * 1e3,
+                      "ratio": profiled / whole})
         plans, priced = {}, {}
         for name, kw in STRATEGIES.items():
             s = autopar.Strategy(**kw)
@@ -106,6 +127,8 @@ def main() -> None:
     print_table(rows, ["case", "strategy", "predicted_analytic_ms", "predicted_profile_ms",
                        "predicted_profile_probe_ms", "measured_ms", "analytic_ratio", "profile_ratio",
                        "profile_probe_ratio"])
+    print("== optimizer step (AdamW): the profile's per-layer steps summed vs one step over the whole model ==")
+    print_table(steps, ["case", "profile_step_sum_ms", "whole_model_step_ms", "ratio"])
     med = {k: statistics.median(abs(r[f"{k}_ratio"] - 1) for r in rows) for k in ("analytic", "profile",
                                                                                   "profile_probe")}
     hit = {k: sum(r[c] for r in rows)
@@ -113,8 +136,8 @@ def main() -> None:
     print(f"within 10 % of the measured step: profile {hit['profile']}/{len(rows)}, profile + probed link "
           f"{hit['profile_probe']}/{len(rows)}; median |error|: analytic {100 * med['analytic']:.1f} %, profile "
           f"{100 * med['profile']:.1f} %, profile + probed link {100 * med['profile_probe']:.1f} %")
-    summary = {"within_10pct": hit, "rows": len(rows), "median_abs_err": med, "probed_link": link,
-               "elapsed_s": time.perf_counter() - t0}
+    summary = {"optimizer_step": steps, "within_10pct": hit, "rows": len(rows), "median_abs_err": med,
+               "probed_link": link, "elapsed_s": time.perf_counter() - t0}
     print(f"wrote {write_results('measured_blocks', rows, summary)} in {time.perf_counter() - t0:.0f} s")
 
 

@@ -10,9 +10,11 @@ layer timed alone, over and over, keeps its weights in the caches: 1.2-1.4x fast
 CPU for small blocks). Each figure is the median of `repeats` after a warm-up, with a host sync around each
 pass on a GPU (CUDA events would hide the host issuing time the floor is about); the layers of one class (the
 repeated blocks of one signature; the layers before and after them are their own) share the median of their
-members' figures. One optimizer step over each class's own parameters (`optimizer`, as the runtime builds it)
-is timed too. Peak memory is what the allocator held above the inputs during one layer's forward + backward,
-run alone (`torch.cuda.max_memory_allocated`, or torch.profiler memory events on the CPU: runtime/memtrace.py).
+members' figures. Each layer's optimizer step over its own parameters (`optimizer`, as the runtime builds it)
+is timed in the chain too, after the backwards, on their gradients (alone and repeated, AdamW's step over one
+block of the bench's models ran 1.5x faster, its state in the caches). Peak memory is what the allocator held
+above the inputs during one layer's forward + backward, run alone (`torch.cuda.max_memory_allocated`, or
+torch.profiler memory events on the CPU: runtime/memtrace.py).
 
 Device types: a cluster type of kind `cpu` is timed on this host's CPU; a GPU type on a local GPU whose
 name names it (`torch.cuda.get_device_name`). Types this machine has no device of are left out and
@@ -139,25 +141,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_step(run: _Runner, optimizer: Any, repeats: int, owned: set[str]) -> tuple[float, int] | None:
-    """(seconds, elements) of one optimizer step over the layer's parameters in `owned` (a parameter several
-    layers read, a tied embedding, steps with the first: the fastest of `repeats`), or None when it owns none."""
-    params = [nn.Parameter(p.detach()) for name, p in run.params.items() if name in owned]
-    if not params:
-        return None
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = make_optimizer(optimizer, params)
-    for _ in range(2):
-        opt.step()
-    times = []
-    for _ in range(repeats):
-        _sync(run.device)
-        t = time.perf_counter()
-        opt.step()
-        _sync(run.device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), sum(p.numel() for p in params)
+def _layer_optimizers(runs: list[_Runner], owned: list[set[str]], optimizer: Any) -> list[Any]:
+    """One `optimizer` per layer of `runs` over the parameters it owns (a parameter several layers read, a tied
+    embedding, steps with the first that reads it), as the runtime builds one over a stage's; None for a layer
+    that owns none."""
+    out: list[Any] = []
+    for run, names in zip(runs, owned, strict=True):
+        params = [p for name, p in run.params.items() if name in names]
+        out.append(make_optimizer(optimizer, params) if params else None)
+    return out
 
 
 def _chain_pass(runs: list[_Runner]) -> tuple[list[float], list[float], list[float]]:
@@ -214,27 +206,44 @@ def _chain_pass(runs: list[_Runner]) -> tuple[list[float], list[float], list[flo
     return fwd, bwd, rc
 
 
-def _time_chain(runs: list[_Runner], repeats: int) -> list[tuple[float, float, float]]:
-    """(forward, backward, recompute seconds) of each layer of `runs` (consecutive layers, in order), run as a
-    pipeline of one-layer stages would run them (`_chain_pass`): the forwards in order, each layer's received
-    values the previous one's outputs, then the backwards in reverse, each from the gradients of the layer
-    after it, then the forwards again (recompute). A layer timed alone, over and over, keeps its weights and
-    activations in the caches; in a step the other layers' traffic evicts them (on this CPU 1.2-1.4x slower for
-    blocks of hidden 128, about the same for hidden 256: bench/measured_blocks.py's models). The median of
-    `repeats` after a warm-up."""
+def _time_chain(runs: list[_Runner], repeats: int, optimizers: list[Any]
+                ) -> list[tuple[float, float, float, float | None]]:
+    """(forward, backward, recompute, optimizer step seconds) of each layer of `runs` (consecutive layers, in
+    order), run as a pipeline of one-layer stages would run them (`_chain_pass`): the forwards in order, each
+    layer's received values the previous one's outputs, then the backwards in reverse, each from the gradients
+    of the layer after it, then the forwards again (recompute), then each layer's optimizer step (`optimizers`,
+    None where a layer owns no parameter) on the gradients the pass made, in order, as a stage's one optimizer
+    steps its layers' parameters after the schedule. A layer timed alone, over and over, keeps its weights,
+    activations and optimizer state in the caches; in a step the other layers' traffic evicts them (on this CPU
+    1.2-1.4x slower forward and backward for blocks of hidden 128, about the same for hidden 256; AdamW's step
+    over one block 1.5x slower: bench/measured_blocks.py's models). The median of `repeats` after a warm-up."""
     leaves = [t for run in runs for t in run.leaves]
+    dev = runs[0].device
 
-    def once() -> tuple[list[float], list[float], list[float]]:
-        out = _chain_pass(runs)
+    def once() -> tuple[list[float], list[float], list[float], list[float | None]]:
+        fwd, bwd, rc = _chain_pass(runs)
+        steps: list[float | None] = []
+        for opt in optimizers:
+            if opt is None:
+                steps.append(None)
+                continue
+            _sync(dev)
+            t = time.perf_counter()
+            opt.step()
+            _sync(dev)
+            steps.append(time.perf_counter() - t)
         for t in leaves:
             t.grad = None
-        return out
+        return fwd, bwd, rc, steps
 
-    for _ in range(2):  # warm-up: allocator pools, lazy kernels, autotuning
+    for _ in range(2):  # warm-up: allocator pools, lazy kernels, autotuning, the optimizers' state
         once()
     timed = [once() for _ in range(repeats)]
-    return [tuple(statistics.median(r[kind][i] for r in timed) for kind in range(3))  # type: ignore[misc]
-            for i in range(len(runs))]
+    out: list[tuple[float, float, float, float | None]] = []
+    for i in range(len(runs)):
+        f, b, r = (statistics.median(t[kind][i] for t in timed) for kind in range(3))  # type: ignore[misc]
+        out.append((f, b, r, None if optimizers[i] is None else statistics.median(t[3][i] for t in timed)))
+    return out
 
 
 def _peak(run: _Runner) -> float:
@@ -288,7 +297,7 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
     weights = _weights(model)
     day = time.strftime("%Y-%m-%d")
     points: dict[tuple[str, int], list[Point]] = {}
-    steps: dict[tuple[str, int], tuple[float, int] | None] = {}
+    steps: dict[tuple[str, int], tuple[list[float], int]] = {}
     skipped: list[str] = []
     total = len(sizes) * len(devices) * len(classes)
     done = 0
@@ -309,20 +318,24 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
         for i, st in enumerate(programs):
             for name in st.params:
                 first.setdefault(name, i)
+        owned = [{name for name in st.params if first[name] == i} for i, st in enumerate(programs)]
         for t, dev in devices.items():
-            timed: dict[int, tuple[float, float, float]] = {}
+            timed: dict[int, tuple[float, float, float, float | None]] = {}
             for w0 in range(0, len(programs), CHAIN):
                 runs = [_Runner(st, g, weights, user, dev) for st in programs[w0:w0 + CHAIN]]
-                timed.update(enumerate(_time_chain(runs, repeats), w0))
-                del runs
+                optimizers = _layer_optimizers(runs, owned[w0:w0 + CHAIN], optimizer)
+                timed.update(enumerate(_time_chain(runs, repeats, optimizers), w0))
+                del runs, optimizers
             for members in classes.values():
                 run = _Runner(programs[members[0]], g, weights, user, dev)
                 # a class's figure: the median over its members, each timed in its place in the chain
                 f, b, r = (statistics.median(timed[i][k] for i in members) for k in range(3))
                 points.setdefault((t, members[0]), []).append(Point(n, f, b, r, _peak(run)))
-                if (t, members[0]) not in steps:  # the step does not depend on the micro-batch
-                    owned = {name for name in run.params if first[name] == members[0]}
-                    steps[(t, members[0])] = _time_step(run, optimizer, repeats, owned)
+                # the step does not depend on the micro-batch: its figure is the median over every size's chain
+                elements = sum(p.numel() for name, p in run.params.items() if name in owned[members[0]])
+                if elements:
+                    steps.setdefault((t, members[0]), ([], elements))[0].extend(
+                        timed[i][3] for i in members if timed[i][3] is not None)
                 del run
                 done += 1
                 if progress is not None:
@@ -335,10 +348,11 @@ def profile_blocks(model: nn.Module, cluster: Cluster | str | dict, example_inpu
     for t, dev in devices.items():
         for members in classes.values():
             pts = points.get((t, members[0]), [])
+            stepped, elements = steps.get((t, members[0]), ([], 0))
+            step_s = statistics.median(stepped) if stepped else None
             for i in members:
-                step = steps.get((t, members[0]))
                 prof.add(Entry(t, i, 1, precision, list(pts), f"measured by autopar profile on {dev} ({day})",
-                               step[0] if step else None, opt_name, step[1] if step else None))
+                               step_s, opt_name, elements if step_s is not None else None))
     return prof
 
 
