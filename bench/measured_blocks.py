@@ -4,7 +4,9 @@ For each case (a small GPT on 2 gloo ranks standing in for 2 CPU devices), in on
   1. `autopar profile`'s `profile_blocks` times every distinct layer on this CPU at micro-batch sizes 1..batch;
   2. each strategy is priced twice: from the analytic cost model, and with `profile=` (measured layers);
   3. and a third time with the profile and the link `autopar probe` measured between the 2 ranks (gloo);
-  4. the strategy is compiled and trained on 2 gloo processes; the step time is the median of the timed steps.
+  4. the strategy is compiled and trained on 2 gloo processes; the step time is the median of ROUNDS rounds'
+     medians of STEPS timed steps (after the plan check's window and a warm-up), the plans' rounds interleaved;
+     `measured_spread` is the rounds' (max - min) / median, the host's noise on that row.
 Printed: predicted (analytic), predicted (profile), measured, and each ratio; target: the profile's
 prediction within 10 % of the measured step. Also, per case, the optimizer step: the sum of the profile's
 per-layer steps against one AdamW step over the whole model after a backward, timed here (what a one-stage
@@ -29,7 +31,9 @@ from autopar.runtime.block_profiler import profile_blocks
 from autopar.runtime.launch import spawn_local
 
 CLUSTER = "1x2xcpu"
-STEPS = 8
+STEPS = 8  # timed steps per round
+ROUNDS = 3  # rounds per plan, interleaved with the other plans'
+WARMUP = 5  # untimed steps first: the plan check's memory window (3) and 2 more
 CASES = {
     "gpt-small": dict(layers=4, hidden=128, heads=4, seq=32, batch=8, vocab=512),
     "gpt-wide": dict(layers=4, hidden=256, heads=8, seq=64, batch=8, vocab=1024),
@@ -69,18 +73,26 @@ def probe_worker(rank: int, world: int) -> dict | None:
     return cluster_with_measurements(c, records, "gloo") if rank == 0 else None
 
 
-def worker(rank: int, world: int, cfg: dict, plans: dict[str, str]) -> dict[str, float]:
-    out = {}
+def worker(rank: int, world: int, cfg: dict, plans: dict[str, str]) -> dict[str, list[float]]:
+    """Per plan, the median step of each of ROUNDS rounds of STEPS timed steps; the plans' rounds interleaved
+    (A B C A B C ...), so that a change in the host's load falls on every plan alike."""
+    progs = {}
     for name, plan in plans.items():
         case = build(cfg)
         prog = autopar.compile(case.model, CLUSTER, case.example_inputs, case.example_target, case.loss_fn,
                                plan=plan, precision="fp32", timeout_s=120)
-        times = []
-        for _ in range(STEPS + 2):
-            t = time.perf_counter()
+        for _ in range(WARMUP):  # the plan check's memory window (3 steps) and a warm-up
             prog.step(*case.example_inputs, target=case.example_target)
-            times.append(time.perf_counter() - t)
-        out[name] = statistics.median(times[2:])  # the first two steps warm up
+        progs[name] = (case, prog)
+    out: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(ROUNDS):
+        for name, (case, prog) in progs.items():
+            times = []
+            for _ in range(STEPS):
+                t = time.perf_counter()
+                prog.step(*case.example_inputs, target=case.example_target)
+                times.append(time.perf_counter() - t)
+            out[name].append(statistics.median(times))
     return out
 
 
@@ -115,17 +127,20 @@ def main() -> None:
                             both.plan.predicted["step_time_s"])
         runs = spawn_local(worker, 2, cfg, plans, timeout_s=600)
         for name in STRATEGIES:
-            meas = max(r[name] for r in runs)  # the slower rank is the step
+            rounds = [max(r[name][i] for r in runs) for i in range(ROUNDS)]  # the slower rank is the step
+            meas = statistics.median(rounds)
             a, p, q = priced[name]
             rows.append({"case": case_name, "strategy": name, "predicted_analytic_ms": a * 1e3,
                          "predicted_profile_ms": p * 1e3, "predicted_profile_probe_ms": q * 1e3,
-                         "measured_ms": meas * 1e3, "analytic_ratio": a / meas, "profile_ratio": p / meas,
+                         "measured_ms": meas * 1e3, "measured_spread": (max(rounds) - min(rounds)) / meas,
+                         "analytic_ratio": a / meas, "profile_ratio": p / meas,
                          "profile_probe_ratio": q / meas, "within_10pct": abs(p / meas - 1) <= 0.10,
                          "probe_within_10pct": abs(q / meas - 1) <= 0.10})
     print("== step time on 2 gloo ranks (1 thread each): predicted (analytic / from the CPU block profile) vs "
           "measured ==")
     print_table(rows, ["case", "strategy", "predicted_analytic_ms", "predicted_profile_ms",
-                       "predicted_profile_probe_ms", "measured_ms", "analytic_ratio", "profile_ratio",
+                       "predicted_profile_probe_ms", "measured_ms", "measured_spread", "analytic_ratio",
+                       "profile_ratio",
                        "profile_probe_ratio"])
     print("== optimizer step (AdamW): the profile's per-layer steps summed vs one step over the whole model ==")
     print_table(steps, ["case", "profile_step_sum_ms", "whole_model_step_ms", "ratio"])
