@@ -172,13 +172,12 @@ def reference_eval(name: str, kwargs: dict, steps: int = STEPS) -> tuple[torch.T
 KEPT_CAPTURES: dict[tuple[str, str], Captures] = {}
 
 
-def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, memo: dict | None = None,
-                 program: type = Program, **options: Any) -> tuple[models.ModelCase, Program]:
-    """Case `name` built afresh and its Program for `spec` (or another `program` class, with its `options`).
-    `memo`: where the captures of each (name, kwargs) model are kept (KEPT_CAPTURES unless given)."""
+def compile_case(name: str, kwargs: dict, spec: dict, rank: int, world: int, program: type = Program,
+                 **options: Any) -> tuple[models.ModelCase, Program]:
+    """Case `name` built afresh and its Program for `spec` (or another `program` class, with its `options`); the
+    model's captures are kept in KEPT_CAPTURES."""
     case = build(name, **kwargs)
-    memo = KEPT_CAPTURES if memo is None else memo
-    captures = memo.setdefault((name, repr(sorted(kwargs.items()))), Captures())
+    captures = KEPT_CAPTURES.setdefault((name, repr(sorted(kwargs.items()))), Captures())
     # no per-node source lines: a rank's program shows none (a fifth of a small model's capture, 308 captures a run)
     g = captures.capture(case.model, case.example_inputs, case.loss_fn, case.example_target, sources=False)
     prog = program(case.model, plan_for(g, world, spec), case.example_inputs, case.example_target,

@@ -152,6 +152,21 @@ def _layer_optimizers(runs: list[_Runner], owned: list[set[str]], optimizer: Any
     return out
 
 
+def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """fn(*args)'s result and its seconds, the device synced before and after (a GPU's queued work counted)."""
+    _sync(device)
+    t = time.perf_counter()
+    out = fn(*args)
+    _sync(device)
+    return out, time.perf_counter() - t
+
+
+def _backward(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Backward from each (output, its gradient) pair, if any."""
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
 def _chain_pass(runs: list[_Runner]) -> tuple[list[float], list[float], list[float]]:
     """One timed pass of `_time_chain`: (forward, backward, recompute seconds) per layer. The layers' parameter
     gradients are left as the pass made them."""
@@ -169,11 +184,8 @@ def _chain_pass(runs: list[_Runner]) -> tuple[list[float], list[float], list[flo
     fwd, bwd, rc, done = [], [], [], []
     for run in runs:
         args, recv = received(run)
-        _sync(dev)
-        t = time.perf_counter()
-        out = run.st.gm(*args, *recv)
-        _sync(dev)
-        fwd.append(time.perf_counter() - t)
+        out, seconds = _timed(dev, run.st.gm, *args, *recv)
+        fwd.append(seconds)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if not run.st.is_last:
             values.update(zip(run.st.send, outs, strict=True))
@@ -186,23 +198,13 @@ def _chain_pass(runs: list[_Runner]) -> tuple[list[float], list[float], list[flo
         names = [None] * len(outs) if st.is_last else st.send
         pairs = [(o, torch.ones_like(o) if end else grads[n]) for o, n in zip(outs, names, strict=True)
                  if isinstance(o, torch.Tensor) and o.requires_grad and (end or n in grads)]
-        _sync(dev)
-        t = time.perf_counter()
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        _sync(dev)
-        bwd.append(time.perf_counter() - t)
+        bwd.append(_timed(dev, _backward, pairs)[1])
         grads.update({n: v.grad for n, v in zip(st.recv, recv, strict=True) if v.grad is not None})
     bwd.reverse()
     del done, grads
     for run in runs:  # recompute: the same programs again, on the values they received
         args, recv = received(run)
-        _sync(dev)
-        t = time.perf_counter()
-        again = run.st.gm(*args, *recv)
-        _sync(dev)
-        rc.append(time.perf_counter() - t)
-        del again
+        rc.append(_timed(dev, run.st.gm, *args, *recv)[1])
     return fwd, bwd, rc
 
 
@@ -224,14 +226,7 @@ def _time_chain(runs: list[_Runner], repeats: int, optimizers: list[Any]
         fwd, bwd, rc = _chain_pass(runs)
         steps: list[float | None] = []
         for opt in optimizers:
-            if opt is None:
-                steps.append(None)
-                continue
-            _sync(dev)
-            t = time.perf_counter()
-            opt.step()
-            _sync(dev)
-            steps.append(time.perf_counter() - t)
+            steps.append(None if opt is None else _timed(dev, opt.step)[1])
         for t in leaves:
             t.grad = None
         return fwd, bwd, rc, steps
